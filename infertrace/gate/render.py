@@ -1,0 +1,102 @@
+"""A gate report as a rich table for the terminal and as Markdown for a CI step summary."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from infertrace.gate.bounds import metric_unit
+from infertrace.gate.check import Check, GateReport, Verdict
+
+_STYLES = {Verdict.OK: "green", Verdict.NOISE: "yellow", Verdict.REGRESSION: "bold red"}
+
+
+def headline(report: GateReport) -> str:
+    return "regression" if report.regressed else "pass"
+
+
+def footnote(report: GateReport) -> str:
+    config = report.config
+    runs = f"{_count(report.current_runs, 'run')}"
+    if report.baseline_runs:
+        runs += f" against {_count(report.baseline_runs, 'baseline run')}"
+    return (
+        f"{runs}; medians with {config.confidence:.0%} bootstrap intervals ({config.resamples} resamples, "
+        f"seed {config.seed}). A bound fails only when its whole interval lies beyond it."
+    )
+
+
+def columns(report: GateReport) -> tuple[str, ...]:
+    interval = f"{report.config.confidence:.0%} interval"
+    return "metric", "bound", "baseline", "current", "change", interval, "verdict"
+
+
+def rows(report: GateReport) -> list[tuple[str, ...]]:
+    return [_row(check) for check in report.checks]
+
+
+def table(report: GateReport) -> Table:
+    grid = Table(title=f"infertrace gate: {headline(report)}", caption=footnote(report), caption_justify="left")
+    for name in columns(report):
+        grid.add_column(name, justify="left" if name in ("metric", "bound", "verdict") else "right")
+    for check, cells in zip(report.checks, rows(report)):
+        grid.add_row(*cells[:-1], f"[{_STYLES[check.verdict]}]{cells[-1]}[/]")
+    return grid
+
+
+def markdown(report: GateReport) -> str:
+    lines = [
+        f"### infertrace gate: {headline(report)}",
+        "",
+        "| " + " | ".join(columns(report)) + " |",
+        "| " + " | ".join("---" for _ in columns(report)) + " |",
+    ]
+    for check, cells in zip(report.checks, rows(report)):
+        metric, *middle, verdict = cells
+        verdict = f"**{verdict}**" if check.verdict is Verdict.REGRESSION else verdict
+        lines.append("| " + " | ".join([f"`{metric}`", *middle, verdict]) + " |")
+    return "\n".join([*lines, "", footnote(report), ""])
+
+
+def failure_markdown(message: str) -> str:
+    return f"### infertrace gate: unusable input\n\n{message}\n"
+
+
+def _row(check: Check) -> tuple[str, ...]:
+    metric, bound = check.bound.metric, check.bound
+    unit = metric_unit(metric)
+    if check.change is None:
+        change = "-"
+        interval = f"[{_number(check.interval[0])}, {_number(check.interval[1])}]{_suffix(unit)}"
+    elif bound.relative:
+        change = _percent(check.change)
+        interval = f"[{_percent(check.interval[0])}, {_percent(check.interval[1])}]"
+    else:
+        change = f"{_number(check.change, signed=True)}{_suffix(unit)}"
+        interval = f"[{_number(check.interval[0], signed=True)}, {_number(check.interval[1], signed=True)}]{_suffix(unit)}"
+    baseline = "-" if check.baseline is None else f"{_number(check.baseline)}{_suffix(unit)}"
+    current = f"{_number(check.current)}{_suffix(unit)}"
+    return metric, bound.describe(), baseline, current, change, interval, check.verdict.value
+
+
+def _number(value: float, signed: bool = False) -> str:
+    sign = "+" if signed else ""
+    magnitude = abs(value)
+    if magnitude >= 1000:
+        return f"{value:{sign},.0f}"
+    if magnitude >= 100:
+        return f"{value:{sign}.1f}"
+    if magnitude >= 1 or value == 0:
+        return f"{value:{sign}.2f}"
+    return f"{value:{sign}.3g}"
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:+.1f}%"
+
+
+def _suffix(unit: str) -> str:
+    return f" {unit}" if unit else ""
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"

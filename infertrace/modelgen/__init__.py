@@ -1,0 +1,56 @@
+"""`infertrace model init`: Hugging Face Qwen3 model directories with real shapes and seeded random weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from infertrace.modelgen.presets import PRESETS, hf_config, parameter_count, weight_shapes
+
+__all__ = ["PRESETS", "init_model", "hf_config", "parameter_count", "weight_shapes"]
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def init_model(
+    preset: str,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    dtype: str | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Write a model directory for `preset` into `out_dir` and return its path.
+
+    `on_progress(done_bytes, total_bytes)` is called as weights are written.
+    """
+    from infertrace.modelgen.tokenizer import write_tokenizer
+    from infertrace.modelgen.weights import write_weights
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    spec = PRESETS[preset]
+    dtype = dtype or spec.dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+
+    config = hf_config(spec, dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(out, seed=seed, model_max_length=spec.max_position_embeddings)
+
+    total = parameter_count(config) * (4 if dtype == "float32" else 2)
+    done = 0
+
+    def on_tensor(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if on_progress:
+            on_progress(done, total)
+
+    write_weights(out, config, dtype, seed, on_tensor)
+    return out

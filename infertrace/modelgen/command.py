@@ -1,0 +1,47 @@
+"""The `infertrace model` commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from infertrace.console import err_console, fail, out_console
+
+PRESET_NAMES = ("tiny", "qwen3-0.6b", "qwen3-4b", "qwen3-8b")
+
+
+@click.group()
+def model() -> None:
+    """Make model directories for tests and benchmarks (no model hub needed)."""
+
+
+@model.command("init")
+@click.option("--preset", type=click.Choice(PRESET_NAMES), required=True,
+              help="Qwen3 shapes to use: tiny (CPU tests) or a real model's shapes.")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
+              help="Directory to write the model into (created if missing).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for the random weights and the tokenizer corpus.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+              help="Weight dtype [default: float32 for tiny, bfloat16 otherwise].")
+def init(preset: str, out_dir: Path, seed: int, dtype: str | None) -> None:
+    """Write a Hugging Face Qwen3 model directory: config.json, seeded random
+    safetensors weights and a locally trained byte-level BPE tokenizer with
+    Qwen's special tokens and chat template. A real checkpoint loads the same way."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from infertrace.modelgen import PRESETS, hf_config, init_model, parameter_count
+
+    n_params = parameter_count(hf_config(PRESETS[preset], dtype or PRESETS[preset].dtype))
+    with Progress(TextColumn("[bold]writing weights"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=err_console, transient=True) as progress:
+        task = progress.add_task("weights", total=None)
+
+        def on_progress(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        try:
+            path = init_model(preset, out_dir, seed=seed, dtype=dtype, on_progress=on_progress)
+        except (ValueError, OSError) as e:
+            fail(str(e), code=1)
+    out_console.print(f"wrote {preset} ({n_params / 1e9:.3f} B parameters) to {path}")

@@ -1,0 +1,85 @@
+"""Seeded random Qwen3 weights written as safetensors shards, one shard in memory at a time."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import Callable
+
+from infertrace.modelgen.presets import weight_shapes
+
+SHARD_BYTES = 2 * 1024**3
+
+
+def _tensor(name: str, shape: tuple[int, ...], dtype, seed: int, std: float):
+    import torch
+
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype)
+    # a generator per tensor: the values do not depend on sharding or on which tensors came before
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.empty(shape, dtype=dtype).normal_(0.0, std, generator=gen)
+
+
+def write_weights(
+    out_dir: Path, config: dict, dtype_name: str, seed: int, on_tensor: Callable[[int], None] | None = None
+) -> list[Path]:
+    """Write the checkpoint; returns the files written. `on_tensor(nbytes)` reports progress."""
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, dtype_name)
+    std = config["initializer_range"]
+    shapes = weight_shapes(config)
+    total_bytes = sum(_numel(s) for _, s in shapes) * torch.empty((), dtype=dtype).element_size()
+    single = total_bytes <= SHARD_BYTES
+
+    shards: list[dict] = [{}]
+    shard_bytes = 0
+    files: list[Path] = []
+    weight_map: dict[str, str] = {}
+
+    def flush() -> None:
+        index = len(files) + 1
+        name = "model.safetensors" if single else f"model-{index:05d}-of-NNNNN.safetensors"
+        path = out_dir / name
+        save_file(shards[-1], str(path), metadata={"format": "pt"})
+        for key in shards[-1]:
+            weight_map[key] = name
+        files.append(path)
+        shards[-1] = {}
+
+    for name, shape in shapes:
+        t = _tensor(name, shape, dtype, seed, std)
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and shard_bytes + nbytes > SHARD_BYTES:
+            flush()
+            shard_bytes = 0
+        shards[-1][name] = t
+        shard_bytes += nbytes
+        if on_tensor:
+            on_tensor(nbytes)
+    flush()
+
+    if not single:
+        # the final shard count is known only now: rename to the usual model-0000i-of-0000n form
+        n = len(files)
+        renamed = {}
+        for i, path in enumerate(files, 1):
+            final = out_dir / f"model-{i:05d}-of-{n:05d}.safetensors"
+            path.rename(final)
+            renamed[path.name] = final.name
+            files[i - 1] = final
+        weight_map = {k: renamed[v] for k, v in weight_map.items()}
+        (out_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2)
+        )
+    return files
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

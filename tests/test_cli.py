@@ -1,0 +1,44 @@
+import click
+import pytest
+from click.testing import CliRunner
+
+from infertrace.cli import main
+
+
+def _walk(cmd: click.Command, path: tuple[str, ...] = ()):
+    yield path, cmd
+    if isinstance(cmd, click.Group):
+        for name, sub in cmd.commands.items():
+            yield from _walk(sub, path + (name,))
+
+
+def test_every_command_and_option_has_help():
+    missing = []
+    for path, cmd in _walk(main):
+        if not (cmd.help or cmd.short_help):
+            missing.append(" ".join(path) or "infertrace")
+        for p in cmd.params:
+            if isinstance(p, click.Option) and not p.help and not p.hidden:
+                missing.append(f"{' '.join(path)} {p.opts[0]}")
+    assert not missing, missing
+    assert {"bench", "serve", "profile", "analyze", "ablate", "gate", "model"} <= set(main.commands)
+
+
+@pytest.mark.parametrize("path", [p for p, _ in _walk(main)])
+def test_help_runs(path):
+    result = CliRunner().invoke(main, [*path, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+
+
+def test_model_init_without_out_is_one_line_usage_error():
+    result = CliRunner().invoke(main, ["model", "init", "--preset", "tiny"])
+    assert result.exit_code == 2
+    assert "Missing option '--out'" in result.output
+    assert len([l for l in result.output.splitlines() if l.startswith("Error")]) == 1
+
+
+def test_unknown_flag_is_usage_error():
+    result = CliRunner().invoke(main, ["model", "init", "--preset", "tiny", "--out", "x", "--bogus"])
+    assert result.exit_code == 2
+    assert "No such option" in result.output and "--bogus" in result.output
