@@ -1,0 +1,188 @@
+"""Triton kernels over a paged KV cache laid out as [num_blocks, block_size, num_kv_heads, head_dim].
+
+`store_kvcache` writes the step's new K/V at their slots. `paged_attention` is one kernel for prefill, prefill
+after a cached prefix, chunked prefill and decode: each program takes a tile of (query token, head of a GQA group)
+rows of one sequence and one KV head, walks that sequence's block table and keeps an online softmax. Folding
+the group's heads into the rows lets decode (one query token) still fill a tensor-core tile, and reads each K/V
+block once per group. An optional split of the KV range (flash-decoding) spreads small decode batches over
+more programs; a second kernel merges the splits by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_stride, value_stride, ROW: tl.constexpr,
+):
+    i = tl.program_id(0)
+    slot = tl.load(slot_ptr + i)
+    if slot < 0:  # padding rows of a captured graph
+        return
+    offs = tl.arange(0, ROW)
+    tl.store(k_cache_ptr + slot * ROW + offs, tl.load(key_ptr + i * key_stride + offs))
+    tl.store(v_cache_ptr + slot * ROW + offs, tl.load(value_ptr + i * value_stride + offs))
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """key/value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int32/int64, -1 skips."""
+    n, heads, dim = key.shape
+    row = heads * dim
+    assert key.stride(-1) == 1 and key.stride(1) == dim and value.stride(1) == dim
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and triton.next_power_of_2(row) == row
+    _store_kvcache_kernel[(n,)](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0), row)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
+    scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_bt, stride_cb, stride_cs, stride_ch,
+    stride_ls, stride_lt, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    pid2 = tl.program_id(2)
+    kv_head = pid2 // NUM_SPLITS
+    split = pid2 % NUM_SPLITS
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = tok < q_len
+    if tile * BLOCK_M >= q_len * GROUP:
+        return
+    ctx = tl.load(context_lens_ptr + seq)
+    # a query token sees every key up to its own position (the cached prefix sits before the new tokens)
+    q_pos = ctx - q_len + tok
+
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    kv_end = tl.minimum(ctx, ctx - q_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
+    per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(kv_end, lo + per_split)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    qk_scale = scale * 1.4426950408889634  # work in base 2
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
+        kv_off = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # partial results in float32; lse in base 2, -inf for an empty split
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        base = split * stride_ls + (q_start + tok) * stride_lt + head * stride_lh
+        tl.store(lse_ptr + base, lse, mask=row_ok)
+        tl.store(out_ptr + (base * HEAD_DIM)[:, None] + d[None, :], out, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, num_heads, stride_ot, stride_oh, stride_ls,
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    row = t * num_heads + h
+    m = float("-inf")
+    for s in range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(lse_ptr + s * stride_ls + row))
+    total = 0.0
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.math.exp2(tl.load(lse_ptr + s * stride_ls + row) - m)
+        total += w
+        acc += w * tl.load(part_ptr + (s * stride_ls + row) * HEAD_DIM + d)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_q_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int = 1,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Causal attention of new query tokens over a paged cache that already holds their K/V.
+
+    q: [total_q_tokens, num_heads, head_dim]; cu_seqlens_q: [num_seqs + 1] int32; context_lens: [num_seqs] int32
+    (cached + new tokens); block_tables: [num_seqs, max_blocks] int32. `max_q_len` bounds the grid (1 for decode),
+    so the launch shape depends only on host integers, which keeps it capturable in a CUDA graph.
+    `workspace` (partials, lse) may be passed in to avoid allocating when num_splits > 1.
+    """
+    total, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if out is None:
+        out = torch.empty_like(q)
+    block_m = 16 if max_q_len * group <= 16 else 64
+    block_n = 64 if block_m == 64 else 32
+    grid = (triton.cdiv(max_q_len * group, block_m), num_seqs, num_kv_heads * num_splits)
+    if num_splits == 1:
+        target, lse = out, out  # lse unused
+        lse_strides = (0, 0, 0)
+    else:
+        if workspace is None:
+            parts = torch.empty((num_splits, total, num_heads, head_dim), dtype=torch.float32, device=q.device)
+            lse = torch.empty((num_splits, total, num_heads), dtype=torch.float32, device=q.device)
+        else:
+            parts, lse = workspace
+        target = parts
+        lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, target, lse, cu_seqlens_q, context_lens, block_tables, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *lse_strides,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(total, num_heads)](
+            target, lse, out, num_heads, out.stride(0), out.stride(1), lse.stride(0),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        )
+    return out
