@@ -1,5 +1,202 @@
-"""The `infertrace profile` command."""
+"""The `infertrace profile` command: toggle a live server's profiler, or run a command under nsys."""
 
-from infertrace.pending import pending_command
+from __future__ import annotations
 
-profile = pending_command("profile", "Start or stop profiler capture on a live server.")
+import asyncio
+import shlex
+from pathlib import Path
+
+import click
+
+from infertrace.capture.client import SERVER_ACTIVITIES
+from infertrace.console import err_console, out_console
+
+FLAVOURS = ("vllm", "sglang", "infertrace")
+ACTIVITY_NAMES = ", ".join(SERVER_ACTIVITIES)
+TRACE_HOME = {
+    "vllm": "the torch_profiler_dir of its --profiler-config",
+    "sglang": "the output_dir sent, else SGLANG_TORCH_PROFILER_DIR or /tmp",
+}
+
+
+@click.command(name="profile")
+@click.option("--url", help="Base URL of the live server, e.g. http://127.0.0.1:8000.")
+@click.option("--server", "flavour", type=click.Choice(FLAVOURS),
+              help="Server flavour; detected from /server_info, /get_server_info or /version when omitted.")
+@click.option("--start", "start", is_flag=True, help="Start the server's profiler.")
+@click.option("--stop", "stop", is_flag=True, help="Stop the server's profiler and list the traces it wrote.")
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True),
+              help="Start, capture for S seconds, stop (any server flavour).")
+@click.option("--nsys", is_flag=True,
+              help="Run COMMAND (an infertrace subcommand or any program) under nsys with the cudaProfilerApi "
+                   "capture range; with --url/--server, print the nsys line that launches that server.")
+@click.option("--output-dir", help="Where traces go: sent to the server (SGLang, infertrace), or the "
+                                   "directory of the nsys report with --nsys.")
+@click.option("--num-steps", type=click.IntRange(min=1),
+              help="Stop by itself after N engine steps (infertrace and SGLang servers).")
+@click.option("--activities", help=f"Comma-separated activities among {ACTIVITY_NAMES} (server default "
+                                   "when omitted).")
+@click.option("--with-stack/--no-with-stack", default=None, help="Record Python stacks (server default when "
+                                                                   "omitted).")
+@click.option("--record-shapes/--no-record-shapes", default=None,
+              help="Record operator input shapes (server default when omitted).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Seconds to wait for each server answer (a large trace can take minutes to flush).")
+@click.option("--dry-run", is_flag=True, help="With --nsys: print the command line instead of running it.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def profile(ctx, url, flavour, start, stop, seconds, nsys, output_dir, num_steps, activities, with_stack,
+            record_shapes, timeout, dry_run, command):
+    """Start or stop profiler capture on a live server (vLLM, SGLang, infertrace), or run under nsys.
+
+    \b
+      infertrace profile --url http://127.0.0.1:8000 --start --num-steps 20
+      infertrace profile --url http://127.0.0.1:8000 --stop
+      infertrace profile --url http://127.0.0.1:8000 --seconds 5
+      infertrace profile --nsys -- bench --concurrency 8 --profile
+      infertrace profile --nsys --server vllm -- vllm serve Qwen/Qwen3-0.6B --profiler-config '{"profiler": "cuda"}'
+    """
+    chosen = [name for name, on in (("--start", start), ("--stop", stop), ("--seconds", seconds is not None),
+                                     ("--nsys", nsys)) if on]
+    if len(chosen) != 1:
+        raise click.UsageError("choose exactly one of --start, --stop, --seconds S or --nsys")
+    if command and not nsys:
+        raise click.UsageError(f"unexpected argument {command[0]!r} (a COMMAND is only taken with --nsys)")
+    if dry_run and not nsys:
+        raise click.UsageError("--dry-run only goes with --nsys")
+    if nsys:
+        _nsys(ctx, url, flavour, output_dir, timeout, dry_run, list(command))
+        return
+    if not url:
+        raise click.UsageError(f"{chosen[0]} needs --url")
+    if seconds is not None and num_steps is not None:
+        raise click.UsageError("give either --seconds or --num-steps, not both")
+    given = [name for name, value in (("--output-dir", output_dir), ("--num-steps", num_steps),
+                                      ("--activities", activities), ("--with-stack", with_stack),
+                                      ("--record-shapes", record_shapes)) if value is not None]
+    if stop and given:
+        raise click.UsageError(f"{given[0]} applies when a capture starts, not to --stop")
+    from infertrace.capture.client import ProfileOptions
+
+    try:
+        options = ProfileOptions(output_dir=output_dir, num_steps=num_steps,
+                                 activities=_parse_activities(activities), with_stack=with_stack,
+                                 record_shapes=record_shapes)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if stop:
+        _run(_stop(url, flavour, timeout))
+    else:
+        _run(_start(url, flavour, timeout, options, seconds))
+
+
+def _say(text: str) -> None:
+    """Chatter to stderr, printed as is (server messages may hold brackets such as step[DECODE bs=8])."""
+    err_console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
+def _emit(text: str) -> None:
+    """One line of data to stdout."""
+    out_console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
+def _parse_activities(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(a.strip().upper() for a in text.split(",") if a.strip())
+    if not names:
+        raise ValueError(f"--activities is empty; choose from {ACTIVITY_NAMES}")
+    return names
+
+
+def _run(coro):
+    from infertrace.capture.client import ProfilerError
+
+    try:
+        return asyncio.run(coro)
+    except ProfilerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+async def _start(url, flavour, timeout, options, seconds):
+    from infertrace.capture.client import ProfilerClient
+
+    async with ProfilerClient(url, flavour, timeout) as client:
+        kind = (await client.flavour()).value
+        message = await client.start(options)
+        _say(f"{kind} profiler started at {url}: {message}")
+        if options.num_steps is not None:
+            _say(f"it stops by itself after {options.num_steps} steps")
+        if seconds is None:
+            return
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            # also on Ctrl-C: leave no capture running on the server
+            await _report_stop(client, url)
+
+
+async def _stop(url, flavour, timeout):
+    from infertrace.capture.client import ProfilerClient
+
+    async with ProfilerClient(url, flavour, timeout) as client:
+        await _report_stop(client, url)
+
+
+async def _report_stop(client, url):
+    result = await client.stop()
+    kind = (await client.flavour()).value
+    _say(f"{kind} profiler stopped at {url}: {result.message}")
+    for trace in result.traces:
+        _emit(trace)
+    if not result.traces and kind in TRACE_HOME:
+        _say(f"{kind} writes its traces on the server host, into {TRACE_HOME[kind]}")
+
+
+def _nsys(ctx, url, flavour, output_dir, timeout, dry_run, command):
+    from infertrace.capture import nsys as nsys_mod
+
+    nsys_path = nsys_mod.find_nsys()
+    out = Path(output_dir or ".") / "infertrace.%p"
+    if url or flavour:
+        if not flavour:
+            from infertrace.capture.client import ProfilerClient
+
+            async def detect():
+                async with ProfilerClient(url, None, timeout) as client:
+                    return (await client.flavour()).value
+
+            flavour = _run(detect())
+        _emit(nsys_mod.server_nsys_line(flavour, out, command or None, nsys_path or "nsys"))
+        _say(f"then open the capture range with: {nsys_mod.SERVER_START_HINT[flavour]}")
+        if nsys_path is None:
+            _say("nsys is not installed on this machine: run that line where Nsight Systems is")
+        return
+    if not command:
+        raise click.UsageError("--nsys needs a COMMAND to run, e.g. `infertrace profile --nsys -- bench --profile`")
+    group = ctx.parent.command if ctx.parent else None
+    if isinstance(group, click.Group) and command[0] in group.commands:
+        command = nsys_mod.infertrace_argv(command)
+    if dry_run:
+        line = nsys_mod.nsys_profile_command(out, command, nsys_path or "nsys")
+        _emit(f"{nsys_mod.NSYS_OUTPUT_ENV}={shlex.quote(str(out))} {shlex.join(line)}")
+        if nsys_path is None:
+            _say("nsys is not installed on this machine")
+        return
+    from infertrace.capture.torch_capture import check_writable
+
+    try:
+        nsys_path = nsys_mod.require_nsys()
+        check_writable(out.parent)
+    except (nsys_mod.NsysNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    rc, reports = nsys_mod.run_under_nsys(command, out, nsys_path)
+    for report in reports:
+        _emit(str(report))
+    if rc != 0:
+        raise SystemExit(rc)
+    if not reports:
+        raise click.ClickException("nsys wrote no report: the command never called cudaProfilerStart "
+                                   "(give it a capture window, e.g. bench --profile)")

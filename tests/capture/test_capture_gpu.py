@@ -1,0 +1,104 @@
+"""On a GPU: a capture of the bundled engine on qwen3-0.6b holds its CUDA kernels inside our step ranges,
+in the torch.profiler trace and, under nsys, in the NVTX ranges of the same names."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sqlite3
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from infertrace.capture import nsys
+from infertrace.cli import main
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+# Runs in its own process (under nsys in one test): 6 steps outside the window, then a window of 10.
+ENGINE_RUN = """
+import sys
+from pathlib import Path
+from infertrace.capture.torch_capture import CaptureSession
+from infertrace.engine import Engine, EngineConfig, SamplingParams
+
+engine = Engine(sys.argv[1], EngineConfig(max_model_len=2048))
+params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+for i in range(8):
+    engine.add_request(f"req-{i}", [100 + i] * 128, params)
+for _ in range(6):
+    engine.step()
+session = CaptureSession(Path(sys.argv[2]), activities=("CPU", "GPU"), num_steps=10, label="qwen3")
+session.start()
+while engine.has_unfinished():
+    outputs = engine.step()
+    session.add_request_ids(o.request_id for o in outputs)
+    if session.on_step(engine.last_step):
+        break
+session.stop()
+"""
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    from infertrace.modelgen import init_model
+
+    return init_model("qwen3-0.6b", tmp_path_factory.mktemp("models") / "qwen3-0.6b")
+
+
+def kernels_in_steps(trace: Path) -> tuple[list[str], dict[str, int], int]:
+    """Step range names, kernels launched inside each step (by name), and all kernels in the trace."""
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    steps = [e for e in events if e.get("ph") == "X" and e.get("name", "").startswith("step[")]
+    kernels = defaultdict(int)
+    for e in events:
+        if e.get("cat") == "kernel":
+            kernels[e["args"]["correlation"]] += 1
+    inside: dict[str, int] = defaultdict(int)
+    for e in events:  # launches through the runtime (torch) or the driver (Triton)
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            for s in steps:
+                if s["ts"] <= e["ts"] <= s["ts"] + s["dur"]:
+                    inside[s["name"]] += kernels.get(e["args"]["correlation"], 0)
+    return [s["name"] for s in steps], inside, sum(kernels.values())
+
+
+def test_torch_trace_holds_kernels_inside_steps(qwen3_dir, tmp_path):
+    subprocess.run([sys.executable, "-c", ENGINE_RUN, str(qwen3_dir), str(tmp_path)], check=True)
+    trace = next(tmp_path.glob("qwen3.*.pt.trace.json.gz"))
+    steps, inside, total = kernels_in_steps(trace)
+    assert len(steps) == 10 and all(name.startswith("step[DECODE bs=8]") for name in steps)
+    assert total > 0 and sum(inside.values()) == total  # every kernel was launched inside a step range
+    manifest = json.loads(next(tmp_path.glob("qwen3.*.manifest.json")).read_text())
+    assert manifest["activities"] == ["CPU", "GPU"] and manifest["device"]["type"] == "cuda"
+    assert len(manifest["steps"]) == 10 and len(manifest["request_ids"]) == 8
+
+
+@pytest.mark.skipif(nsys.find_nsys() is None, reason="needs nsys (set NSYS or put it on PATH)")
+def test_nsys_nvtx_ranges_hold_the_kernels(qwen3_dir, tmp_path):
+    result = CliRunner().invoke(main, ["profile", "--nsys", "--output-dir", str(tmp_path / "nsys"), "--",
+                                       sys.executable, "-c", ENGINE_RUN, str(qwen3_dir), str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    report = Path(result.stdout.split()[-1])
+    database = tmp_path / "report.sqlite"
+    subprocess.run([str(nsys.find_nsys()), "export", "--type", "sqlite", "-o", str(database), str(report)],
+                   check=True, capture_output=True)
+    db = sqlite3.connect(database)
+    ranges = db.execute("SELECT n.start, n.end, coalesce(n.text, s.value) FROM NVTX_EVENTS n "
+                        "LEFT JOIN StringIds s ON n.textId = s.id WHERE n.end IS NOT NULL").fetchall()
+    steps = [(start, end) for start, end, name in ranges if name and name.startswith("step[")]
+    names = {name for _, _, name in ranges}
+    assert len(steps) == 10 and {"step[DECODE bs=8]", "schedule", "prepare_inputs", "forward", "sample"} <= names
+    launched = defaultdict(int)
+    for (correlation,) in db.execute("SELECT correlationId FROM CUPTI_ACTIVITY_KIND_KERNEL"):
+        launched[correlation] += 1
+    calls = db.execute("SELECT start, correlationId FROM CUPTI_ACTIVITY_KIND_RUNTIME").fetchall()
+    inside = sum(launched.get(c, 0) for t, c in calls if any(a <= t <= b for a, b in steps))
+    assert sum(launched.values()) > 0 and inside == sum(launched.values())
+    manifest = json.loads(next(tmp_path.glob("qwen3.*.manifest.json")).read_text())
+    assert manifest["activities"] == ["CUDA_PROFILER"] and manifest["trace"] is None
