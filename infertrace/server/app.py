@@ -1,0 +1,217 @@
+"""The aiohttp application: OpenAI routes, health and info, Prometheus metrics, profiler endpoints.
+
+Requests are validated and tokenized on the event loop; generation runs on the engine thread behind `AsyncEngine`.
+Every error leaves as an OpenAI-style JSON body, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from infertrace import __version__
+from infertrace.server import metrics
+from infertrace.server.openai_stream import SSE_DONE, ResponseBuilder, new_request_id, sse, usage
+from infertrace.server.profiler import parse_profile_request
+from infertrace.server.protocol import ApiError, Endpoint, bad_request, parse_generate_request, parse_json_body
+from infertrace.server.settings import ServerSettings
+from infertrace.server.state import ServerState
+
+log = logging.getLogger("infertrace.server")
+HEALTH_TIMEOUT_S = 10.0
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+def build_app(aeng: Any, engine: Any, settings: ServerSettings, engine_config: dict[str, Any]) -> web.Application:
+    """The application for a started or startable `AsyncEngine` over `engine` (used for its tokenizer and
+    context length). The caller owns the engine's start and shutdown."""
+    app = web.Application(middlewares=[_errors], client_max_size=settings.max_body_mb * 1024 * 1024)
+    app[STATE] = ServerState(aeng, engine, settings, engine_config)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/version", _version)
+    app.router.add_get("/server_info", _server_info)
+    app.router.add_get("/metrics", _metrics)
+    for path, handler in (("/start_profile", _start_profile), ("/stop_profile", _stop_profile)):
+        app.router.add_post(path, handler)
+        app.router.add_get(path, handler)
+    return app
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return web.json_response(e.body(), status=e.status, headers=e.headers)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        error = ApiError(e.status, e.reason if e.status != 413 else f"the request body is too large: {e.text}",
+                         code=e.reason.lower().replace(" ", "_"))
+        return web.json_response(error.body(), status=e.status)
+    except Exception as e:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        error = ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+        return web.json_response(error.body(), status=500)
+
+
+# ----- generation -----
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, Endpoint.COMPLETIONS)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, Endpoint.CHAT)
+
+
+async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = parse_generate_request(parse_json_body(await request.read()), endpoint, state.sampling_defaults)
+    model = state.check_model(req.model)
+    prompt_ids = state.prompt_ids(req)
+    params = state.sampling_params(req, len(prompt_ids))
+    request_id = new_request_id(endpoint)
+    builder = ResponseBuilder(endpoint, model, request_id, req.stream_options)
+    with state.admitted(request_id):
+        outputs = state.aeng.generate(request_id, prompt_ids, params)
+        async with contextlib.aclosing(outputs):  # closing it early (client gone, error) aborts the request
+            try:
+                first = await anext(outputs, None)
+            except ValueError as e:  # the engine refused the request (token ids out of range, ...)
+                raise bad_request(str(e), req.prompt_param) from None
+            except asyncio.CancelledError:
+                state.metrics.client_disconnects += 1
+                raise
+            if req.stream:
+                return await _stream(request, state, builder, outputs, first, len(prompt_ids))
+            return await _complete(state, builder, outputs, first, len(prompt_ids))
+
+
+async def _complete(state: ServerState, builder: ResponseBuilder, outputs, first,
+                    num_prompt_tokens: int) -> web.Response:
+    texts, last = [], None
+    out = first
+    try:
+        while out is not None:
+            texts.append(out.new_text)
+            last = out
+            if out.finished:
+                break
+            out = await anext(outputs, None)
+    except asyncio.CancelledError:
+        state.metrics.client_disconnects += 1
+        raise
+    reason = last.finish_reason if last is not None and last.finished else "abort"
+    state.metrics.finished[reason] += 1
+    final_usage = (usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens) if last
+                   else usage(num_prompt_tokens, 0))
+    return web.json_response(builder.full("".join(texts), reason, final_usage))
+
+
+async def _stream(request: web.Request, state: ServerState, builder: ResponseBuilder, outputs, first,
+                  num_prompt_tokens: int) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": builder.request_id})
+    try:
+        await response.prepare(request)
+        reason = await _write_events(response, builder, outputs, first, num_prompt_tokens)
+    except ConnectionResetError:  # the client went away; leaving the `aclosing` block aborts the request
+        state.metrics.client_disconnects += 1
+        return response
+    except asyncio.CancelledError:  # the same, noticed by aiohttp's handler cancellation
+        state.metrics.client_disconnects += 1
+        raise
+    state.metrics.finished[reason] += 1
+    return response
+
+
+async def _write_events(response: web.StreamResponse, builder: ResponseBuilder, outputs, first,
+                        num_prompt_tokens: int) -> str:
+    """Write the SSE events of one request; returns its finish reason."""
+    if builder.endpoint is Endpoint.CHAT:
+        await response.write(sse(builder.role_chunk(usage(num_prompt_tokens, 0))))
+    out, last = first, None
+    try:
+        while out is not None:
+            now = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+            await response.write(sse(builder.chunk(out.new_text, out.finish_reason if out.finished else None, now)))
+            last = out
+            if out.finished:
+                break
+            out = await anext(outputs, None)
+    except ConnectionResetError:
+        raise
+    except Exception as e:  # the engine failed mid-stream: say so in-band, then end the stream
+        log.exception("generation failed for %s", builder.request_id)
+        await response.write(sse(builder.error_chunk(f"{type(e).__name__}: {e}")))
+        await response.write(SSE_DONE)
+        return "error"
+    if last is None or not last.finished:  # the engine stopped without finishing it
+        await response.write(sse(builder.chunk("", "abort", None)))
+        reason = "abort"
+    else:
+        reason = last.finish_reason
+    if builder.stream_options.include_usage:
+        final = (usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens) if last
+                 else usage(num_prompt_tokens, 0))
+        await response.write(sse(builder.usage_chunk(final)))
+    await response.write(SSE_DONE)
+    return reason
+
+
+# ----- info -----
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    card = {"id": state.settings.served_model_name, "object": "model", "created": state.started,
+            "owned_by": "infertrace", "root": state.settings.model_dir, "max_model_len": state.max_model_len}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    """200 when the engine thread answers between two steps; 503 when draining, dead or stuck."""
+    state = request.app[STATE]
+    if state.draining:
+        raise ApiError(503, "the server is shutting down", code="shutting_down")
+    try:
+        await asyncio.wait_for(state.aeng.call(lambda: None), HEALTH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ApiError(503, f"the engine did not answer within {HEALTH_TIMEOUT_S:g}s", code="engine_stuck") from None
+    except Exception as e:
+        raise ApiError(503, f"the engine is not running: {e}", code="engine_dead") from None
+    return web.json_response({"status": "ok"})
+
+
+async def _version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
+async def _server_info(request: web.Request) -> web.Response:
+    info = request.app[STATE].server_info()
+    return web.json_response(json.loads(json.dumps(info, default=str)))
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = metrics.render(state.settings.served_model_name, state.aeng.stats(), state.metrics, len(state.in_flight))
+    return web.Response(body=body.encode(), headers={"Content-Type": metrics.CONTENT_TYPE})
+
+
+# ----- profiler -----
+async def _start_profile(request: web.Request) -> web.Response:
+    raw = await request.read()
+    body = parse_json_body(raw) if raw.strip() else None
+    return web.json_response(await request.app[STATE].profiler.start(parse_profile_request(body)))
+
+
+async def _stop_profile(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[STATE].profiler.stop())

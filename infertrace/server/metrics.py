@@ -1,0 +1,147 @@
+"""Prometheus text exposition (format 0.0.4) of the engine and server state, without a client library.
+
+Names follow vLLM's (`vllm:num_requests_running` -> `infertrace:num_requests_running`) so dashboards carry over.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from typing import Any
+
+PREFIX = "infertrace:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+STEP_TIME_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+_COUNTER_HELP = {
+    "prompt_tokens": "Prompt tokens prefilled (prefix-cache hits excluded when the engine counts them apart).",
+    "generation_tokens": "Tokens generated.",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "preemptions": "Requests preempted (recomputed later) because KV blocks ran out.",
+}
+
+
+class Histogram:
+    """Cumulative-bucket histogram; observed from the engine thread, read from the event loop."""
+
+    def __init__(self, buckets: tuple[float, ...] = STEP_TIME_BUCKETS_S) -> None:
+        self.buckets = tuple(sorted(buckets)) + (math.inf,)
+        self._counts = [0] * len(self.buckets)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._sum += value
+            for i, bound in enumerate(self.buckets):
+                if value <= bound:
+                    self._counts[i] += 1
+                    break
+
+    def snapshot(self) -> tuple[list[int], float, int]:
+        """(cumulative counts per bucket, sum, count)."""
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, running = [], 0
+        for c in counts:
+            running += c
+            cumulative.append(running)
+        return cumulative, total, running
+
+
+class ServerMetrics:
+    """What the server counts itself, plus per-kind step-time histograms fed by the engine's step callback."""
+
+    def __init__(self) -> None:
+        self.finished: collections.Counter[str] = collections.Counter()  # by finish_reason
+        self.rejected: collections.Counter[str] = collections.Counter()  # by reason: queue_full, draining
+        self.client_disconnects = 0
+        self._step_times: dict[str, Histogram] = {}
+        self._lock = threading.Lock()
+
+    def observe_step(self, kind: str, duration_s: float) -> None:
+        with self._lock:
+            histogram = self._step_times.get(kind)
+            if histogram is None:
+                histogram = self._step_times[kind] = Histogram()
+        histogram.observe(duration_s)
+
+    def step_times(self) -> dict[str, Histogram]:
+        with self._lock:
+            return dict(self._step_times)
+
+
+def render(model_name: str, engine_stats: dict[str, Any], server: ServerMetrics, in_flight: int) -> str:
+    """The /metrics body."""
+    out = _Writer({"model_name": model_name})
+    out.metric("num_requests_running", "gauge", "Requests in the engine's running batch.",
+               engine_stats.get("running", 0))
+    out.metric("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", engine_stats.get("waiting", 0))
+    out.metric("num_requests_in_flight", "gauge", "HTTP generation requests accepted and not yet answered.",
+               in_flight)
+    used, total = engine_stats.get("kv_blocks_used", 0), engine_stats.get("kv_blocks_total", 0)
+    out.metric("kv_blocks_used", "gauge", "KV cache blocks in use.", used)
+    out.metric("kv_blocks_total", "gauge", "KV cache blocks in the pool.", total)
+    out.metric("kv_cache_usage_perc", "gauge", "KV cache usage, 1 means full.", used / total if total else 0.0)
+
+    counters = dict(engine_stats.get("counters") or {})
+    queries, hits = counters.get("prefix_cache_queries", 0), counters.get("prefix_cache_hits", 0)
+    out.metric("prefix_cache_hit_rate", "gauge", "Prefix-cache hits over queries, in tokens, since start.",
+               hits / queries if queries else 0.0)
+    for key, value in sorted(counters.items()):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            name = key if key.endswith("_total") else f"{key}_total"
+            out.metric(name, "counter", _COUNTER_HELP.get(key, f"Engine counter {key}."), value)
+
+    out.header("request_success_total", "counter", "Requests finished, by finish reason.")
+    for reason, n in sorted(server.finished.items()):
+        out.sample("request_success_total", n, finished_reason=reason)
+    out.header("requests_rejected_total", "counter", "Requests refused before reaching the engine, by reason.")
+    for reason, n in sorted(server.rejected.items()):
+        out.sample("requests_rejected_total", n, reason=reason)
+    out.metric("client_disconnects_total", "counter", "Requests aborted because their client went away.",
+               server.client_disconnects)
+
+    out.header("step_duration_seconds", "histogram", "Engine step wall time, by step kind.")
+    for kind, histogram in sorted(server.step_times().items()):
+        cumulative, total_s, count = histogram.snapshot()
+        for bound, n in zip(histogram.buckets, cumulative):
+            out.sample("step_duration_seconds_bucket", n, kind=kind, le=_number(bound))
+        out.sample("step_duration_seconds_sum", total_s, kind=kind)
+        out.sample("step_duration_seconds_count", count, kind=kind)
+    return out.text()
+
+
+class _Writer:
+    def __init__(self, common_labels: dict[str, str]) -> None:
+        self.common = common_labels
+        self.lines: list[str] = []
+
+    def header(self, name: str, kind: str, help_text: str) -> None:
+        self.lines.append(f"# HELP {PREFIX}{name} {help_text}")
+        self.lines.append(f"# TYPE {PREFIX}{name} {kind}")
+
+    def sample(self, name: str, value: float, **labels: str) -> None:
+        pairs = ",".join(f'{k}="{_escape(str(v))}"' for k, v in {**self.common, **labels}.items())
+        self.lines.append(f"{PREFIX}{name}{{{pairs}}} {_number(value)}")
+
+    def metric(self, name: str, kind: str, help_text: str, value: float) -> None:
+        self.header(name, kind, help_text)
+        self.sample(name, value)
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "+Inf" if value > 0 else "-Inf"
+        return repr(value)
+    return str(value)

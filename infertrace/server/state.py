@@ -1,0 +1,156 @@
+"""What the request handlers share: the engine, admission to it, counters, the profiler, and draining."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import platform
+import time
+from typing import Any
+
+from infertrace.server import metrics
+from infertrace.server.profiler import Profiler
+from infertrace.server.protocol import (
+    ApiError,
+    Endpoint,
+    GenerateRequest,
+    bad_request,
+    load_sampling_defaults,
+)
+from infertrace.server.settings import ServerSettings
+
+log = logging.getLogger("infertrace.server")
+
+
+class ServerState:
+    """What the handlers share: the engine, the admission count, counters and the profiler."""
+
+    def __init__(self, aeng: Any, engine: Any, settings: ServerSettings, engine_config: dict[str, Any]) -> None:
+        self.aeng = aeng
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
+        self.settings = settings
+        self.engine_config = engine_config
+        self.sampling_defaults = load_sampling_defaults(settings.model_dir)
+        self.metrics = metrics.ServerMetrics()
+        self.profiler = Profiler(aeng, settings.profile_dir)
+        self.started = int(time.time())
+        self.in_flight: set[str] = set()
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        aeng.add_step_callback(self.on_step)
+
+    # ----- admission -----
+    @contextlib.contextmanager
+    def admitted(self, request_id: str):
+        """Count a request in flight, or refuse it with 503 when draining or when the queue is full."""
+        if self.draining:
+            self.metrics.rejected["draining"] += 1
+            raise ApiError(503, "the server is shutting down", code="shutting_down",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        # Accepted requests not in the running batch: the engine's queue plus those on their way to it.
+        waiting = len(self.in_flight) - self.aeng.stats()["running"]
+        if waiting >= self.settings.max_queue:
+            self.metrics.rejected["queue_full"] += 1
+            raise ApiError(503, f"the server is overloaded: {waiting} requests are waiting "
+                                f"(--max-queue {self.settings.max_queue}); retry later",
+                           code="queue_full", headers={"Retry-After": str(self.settings.retry_after_s)})
+        self.in_flight.add(request_id)
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight.discard(request_id)
+            if not self.in_flight:
+                self._idle.set()
+
+    async def drain(self, grace_s: float, abort_now: asyncio.Event | None = None) -> int:
+        """Refuse new requests, let in-flight ones finish for up to `grace_s`, then abort the rest.
+        Returns how many were aborted."""
+        self.draining = True
+        waiters = [asyncio.ensure_future(self._idle.wait())]
+        if abort_now is not None:
+            waiters.append(asyncio.ensure_future(abort_now.wait()))
+        _, pending = await asyncio.wait(waiters, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+        for w in pending:
+            w.cancel()
+        leftover = list(self.in_flight)
+        for request_id in leftover:
+            try:
+                await self.aeng.abort(request_id)
+            except Exception as e:  # a dead engine has nothing left to abort; shutting down must go on
+                log.warning("could not abort %s: %s", request_id, e)
+        if leftover:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout=5.0)  # handlers send their final chunks
+        return len(leftover)
+
+    # ----- engine thread -----
+    def on_step(self, stats: Any) -> None:
+        try:
+            kind = getattr(stats.kind, "value", stats.kind)
+            self.metrics.observe_step(str(kind), stats.duration_s)
+            self.profiler.on_step(stats)
+        except Exception:  # a metrics or capture failure must never stop the engine loop
+            log.exception("step callback failed")
+
+    # ----- requests -----
+    def check_model(self, model: str | None) -> str:
+        name = self.settings.served_model_name
+        if model is not None and model != name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {name!r}",
+                           param="model", code="model_not_found")
+        return name
+
+    def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        if req.endpoint is Endpoint.CHAT:
+            try:
+                text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
+                                                          **req.chat_template_kwargs)
+            except Exception as e:  # a template error is the request's fault (roles, kwargs)
+                raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+            return self._encode(text, add_special_tokens=False)  # the template carries any BOS itself
+        if isinstance(req.prompt, list):
+            return req.prompt
+        return self._encode(req.prompt, add_special_tokens=True)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # The Rust tokenizer directly: its encode only reads state, so it is safe beside the engine thread.
+        return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def sampling_params(self, req: GenerateRequest, num_prompt_tokens: int) -> Any:
+        from infertrace.engine import SamplingParams
+
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise bad_request(f"the prompt has {num_prompt_tokens} tokens; the maximum context is {limit} tokens "
+                              f"(prompt plus at least one generated token)", req.prompt_param,
+                              code="context_length_exceeded")
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = limit - num_prompt_tokens
+        elif num_prompt_tokens + max_tokens > limit:
+            raise bad_request(f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
+                              f"{num_prompt_tokens + max_tokens} tokens exceed the maximum context of {limit} "
+                              "tokens", "max_tokens", code="context_length_exceeded")
+        try:
+            return SamplingParams(max_tokens=max_tokens, **req.sampling)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    def server_info(self) -> dict:
+        from infertrace.capture.manifest import device_info, runtime_versions
+
+        versions = runtime_versions()
+        for name in ("transformers", "aiohttp"):
+            with contextlib.suppress(ImportError):
+                versions[name] = __import__(name).__version__
+        settings = dataclasses.asdict(self.settings)
+        settings["profile_dir"] = None if self.settings.profile_dir is None else str(self.settings.profile_dir)
+        return {"model": self.settings.served_model_name, "model_dir": self.settings.model_dir,
+                "max_model_len": self.max_model_len, "engine_config": self.engine_config,
+                "sampling_defaults": self.sampling_defaults, "server": settings, "versions": versions,
+                "device": device_info(), "platform": platform.platform()}

@@ -1,0 +1,103 @@
+"""Fixtures for server tests: the real server over a fresh engine on the tiny model, on a real 127.0.0.1 port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+# A small KV pool keeps engine start-up cheap; tests that need other settings pass their own.
+TEST_ENGINE = {"kv_cache_tokens": 16384}
+MODEL_NAME = "tiny"
+
+
+@pytest.fixture
+def serve_tiny(tiny_model_dir):
+    """`async with serve_tiny(engine_overrides, **settings) as client:` a TestClient on a live server.
+
+    `client.state` is the app's ServerState, `client.engine` the engine under it.
+    """
+    from infertrace.engine import AsyncEngine, Engine, EngineConfig
+    from infertrace.server.app import STATE, build_app
+    from infertrace.server.settings import ServerSettings
+
+    @contextlib.asynccontextmanager
+    async def start(engine_overrides: dict | None = None, **settings):
+        config = EngineConfig.from_overrides({**TEST_ENGINE, **(engine_overrides or {})})
+        engine = Engine(tiny_model_dir, config)
+        aeng = AsyncEngine(engine)
+        await aeng.start()
+        server_settings = ServerSettings(model_dir=str(tiny_model_dir), served_model_name=MODEL_NAME, **settings)
+        app = build_app(aeng, engine, server_settings, {"kv_cache_tokens": config.kv_cache_tokens})
+        try:
+            async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+                client.state = app[STATE]
+                client.engine = engine
+                yield client
+        finally:
+            await aeng.shutdown(abort_running=True)
+
+    return start
+
+
+async def _read_sse(resp) -> list:
+    """The data payloads of an SSE response: dicts, and the string "[DONE]"."""
+    events = []
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def _parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} with the model_name label dropped."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        key = key.replace(f'model_name="{MODEL_NAME}",', "").replace(f'{{model_name="{MODEL_NAME}"}}', "")
+        out[key] = float(value)
+    return out
+
+
+async def _metrics_of(client) -> dict[str, float]:
+    resp = await client.get("/metrics")
+    assert resp.status == 200
+    return _parse_metrics(await resp.text())
+
+
+async def _wait_metrics(client, predicate, timeout_s: float = 10.0) -> dict[str, float]:
+    """Poll /metrics until `predicate(metrics)` holds (the engine's stats snapshot trails its outputs a little)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        metrics = await _metrics_of(client)
+        if predicate(metrics) or loop.time() > deadline:
+            return metrics
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def wait_metrics():
+    return _wait_metrics
+
+
+@pytest.fixture
+def read_sse():
+    return _read_sse
+
+
+@pytest.fixture
+def parse_metrics():
+    return _parse_metrics
+
+
+@pytest.fixture
+def metrics_of():
+    return _metrics_of

@@ -1,0 +1,141 @@
+"""`infertrace serve` as a command: generated engine options, usage errors, and a real process drained by SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import shutil
+import signal
+import sys
+
+import aiohttp
+import pytest
+from click.testing import CliRunner
+
+from infertrace.engine.config import EngineConfig
+from infertrace.server.command import serve
+from infertrace.server.engine_options import engine_overrides
+
+
+def _params(args: list[str]) -> dict:
+    return serve.make_context("serve", args).params
+
+
+def test_every_engine_config_field_is_an_option_without_a_restated_default(tmp_path):
+    options = {p.name: p for p in serve.params}
+    for f in dataclasses.fields(EngineConfig):
+        option = options[f"engine__{f.name}"]
+        assert option.default is None, f.name  # the default lives in EngineConfig only
+    assert engine_overrides(_params(["--model", str(tmp_path)])) == {}
+    help_text = CliRunner().invoke(serve, ["--help"], terminal_width=200).output
+    assert f"[default: {EngineConfig().block_size}]" in help_text
+
+
+def test_engine_options_reach_the_engine_config(tmp_path):
+    params = _params(["--model", str(tmp_path), "--max-num-seqs", "3", "--no-enable-prefix-caching",
+                      "--attention", "looped", "--enforce-eager", "--cuda-graph-batch-sizes", "4,1,2",
+                      "--kv-cache-tokens", "1024"])
+    config = EngineConfig.from_overrides(engine_overrides(params))
+    assert config.max_num_seqs == 3 and config.prefix_caching is False and config.attention == "looped"
+    assert config.cuda_graphs is False and config.cuda_graph_batch_sizes == (1, 2, 4)
+    assert config.kv_cache_tokens == 1024
+    assert config.block_size == EngineConfig().block_size
+
+    params = _params(["--model", str(tmp_path), "--engine-opt", "attention=looped", "--engine-opt",
+                      "max-num-seqs=5", "--engine-opt", "block_size=32", "--block-size", "8"])
+    config = EngineConfig.from_overrides(engine_overrides(params))
+    assert (config.attention, config.max_num_seqs, config.block_size) == ("looped", 5, 8)  # the flag wins
+
+
+def test_binds_loopback_by_default(tmp_path):
+    assert _params(["--model", str(tmp_path)])["host"] == "127.0.0.1"
+    assert _params(["--model", str(tmp_path), "--host", "0.0.0.0"])["host"] == "0.0.0.0"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--attention", "bogus"], "attention must be one of"),
+        (["--cuda-graph-batch-sizes", "a,b"], "cuda_graph_batch_sizes"),
+        (["--max-queue", "-1"], "max_queue"),
+        (["--engine-opt", "nonsense"], "KEY=VALUE"),
+        (["--engine-opt", "warp_speed=9"], "unknown engine config field"),
+    ],
+)
+def test_bad_engine_or_server_values_are_one_line_usage_errors(tmp_path, args, message):
+    result = CliRunner().invoke(serve, ["--model", str(tmp_path), *args])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_missing_model_is_a_usage_error():
+    result = CliRunner().invoke(serve, [])
+    assert result.exit_code == 2 and "--model" in result.output
+
+
+def _serve_argv() -> list[str]:
+    exe = shutil.which("infertrace")
+    return [exe, "serve"] if exe else [sys.executable, "-c", "from infertrace.cli import main; main()", "serve"]
+
+
+async def _events(resp) -> list:
+    out = []
+    async for raw in resp.content:
+        if raw.startswith(b"data: "):
+            data = raw[6:].strip().decode()
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def test_sigterm_drains_in_flight_requests_then_aborts_and_exits_0(tiny_model_dir):
+    proc = await asyncio.create_subprocess_exec(
+        *_serve_argv(), "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--port", "0",
+        "--kv-cache-tokens", "16384", "--drain-timeout", "5",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    log: list[str] = []
+    try:
+        url = None
+        while url is None:
+            line = (await asyncio.wait_for(proc.stderr.readline(), timeout=90)).decode()
+            assert line, "the server exited before listening:\n" + "".join(log)
+            log.append(line)
+            if m := re.search(r"on (http://[\d.]+:\d+)", line):
+                url = m.group(1)
+        assert url.startswith("http://127.0.0.1:")  # loopback unless --host says otherwise
+
+        async with aiohttp.ClientSession() as session:
+            async def stream(max_tokens: int) -> list:
+                body = {"prompt": "drain me", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+                async with session.post(f"{url}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    return await _events(resp)
+
+            short = asyncio.ensure_future(stream(30))
+            long = asyncio.ensure_future(stream(4000))
+            for _ in range(500):  # both requests running
+                async with session.get(f"{url}/metrics") as resp:
+                    if 'num_requests_running{model_name="tiny"} 2' in await resp.text():
+                        break
+                await asyncio.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            with pytest.raises(aiohttp.ClientConnectionError):  # no longer listening
+                async with aiohttp.ClientSession() as fresh:
+                    await fresh.get(f"{url}/health")
+
+            short_events, long_events = await asyncio.wait_for(asyncio.gather(short, long), timeout=30)
+        assert short_events[-1] == "[DONE]" and short_events[-2]["choices"][0]["finish_reason"] == "length"
+        assert len(short_events) == 31  # drained: every token arrived
+        assert long_events[-1] == "[DONE]" and long_events[-2]["choices"][0]["finish_reason"] == "abort"
+        code = await asyncio.wait_for(proc.wait(), timeout=30)
+        log.append((await proc.stderr.read()).decode())
+        assert code == 0, "".join(log)
+        text = "".join(log)
+        assert "draining 2 in-flight request(s)" in text and "1 request(s) aborted" in text
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

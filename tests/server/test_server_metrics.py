@@ -1,0 +1,75 @@
+"""Prometheus exposition, without a server."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from infertrace.server.metrics import Histogram, ServerMetrics, render
+
+
+def test_histogram_buckets_are_cumulative_with_inf():
+    h = Histogram((0.01, 0.1))
+    for v in (0.005, 0.05, 0.05, 3.0):
+        h.observe(v)
+    counts, total, count = h.snapshot()
+    assert h.buckets == (0.01, 0.1, math.inf)
+    assert counts == [1, 3, 4] and count == 4
+    assert total == pytest.approx(3.105)
+
+
+def _stats(**over):
+    stats = {"running": 3, "waiting": 2, "kv_blocks_used": 25, "kv_blocks_total": 100,
+             "counters": {"prompt_tokens": 400, "generation_tokens": 90, "prefix_cache_queries": 400,
+                          "prefix_cache_hits": 100, "preemptions": 1, "steps": 12}}
+    stats.update(over)
+    return stats
+
+
+def test_render_reports_engine_and_server_state():
+    server = ServerMetrics()
+    server.finished["length"] += 4
+    server.finished["stop"] += 1
+    server.rejected["queue_full"] += 2
+    server.client_disconnects = 3
+    server.observe_step("decode", 0.004)
+    server.observe_step("decode", 0.2)
+    server.observe_step("prefill", 0.03)
+    text = render('my "model"', _stats(), server, in_flight=5)
+    lines = text.splitlines()
+    label = 'model_name="my \\"model\\""'
+    assert f"infertrace:num_requests_running{{{label}}} 3" in lines
+    assert f"infertrace:num_requests_waiting{{{label}}} 2" in lines
+    assert f"infertrace:num_requests_in_flight{{{label}}} 5" in lines
+    assert f"infertrace:kv_blocks_used{{{label}}} 25" in lines
+    assert f"infertrace:kv_blocks_total{{{label}}} 100" in lines
+    assert f"infertrace:kv_cache_usage_perc{{{label}}} 0.25" in lines
+    assert f"infertrace:prefix_cache_hit_rate{{{label}}} 0.25" in lines
+    assert f"infertrace:prompt_tokens_total{{{label}}} 400" in lines
+    assert f"infertrace:generation_tokens_total{{{label}}} 90" in lines
+    assert f'infertrace:request_success_total{{{label},finished_reason="length"}} 4' in lines
+    assert f'infertrace:requests_rejected_total{{{label},reason="queue_full"}} 2' in lines
+    assert f"infertrace:client_disconnects_total{{{label}}} 3" in lines
+    assert f'infertrace:step_duration_seconds_bucket{{{label},kind="decode",le="0.005"}} 1' in lines
+    assert f'infertrace:step_duration_seconds_bucket{{{label},kind="decode",le="+Inf"}} 2' in lines
+    assert f'infertrace:step_duration_seconds_count{{{label},kind="prefill"}} 1' in lines
+    assert "# TYPE infertrace:step_duration_seconds histogram" in lines
+    assert text.endswith("\n")
+
+
+def test_render_with_an_idle_fresh_engine():
+    text = render("m", _stats(kv_blocks_total=0, kv_blocks_used=0, counters={}), ServerMetrics(), 0)
+    assert 'infertrace:kv_cache_usage_perc{model_name="m"} 0.0' in text
+    assert 'infertrace:prefix_cache_hit_rate{model_name="m"} 0.0' in text
+
+
+def test_render_is_valid_prometheus_text():
+    parser = pytest.importorskip("prometheus_client.parser")
+    server = ServerMetrics()
+    server.finished["length"] += 1
+    server.observe_step("mixed", 0.02)
+    families = {f.name: f for f in parser.text_string_to_metric_families(render("m", _stats(), server, 1))}
+    assert families["infertrace:step_duration_seconds"].type == "histogram"
+    assert families["infertrace:prompt_tokens"].type == "counter"
+    assert families["infertrace:num_requests_running"].samples[0].value == 3

@@ -1,0 +1,130 @@
+"""Profiler endpoints: vLLM-style and SGLang-style starts, self-stopping windows, and the profile-dir fence."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from infertrace.server.profiler import parse_profile_request, resolve_output_dir
+from infertrace.server.protocol import ApiError
+
+
+def test_output_dir_resolution_stays_inside_the_profile_dir(tmp_path):
+    root = tmp_path / "profiles"
+    root.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", root / "link-out")
+    os.symlink(root, tmp_path / "link-in")
+
+    assert resolve_output_dir(root, "run1") == root / "run1"
+    assert resolve_output_dir(root, "a/b/../c") == root / "a" / "c"
+    assert resolve_output_dir(root, str(root / "abs")) == root / "abs"
+    assert resolve_output_dir(root, str(tmp_path / "link-in" / "x")) == root / "x"  # a link into it is fine
+    assert resolve_output_dir(root, None).parent == root
+    for escaping in ("..", "../elsewhere", "a/../../elsewhere", str(tmp_path / "elsewhere"), "/etc", "link-out",
+                     "link-out/deeper"):
+        with pytest.raises(ApiError) as err:
+            resolve_output_dir(root, escaping)
+        assert err.value.status == 400 and err.value.param == "output_dir"
+
+
+def test_profile_request_parsing():
+    default = parse_profile_request(None)
+    assert default.output_dir is None and default.num_steps is None
+    assert default.activities == ("CPU", "GPU")
+    sglang = parse_profile_request({"output_dir": "x", "num_steps": 5, "activities": ["cpu", "CUDA_PROFILER"],
+                                    "record_shapes": True, "with_stack": False, "profile_by_stage": False,
+                                    "merge_profiles": False})
+    assert sglang.num_steps == 5 and sglang.activities == ("CPU", "CUDA_PROFILER") and sglang.record_shapes
+    for bad in ({"num_steps": 0}, {"num_steps": "3"}, {"num_steps": True}, {"activities": "CPU"},
+                {"activities": []}, {"output_dir": ""}, {"record_shapes": "yes"}):
+        with pytest.raises(ApiError):
+            parse_profile_request(bad)
+
+
+def _load_trace(path: str) -> dict:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
+
+
+async def test_profiling_without_profile_dir_is_404(serve_tiny):
+    async with serve_tiny() as client:
+        for method, path in (("POST", "/start_profile"), ("GET", "/start_profile"), ("POST", "/stop_profile")):
+            resp = await client.request(method, path)
+            assert resp.status == 404
+            error = (await resp.json())["error"]
+            assert error["code"] == "profiling_disabled" and "--profile-dir" in error["message"]
+
+
+async def test_vllm_style_start_stop_writes_a_loadable_trace(serve_tiny, tmp_path):
+    async with serve_tiny(profile_dir=tmp_path) as client:
+        resp = await client.post("/start_profile")
+        assert resp.status == 200
+        started = await resp.json()
+        assert Path(started["output_dir"]).parent == tmp_path
+
+        again = await client.post("/start_profile")
+        assert again.status == 409
+
+        assert (await client.post("/v1/completions", json={"prompt": "profile me", "max_tokens": 3})).status == 200
+        resp = await client.post("/stop_profile")
+        assert resp.status == 200
+        stopped = await resp.json()
+        assert stopped["output_dir"] == started["output_dir"]
+        [trace_file] = stopped["trace_files"]
+        assert all(Path(p).parent == Path(started["output_dir"]) and Path(p).exists() for p in stopped["files"])
+        names = {e.get("name", "") for e in _load_trace(trace_file)["traceEvents"]}
+        assert any(n.startswith("step[PREFILL") for n in names)
+        assert any(n.startswith("step[DECODE") for n in names)
+        assert {"forward", "sample"} <= names
+
+        resp = await client.post("/stop_profile")
+        assert resp.status == 400 and (await resp.json())["error"]["code"] == "no_capture"
+
+
+async def test_sglang_style_num_steps_stops_by_itself(serve_tiny, tmp_path):
+    async with serve_tiny(profile_dir=tmp_path) as client:
+        resp = await client.get("/start_profile", json={
+            "output_dir": "sglang-run", "num_steps": 2, "activities": ["CPU"], "record_shapes": True})
+        assert resp.status == 200, await resp.text()
+        assert (await client.post("/v1/completions", json={"prompt": "a few steps", "max_tokens": 6})).status == 200
+
+        out_dir = tmp_path / "sglang-run"
+        for _ in range(200):  # the window closes on the engine thread after its second step
+            if list(out_dir.glob("*.pt.trace.json.gz")):
+                break
+            await asyncio.sleep(0.02)
+        [trace_file] = out_dir.glob("*.pt.trace.json.gz")
+        [manifest_file] = out_dir.glob("*.manifest.json")
+        manifest = json.loads(manifest_file.read_text())
+        assert len(manifest["steps"]) == 2 and manifest["num_steps"] == 2
+        names = [e.get("name", "") for e in _load_trace(str(trace_file))["traceEvents"]]
+        assert sum(n.startswith("step[") for n in names) == 2
+
+        # the next /stop_profile hands the finished capture's files out
+        stopped = await (await client.post("/stop_profile")).json()
+        assert stopped["trace_files"] == [str(trace_file)]
+
+
+async def test_output_dir_escaping_the_profile_dir_is_400(serve_tiny, tmp_path):
+    root, outside = tmp_path / "profiles", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    os.symlink(outside, root / "sneaky")
+    async with serve_tiny(profile_dir=root) as client:
+        for output_dir in ("../outside", str(outside), "sneaky", "sneaky/x"):
+            resp = await client.post("/start_profile", json={"output_dir": output_dir})
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+            assert error["param"] == "output_dir" and error["code"] == "output_dir_outside_profile_dir"
+        resp = await client.post("/start_profile", json={"activities": ["TPU"]})
+        assert resp.status == 400 and "TPU" in (await resp.json())["error"]["message"]
+        resp = await client.post("/start_profile", data=b"{not json")
+        assert resp.status == 400
+    assert list(outside.iterdir()) == []
+    assert list(root.iterdir()) == [root / "sneaky"]
