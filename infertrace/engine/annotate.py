@@ -1,0 +1,41 @@
+"""Profiler ranges that show up under the same name in torch.profiler traces and in NVTX (Nsight Systems)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+def _nvtx_pair() -> tuple[Callable[[str], object], Callable[[], object]] | None:
+    if torch.cuda.is_available():
+        return torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
+    try:
+        import nvtx
+    except ImportError:
+        return None
+    return nvtx.push_range, nvtx.pop_range
+
+
+_NVTX = _nvtx_pair()
+
+
+@contextmanager
+def annotate(name: str) -> Iterator[None]:
+    """A range named `name` for torch.profiler (record_function) and NVTX, when a tool is listening."""
+    if _NVTX is not None:
+        _NVTX[0](name)
+    try:
+        with torch.profiler.record_function(name):
+            yield
+    finally:
+        if _NVTX is not None:
+            _NVTX[1]()
+
+
+def step_range_name(kind: str, batch_size: int, num_tokens: int) -> str:
+    """`step[PREFILL bs=2 toks=300]`, `step[DECODE bs=16]`, `step[MIXED bs=9 toks=72]`."""
+    if kind == "decode":
+        return f"step[DECODE bs={batch_size}]"
+    return f"step[{kind.upper()} bs={batch_size} toks={num_tokens}]"

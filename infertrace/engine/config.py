@@ -1,0 +1,151 @@
+"""Every knob and ablation switch of the bundled engine, declared once and validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+ATTENTION_MODES = ("batched", "looped")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+OFFLOAD_MODES = ("off", "prefix", "long")
+SCHEDULING_POLICIES = ("fcfs",)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    # paged KV cache
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # explicit KV budget; None sizes it from memory (see the two fields below)
+    gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use, KV cache included
+    cpu_kv_cache_gb: float = 0.5  # KV budget on a CPU device when kv_cache_tokens is None
+    # scheduling
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # >0: a prefill gets at most this many tokens per step
+    prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    # attention and the decode path
+    attention: str = "batched"  # "looped": attention runs one request at a time
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True  # decode CUDA graphs per batch-size bucket; no effect on CPU
+    cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
+    # CPU KV offload
+    offload: str = "off"
+    offload_host_gb: float = 4.0  # pinned host pool for offloaded KV
+    # numerics and placement
+    dtype: str = "auto"  # "auto": the checkpoint's dtype (float16 becomes float32 on CPU)
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cuda_graph_batch_sizes, (list, tuple)):
+            self.cuda_graph_batch_sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
+        _check_types(self)
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(
+                f"kv_cache_tokens={self.kv_cache_tokens} is smaller than one KV block (block_size={self.block_size})"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kv_cache_gb <= 0:
+            raise ValueError(f"cpu_kv_cache_gb must be positive, got {self.cpu_kv_cache_gb}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _check_choice("attention", self.attention, ATTENTION_MODES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("offload", self.offload, OFFLOAD_MODES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        if not self.cuda_graph_batch_sizes or min(self.cuda_graph_batch_sizes) < 1:
+            raise ValueError(f"cuda_graph_batch_sizes must be positive integers, got {self.cuda_graph_batch_sizes}")
+        if self.offload_host_gb <= 0:
+            raise ValueError(f"offload_host_gb must be positive, got {self.offload_host_gb}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+    @classmethod
+    def from_overrides(cls, overrides: dict[str, Any] | None = None, base: EngineConfig | None = None) -> EngineConfig:
+        """A config from `base` (or the defaults) with `overrides` applied.
+
+        Values may be strings (from a command line): they are parsed by the field's type.
+        """
+        overrides = dict(overrides or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(f"unknown engine config field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        hints = typing.get_type_hints(cls)
+        values = dataclasses.asdict(base) if base is not None else {}
+        for name, value in overrides.items():
+            values[name] = _parse(name, value, hints[name]) if isinstance(value, str) else value
+        return cls(**values)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _allowed_types(hint: Any) -> tuple[type, ...]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return tuple(t for arg in typing.get_args(hint) for t in _allowed_types(arg))
+    if hint is type(None):
+        return (type(None),)
+    return (typing.get_origin(hint) or hint,)
+
+
+def _check_types(cfg: EngineConfig) -> None:
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        allowed = _allowed_types(hints[f.name])
+        if isinstance(value, bool) and bool not in allowed:
+            ok = False  # a bool is an int to Python, not to a user who typed block_size=True
+        elif isinstance(value, int) and float in allowed:
+            ok = True
+        else:
+            ok = isinstance(value, allowed)
+        if not ok:
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{f.name} must be {names}, got {value!r}")
+    for size in cfg.cuda_graph_batch_sizes:
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise ValueError(f"cuda_graph_batch_sizes must be integers, got {cfg.cuda_graph_batch_sizes!r}")
+
+
+def _parse(name: str, text: str, hint: Any) -> Any:
+    allowed = _allowed_types(hint)
+    s = text.strip()
+    if type(None) in allowed and s.lower() in ("none", "null", ""):
+        return None
+    if bool in allowed:
+        if s.lower() in ("1", "true", "yes", "on"):
+            return True
+        if s.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name} must be true or false, got {text!r}")
+    try:
+        if int in allowed:
+            return int(s)
+        if float in allowed:
+            return float(s)
+        if tuple in allowed:
+            return tuple(int(p) for p in s.replace(",", " ").split())
+    except ValueError:
+        raise ValueError(f"{name} must be {' or '.join(t.__name__ for t in allowed)}, got {text!r}") from None
+    return text

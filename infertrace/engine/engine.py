@@ -1,0 +1,227 @@
+"""The synchronous engine core: requests in, one scheduler step at a time, token deltas out.
+
+A step is planned (a pure decision), then runs inside one profiler range named after it:
+`step[PREFILL bs=.. toks=..]` / `step[DECODE bs=..]` / `step[MIXED bs=.. toks=..]`, holding `schedule` (the plan
+applied: preemptions, admissions, KV slots), `prepare_inputs`, `forward` and `sample`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from infertrace.engine.annotate import annotate, step_range_name
+from infertrace.engine.block_manager import BlockManager
+from infertrace.engine.config import EngineConfig
+from infertrace.engine.detokenizer import IncrementalDetokenizer
+from infertrace.engine.model_runner import ModelRunner
+from infertrace.engine.models.loader import check_model_dir, read_json
+from infertrace.engine.outputs import RequestOutput, StepStats
+from infertrace.engine.sampling_params import SamplingParams
+from infertrace.engine.scheduler import Scheduler, StepPlan
+from infertrace.engine.sequence import Sequence
+
+COUNTER_NAMES = (
+    "prompt_tokens",
+    "generation_tokens",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "preemptions",
+    "steps",
+    "requests_added",
+    "requests_finished",
+    "requests_aborted",
+)
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+        from transformers import AutoTokenizer
+
+        self.config = config = config or EngineConfig()
+        if config.offload != "off":
+            raise ValueError(f"offload={config.offload!r} is not available in this build; use offload='off'")
+        self.model_dir = check_model_dir(model_dir)
+        hf_config = read_json(self.model_dir / "config.json")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.runner = ModelRunner(config, self.model_dir, hf_config)
+        spec = self.runner.spec
+
+        if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings "
+                f"({spec.max_position_embeddings})"
+            )
+        kv_capacity = self.runner.num_blocks * config.block_size
+        if config.max_model_len is not None and config.max_model_len > kv_capacity:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} does not fit the KV cache ({kv_capacity} tokens); "
+                "raise kv_cache_tokens or lower max_model_len"
+            )
+        # one request must always fit in the KV cache on its own, so the context is capped by its size
+        self.max_model_len = min(config.max_model_len or spec.max_position_embeddings, kv_capacity)
+        self.vocab_size = spec.vocab_size
+        self.eos_token_ids = _eos_token_ids(self.model_dir, hf_config, self.tokenizer)
+
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.counters = dict.fromkeys(COUNTER_NAMES, 0)
+        self.last_step: StepStats | None = None
+        self._requests: dict[str, Sequence] = {}
+        self._step_index = 0
+        self._arrivals = 0
+
+    # ----- state -----
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.block_manager.num_used_blocks
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----- requests -----
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the maximum context is {self.max_model_len}")
+        seq = Sequence(request_id, token_ids, params, arrival=self._arrivals)
+        self._arrivals += 1
+        if params.seed is not None:
+            seq.generator = self.runner.sampler.make_generator(params.seed)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        if self.config.prefix_caching and len(seq) > self.config.block_size:
+            seq.block_hash((len(seq) - 1) // self.config.block_size - 1, self.config.block_size)  # hash up front
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        self.counters["requests_added"] += 1
+        self.counters["prompt_tokens"] += len(token_ids)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request now and free its KV blocks; returns its final output (None for unknown or finished ids)."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        self.counters["requests_aborted"] += 1
+        return self._output(seq, [], finished=True)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    # ----- stepping -----
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns outputs of the requests that produced tokens or finished in it."""
+        if not self.scheduler.has_unfinished():
+            return []
+        t0 = time.perf_counter()
+        plan = self.scheduler.plan()
+        if not plan.scheduled:
+            self.scheduler.apply(plan)
+            self.counters["preemptions"] += len(plan.preempted)
+            return []
+        kind = plan.kind.value
+        queried = sum(len(seq) for seq, _ in plan.admitted)
+        with annotate(step_range_name(kind, plan.batch_size, plan.num_tokens)):
+            with annotate("schedule"):
+                self.scheduler.apply(plan)
+            tokens = self.runner.run(plan)
+            outputs = self._postprocess(plan, tokens)
+        duration = time.perf_counter() - t0
+
+        self.counters["steps"] += 1
+        self.counters["preemptions"] += len(plan.preempted)
+        self.counters["prefix_cache_queries"] += queried
+        self.counters["prefix_cache_hits"] += plan.num_cached_tokens
+        prefill_tokens = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
+        self.last_step = StepStats(
+            index=self._step_index,
+            kind=kind,
+            batch_size=plan.batch_size,
+            num_tokens=plan.num_tokens,
+            duration_s=duration,
+            prefix_cache_hits=plan.num_cached_tokens,
+            preemptions=len(plan.preempted),
+            num_prefill_tokens=prefill_tokens,
+            num_decode_tokens=plan.num_tokens - prefill_tokens,
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_blocks_used=self.kv_blocks_used,
+        )
+        self._step_index += 1
+        return outputs
+
+    def _postprocess(self, plan: StepPlan, tokens: list[int | None]) -> list[RequestOutput]:
+        self.scheduler.update_computed(plan)
+        outputs = []
+        for s, token in zip(plan.scheduled, tokens):
+            if token is None:
+                continue
+            seq = s.seq
+            seq.append_token(token)
+            self.counters["generation_tokens"] += 1
+            reason = self._stop_reason(seq, token)
+            finished = reason is not None
+            if finished:
+                if seq.detokenizer.flush() and reason != "stop":
+                    reason = "stop"
+                self.scheduler.finish(seq, reason)
+                del self._requests[seq.request_id]
+                self.counters["requests_finished"] += 1
+            outputs.append(self._output(seq, [token], finished))
+        return outputs
+
+    @staticmethod
+    def _output(seq: Sequence, new_token_ids: list[int], finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_token_ids,
+            new_text=seq.detokenizer.take(finished),
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+        )
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if p.stop_token_ids and token in p.stop_token_ids:
+            return "stop"
+        if seq.detokenizer.add(token):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+
+def _eos_token_ids(model_dir: Path, hf_config: dict, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in (read_json(model_dir / "generation_config.json").get("eos_token_id"), hf_config.get("eos_token_id")):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,147 @@
+"""Runs the model for a planned step: weights and KV cache on the device, input preparation, forward, sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from infertrace.engine.annotate import annotate
+from infertrace.engine.attention import AttentionMetadata, make_attention_backend
+from infertrace.engine.config import EngineConfig
+from infertrace.engine.models.loader import load_weights
+from infertrace.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
+from infertrace.engine.sampler import Sampler
+from infertrace.engine.scheduler import StepPlan
+
+_CPU_FLOAT16_FALLBACK = torch.float32  # float16 matmuls are slow or missing on CPUs
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unsupported dtype {name!r}")
+    if dtype == torch.float16 and device.type == "cpu":
+        return _CPU_FLOAT16_FALLBACK
+    return dtype
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path, hf_config: dict):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.spec = Qwen3Spec.from_hf_config(hf_config)
+        self.block_size = config.block_size
+        self.attention = make_attention_backend(config, self.device)
+
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(self.spec, self.dtype)
+        model = model.to_empty(device=self.device)
+        load_weights(model, model_dir)
+        model.eval()
+        max_positions = min(self.spec.max_position_embeddings, config.max_model_len or self.spec.max_position_embeddings)
+        model.setup(self.attention, max_positions, self.device)
+        self.model = model
+
+        self.num_blocks = self._num_kv_blocks()
+        slots = self.num_blocks * self.block_size
+        shape = (2, self.spec.num_hidden_layers, slots, self.spec.num_key_value_heads, self.spec.head_dim)
+        # zeroed: padded positions of the batched path read slots nobody wrote, and must read finite values
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        model.bind_kv_cache(list(self.kv_cache[0]), list(self.kv_cache[1]))
+        self.sampler = Sampler(config.seed, self.device)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        s = self.spec
+        return 2 * s.num_hidden_layers * s.num_key_value_heads * s.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        block_bytes = self.kv_bytes_per_token * self.block_size
+        if cfg.kv_cache_tokens is not None:
+            return cfg.kv_cache_tokens // self.block_size
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # what the engine may still take, less headroom for activations of the largest step
+            headroom = cfg.max_num_batched_tokens * self.spec.hidden_size * 4 * 16
+            budget = free - total * (1.0 - cfg.gpu_memory_utilization) - headroom
+        else:
+            budget = cfg.cpu_kv_cache_gb * 1024**3
+        blocks = int(budget // block_bytes)
+        if blocks < 1:
+            raise ValueError(
+                f"no memory left for the KV cache on {self.device} (one block needs {block_bytes} bytes); "
+                "lower the model size or raise the memory budget"
+            )
+        return blocks
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> list[int | None]:
+        """Forward the planned tokens; returns the sampled token of each scheduled request (None mid-prefill)."""
+        with annotate("prepare_inputs"):
+            input_ids, positions, meta, logits_indices = self.prepare_inputs(plan)
+            self.attention.prepare(meta)
+        with annotate("forward"):
+            hidden = self.model(input_ids, positions, meta)
+            logits = self.model.compute_logits(hidden[logits_indices]).float() if logits_indices.numel() else None
+        with annotate("sample"):
+            sampling = [s for s in plan.scheduled if s.samples]
+            tokens = (
+                self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
+                if sampling
+                else []
+            )
+        it = iter(tokens)
+        return [next(it) if s.samples else None for s in plan.scheduled]
+
+    def prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        logits_indices: list[int] = []
+        for s in plan.scheduled:
+            seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+            if s.samples:
+                logits_indices.append(query_start_loc[-1] - 1)
+        max_blocks = max(len(s.seq.block_table) for s in plan.scheduled)
+        block_tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in plan.scheduled]
+
+        def tensor(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slot_mapping),
+            query_start_loc=tensor(query_start_loc),
+            seq_lens=tensor(seq_lens),
+            block_tables=tensor(block_tables),
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+        )
+        return tensor(input_ids), tensor(positions), meta, tensor(logits_indices)

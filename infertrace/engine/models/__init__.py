@@ -1,0 +1,1 @@
+"""Model implementations the engine can run."""

@@ -1,0 +1,203 @@
+"""Qwen3 for causal LM over a flat token batch, with packed q/k/v and gate/up projections.
+
+The numerics follow the Hugging Face implementation (RMSNorm in float32, q/k norm before RoPE, RoPE tables in
+float32), so that greedy tokens match it exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infertrace.engine.attention import AttentionMetadata, TorchAttention
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen3Spec:
+    """The fields of a Qwen3 config.json the engine uses."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> Qwen3Spec:
+        archs = cfg.get("architectures") or []
+        if cfg.get("model_type") != "qwen3" and "Qwen3ForCausalLM" not in archs:
+            raise ValueError(f"not a Qwen3 model: model_type={cfg.get('model_type')!r}, architectures={archs}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; Qwen3 uses silu")
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default":
+            raise ValueError(f"unsupported RoPE scaling {rope_type!r}")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for every position, built in float32 once."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        positions = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = spec.num_attention_heads
+        self.num_kv_heads = spec.num_key_value_heads
+        self.head_dim = spec.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.attention_bias, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype)
+        self.k_cache: torch.Tensor | None = None  # [num_slots, Hkv, D], bound by the model runner
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        out = attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype):
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.self_attn = Qwen3Attention(spec, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.mlp = Qwen3MLP(spec, dtype)
+
+    def forward(self, x, positions, rope, attn, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(spec, dtype) for _ in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    # checkpoint projection -> (packed parameter, index of its slice in the packing order)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype):
+        super().__init__()
+        self.spec = spec
+        self.model = Qwen3Model(spec, dtype)
+        # tied: logits use the embedding matrix itself
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+        self.rope: RotaryEmbedding | None = None
+        self.attn: TorchAttention | None = None
+
+    def setup(self, attn: TorchAttention, max_positions: int, device: torch.device) -> None:
+        """Attach the attention backend and build the RoPE tables (after the weights are on `device`)."""
+        self.attn = attn
+        self.rope = RotaryEmbedding(self.spec.head_dim, self.spec.rope_theta, max_positions, device)
+
+    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
+            layer.self_attn.k_cache = k_cache
+            layer.self_attn.v_cache = v_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, self.rope, self.attn, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def packed_slice(self, param_name: str, index: int) -> tuple[int, int]:
+        """Rows of packed parameter `param_name` (e.g. 'model.layers.0.self_attn.qkv_proj.weight') holding part `index`."""
+        spec = self.spec
+        if ".qkv_proj." in param_name:
+            q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+            return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][index]
+        inter = spec.intermediate_size
+        return [(0, inter), (inter, 2 * inter)][index]

@@ -1,0 +1,44 @@
+"""What the engine hands out: per-request token deltas, per-step statistics, finished completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str  # incremental text; stop strings already cut
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_prompt_tokens: int
+    num_output_tokens: int  # cumulative
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass(slots=True)
+class StepStats:
+    index: int
+    kind: str  # "prefill" | "decode" | "mixed"
+    batch_size: int
+    num_tokens: int
+    duration_s: float
+    prefix_cache_hits: int  # prompt tokens served from the prefix cache in this step
+    preemptions: int
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_running: int = 0  # after the step
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+
+
+@dataclass(slots=True)
+class Completion:
+    """One prompt's result from LLM.generate."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int

@@ -1,0 +1,56 @@
+"""Next-token choice from logits: greedy, or temperature with top-k and top-p, per request."""
+
+from __future__ import annotations
+
+import torch
+
+from infertrace.engine.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device):
+        # requests without their own seed draw from one engine-wide generator, so whole runs repeat too
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.device = device
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> list[int]:
+        """logits [B, V] float; one token id per row."""
+        tokens = torch.argmax(logits, dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            tokens = tokens.clone()
+            for i in random_rows:
+                tokens[i] = self._sample_row(logits[i].float(), params[i], generators[i] or self.generator)
+        return tokens.tolist()
+
+    @staticmethod
+    def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+        logits = logits / p.temperature
+        top_k = p.top_k_or_none
+        if top_k is not None and top_k < logits.numel():
+            values, ids = torch.topk(logits, top_k)  # sorted, descending
+            probs = torch.softmax(values, dim=-1)  # renormalised over the top k
+        elif p.top_p < 1.0:
+            # the top-p set is nearly always small: look among the top n first instead of sorting the vocabulary
+            full = torch.softmax(logits, dim=-1)
+            n = 1024
+            while True:
+                values, ids = torch.topk(full, min(n, full.numel()))
+                if n >= full.numel() or float(values.sum()) >= p.top_p:
+                    break
+                n *= 8
+            probs = values
+        else:
+            ids, probs = None, torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+            probs = probs.masked_fill((torch.cumsum(probs, dim=-1) - probs) >= p.top_p, 0.0)
+        # argmax of p / Exp(1) noise draws index i with probability p_i / sum(p), and is much cheaper than multinomial
+        noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+        choice = int(torch.argmax(probs / noise))
+        return choice if ids is None else int(ids[choice])

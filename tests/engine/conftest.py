@@ -1,0 +1,126 @@
+"""Engine test fixtures: greedy references from Hugging Face transformers, computed once per prompt set."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+NEW_TOKENS = 64
+VOCAB = 151936
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(n)] for n in lengths]
+
+
+class HFReference:
+    """Greedy continuations of Hugging Face's own Qwen3 on the same checkpoint, in float32."""
+
+    def __init__(self, model_dir):
+        import torch
+        from transformers import Qwen3ForCausalLM
+
+        self.torch = torch
+        self.model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self._cache: dict[tuple[int, ...], list[int]] = {}
+
+    def greedy(self, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+        """`generate(do_sample=False)` for every prompt (one left-padded batch for the ones not seen before)."""
+        torch = self.torch
+        todo = [p for p in dict.fromkeys(map(tuple, prompts)) if (p, new_tokens) not in self._cache]
+        if todo:
+            width = max(map(len, todo))
+            ids = torch.zeros(len(todo), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, p in enumerate(todo):
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
+            with torch.no_grad():
+                out = self.model.generate(
+                    ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                    eos_token_id=None, pad_token_id=0,
+                )
+            assert out.shape[1] == width + new_tokens, "the reference stopped early"
+            for i, p in enumerate(todo):
+                self._cache[(p, new_tokens)] = out[i, width:].tolist()
+        return [self._cache[(tuple(p), new_tokens)] for p in prompts]
+
+    def assert_matches(self, prompts: list[list[int]], got: list[list[int]], new_tokens: int = NEW_TOKENS) -> None:
+        """Token-for-token equality with the reference; a mismatch reports the reference's logit gap there."""
+        want = self.greedy(prompts, new_tokens)
+        for i, (g, w) in enumerate(zip(got, want)):
+            if g != w:
+                j = next((k for k in range(min(len(g), len(w))) if g[k] != w[k]), min(len(g), len(w)))
+                gap = self.top2_gap(list(prompts[i]) + w[:j]) if j < len(w) else float("nan")
+                raise AssertionError(
+                    f"prompt {i} (len {len(prompts[i])}): {len(g)} tokens, differs at output {j} "
+                    f"({g[j:j + 1]} vs reference {w[j:j + 1]}); reference top-2 logit gap there {gap:.3g}"
+                )
+
+    def top2_gap(self, tokens: list[int]) -> float:
+        """Logit gap between the best and second-best next token after `tokens` (to tell ties from bugs)."""
+        with self.torch.no_grad():
+            logits = self.model(self.torch.tensor([tokens])).logits[0, -1]
+        top = self.torch.topk(logits, 2).values
+        return float(top[0] - top[1])
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One intra-op thread: on a shared 2-core machine, spinning OpenMP workers make runs several times slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model_dir) -> HFReference:
+    return HFReference(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def mixed_prompts() -> list[list[int]]:
+    """16 prompts of 1 to 300 tokens."""
+    return random_prompts([1, 300, 17, 64, 5, 129, 250, 33, 2, 90, 16, 15, 200, 48, 77, 160], seed=0)
+
+
+@pytest.fixture(scope="session")
+def make_prompts():
+    """`make_prompts(lengths, seed)`: random token-id prompts."""
+    return random_prompts
+
+
+def run_to_completion(engine, prompts, params) -> tuple[list[list[int]], list]:
+    """Add every prompt, step until done; returns each prompt's output tokens and every step's StepStats."""
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    steps = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        steps.append(engine.last_step)
+    return [tokens[i] for i in ids], steps
+
+
+@pytest.fixture(scope="session")
+def run_engine():
+    """`run_engine(engine, prompts, params)` -> (tokens per prompt, StepStats per step)."""
+    return run_to_completion
+
+
+@pytest.fixture
+def make_engine(tiny_model_dir):
+    """`make_engine(**config_overrides)`: an Engine on the tiny model."""
+    from infertrace.engine import Engine, EngineConfig
+
+    def make(**overrides):
+        return Engine(tiny_model_dir, EngineConfig.from_overrides(overrides))
+
+    return make

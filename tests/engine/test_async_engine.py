@@ -1,0 +1,124 @@
+"""AsyncEngine: streams match offline generation, abort on close, calls and callbacks in the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from infertrace.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=7, ignore_eos=True)
+
+
+@pytest.fixture
+def aengine(tiny_model_dir):
+    return AsyncEngine.from_model(tiny_model_dir, EngineConfig(kv_cache_tokens=4096))
+
+
+async def collect(aeng, request_id, prompt, params):
+    outs = [out async for out in aeng.generate(request_id, prompt, params)]
+    return outs
+
+
+async def test_streams_yield_the_tokens_generate_returns(tiny_model_dir, aengine, make_prompts):
+    prompts = make_prompts([9, 50, 120], seed=21)
+    expected = LLM(tiny_model_dir, kv_cache_tokens=4096).generate(prompts + prompts, [GREEDY] * 3 + [SEEDED] * 3)
+    await aengine.start()
+    streams = await asyncio.gather(
+        *(collect(aengine, f"g{i}", p, GREEDY) for i, p in enumerate(prompts)),
+        *(collect(aengine, f"s{i}", p, SEEDED) for i, p in enumerate(prompts)),
+    )
+    for outs, want in zip(streams, expected):
+        assert [t for o in outs for t in o.new_token_ids] == want.token_ids
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 12
+    stats = json.loads(json.dumps(aengine.stats()))
+    assert stats["last_step"]["kind"] == "decode"
+    assert stats["running"] == 0 and stats["kv_blocks_used"] == 0 and stats["counters"]["requests_finished"] == 6
+    await aengine.shutdown()
+
+
+async def test_closing_a_stream_aborts_and_frees_its_blocks(aengine, make_prompts):
+    prompt = make_prompts([100], seed=22)[0]
+    stream = aengine.generate("a", prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+    first = await stream.__anext__()
+    assert first.new_token_ids and not first.finished
+    assert await aengine.call(lambda: aengine.engine.kv_blocks_used) > 0
+    await stream.aclose()
+    # the abort command is queued before call's, so the blocks are free when the call runs
+    assert await aengine.call(lambda: aengine.engine.kv_blocks_used) == 0
+    assert aengine.stats()["counters"]["requests_aborted"] == 1
+    await aengine.shutdown()
+
+
+async def test_abort_ends_the_stream(aengine, make_prompts):
+    prompt = make_prompts([20], seed=23)[0]
+    outs = []
+
+    async def consume():
+        async for out in aengine.generate("a", prompt, SamplingParams(max_tokens=500, ignore_eos=True)):
+            outs.append(out)
+            if len(outs) == 2:
+                await aengine.abort("a")
+
+    await asyncio.wait_for(consume(), timeout=60)
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert aengine.stats()["kv_blocks_used"] == 0
+    await aengine.shutdown()
+
+
+async def test_errors_reach_the_caller(aengine):
+    with pytest.raises(ValueError, match="maximum context"):
+        await collect(aengine, "long", list(range(5000)), GREEDY)
+
+    def boom():
+        raise RuntimeError("in the engine thread")
+
+    with pytest.raises(RuntimeError, match="in the engine thread"):
+        await aengine.call(boom)
+    # the loop survives both
+    outs = await collect(aengine, "ok", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert outs[-1].finished
+    await aengine.shutdown()
+
+
+async def test_calls_and_step_callbacks_run_in_the_engine_thread(aengine):
+    threads = set()
+    kinds = []
+
+    def on_step(stats):
+        threads.add(threading.current_thread().name)
+        kinds.append(stats.kind)
+
+    aengine.add_step_callback(on_step)
+    name = await aengine.call(lambda: threading.current_thread().name)
+    await collect(aengine, "a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert threads == {name} and name != threading.current_thread().name
+    assert kinds == ["prefill", "decode", "decode"]
+    await aengine.shutdown()
+
+
+async def test_shutdown_can_let_requests_finish(aengine):
+    await aengine.start()
+    task = asyncio.ensure_future(collect(aengine, "a", [1, 2, 3, 4], SamplingParams(max_tokens=6, ignore_eos=True)))
+    await asyncio.sleep(0)  # let the request reach the engine
+    while aengine.stats()["counters"]["requests_added"] == 0:
+        await asyncio.sleep(0.01)
+    await aengine.shutdown(abort_running=False)
+    outs = await task
+    assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 6
+
+
+async def test_shutdown_aborts_running_requests(aengine):
+    await aengine.start()
+    task = asyncio.ensure_future(collect(aengine, "a", [1, 2, 3, 4], SamplingParams(max_tokens=10_000, ignore_eos=True)))
+    while aengine.stats()["counters"]["generation_tokens"] == 0:
+        await asyncio.sleep(0.01)
+    await aengine.shutdown(abort_running=True)
+    outs = await asyncio.wait_for(task, timeout=30)
+    assert outs[-1].finish_reason == "abort"
+    assert aengine.engine.kv_blocks_used == 0

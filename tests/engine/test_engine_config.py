@@ -1,0 +1,84 @@
+"""EngineConfig: defaults once, overrides by name (also as strings), one clear error for each bad value."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from infertrace.engine import Engine, EngineConfig
+
+
+def test_defaults_are_json_serialisable():
+    cfg = EngineConfig()
+    data = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    assert data["block_size"] == 16 and data["attention"] == "batched" and data["offload"] == "off"
+    assert EngineConfig(**{**data, "cuda_graph_batch_sizes": tuple(data["cuda_graph_batch_sizes"])}) == cfg
+
+
+def test_overrides_by_name_and_from_strings():
+    cfg = EngineConfig.from_overrides(
+        {"attention": "looped", "block_size": "32", "prefix_caching": "off", "kv_cache_tokens": "none",
+         "gpu_memory_utilization": "0.5", "cuda_graph_batch_sizes": "1,2,4"}
+    )
+    assert (cfg.attention, cfg.block_size, cfg.prefix_caching, cfg.kv_cache_tokens) == ("looped", 32, False, None)
+    assert cfg.gpu_memory_utilization == 0.5 and cfg.cuda_graph_batch_sizes == (1, 2, 4)
+    base = EngineConfig(block_size=8)
+    assert EngineConfig.from_overrides({"max_num_seqs": 4}, base=base).block_size == 8
+
+
+def test_unknown_field_is_named():
+    with pytest.raises(ValueError, match="unknown engine config field.*attn_mode"):
+        EngineConfig.from_overrides({"attn_mode": "looped"})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_size": 0}, "block_size must be at least 1"),
+        ({"kv_cache_tokens": 8, "block_size": 16}, "smaller than one KV block"),
+        ({"attention": "fused"}, "attention must be one of batched, looped"),
+        ({"attention_backend": "cudnn"}, "attention_backend must be one of"),
+        ({"offload": "disk"}, "offload must be one of off, prefix, long"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"scheduling_policy": "priority"}, "scheduling_policy"),
+        ({"device": "tpu"}, "device must be"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"block_size": "16"}, "block_size must be int"),
+        ({"prefix_caching": 1}, "prefix_caching must be bool"),
+        ({"cuda_graph_batch_sizes": (0, 1)}, "cuda_graph_batch_sizes"),
+    ],
+)
+def test_bad_values_raise_one_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_bad_string_override():
+    with pytest.raises(ValueError, match="block_size must be int"):
+        EngineConfig.from_overrides({"block_size": "big"})
+    with pytest.raises(ValueError, match="chunked_prefill must be true or false"):
+        EngineConfig.from_overrides({"chunked_prefill": "maybe"})
+
+
+def test_model_directory_problems(tiny_model_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Engine(tmp_path / "nowhere", EngineConfig(kv_cache_tokens=1024))
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", partial)
+    with pytest.raises(FileNotFoundError, match=r"missing \*\.safetensors weights, tokenizer\.json, tokenizer_config\.json"):
+        Engine(partial, EngineConfig(kv_cache_tokens=1024))
+
+
+def test_engine_level_config_errors(tiny_model_dir):
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        Engine(tiny_model_dir, EngineConfig(kv_cache_tokens=1024, max_model_len=10_000))
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
+        Engine(tiny_model_dir, EngineConfig(kv_cache_tokens=1024, max_model_len=2048))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        Engine(tiny_model_dir, EngineConfig(kv_cache_tokens=1024, attention_backend="triton", device="cpu"))

@@ -1,0 +1,69 @@
+"""Every engine step is a named profiler range, with schedule / prepare_inputs / forward / sample inside."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+
+import torch
+
+from infertrace.engine import SamplingParams
+from infertrace.engine import annotate as annotate_module
+from infertrace.engine.annotate import step_range_name
+
+STEP = re.compile(r"^step\[(PREFILL bs=\d+ toks=\d+|DECODE bs=\d+|MIXED bs=\d+ toks=\d+)\]$")
+PHASES = ("schedule", "prepare_inputs", "forward", "sample")
+
+
+def test_torch_profiler_trace_holds_the_step_annotations(make_engine, run_engine, make_prompts, tmp_path):
+    engine = make_engine(kv_cache_tokens=4096, max_num_batched_tokens=32)
+    prompts = make_prompts([6, 50], seed=31)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _, steps = run_engine(engine, prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+
+    step_events = sorted((e for e in events if e["name"].startswith("step[")), key=lambda e: e["ts"])
+    assert [e["name"] for e in step_events] == [
+        step_range_name(s.kind, s.batch_size, s.num_tokens) for s in steps
+    ]
+    assert all(STEP.match(e["name"]) for e in step_events)
+    kinds = {e["name"].split()[0] for e in step_events}
+    assert kinds == {"step[PREFILL", "step[MIXED", "step[DECODE"}
+    assert step_events[0]["name"] == "step[PREFILL bs=2 toks=32]"
+    for step in step_events:
+        start, end = step["ts"], step["ts"] + step["dur"]
+        inside = [e["name"] for e in events if e["name"] in PHASES and start <= e["ts"] and e["ts"] + e["dur"] <= end]
+        assert sorted(inside) == sorted(PHASES), (step["name"], inside)
+
+
+def test_range_names():
+    assert step_range_name("prefill", 2, 300) == "step[PREFILL bs=2 toks=300]"
+    assert step_range_name("decode", 16, 16) == "step[DECODE bs=16]"
+    assert step_range_name("mixed", 9, 72) == "step[MIXED bs=9 toks=72]"
+
+
+def test_nvtx_ranges_go_to_the_nvtx_package_without_cuda():
+    if torch.cuda.is_available():
+        assert annotate_module._NVTX == (torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop)
+    else:
+        import nvtx
+
+        assert annotate_module._NVTX == (nvtx.push_range, nvtx.pop_range)
+    with annotate_module.annotate("step[DECODE bs=1]"):
+        pass
+
+
+def test_gzip_export_is_readable(make_engine, tmp_path):
+    # what capture tools write: a .json.gz trace; the annotations survive the round trip
+    engine = make_engine(kv_cache_tokens=1024)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=1))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.step()
+    path = tmp_path / "trace.pt.trace.json.gz"
+    prof.export_chrome_trace(str(path))
+    with gzip.open(path) as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert "step[PREFILL bs=1 toks=3]" in names and set(PHASES) <= names
