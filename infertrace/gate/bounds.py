@@ -39,16 +39,19 @@ class Bound:
         """The checked quantity (relative change, absolute change, or value) must stay on the allowed side of this."""
         return -self.limit if self.kind is Kind.MAX_DROP else self.limit
 
-    def describe(self) -> str:
+    def allowed(self) -> str:
+        """The allowed region of the checked quantity, in the sign convention of the change: `≥ -5%`, `≤ +20 ms`."""
+        relation = "≥" if self.is_floor else "≤"
         if self.relative:
-            return f"{self.kind.value} {self.limit * 100:g}%"
+            return f"{relation} {self.threshold * 100:+g}%"
         unit = metric_unit(self.metric)
-        return f"{self.kind.value} {self.limit:g}" + (f" {unit}" if unit else "")
+        number = f"{self.threshold:+g}" if self.needs_baseline else f"{self.threshold:g}"
+        return f"{relation} {number}" + (f" {unit}" if unit else "")
 
 
 def metric_unit(metric: str) -> str:
     """The unit of a result metric, inferred from its name as `vllm bench serve` names them ('' when unitless)."""
-    if metric.endswith("_ms"):
+    if metric.endswith("_ms") or "_ms_per_" in metric:
         return "ms"
     if metric == "duration":
         return "s"
@@ -61,9 +64,9 @@ def metric_unit(metric: str) -> str:
 
 def higher_is_better(metric: str) -> bool | None:
     """Which way a metric improves, where its name says so (None when it does not)."""
-    if metric.endswith("_ms") or metric in ("duration", "failed"):
+    if metric_unit(metric) in ("ms", "s") or metric == "failed":
         return False
-    if metric.endswith("throughput") or metric.endswith("goodput") or metric == "completed":
+    if metric.endswith(("throughput", "goodput")) or metric == "completed":
         return True
     return None
 

@@ -5,12 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
 
 from infertrace.console import err_console, fail, out_console
 from infertrace.gate.bounds import Bound, Kind, higher_is_better, parse_bounds
 from infertrace.gate.check import GateConfig, evaluate
 from infertrace.gate.render import failure_markdown, markdown, table
-from infertrace.gate.results import ResultError, Run, config_differences, load_runs, write_baseline
+from infertrace.gate.results import (
+    ResultError,
+    Run,
+    config_differences,
+    hardware_differences,
+    load_runs,
+    write_baseline,
+)
 
 DEFAULTS = GateConfig()
 
@@ -83,7 +93,9 @@ def gate(
       --max failed=0                         at most 0
 
     METRIC is any numeric top-level key of a result: output_throughput, median_tpot_ms, p99_e2el_ms, ...
-    A unit, where given, must fit the metric.
+    A unit, where given, must fit the metric. cpu_ms_per_output_token (CPU time of the benchmark process per
+    output token, derived from an infertrace result) is the figure to gate on a shared CPU machine, where
+    wall-clock figures move too much from run to run.
 
     Results from another model or workload than the baseline's are refused (exit 2) unless
     --allow-config-change. Record a baseline with `--update-baseline --baseline BASE.json`.
@@ -101,6 +113,8 @@ def gate(
         if before:
             _require_same_config(before, before, allow_config_change, ignore_config)
             _require_same_config(before, current, allow_config_change, ignore_config)
+            for line in hardware_differences(before, current)[:1]:
+                _warn(f"the baseline ran on other hardware ({line}): a change may not be the code's")
         _warn_about(current, bounds)
         config = GateConfig(confidence, resamples, seed)
         report = evaluate(current, before, bounds, config)
@@ -108,11 +122,20 @@ def gate(
         if summary is not None:
             _append(summary, failure_markdown(str(exc)))
         fail(str(exc), code=2)
-    out_console.print(table(report))
+    _print_table(table(report))
     if summary is not None:
         _append(summary, markdown(report))
     if report.regressed:
         raise SystemExit(1)
+
+
+def _print_table(grid: Table) -> None:
+    """Off a terminal (a CI log, which does not wrap) the table keeps its natural width instead of 80 columns."""
+    if out_console.is_terminal:
+        out_console.print(grid)
+        return
+    natural = Measurement.get(out_console, out_console.options.update(width=10_000), grid).maximum
+    Console(file=out_console.file, width=max(natural, out_console.width)).print(grid)
 
 
 def _load_all(paths: tuple[Path, ...]) -> list[Run]:
@@ -139,7 +162,7 @@ def _require_same_config(runs: list[Run], others: list[Run], allow: bool, ignore
             + "): pass --allow-config-change to compare them anyway"
         )
     for line in differences:
-        err_console.print(f"[yellow]warning:[/] configuration differs: {line}", highlight=False, soft_wrap=True)
+        _warn(f"configuration differs: {line}")
 
 
 def _write_baseline(runs: list[Run], bounds: list[Bound], baseline: Path | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.table import Table
 
 from infertrace.gate.bounds import metric_unit
@@ -27,7 +28,7 @@ def footnote(report: GateReport) -> str:
 
 def columns(report: GateReport) -> tuple[str, ...]:
     interval = f"{report.config.confidence:.0%} interval"
-    return "metric", "bound", "baseline", "current", "change", interval, "verdict"
+    return "metric", "verdict", "change", interval, "allowed", "baseline", "current"
 
 
 def rows(report: GateReport) -> list[tuple[str, ...]]:
@@ -35,11 +36,19 @@ def rows(report: GateReport) -> list[tuple[str, ...]]:
 
 
 def table(report: GateReport) -> Table:
-    grid = Table(title=f"infertrace gate: {headline(report)}", caption=footnote(report), caption_justify="left")
+    grid = Table(
+        title=f"infertrace gate: {headline(report)}", caption=footnote(report), caption_justify="left",
+        box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False, collapse_padding=True,
+    )
+    # in a narrow terminal the numbers wrap, while metric names and verdicts stay whole
+    whole = {
+        "metric": max((len(check.bound.metric) for check in report.checks), default=0),
+        "verdict": len(Verdict.NOISE.value),
+    }
     for name in columns(report):
-        grid.add_column(name, justify="left" if name in ("metric", "bound", "verdict") else "right")
-    for check, cells in zip(report.checks, rows(report)):
-        grid.add_row(*cells[:-1], f"[{_STYLES[check.verdict]}]{cells[-1]}[/]")
+        grid.add_column(name, justify="left" if name in whole else "right", min_width=whole.get(name))
+    for check, (metric, verdict, *rest) in zip(report.checks, rows(report)):
+        grid.add_row(metric, f"[{_STYLES[check.verdict]}]{verdict}[/]", *rest)
     return grid
 
 
@@ -51,9 +60,9 @@ def markdown(report: GateReport) -> str:
         "| " + " | ".join("---" for _ in columns(report)) + " |",
     ]
     for check, cells in zip(report.checks, rows(report)):
-        metric, *middle, verdict = cells
+        metric, verdict, *rest = cells
         verdict = f"**{verdict}**" if check.verdict is Verdict.REGRESSION else verdict
-        lines.append("| " + " | ".join([f"`{metric}`", *middle, verdict]) + " |")
+        lines.append("| " + " | ".join([f"`{metric}`", verdict, *rest]) + " |")
     return "\n".join([*lines, "", footnote(report), ""])
 
 
@@ -72,10 +81,11 @@ def _row(check: Check) -> tuple[str, ...]:
         interval = f"[{_percent(check.interval[0])}, {_percent(check.interval[1])}]"
     else:
         change = f"{_number(check.change, signed=True)}{_suffix(unit)}"
-        interval = f"[{_number(check.interval[0], signed=True)}, {_number(check.interval[1], signed=True)}]{_suffix(unit)}"
+        low, high = (_number(end, signed=True) for end in check.interval)
+        interval = f"[{low}, {high}]{_suffix(unit)}"
     baseline = "-" if check.baseline is None else f"{_number(check.baseline)}{_suffix(unit)}"
     current = f"{_number(check.current)}{_suffix(unit)}"
-    return metric, bound.describe(), baseline, current, change, interval, check.verdict.value
+    return metric, check.verdict.value, change, interval, bound.allowed(), baseline, current
 
 
 def _number(value: float, signed: bool = False) -> str:

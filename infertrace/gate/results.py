@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 BASELINE_KIND = "infertrace-gate-baseline"
@@ -18,6 +18,24 @@ VLLM_WORKLOAD_KEYS = {
     "max_concurrency", "dataset_name", "dataset_path", "input_len", "output_len",
 }
 VLLM_WORKLOAD_PREFIXES = ("random_", "sharegpt_", "sonnet_", "prefix_", "hf_", "custom_", "ramp_up_")
+# Settings of `infertrace bench` that say where its outputs go, not what it measured.
+OUTPUT_SETTINGS = ("result_json", "requests_jsonl", "plot")
+# Settings that may hold a local path: an absolute or ./ path is compared by its last part, so that checkouts in
+# different directories (a developer's machine, a CI runner) still compare.
+PATH_SETTINGS = ("model", "tokenizer", "dataset_path", "model_id", "tokenizer_id")
+
+# Figures the gate derives from a result that does not carry them: name -> (inputs, formula over the inputs).
+DERIVED_METRICS = {
+    # CPU time of the whole benchmark process (engine included) over the measured window, per output token:
+    # unlike wall-clock figures it barely moves when other work shares the machine.
+    "cpu_ms_per_output_token": (
+        ("process_cpu_percent", "duration", "total_output_tokens"),
+        lambda cpu_percent, duration, tokens: cpu_percent / 100 * duration * 1000 / tokens,
+    ),
+}
+
+
+_ABSENT = object()  # a setting one run has and the other lacks
 
 
 class ResultError(ValueError):
@@ -36,6 +54,12 @@ class Run:
         return "infertrace" if isinstance(self.data.get("config"), dict) else "vllm"
 
     def metric(self, name: str) -> float:
+        if name not in self.data and name in DERIVED_METRICS:
+            inputs, formula = DERIVED_METRICS[name]
+            try:
+                return formula(*(self.metric(key) for key in inputs))
+            except ZeroDivisionError:
+                raise ResultError(f"{self.source}: cannot derive '{name}' (a divisor is 0)") from None
         if name not in self.data:
             raise ResultError(f"{self.source} has no metric '{name}'")
         value = self.data[name]
@@ -46,11 +70,20 @@ class Run:
     def identity(self) -> dict[str, Any]:
         """What makes two runs comparable: the model and workload, as flat dotted keys."""
         if self.flavour == "infertrace":
-            return {"flavour": "infertrace", **_flatten(self.data["config"], "config.")}
-        return {"flavour": "vllm"} | {
-            key: value for key, value in self.data.items()
-            if key in VLLM_WORKLOAD_KEYS or key.startswith(VLLM_WORKLOAD_PREFIXES)
-        }
+            settings = {key: value for key, value in self.data["config"].items() if key not in OUTPUT_SETTINGS}
+            flavour = "infertrace"
+        else:
+            settings = {
+                key: value for key, value in self.data.items()
+                if key in VLLM_WORKLOAD_KEYS or key.startswith(VLLM_WORKLOAD_PREFIXES)
+            }
+            flavour = "vllm"
+        for key in PATH_SETTINGS:
+            value = settings.get(key)
+            if isinstance(value, str) and value.startswith(("/", ".", "~")):  # a local path, not a hub id
+                settings[key] = PurePath(value).name or value
+        prefix = "config." if flavour == "infertrace" else ""
+        return {"flavour": flavour, **_flatten(settings, prefix)}
 
 
 def load_runs(path: Path) -> list[Run]:
@@ -62,15 +95,19 @@ def load_runs(path: Path) -> list[Run]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ResultError(f"{path}: cannot read ({exc})") from None
     objects = _parse_json_objects(path, text)
-    if len(objects) == 1 and objects[0].get("kind") == BASELINE_KIND:
+    if len(objects) == 1 and isinstance(objects[0], dict) and objects[0].get("kind") == BASELINE_KIND:
         objects = objects[0].get("runs")
         if not isinstance(objects, list) or not objects:
             raise ResultError(f"{path}: baseline holds no runs")
     runs = []
     for index, obj in enumerate(objects, 1):
         source = str(path) if len(objects) == 1 else f"{path} (run {index})"
+        if isinstance(obj, dict) and isinstance(obj.get("sweep"), dict):
+            raise ResultError(f"{source} is a sweep ({len(obj.get('runs', []))} points): gate single runs")
         if not isinstance(obj, dict) or not _looks_like_result(obj):
             raise ResultError(f"{source} is not a benchmark result (no throughput or latency metrics)")
+        if obj.get("interrupted") is True:
+            raise ResultError(f"{source} comes from an interrupted run: its figures cover only part of it")
         runs.append(Run(source, obj))
     return runs
 
@@ -93,16 +130,31 @@ def write_baseline(runs: list[Run], path: Path) -> None:
 
 def config_differences(runs: list[Run], others: list[Run], ignore: tuple[str, ...] = ()) -> list[str]:
     """Lines naming each model or workload setting in which `others` differ from the first of `runs`."""
-    reference = runs[0]
-    ref_identity = _without(reference.identity(), ignore)
+    return _differences(runs[0], others, lambda run: _without(run.identity(), ignore))
+
+
+def hardware_differences(runs: list[Run], others: list[Run]) -> list[str]:
+    """Lines naming the GPU or CPU count, where the results record them, in which `others` differ from `runs[0]`."""
+    return _differences(runs[0], others, _hardware)
+
+
+def _differences(reference: Run, others: list[Run], describe) -> list[str]:
+    ref_identity = describe(reference)
     lines = []
     for other in others:
-        identity = _without(other.identity(), ignore)
+        identity = describe(other)
         for key in sorted(ref_identity.keys() | identity.keys()):
-            mine, theirs = ref_identity.get(key, "(absent)"), identity.get(key, "(absent)")
+            mine, theirs = ref_identity.get(key, _ABSENT), identity.get(key, _ABSENT)
             if mine != theirs:
                 lines.append(f"{key}: {_show(mine)} in {reference.source}, {_show(theirs)} in {other.source}")
     return lines
+
+
+def _hardware(run: Run) -> dict[str, Any]:
+    provenance = run.data.get("provenance") or {}
+    host = provenance.get("host") or {}
+    found = {"gpu": provenance.get("gpu"), "cpu_count": host.get("cpu_count")}
+    return {key: value for key, value in found.items() if value is not None}
 
 
 def _parse_json_objects(path: Path, text: str) -> list[Any]:
@@ -125,7 +177,7 @@ def _parse_json_objects(path: Path, text: str) -> list[Any]:
 
 
 def _looks_like_result(obj: dict[str, Any]) -> bool:
-    return any(key.endswith("_throughput") or key.endswith("_ms") for key in obj)
+    return any(key.endswith(("_throughput", "_ms")) for key in obj)
 
 
 def _flatten(mapping: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -148,4 +200,4 @@ def _without(identity: dict[str, Any], ignore: tuple[str, ...]) -> dict[str, Any
 
 
 def _show(value: Any) -> str:
-    return value if value == "(absent)" else json.dumps(value)
+    return "(absent)" if value is _ABSENT else json.dumps(value)

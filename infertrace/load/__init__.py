@@ -1,0 +1,1 @@
+"""Load generation for `infertrace bench`: datasets, arrival schedules, one streaming timing loop, metrics."""

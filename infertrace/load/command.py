@@ -1,5 +1,148 @@
-"""The `infertrace bench` command."""
+"""The `infertrace bench` command: options in, a run of the load generator, a table and result files out."""
 
-from infertrace.pending import pending_command
+from __future__ import annotations
 
-bench = pending_command("bench", "Load-test an OpenAI-compatible server or the bundled engine.")
+import dataclasses
+import json
+
+import click
+
+from infertrace.load.config import (
+    DATASETS,
+    DEFAULT_CONCURRENCY,
+    DEFAULT_OUTPUT_LEN,
+    ENDPOINTS,
+    BenchConfig,
+    parse_slo,
+    parse_sweep,
+)
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(BenchConfig)}
+
+
+def _d(name: str) -> str:
+    return f"[default: {_DEFAULTS[name]}]"
+
+
+def _key_values(ctx, param, values):
+    out = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _parsed(parse):
+    def callback(ctx, param, value):
+        if value is None:
+            return None
+        try:
+            return parse(value)
+        except (ValueError, TypeError) as e:
+            raise click.BadParameter(str(e)) from None
+    return callback
+
+
+def _json_object(text: str) -> dict:
+    obj = json.loads(text)
+    if not isinstance(obj, dict):
+        raise TypeError("expected a JSON object")
+    return obj
+
+
+@click.command("bench")
+@click.option("--base-url", metavar="URL", help="An OpenAI-compatible server, e.g. http://127.0.0.1:8000. "
+              "Without it the bundled engine runs in-process.")
+@click.option("--endpoint", type=click.Choice(ENDPOINTS),
+              help=f"Which API to stream from: /v1/completions or /v1/chat/completions. {_d('endpoint')}")
+@click.option("--model", metavar="NAME|DIR", help="Server: the model name to send (default: the first one the "
+              "server lists), or its local directory, which then also gives the tokenizer. Embedded: a model "
+              "directory (default: a built-in tiny model, made on first use under $INFERTRACE_CACHE or "
+              "~/.cache/infertrace).")
+@click.option("--served-model-name", metavar="NAME", help="Server: the model name to send when it differs "
+              "from --model.")
+@click.option("--tokenizer", metavar="DIR", help="A local tokenizer directory, for prompts of exact token "
+              "length and for counting output tokens a server does not report (default: --model when it is a "
+              "directory).")
+@click.option("--engine-opt", "engine_overrides", multiple=True, metavar="KEY=VALUE", callback=_key_values,
+              help="Embedded: an engine config field, e.g. --engine-opt attention=looped (repeatable).")
+@click.option("--dataset", type=click.Choice(DATASETS),
+              help="random: prompts of exact token length; shared-prefix: --num-prefixes prefixes of "
+              "--prefix-len tokens shared by the requests; sharegpt: a ShareGPT-format JSON file; jsonl: one "
+              f"{{\"prompt\": ..., \"max_tokens\": ...}} per line. {_d('dataset')}")
+@click.option("--dataset-path", type=click.Path(dir_okay=False), help="The file for --dataset sharegpt/jsonl.")
+@click.option("--input-len", type=int, help=f"Prompt tokens of random prompts (the part after the prefix for "
+              f"shared-prefix). {_d('input_len')}")
+@click.option("--output-len", type=int, help=f"max_tokens of each request [default: {DEFAULT_OUTPUT_LEN}, or "
+              "the reply length in a ShareGPT file, or max_tokens in a JSONL line].")
+@click.option("--range-ratio", type=float, help="Random lengths are uniform integers in [L*(1-r), L*(1+r)] for "
+              f"L = --input-len and --output-len; 0 gives exact lengths. {_d('range_ratio')}")
+@click.option("--prefix-len", type=int, help=f"Tokens of each shared prefix. {_d('prefix_len')}")
+@click.option("--num-prefixes", type=int, help=f"How many distinct shared prefixes. {_d('num_prefixes')}")
+@click.option("--seed", type=int, help=f"Seed of prompts, lengths and arrivals: the same seed sends the same "
+              f"bytes. {_d('seed')}")
+@click.option("--num-prompts", type=int, help="Requests to measure; with --duration, how many distinct prompts "
+              f"are cycled. {_d('num_prompts')}")
+@click.option("--duration", "duration_s", type=float, metavar="SECONDS",
+              help="Send for this long instead of a fixed number of requests.")
+@click.option("--concurrency", type=int, help="Closed loop: requests in flight [default: "
+              f"{DEFAULT_CONCURRENCY}]. With --request-rate: a cap on requests in flight (default: none).")
+@click.option("--request-rate", type=float, help="Open loop: requests per second, arrivals drawn up front "
+              "(inf sends them all at once).")
+@click.option("--burstiness", type=float, help="Open loop: shape of the gamma-distributed gaps; 1 is Poisson, "
+              f"lower is burstier. {_d('burstiness')}")
+@click.option("--warmup", type=int, help=f"Requests sent before measuring, excluded from the figures. "
+              f"{_d('warmup')}")
+@click.option("--sweep", "sweep", callback=_parsed(parse_sweep), metavar="PARAM=V1,V2,...",
+              help="Run once per value, e.g. concurrency=1,2,4,8 or request-rate=1,2,4; prints one table and "
+              "writes a PNG plot.")
+@click.option("--slo", callback=_parsed(parse_slo), metavar="ttft_ms=..,tpot_ms=..,e2el_ms=..",
+              help="Service-level objectives for goodput: requests per second meeting every bound (failed "
+              "requests count as misses).")
+@click.option("--ignore-eos", is_flag=True, default=None, help="Ask the target to generate max_tokens even past "
+              "end-of-sequence.")
+@click.option("--temperature", type=float, help=f"Sampling temperature sent with each request. "
+              f"{_d('temperature')}")
+@click.option("--continuous-usage/--no-continuous-usage", default=None,
+              help="Ask the server for usage on every chunk (stream_options.continuous_usage_stats), which "
+              "gives per-token ITL; turn off for servers that reject it. [default: on]")
+@click.option("--extra-body", callback=_parsed(_json_object), metavar="JSON",
+              help="JSON object merged into every request body.")
+@click.option("--request-timeout", "request_timeout_s", type=float, metavar="SECONDS",
+              help=f"A request still streaming after this long fails as a timeout. {_d('request_timeout_s')}")
+@click.option("--profile", is_flag=True, default=None, help="Start the server's profiler after warmup "
+              "(POST /start_profile) and stop it after the measured requests (POST /stop_profile); the trace "
+              "files go into the result.")
+@click.option("--profile-steps", type=int, help="With --profile: the server stops capturing after this many "
+              "engine steps.")
+@click.option("--profile-seconds", type=float, help="With --profile: send load for this many seconds, then stop "
+              "the profiler once the requests in flight are done.")
+@click.option("--result-json", type=click.Path(dir_okay=False), help="Write the result (vLLM's key names, "
+              "config, provenance) to this file.")
+@click.option("--requests-jsonl", type=click.Path(dir_okay=False), help="Write every request's timings and "
+              "failure reason, one JSON object per line.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Sweep plot PNG path [default: --result-json "
+              "with .png, else bench-sweep.png].")
+def bench(**options) -> None:
+    """Load-test an OpenAI-compatible server or the bundled engine.
+
+    Measures TTFT, TPOT, ITL, E2EL, throughput and goodput exactly as docs/bench.md defines them, and
+    reports the client's own headroom (schedule lag, CPU). Without --base-url it runs the bundled engine
+    in-process, on a built-in tiny model unless --model is given.
+    """
+    from infertrace.console import fail
+    from infertrace.load.execute import execute
+
+    sweep = options.pop("sweep")
+    if sweep is not None:
+        options["sweep_param"], options["sweep_values"] = sweep
+    if not options["engine_overrides"]:
+        options.pop("engine_overrides")
+    given = {k: v for k, v in options.items() if v is not None}
+    try:
+        cfg = BenchConfig(**given)
+    except ValueError as e:
+        fail(str(e), 2)
+    raise SystemExit(execute(cfg))

@@ -1,0 +1,256 @@
+"""One benchmark run (or one per sweep point): warmup, optional profiler window, measured load, figures."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from infertrace.load.clock import Clock
+from infertrace.load.config import DEFAULT_OUTPUT_LEN, BenchConfig
+from infertrace.load.dataset import (
+    DatasetError,
+    PromptMaker,
+    jsonl_specs,
+    random_specs,
+    seeded_rng,
+    shared_prefixes,
+    sharegpt_specs,
+)
+from infertrace.load.metrics import Metrics, Stats, compute_metrics, token_count_checks
+from infertrace.load.records import RequestResult, RequestSpec
+from infertrace.load.runner import Runner
+from infertrace.load.schedule import arrival_offsets
+from infertrace.load.timing import TargetError, resolve_output_tokens
+
+CLIENT_CPU_WARN = 0.8  # share of one core used by the load generator's event-loop thread
+CLIENT_LAG_WARN_S = 0.010  # p99 of send lateness that is the client's own (slot waits excluded)
+
+
+class Interrupted(Exception):
+    """The user stopped the run (Ctrl-C); what was measured so far is kept."""
+
+
+class Interrupter:
+    """Cancels whatever phase is running when triggered (from a SIGINT handler), once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._task: asyncio.Future | None = None
+
+    def trigger(self) -> None:
+        self.requested = True
+        if self._task is not None:
+            self._task.cancel()
+
+    async def run(self, coro) -> None:
+        if self.requested:
+            coro.close()
+            raise Interrupted
+        self._task = asyncio.ensure_future(coro)
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            if self.requested:
+                raise Interrupted from None
+            raise
+        finally:
+            self._task = None
+
+
+@dataclass(slots=True)
+class PointRecord:
+    """Everything one measured run produced."""
+
+    config: BenchConfig
+    results: list[RequestResult]
+    warmup_results: list[RequestResult]
+    metrics: Metrics
+    token_checks: dict[str, int]
+    client_cpu: float | None  # CPU seconds of the load generator's thread / duration
+    process_cpu: float | None  # CPU seconds of the whole process / duration (includes an embedded engine)
+    client_lag: Stats  # schedule lag minus slot wait: lateness that is the client's own
+    interrupted: bool = False
+    profile: dict | None = None
+
+    @property
+    def warnings(self) -> list[str]:
+        out = []
+        if self.client_cpu is not None and self.client_cpu > CLIENT_CPU_WARN:
+            out.append(f"the load generator used {self.client_cpu:.0%} of a CPU core: it may be the bottleneck")
+        if self.client_lag.p99 is not None and self.client_lag.p99 > CLIENT_LAG_WARN_S * 1000:
+            out.append(f"requests left {self.client_lag.p99:.1f} ms late at p99: the client is falling behind "
+                       "its schedule")
+        if self.metrics.output_token_sources.get("chunks"):
+            out.append("no usage and no tokenizer: output tokens were counted as one per text event; pass "
+                       "--tokenizer DIR")
+        for name, count in self.token_checks.items():
+            if count:
+                out.append(f"{count} request(s) with {name.replace('_', ' ')} (see --requests-jsonl)")
+        return out
+
+
+def build_specs(cfg: BenchConfig, tokenizer, n: int, stream: str, point: int = 0,
+                max_model_len: int | None = None) -> list[RequestSpec]:
+    """`n` requests from the configured dataset; the same (seed, stream, point) gives the same bytes."""
+    rng = seeded_rng(cfg.seed, stream, point)
+    if cfg.dataset in ("random", "shared-prefix"):
+        if tokenizer is None:
+            raise DatasetError(f"--dataset {cfg.dataset} builds prompts of exact token length and needs the "
+                               "target's tokenizer: pass --tokenizer DIR (or --model DIR)")
+        maker = PromptMaker(tokenizer, rng)
+        prefixes = shared_prefixes(maker, cfg.num_prefixes, cfg.prefix_len) if cfg.dataset == "shared-prefix" \
+            else None
+        return random_specs(maker, n, cfg.input_len, cfg.effective_output_len, cfg.range_ratio, prefixes)
+    if cfg.dataset == "sharegpt":
+        return sharegpt_specs(cfg.dataset_path, n, rng, tokenizer, cfg.output_len, DEFAULT_OUTPUT_LEN,
+                              max_model_len)
+    return jsonl_specs(cfg.dataset_path, n, tokenizer, cfg.output_len, DEFAULT_OUTPUT_LEN)
+
+
+def numbered_cycle(specs: list[RequestSpec]) -> Iterator[RequestSpec]:
+    """The prompts over and over, each send with its own index (for --duration runs)."""
+    for i, spec in enumerate(itertools.cycle(specs)):
+        yield dataclasses.replace(spec, index=i)
+
+
+def trace_files(answer) -> list[str]:
+    if isinstance(answer, dict):
+        for key in ("trace_files", "files"):
+            if isinstance(answer.get(key), list):
+                return [str(p) for p in answer[key]]
+    return []
+
+
+@dataclass(slots=True)
+class Hooks:
+    """What the command layer shows while a run goes on."""
+
+    on_phase: Callable[[str, int | None, float | None], None] = lambda name, total, seconds: None
+    on_result: Callable[[RequestResult], None] = lambda r: None
+    on_info: Callable[[str], None] = lambda msg: None
+
+
+async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interrupter, hooks: Hooks,
+                    point: int = 0) -> PointRecord:
+    """Warmup (excluded), profiler start, the measured load, profiler stop, then the figures."""
+    max_len = getattr(target, "max_model_len", None)
+    tokenizer = target.tokenizer
+    specs = build_specs(cfg, tokenizer, cfg.num_prompts, "measure", point, max_len)
+    concurrency = cfg.effective_concurrency
+    interrupted = False
+    warm = Runner(target, clock, hooks.on_result)
+    if cfg.warmup:
+        warm_specs = build_specs(cfg, tokenizer, cfg.warmup, "warmup", point, max_len)
+        hooks.on_phase("warmup", cfg.warmup, None)
+        try:
+            await interrupter.run(warm.closed_loop(warm_specs, min(concurrency or cfg.warmup, cfg.warmup)))
+        except Interrupted:
+            interrupted = True
+
+    profile = None
+    if cfg.profile and not interrupted:
+        answer = await target.start_profile(cfg.profile_steps)
+        profile = {"num_steps": cfg.profile_steps, "seconds": cfg.profile_seconds, "start_response": answer}
+        hooks.on_info(f"profiler started{f' for {cfg.profile_steps} steps' if cfg.profile_steps else ''}")
+
+    # --profile-seconds bounds the sending window like --duration, so the profiler's stop (which writes the
+    # trace and stalls the server) happens after the last measured request, never inside the measured window.
+    window = min((s for s in (cfg.duration_s, cfg.profile_seconds) if s), default=None)
+    runner = Runner(target, clock, hooks.on_result)
+    cpu_thread0, cpu_proc0 = time.thread_time(), time.process_time()
+    if not interrupted:
+        hooks.on_phase("measure", None if cfg.duration_s else cfg.num_prompts, window)
+        if cfg.open_loop:
+            rate = cfg.request_rate
+            count = cfg.num_prompts if cfg.duration_s is None or math.isinf(rate) else None
+            offsets = arrival_offsets(rate, cfg.burstiness, seeded_rng(cfg.seed, "arrivals", point), count, window)
+            phase = runner.open_loop(numbered_cycle(specs), offsets, cfg.concurrency)
+        else:
+            deadline = clock.now() + window if window else None
+            phase = runner.closed_loop(numbered_cycle(specs) if cfg.duration_s else specs, concurrency, deadline)
+        try:
+            await interrupter.run(phase)
+        except Interrupted:
+            interrupted = True
+    cpu_thread, cpu_proc = time.thread_time() - cpu_thread0, time.process_time() - cpu_proc0
+
+    if profile is not None:
+        try:
+            status, answer = await target.stop_profile()
+        except TargetError as e:  # the measured figures stand; say why there are no trace files
+            status, answer = None, str(e)
+        profile.update(stop_status=status, stop_response=answer, trace_files=trace_files(answer))
+        hooks.on_info(f"profiler stopped: {len(profile['trace_files'])} trace file(s)")
+
+    results = runner.results
+    resolve_output_tokens(results, tokenizer, check_usage=target.kind == "http")
+    resolve_output_tokens(warm.results, tokenizer)
+    metrics = compute_metrics(results, cfg.slo)
+    duration = metrics.duration
+    compare_prompts = target.kind == "http" and cfg.endpoint == "completions"
+    return PointRecord(
+        config=cfg, results=results, warmup_results=warm.results, metrics=metrics,
+        token_checks=token_count_checks(results, compare_prompts),
+        client_cpu=cpu_thread / duration if duration > 0 else None,
+        process_cpu=cpu_proc / duration if duration > 0 else None,
+        client_lag=Stats.of([max(0.0, r.schedule_lag - r.slot_wait) for r in results]),
+        interrupted=interrupted, profile=profile)
+
+
+async def run_benchmark(cfg: BenchConfig, target, clock: Clock, interrupter: Interrupter,
+                        hooks: Hooks) -> list[PointRecord]:
+    """Every sweep point in order (one point without a sweep); stops early when interrupted."""
+    records = []
+    for i, point_cfg in enumerate(cfg.points()):
+        if cfg.sweep_param is not None:
+            hooks.on_info(f"sweep point {i + 1}/{len(cfg.sweep_values)}: "
+                          f"{cfg.sweep_param.replace('_', '-')}={getattr(point_cfg, cfg.sweep_param)}")
+        record = await run_point(point_cfg, target, clock, interrupter, hooks, i)
+        records.append(record)
+        if record.interrupted:
+            break
+    return records
+
+
+def resolve_model_dir(model: str | None) -> Path | None:
+    return Path(model) if model and Path(model).is_dir() else None
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise DatasetError(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
+
+
+def make_target(cfg: BenchConfig, on_info: Callable[[str], None]):
+    """The HTTP target for --base-url, else the bundled engine (on the built-in tiny model without --model)."""
+    if cfg.base_url is not None:
+        from infertrace.load.http_target import AiohttpTransport, HttpTarget, normalize_base_url
+
+        model_dir = resolve_model_dir(cfg.model)
+        transport = AiohttpTransport(normalize_base_url(cfg.base_url), cfg.max_connections, cfg.request_timeout_s)
+        return HttpTarget(cfg.base_url, cfg.endpoint, cfg.served_model_name or cfg.model, transport,
+                          model_is_path=model_dir is not None and cfg.served_model_name is None,
+                          ignore_eos=cfg.ignore_eos, temperature=cfg.temperature,
+                          continuous_usage=cfg.continuous_usage, extra_body=cfg.extra_body)
+    from infertrace.load.embedded_target import EmbeddedTarget, default_model_dir
+
+    if cfg.model is not None and resolve_model_dir(cfg.model) is None:
+        raise TargetError(f"--model {cfg.model} is not a model directory (the bundled engine loads one from disk)")
+    model_dir = cfg.model or default_model_dir(
+        lambda out: on_info(f"building the built-in tiny model into {out} (first use only)"))
+    return EmbeddedTarget(model_dir, cfg.engine_overrides, ignore_eos=cfg.ignore_eos, temperature=cfg.temperature)
+
+
+def tokenizer_source(cfg: BenchConfig) -> Path | None:
+    """Where an HTTP target's tokenizer comes from: --tokenizer, else --model when it is a local directory."""
+    return Path(cfg.tokenizer) if cfg.tokenizer else resolve_model_dir(cfg.model)

@@ -1,0 +1,112 @@
+"""The bundled engine in-process as a load target, and the built-in tiny model it runs by default."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from infertrace.load.records import RequestSpec, StreamEvent
+from infertrace.load.timing import TargetError
+
+TINY_PRESET = "tiny"
+
+
+def cache_dir() -> Path:
+    """INFERTRACE_CACHE, else ~/.cache/infertrace."""
+    return Path(os.environ.get("INFERTRACE_CACHE") or Path.home() / ".cache" / "infertrace")
+
+
+def default_model_dir(on_build: Callable[[Path], None] | None = None) -> Path:
+    """The built-in tiny model, written on first use. It is built beside its final place and renamed into it,
+    so an interrupted build never leaves a directory that looks complete."""
+    out = cache_dir() / "models" / TINY_PRESET
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from infertrace.modelgen import init_model
+
+    if on_build is not None:
+        on_build(out)
+    tmp = out.with_name(f".{out.name}.building-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    init_model(TINY_PRESET, tmp, seed=0)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "model.safetensors").is_file():
+            raise
+    return out
+
+
+class EmbeddedTarget:
+    """Runs each request through `AsyncEngine.generate`; every output carries its exact token ids."""
+
+    kind = "embedded"
+
+    def __init__(self, model_dir: str | Path, engine_overrides: dict | None = None, ignore_eos: bool = False,
+                 temperature: float = 0.0) -> None:
+        self.model_dir = Path(model_dir)
+        self.engine_overrides = dict(engine_overrides or {})
+        self.ignore_eos = ignore_eos
+        self.temperature = temperature
+        self.engine = None
+        self.aengine = None
+        self.tokenizer = None
+        self._ids = itertools.count()
+
+    async def open(self) -> None:
+        import asyncio
+
+        from infertrace.engine import AsyncEngine, Engine, EngineConfig
+
+        try:
+            config = EngineConfig.from_overrides(self.engine_overrides)
+            self.engine = await asyncio.to_thread(Engine, str(self.model_dir), config)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise TargetError(f"cannot start the bundled engine on {self.model_dir}: {e}") from None
+        self.tokenizer = self.engine.tokenizer
+        self.aengine = AsyncEngine(self.engine)
+        await self.aengine.start()
+
+    async def close(self) -> None:
+        if self.aengine is not None:
+            await self.aengine.shutdown(abort_running=True)
+            self.aengine = None
+
+    async def preflight(self) -> None:
+        return None
+
+    @property
+    def max_model_len(self) -> int | None:
+        return getattr(self.engine, "max_model_len", None)
+
+    async def stream(self, spec: RequestSpec) -> AsyncIterator[list[StreamEvent]]:
+        from infertrace.engine import SamplingParams
+
+        params = SamplingParams(max_tokens=spec.output_len, temperature=self.temperature, ignore_eos=self.ignore_eos)
+        prompt = spec.prompt_ids if spec.prompt_ids is not None else spec.prompt
+        try:
+            async for out in self.aengine.generate(f"bench-{next(self._ids)}", prompt, params):
+                if out.finished and out.finish_reason == "abort":
+                    yield [StreamEvent(error="aborted: the engine aborted the request")]
+                    return
+                yield [StreamEvent(text=out.new_text, num_tokens=len(out.new_token_ids),
+                                   prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                                   finish_reason=out.finish_reason if out.finished else None)]
+        except ValueError as e:  # the engine refuses the request (too long for the context, ...)
+            yield [StreamEvent(error=f"rejected: {e}")]
+        except Exception as e:  # noqa: BLE001 - an engine fault fails this request, with its reason
+            yield [StreamEvent(error=f"engine error: {type(e).__name__}: {e}")]
+
+    def describe(self) -> dict:
+        import dataclasses
+
+        info = {"kind": self.kind, "model_dir": str(self.model_dir), "engine_overrides": self.engine_overrides}
+        if self.engine is not None:
+            config = getattr(self.engine, "config", None)
+            if dataclasses.is_dataclass(config):
+                info["engine_config"] = dataclasses.asdict(config)
+        return info

@@ -1,0 +1,239 @@
+"""An OpenAI-compatible server as a load target: one shared aiohttp session, SSE decoded for completions and chat."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+import aiohttp
+
+from infertrace.load.records import RequestSpec, StreamEvent
+from infertrace.load.sse import SSEParser
+from infertrace.load.timing import TargetError
+
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+READ_BUFSIZE = 4 * 1024 * 1024  # aiohttp's 64 KiB default throttles long streamed lines and fast servers
+PREFLIGHT_TIMEOUT_S = 10.0
+PROFILE_TIMEOUT_S = 600.0  # stopping a profiler writes the trace, which takes a while on a busy server
+
+
+class StreamResponse(Protocol):
+    status: int
+
+    async def text(self) -> str: ...
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+
+class Transport(Protocol):
+    """HTTP underneath a target; tests replace it with a scripted one that opens no socket."""
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def request_json(self, method: str, path: str, body: Any = None,
+                           timeout_s: float = PREFLIGHT_TIMEOUT_S) -> tuple[int, Any]: ...
+
+    def stream(self, path: str, body: dict) -> Any: ...  # async context manager -> StreamResponse
+
+
+class _AiohttpResponse:
+    __slots__ = ("_resp", "status")
+
+    def __init__(self, resp) -> None:
+        self._resp = resp
+        self.status = resp.status
+
+    async def text(self) -> str:
+        return await self._resp.text(errors="replace")
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        return self._resp.content.iter_any()  # whatever has arrived, without splitting into lines first
+
+
+class AiohttpTransport:
+    """One ClientSession for the whole run, its connection pool sized to the concurrency."""
+
+    def __init__(self, base_url: str, max_connections: int, timeout_s: float) -> None:
+        self.base_url = base_url
+        self.max_connections = max_connections
+        self.timeout_s = timeout_s
+        self._session = None
+
+    async def open(self) -> None:
+        headers = {}
+        if api_key := os.environ.get("OPENAI_API_KEY"):
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, ttl_dns_cache=None),
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            read_bufsize=READ_BUFSIZE, headers=headers, auto_decompress=False)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def request_json(self, method: str, path: str, body: Any = None,
+                           timeout_s: float = PREFLIGHT_TIMEOUT_S) -> tuple[int, Any]:
+        try:
+            async with self._session.request(method, self.base_url + path, json=body,
+                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                raw = await resp.text(errors="replace")
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            reason = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__)
+            raise TargetError(f"cannot reach {self.base_url}: {reason}") from None
+        try:
+            return resp.status, json.loads(raw)
+        except ValueError:
+            return resp.status, raw
+
+    @asynccontextmanager
+    async def stream(self, path: str, body: dict):
+        async with self._session.post(self.base_url + path, json=body) as resp:
+            yield _AiohttpResponse(resp)
+
+
+_scan_json = json.JSONDecoder().scan_once  # the C scanner without json.loads' wrappers: this runs per event
+
+
+def decode_chunk(obj: Any) -> StreamEvent:
+    """One streamed JSON object of either endpoint -> StreamEvent (completions `text`, chat `delta.content`)."""
+    if not isinstance(obj, dict):
+        return StreamEvent(error=f"malformed stream: expected a JSON object, got {type(obj).__name__}")
+    choices = obj.get("choices")
+    usage = obj.get("usage")
+    prompt_tokens = completion_tokens = None
+    if usage:
+        prompt_tokens, completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if choices:
+        choice = choices[0]
+        text = choice.get("text")
+        if text is None:
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or ""
+            if reasoning := delta.get("reasoning_content") or delta.get("reasoning"):
+                text = reasoning + text  # reasoning tokens are generated output too
+        return StreamEvent(text=text or "", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                           finish_reason=choice.get("finish_reason"))
+    err = obj.get("error")
+    if err is not None or obj.get("object") == "error":
+        message = err.get("message", err) if isinstance(err, dict) else (err or obj.get("message"))
+        return StreamEvent(error=f"stream error: {message}")
+    return StreamEvent(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, usage_only=True)
+
+
+def decode_data(data: str) -> StreamEvent:
+    if data == "[DONE]":
+        return StreamEvent(done=True)
+    if data[:1].isspace():
+        data = data.lstrip()
+    try:
+        obj, end = _scan_json(data, 0)
+    except (StopIteration, ValueError):
+        obj, end = None, -1
+    if end != len(data) and (end < 0 or data[end:].strip()):
+        return StreamEvent(error=f"malformed stream: {data[:120]!r}")
+    return decode_chunk(obj)
+
+
+def normalize_base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url.removesuffix("/v1")
+
+
+class HttpTarget:
+    """Streams requests to `base_url`; `preflight()` checks the server answers before any load is sent."""
+
+    kind = "http"
+
+    def __init__(self, base_url: str, endpoint: str, model: str | None, transport: Transport,
+                 model_is_path: bool = False, ignore_eos: bool = False, temperature: float = 0.0,
+                 continuous_usage: bool = True, extra_body: dict | None = None, tokenizer=None) -> None:
+        self.base_url = normalize_base_url(base_url)
+        self.endpoint = endpoint
+        self.path = ENDPOINT_PATHS[endpoint]
+        self.model = model
+        self.model_is_path = model_is_path  # a local directory: the server may list its model by another name
+        self.transport = transport
+        self.ignore_eos = ignore_eos
+        self.temperature = temperature
+        self.continuous_usage = continuous_usage
+        self.extra_body = extra_body or {}
+        self.tokenizer = tokenizer
+        self.server_info: dict | None = None
+
+    async def open(self) -> None:
+        await self.transport.open()
+
+    async def close(self) -> None:
+        await self.transport.close()
+
+    async def preflight(self) -> None:
+        """Fail with one line before any load when the server is unreachable or names no model."""
+        status, models = await self.transport.request_json("GET", "/v1/models")
+        data = models.get("data") if status == 200 and isinstance(models, dict) else None
+        listed = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+        if self.model is None or (self.model_is_path and listed and self.model not in listed):
+            if not listed:
+                raise TargetError(f"{self.base_url}/v1/models answered {status} with no model; "
+                                  "pass --served-model-name NAME")
+            self.model = listed[0]
+        for path in ("/server_info", "/version"):
+            status, info = await self.transport.request_json("GET", path)
+            if status == 200:
+                self.server_info = {"endpoint": path, "body": info}
+                break
+
+    def body(self, spec: RequestSpec) -> dict:
+        stream_options = {"include_usage": True}
+        if self.continuous_usage:  # left out, not sent as false: some servers reject the key itself
+            stream_options["continuous_usage_stats"] = True
+        body: dict[str, Any] = {"model": self.model, "max_tokens": spec.output_len, "temperature": self.temperature,
+                                "stream": True, "stream_options": stream_options}
+        if self.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": spec.prompt}]
+        else:
+            body["prompt"] = spec.prompt
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        body.update(self.extra_body)
+        return body
+
+    async def stream(self, spec: RequestSpec) -> AsyncIterator[list[StreamEvent]]:
+        """The events of each network read, together: they arrived at the same moment."""
+        try:
+            async with self.transport.stream(self.path, self.body(spec)) as resp:
+                if resp.status != 200:
+                    detail = " ".join((await resp.text()).split())[:200]
+                    yield [StreamEvent(error=f"HTTP {resp.status}: {detail}")]
+                    return
+                parser = SSEParser()
+                async for chunk in resp.chunks():
+                    if events := parser.feed(chunk):
+                        yield [decode_data(data) for data in events]
+                if events := parser.close():
+                    yield [decode_data(data) for data in events]
+        except asyncio.TimeoutError:
+            yield [StreamEvent(error="timeout: no complete response within --request-timeout")]
+        except (aiohttp.ClientError, OSError) as e:
+            yield [StreamEvent(error=f"disconnect: {type(e).__name__}: {e}")]
+
+    async def start_profile(self, num_steps: int | None) -> Any:
+        status, answer = await self.transport.request_json(
+            "POST", "/start_profile", {"num_steps": num_steps} if num_steps else None, PROFILE_TIMEOUT_S)
+        if status != 200:
+            raise TargetError(f"{self.base_url}/start_profile answered {status}: {str(answer)[:200]}")
+        return answer
+
+    async def stop_profile(self) -> tuple[int, Any]:
+        return await self.transport.request_json("POST", "/stop_profile", None, PROFILE_TIMEOUT_S)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "base_url": self.base_url, "endpoint": self.endpoint, "model": self.model,
+                "server_info": self.server_info}

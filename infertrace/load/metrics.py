@@ -1,0 +1,135 @@
+"""The figures of a run, computed exactly as docs/bench.md defines them, from the requests' records alone."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from infertrace.load.records import RequestResult
+
+PERCENTILES = (90, 95, 99)
+
+
+@dataclass(slots=True)
+class Stats:
+    """mean, median, std (population), p90, p95, p99 in milliseconds; None when there is no sample."""
+
+    mean: float | None = None
+    median: float | None = None
+    std: float | None = None
+    p90: float | None = None
+    p95: float | None = None
+    p99: float | None = None
+    count: int = 0
+
+    @classmethod
+    def of(cls, seconds: list[float]) -> Stats:
+        if not seconds:
+            return cls()
+        ms = np.asarray(seconds, dtype=np.float64) * 1000.0
+        p90, p95, p99 = (float(v) for v in np.percentile(ms, PERCENTILES))
+        return cls(float(ms.mean()), float(np.median(ms)), float(ms.std()), p90, p95, p99, len(ms))
+
+    def p(self, q: int) -> float | None:
+        return {50: self.median, 90: self.p90, 95: self.p95, 99: self.p99}[q]
+
+
+@dataclass(slots=True)
+class Metrics:
+    completed: int
+    failed: int
+    duration: float  # seconds: first send to last completion of the measured requests
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float | None
+    output_throughput: float | None
+    total_token_throughput: float | None
+    ttft: Stats
+    tpot: Stats
+    itl: Stats  # per chunk: every gap between consecutive text events
+    itl_per_token: Stats  # each gap divided over the tokens of the chunk it ended
+    e2el: Stats
+    good_requests: int | None  # None without an SLO
+    goodput: float | None  # good requests per second
+    schedule_lag: Stats  # t0 - scheduled time
+    slot_wait: Stats  # open loop with a concurrency cap: waiting for a free slot
+    failures: dict[str, int]  # reason (text before the first colon) -> count
+    output_token_sources: dict[str, int]
+
+
+def input_tokens(r: RequestResult) -> int:
+    """The target's count when it reported one, else the prompt's length in our tokenizer (0 if unknown)."""
+    if r.prompt_tokens is not None:
+        return r.prompt_tokens
+    return r.expected_prompt_tokens or 0
+
+
+def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
+    """Every given bound holds. Failed requests miss; TPOT is vacuous for a one-token response."""
+    if not r.success:
+        return False
+    if "ttft_ms" in slo and (r.ttft is None or r.ttft * 1000.0 > slo["ttft_ms"]):
+        return False
+    if "e2el_ms" in slo and (r.e2el is None or r.e2el * 1000.0 > slo["e2el_ms"]):
+        return False
+    tpot = r.tpot
+    return not ("tpot_ms" in slo and tpot is not None and tpot * 1000.0 > slo["tpot_ms"])
+
+
+def compute_metrics(results: list[RequestResult], slo: dict[str, float] | None = None) -> Metrics:
+    done = [r for r in results if r.success]
+    duration = (max(r.end for r in results) - min(r.t0 for r in results)) if results else 0.0
+    total_in = sum(input_tokens(r) for r in done)
+    total_out = sum(r.output_tokens or 0 for r in done)
+
+    def rate(x: float) -> float | None:
+        return x / duration if duration > 0 else None
+
+    good = sum(meets_slo(r, slo) for r in results) if slo else None
+    return Metrics(
+        completed=len(done), failed=len(results) - len(done), duration=duration,
+        total_input_tokens=total_in, total_output_tokens=total_out,
+        request_throughput=rate(len(done)), output_throughput=rate(total_out),
+        total_token_throughput=rate(total_in + total_out),
+        ttft=Stats.of([r.ttft for r in done if r.ttft is not None]),
+        tpot=Stats.of([t for r in done if (t := r.tpot) is not None]),
+        itl=Stats.of([g for r in done for g in r.itl]),
+        itl_per_token=Stats.of([g for r in done for g in r.itl_per_token()]),
+        e2el=Stats.of([r.e2el for r in done if r.e2el is not None]),
+        good_requests=good, goodput=rate(good) if good is not None else None,
+        schedule_lag=Stats.of([r.schedule_lag for r in results]),
+        slot_wait=Stats.of([r.slot_wait for r in results]),
+        failures=dict(Counter(r.error.split(":", 1)[0] for r in results if r.error is not None)),
+        output_token_sources=dict(Counter(r.output_source.value for r in done if r.output_source)),
+    )
+
+
+def token_count_checks(results: list[RequestResult], compare_prompts: bool) -> dict[str, int]:
+    """Disagreements worth flagging: the target's usage against our tokenizer's count of the output text, and
+    (where the prompt is sent verbatim, not wrapped in a chat template) against the prompt's built length."""
+    done = [r for r in results if r.success]
+    return {
+        "output_token_disagreements": sum(
+            r.tokenizer_output_tokens is not None and r.tokenizer_output_tokens != r.output_tokens for r in done),
+        "input_token_mismatches": sum(
+            compare_prompts and r.prompt_tokens is not None and r.expected_prompt_tokens is not None
+            and r.prompt_tokens != r.expected_prompt_tokens for r in done),
+    }
+
+
+def vllm_keys(m: Metrics) -> dict:
+    """The top-level keys of a `vllm bench serve` result file, with the same names and units."""
+    out = {
+        "completed": m.completed, "failed": m.failed, "duration": m.duration,
+        "total_input_tokens": m.total_input_tokens, "total_output_tokens": m.total_output_tokens,
+        "request_throughput": m.request_throughput, "output_throughput": m.output_throughput,
+        "total_token_throughput": m.total_token_throughput,
+    }
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        s: Stats = getattr(m, name)
+        for stat in ("mean", "median", "std", "p90", "p95", "p99"):
+            out[f"{stat}_{name}_ms"] = getattr(s, stat)
+    out["goodput"] = m.goodput
+    return out

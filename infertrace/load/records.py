@@ -1,0 +1,103 @@
+"""Typed records that flow through a benchmark: what to send, what came back, and what it measured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class TokenSource(str, Enum):
+    """Where a request's output-token count came from."""
+
+    USAGE = "usage"  # the target's own count: the server's `usage`, or the bundled engine's token ids
+    TOKENIZER = "tokenizer"  # our tokenizer's count of the streamed text (the target reported no usage)
+    CHUNKS = "chunks"  # last resort without usage or tokenizer: one token per text event
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    """One request to send. `prompt_ids` is set when the prompt was built or measured with the target's tokenizer."""
+
+    index: int
+    prompt: str
+    output_len: int
+    prompt_ids: list[int] | None = None
+    prompt_len: int | None = None
+
+
+@dataclass(slots=True)
+class StreamEvent:
+    """One decoded event of a streamed response, whatever the target (SSE chunk or engine output)."""
+
+    text: str = ""
+    num_tokens: int | None = None  # tokens this event carries, when the target says so directly
+    prompt_tokens: int | None = None  # from usage
+    completion_tokens: int | None = None  # cumulative, from usage
+    finish_reason: str | None = None
+    error: str | None = None  # the target reported a failure; ends the request
+    done: bool = False  # the `[DONE]` sentinel
+    usage_only: bool = False  # a chunk with no choices (the trailing usage chunk): never generated output
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """The outcome of one request. Times are clock seconds; latencies are seconds relative to `t0`."""
+
+    index: int
+    scheduled: float  # when the request was due to be sent (open loop: its arrival; closed loop: its worker freed)
+    t0: float  # when it was sent
+    end: float  # when its stream closed or it failed
+    slot_wait: float = 0.0  # open loop capped by --concurrency: time spent waiting for a free slot
+    ttft: float | None = None
+    e2el: float | None = None
+    itl: list[float] = field(default_factory=list)  # gaps between consecutive text events
+    chunk_tokens: list[int | None] = field(default_factory=list)  # tokens per text event (None: unknown)
+    output_tokens: int | None = None
+    output_source: TokenSource | None = None
+    tokenizer_output_tokens: int | None = None  # our tokenizer's count, kept to flag disagreement with usage
+    prompt_tokens: int | None = None
+    expected_prompt_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    text: str = ""
+
+    @property
+    def success(self) -> bool:
+        return self.error is None
+
+    @property
+    def schedule_lag(self) -> float:
+        return self.t0 - self.scheduled
+
+    @property
+    def tpot(self) -> float | None:
+        if self.error is not None or self.ttft is None or self.e2el is None or not self.output_tokens \
+                or self.output_tokens < 2:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+    def itl_per_token(self) -> list[float]:
+        """Each gap split evenly over the tokens of the chunk that ended it, one sample per token."""
+        out: list[float] = []
+        for gap, n in zip(self.itl, self.chunk_tokens[1:]):
+            if n is not None and n > 0:
+                out.extend([gap / n] * n)
+        return out
+
+    def to_json(self, origin: float = 0.0) -> dict:
+        """One line of --requests-jsonl: times in seconds after `origin`, latencies in milliseconds, no text."""
+        def ms(v: float | None) -> float | None:
+            return None if v is None else v * 1000.0
+
+        tpot = self.tpot
+        return {
+            "index": self.index, "success": self.success, "error": self.error,
+            "scheduled_s": self.scheduled - origin, "t0_s": self.t0 - origin, "end_s": self.end - origin,
+            "schedule_lag_ms": ms(self.schedule_lag), "slot_wait_ms": ms(self.slot_wait),
+            "ttft_ms": ms(self.ttft), "tpot_ms": ms(tpot), "e2el_ms": ms(self.e2el),
+            "itl_ms": [g * 1000.0 for g in self.itl], "chunk_tokens": self.chunk_tokens,
+            "prompt_tokens": self.prompt_tokens, "expected_prompt_tokens": self.expected_prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "output_source": self.output_source.value if self.output_source else None,
+            "tokenizer_output_tokens": self.tokenizer_output_tokens, "finish_reason": self.finish_reason,
+        }

@@ -1,0 +1,99 @@
+"""Rich views of a run: the live progress bar, the final table, the sweep table."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from infertrace.load.benchmark import PointRecord
+from infertrace.load.records import RequestResult
+
+
+def _num(v: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+class LiveProgress:
+    """One bar per phase (warmup, measure) with completed and failed counts."""
+
+    def __init__(self, console: Console, enabled: bool = True) -> None:
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(),
+                                 console=console, disable=not enabled)
+        self._task = None
+        self._failed = 0
+
+    def __enter__(self) -> LiveProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def on_phase(self, name: str, total: int | None, seconds: float | None) -> None:
+        if self._task is not None:
+            self.progress.stop_task(self._task)
+        self._failed = 0
+        label = f"{name} ({seconds:g} s)" if total is None and seconds else name
+        self._task = self.progress.add_task(label, total=total, failed=0)
+
+    def on_result(self, r: RequestResult) -> None:
+        self._failed += not r.success
+        self.progress.update(self._task, advance=1, failed=self._failed)
+
+    def on_info(self, message: str) -> None:
+        self.progress.console.print(f"[dim]{message}[/]", highlight=False)
+
+
+def summary_table(record: PointRecord) -> Table:
+    """The figures of one run, in the order `vllm bench serve` prints them, plus the client's headroom."""
+    m, cfg = record.metrics, record.config
+    t = Table(title="infertrace bench" + (" (interrupted: partial)" if record.interrupted else ""),
+              show_header=False, title_justify="left")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    shape = (f"open loop, {cfg.request_rate:g} req/s, burstiness {cfg.burstiness:g}"
+             + (f", cap {cfg.concurrency}" if cfg.concurrency else "")) if cfg.open_loop \
+        else f"closed loop, concurrency {cfg.effective_concurrency}"
+    rows = [
+        ("load", shape),
+        ("successful requests", str(m.completed)),
+        ("failed requests", str(m.failed) + (f"  ({', '.join(f'{k}: {v}' for k, v in m.failures.items())})"
+                                             if m.failures else "")),
+        ("duration (s)", _num(m.duration)),
+        ("total input tokens", str(m.total_input_tokens)),
+        ("total output tokens", str(m.total_output_tokens)
+         + f"  ({', '.join(f'{k}: {v}' for k, v in m.output_token_sources.items())})"),
+        ("request throughput (req/s)", _num(m.request_throughput)),
+        ("output token throughput (tok/s)", _num(m.output_throughput)),
+        ("total token throughput (tok/s)", _num(m.total_token_throughput)),
+    ]
+    if m.goodput is not None:
+        rows.append((f"goodput (req/s) {cfg.slo}", _num(m.goodput)))
+    for r in rows:
+        t.add_row(*r)
+    t.add_section()
+    for label, s in (("TTFT (ms)", m.ttft), ("TPOT (ms)", m.tpot), ("ITL per chunk (ms)", m.itl),
+                     ("ITL per token (ms)", m.itl_per_token), ("E2EL (ms)", m.e2el)):
+        t.add_row(label, f"mean {_num(s.mean)}  median {_num(s.median)}  p99 {_num(s.p99)}")
+    t.add_section()
+    t.add_row("schedule lag p50 / p99 (ms)", f"{_num(m.schedule_lag.median, '{:.3f}')} / "
+                                             f"{_num(m.schedule_lag.p99, '{:.3f}')}")
+    t.add_row("client CPU (% of a core)", _num(None if record.client_cpu is None else 100 * record.client_cpu,
+                                               "{:.1f}"))
+    return t
+
+
+def sweep_table(records: list[PointRecord], param: str) -> Table:
+    t = Table(title=f"infertrace bench sweep over {param.replace('_', '-')}", title_justify="left")
+    for col in (param.replace("_", "-"), "ok", "failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99",
+                "TPOT p50", "TPOT p99", "ITL p50", "E2EL p50", "lag p99", "goodput"):
+        t.add_column(col, justify="right")
+    for r in records:
+        m = r.metrics
+        t.add_row(f"{getattr(r.config, param):g}", str(m.completed), str(m.failed), _num(m.request_throughput),
+                  _num(m.output_throughput, "{:.1f}"), _num(m.ttft.median), _num(m.ttft.p99), _num(m.tpot.median),
+                  _num(m.tpot.p99), _num(m.itl.median), _num(m.e2el.median),
+                  _num(m.schedule_lag.p99, "{:.3f}"), _num(m.goodput))
+    return t

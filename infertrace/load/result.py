@@ -1,0 +1,112 @@
+"""The result file (`--result-json`, vLLM's key names at the top level) and the per-request JSONL."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from infertrace.load.benchmark import PointRecord
+from infertrace.load.metrics import vllm_keys
+
+SCHEMA_VERSION = 1
+
+
+def _finite(value):
+    """JSON has no infinity: an infinite request rate is written as the string "inf"."""
+    return "inf" if isinstance(value, float) and math.isinf(value) else value
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def provenance(target, seed: int) -> dict:
+    """What ran, where, with what: the target (and the server's own info), seed, versions, host, GPU if known."""
+    gpu = None
+    if "torch" in sys.modules:  # only when already loaded (the embedded engine): importing torch is slow
+        torch = sys.modules["torch"]
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+    from infertrace import __version__
+
+    return {
+        "target": target.describe(),
+        "seed": seed,
+        "versions": {"infertrace": __version__, "python": platform.python_version(),
+                     "aiohttp": _version("aiohttp"), "transformers": _version("transformers"),
+                     "torch": _version("torch") if "torch" in sys.modules else None},
+        "host": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "hostname": platform.node()},
+        "gpu": gpu,
+    }
+
+
+def point_result(record: PointRecord) -> dict:
+    """One run's result: vLLM's keys first, then ours."""
+    cfg, m = record.config, record.metrics
+    out = {"schema_version": SCHEMA_VERSION, **vllm_keys(m)}
+    out.update({
+        "max_concurrency": cfg.effective_concurrency,
+        "request_rate": _finite(cfg.request_rate) if cfg.open_loop else None,
+        "burstiness": cfg.burstiness if cfg.open_loop else None,
+        "good_requests": m.good_requests, "slo": cfg.slo,
+    })
+    for stat in ("mean", "median", "std", "p90", "p95", "p99"):
+        out[f"{stat}_itl_per_token_ms"] = getattr(m.itl_per_token, stat)
+    out.update({
+        "schedule_lag_p50_ms": m.schedule_lag.median, "schedule_lag_p99_ms": m.schedule_lag.p99,
+        "slot_wait_p50_ms": m.slot_wait.median, "slot_wait_p99_ms": m.slot_wait.p99,
+        "client_lag_p99_ms": record.client_lag.p99,
+        "client_cpu_percent": None if record.client_cpu is None else 100.0 * record.client_cpu,
+        "process_cpu_percent": None if record.process_cpu is None else 100.0 * record.process_cpu,
+        "headroom_warnings": record.warnings,
+        "failures": m.failures,
+        "output_token_sources": m.output_token_sources,
+        **record.token_checks,
+        "warmup_requests": len(record.warmup_results),
+        "interrupted": record.interrupted,
+        "profile": record.profile,
+    })
+    return out
+
+
+def result_document(records: list[PointRecord], config: dict, target) -> dict:
+    """A single run: its result with config and provenance. A sweep: one entry per point under `runs`."""
+    stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    common = {"date": stamp, "config": config, "provenance": provenance(target, config["seed"])}
+    sweep = config.get("sweep_param")
+    if sweep is None:
+        return {**point_result(records[0]), **common}
+    return {"schema_version": SCHEMA_VERSION, "sweep": {"param": sweep, "values": config["sweep_values"]},
+            "runs": [point_result(r) for r in records],
+            "interrupted": any(r.interrupted for r in records), **common}
+
+
+def write_json(path: str | Path, document: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def write_requests_jsonl(path: str | Path, records: list[PointRecord]) -> Path:
+    """Every request of every point, warmup included (marked), with its timings and failure reason.
+
+    Times are seconds after the point's first measured send (warmup requests have negative times)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for point, record in enumerate(records):
+            origin = min((r.t0 for r in record.results or record.warmup_results), default=0.0)
+            for phase, results in (("warmup", record.warmup_results), ("measured", record.results)):
+                for r in sorted(results, key=lambda r: r.t0):
+                    f.write(json.dumps({"point": point, "phase": phase, **r.to_json(origin)}) + "\n")
+    return path

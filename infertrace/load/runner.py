@@ -1,0 +1,104 @@
+"""Drives requests at a target: a closed loop of N workers, or an open loop on a precomputed arrival schedule."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Iterator
+
+from infertrace.load.clock import Clock
+from infertrace.load.records import RequestResult, RequestSpec
+from infertrace.load.timing import Target, measure
+
+
+class Runner:
+    """Sends requests and keeps every outcome, including the ones cut short when the run is cancelled."""
+
+    def __init__(self, target: Target, clock: Clock,
+                 on_result: Callable[[RequestResult], None] | None = None) -> None:
+        self.target = target
+        self.clock = clock
+        self.on_result = on_result
+        self.results: list[RequestResult] = []
+        self._inflight: set[asyncio.Task] = set()
+
+    async def _one(self, spec: RequestSpec, scheduled: float, slot_wait: float = 0.0) -> None:
+        result = RequestResult(spec.index, scheduled=scheduled, t0=scheduled, end=scheduled, slot_wait=slot_wait)
+        try:
+            await measure(result, self.target, spec, self.clock)
+        except asyncio.CancelledError:
+            result.error, result.end = "interrupted", self.clock.now()
+            raise
+        except Exception as e:  # noqa: BLE001 - a fault in a target must cost one request, not the run
+            result.error, result.end = f"client error: {type(e).__name__}: {e}", self.clock.now()
+        finally:
+            self.results.append(result)
+            if self.on_result is not None:
+                self.on_result(result)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        return task
+
+    async def _cancel_inflight(self) -> None:
+        for task in self._inflight:
+            task.cancel()
+        await asyncio.gather(*self._inflight, return_exceptions=True)
+
+    async def _settle(self) -> None:
+        """Wait for everything in flight; if we are cancelled meanwhile, cancel it all and wait for that."""
+        try:
+            while self._inflight:
+                await asyncio.gather(*self._inflight)
+        except asyncio.CancelledError:
+            await self._cancel_inflight()
+            raise
+
+    async def closed_loop(self, specs: Iterable[RequestSpec], concurrency: int,
+                          deadline: float | None = None) -> None:
+        """`concurrency` workers, each sending its next request as soon as its previous one ends.
+
+        A request's scheduled time is the moment its worker became free; with a deadline, no request starts
+        after it (the ones in flight finish).
+        """
+        queue: Iterator[RequestSpec] = iter(specs)
+
+        async def worker() -> None:
+            ready = self.clock.now()
+            while deadline is None or ready < deadline:
+                spec = next(queue, None)
+                if spec is None:
+                    return
+                await self._one(spec, ready)
+                ready = self.clock.now()
+
+        for _ in range(concurrency):
+            self._spawn(worker())
+        await self._settle()
+
+    async def open_loop(self, specs: Iterable[RequestSpec], offsets: list[float],
+                        concurrency: int | None = None) -> None:
+        """Send request i at start + offsets[i]; with `concurrency`, a request due while all slots are busy
+        waits for one (that wait is recorded as its slot_wait and is part of its schedule lag)."""
+        slots = asyncio.Semaphore(concurrency) if concurrency else None
+        start = self.clock.now()
+        try:
+            for spec, offset in zip(specs, offsets):
+                due = start + offset
+                await self.clock.sleep_until(due)
+                wait = 0.0
+                if slots is not None:
+                    if slots.locked():
+                        before = self.clock.now()
+                        await slots.acquire()
+                        wait = self.clock.now() - before
+                    else:
+                        await slots.acquire()
+                task = self._spawn(self._one(spec, due, wait))
+                if slots is not None:
+                    task.add_done_callback(lambda _: slots.release())
+        except asyncio.CancelledError:
+            await self._cancel_inflight()
+            raise
+        await self._settle()

@@ -1,0 +1,101 @@
+"""The one timing loop: turns any target's stream of events into a RequestResult, for completions and chat alike."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Protocol
+
+from infertrace.load.clock import Clock
+from infertrace.load.records import RequestResult, RequestSpec, StreamEvent, TokenSource
+
+
+class TargetError(Exception):
+    """The target cannot be used (unreachable, cannot load, refuses the profiler, ...): one line for the user."""
+
+
+class Target(Protocol):
+    def stream(self, spec: RequestSpec) -> AsyncIterator[list[StreamEvent]]:
+        """Sends the request; yields the events that arrived together (one network read, one engine output)."""
+
+
+async def measure(result: RequestResult, target: Target, spec: RequestSpec, clock: Clock) -> RequestResult:
+    """Send `spec` through `target` and fill `result` in place (so a cancelled request keeps what it saw).
+
+    An event counts as generated output when it carries text or a positive token count: a role-only first chunk
+    and a usage-only trailing chunk do not, nor does `[DONE]`. Events that arrived together share their arrival
+    time. The stream must end with `[DONE]` or a finish reason; otherwise the request failed (the connection
+    closed early).
+    """
+    result.expected_prompt_tokens = spec.prompt_len
+    texts: list[str] = []
+    usage_tokens: int | None = None  # cumulative completion tokens reported so far
+    continuous = True  # every choice chunk so far carried usage: a chunk's tokens are the growth of the count
+    last_text_t: float | None = None
+    finished = False
+    t0 = result.t0 = result.end = clock.now()
+    try:
+        async with aclosing(target.stream(spec)) as batches:
+            async for events in batches:
+                t = result.end = clock.now()
+                for ev in events:
+                    if ev.error is not None:
+                        result.error = ev.error
+                        break
+                    if ev.done:
+                        finished = True
+                        break
+                    if ev.prompt_tokens is not None:
+                        result.prompt_tokens = ev.prompt_tokens
+                    n = ev.num_tokens
+                    if ev.completion_tokens is None:
+                        continuous = continuous and (ev.usage_only or n is not None)
+                    else:
+                        if n is None and continuous and not ev.usage_only:
+                            n = ev.completion_tokens - (usage_tokens or 0)
+                        usage_tokens = ev.completion_tokens
+                    if not ev.usage_only and (ev.text or (n is not None and n > 0)):
+                        if last_text_t is None:
+                            result.ttft = t - t0
+                        else:
+                            result.itl.append(t - last_text_t)
+                        last_text_t = t
+                        result.chunk_tokens.append(n)
+                        if ev.text:
+                            texts.append(ev.text)
+                    if ev.finish_reason is not None:
+                        result.finish_reason = ev.finish_reason
+                        finished = True
+                else:
+                    continue
+                break  # an error or [DONE] ends the stream
+    finally:
+        if last_text_t is not None:
+            result.e2el = last_text_t - t0
+        result.text = "".join(texts)
+        if usage_tokens is not None:
+            result.output_tokens = usage_tokens
+            result.output_source = TokenSource.USAGE
+            if usage_tokens == len(result.chunk_tokens) and None in result.chunk_tokens:
+                result.chunk_tokens = [1] * usage_tokens  # every text event holds >= 1 token, so exactly 1
+    if result.error is None and not finished:
+        result.error = "disconnect: the stream ended before the response finished"
+    return result
+
+
+def resolve_output_tokens(results: list[RequestResult], tokenizer=None, check_usage: bool = False) -> None:
+    """Fill output-token counts the target did not report, and keep our tokenizer's count beside the server's.
+
+    Runs after the measured window: tokenizing every response on the hot path would cost the client CPU.
+    """
+    for r in results:
+        counted = None
+        if tokenizer is not None and (r.output_source is None or check_usage):
+            counted = len(tokenizer.encode(r.text, add_special_tokens=False)) if r.text else 0
+        if r.output_source is None:
+            if counted is not None:
+                r.output_tokens, r.output_source = counted, TokenSource.TOKENIZER
+            else:
+                r.output_tokens, r.output_source = len(r.chunk_tokens), TokenSource.CHUNKS
+        elif check_usage:
+            r.tokenizer_output_tokens = counted

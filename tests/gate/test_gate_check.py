@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import pytest
+
+from infertrace.gate.bounds import Bound, Kind
+from infertrace.gate.check import GateConfig, Verdict, evaluate
+from infertrace.gate.results import ResultError, Run
+
+CONFIG = GateConfig()
+
+
+def runs(metric: str, values: list[float]) -> list[Run]:
+    return [Run(f"run{i}.json", {metric: value}) for i, value in enumerate(values)]
+
+
+DROP_5 = Bound("output_throughput", Kind.MAX_DROP, 0.05, relative=True)
+RISE_20MS = Bound("p99_ttft_ms", Kind.MAX_RISE, 20.0)
+
+
+def verdict(bound: Bound, current: list[float], baseline: list[float] | None = None) -> Verdict:
+    before = runs(bound.metric, baseline) if baseline is not None else []
+    report = evaluate(runs(bound.metric, current), before, [bound], CONFIG)
+    return report.checks[0].verdict
+
+
+@pytest.mark.parametrize(
+    ("current", "baseline", "expected"),
+    [
+        ([100.0, 99.0, 101.0], [100.0, 100.5, 99.5], Verdict.OK),
+        ([95.0], [100.0], Verdict.OK),  # exactly the limit passes
+        ([94.0], [100.0], Verdict.REGRESSION),  # one run each: no noise estimate, the point decides
+        ([93.0, 99.0, 92.0], [100.0, 99.0, 101.0], Verdict.NOISE),  # median breaches, one repeat reaches back
+        ([80.0, 82.0, 81.0], [100.0, 99.0, 101.0], Verdict.REGRESSION),
+        ([120.0, 121.0, 119.0], [100.0, 99.0, 101.0], Verdict.OK),  # an improvement
+    ],
+)
+def test_max_drop_verdicts(current, baseline, expected):
+    assert verdict(DROP_5, current, baseline) is expected
+
+
+@pytest.mark.parametrize(
+    ("current", "baseline", "expected"),
+    [
+        ([210.0, 215.0, 219.0], [200.0, 201.0, 199.0], Verdict.OK),
+        ([230.0, 240.0, 205.0], [200.0, 201.0, 199.0], Verdict.NOISE),
+        ([230.0, 240.0, 235.0], [200.0, 201.0, 199.0], Verdict.REGRESSION),
+        ([150.0], [200.0], Verdict.OK),
+    ],
+)
+def test_max_rise_absolute_verdicts(current, baseline, expected):
+    assert verdict(RISE_20MS, current, baseline) is expected
+
+
+def test_min_and_max_need_no_baseline():
+    floor = Bound("output_throughput", Kind.MIN, 100.0)
+    assert verdict(floor, [120.0, 110.0, 130.0]) is Verdict.OK
+    assert verdict(floor, [90.0, 110.0, 95.0]) is Verdict.NOISE
+    assert verdict(floor, [90.0, 80.0, 95.0]) is Verdict.REGRESSION
+    assert verdict(Bound("failed", Kind.MAX, 0.0), [0, 1, 0]) is Verdict.OK
+    assert verdict(Bound("failed", Kind.MAX, 0.0), [2, 1, 3]) is Verdict.REGRESSION
+
+
+def test_report_carries_medians_change_and_interval():
+    report = evaluate(runs("output_throughput", [80.0, 82.0, 81.0]), runs("output_throughput", [100.0, 98.0, 102.0]),
+                      [DROP_5], CONFIG)
+    check = report.checks[0]
+    assert (check.current, check.baseline) == (81.0, 100.0)
+    assert check.change == pytest.approx(-0.19)
+    low, high = check.interval
+    assert low <= check.change <= high < -0.05
+    assert report.regressed and (report.current_runs, report.baseline_runs) == (3, 3)
+
+
+def test_the_verdict_is_deterministic():
+    def once():
+        return evaluate(runs("output_throughput", [93.0, 99.0, 92.0, 96.0]),
+                        runs("output_throughput", [100.0, 97.0, 101.0]), [DROP_5], CONFIG).checks[0]
+
+    assert once() == once()
+
+
+def test_relative_bound_on_zero_baseline_is_unusable():
+    with pytest.raises(ResultError, match="needs a positive baseline"):
+        evaluate(runs("failed", [1]), runs("failed", [0]), [Bound("failed", Kind.MAX_RISE, 0.1, relative=True)],
+                 CONFIG)
+
+
+def test_missing_metric_is_unusable():
+    with pytest.raises(ResultError, match="run0.json has no metric 'p99_ttft_ms'"):
+        evaluate(runs("output_throughput", [1.0]), [], [Bound("p99_ttft_ms", Kind.MAX, 1.0)], CONFIG)
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="confidence"):
+        GateConfig(confidence=1.0)
+    with pytest.raises(ValueError, match="resamples"):
+        GateConfig(resamples=10)

@@ -1,0 +1,99 @@
+"""The shipped CI workflow and the project's own gate script call `bench` and `gate` with options that exist."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infertrace.gate.command import gate
+from infertrace.gate.results import load_runs
+from infertrace.load.command import bench
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKFLOW = ROOT / "recipes" / "ci" / "github-workflow.yml"
+
+
+def commands(script: str, env: dict[str, str]) -> list[list[str]]:
+    """`infertrace ...` command lines of a shell script, continuations joined and $VARIABLES expanded."""
+    joined = re.sub(r"\\\n\s*", " ", script)
+    found = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line.startswith("infertrace "):
+            expanded = re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m[1], f"/tmp/{m[1]}"), line)
+            found.append(shlex.split(expanded)[1:])
+    return found
+
+
+def test_workflow_installs_pinned_cpu_torch_benchmarks_and_gates():
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    (job,) = workflow["jobs"].values()
+    script = "\n".join(step.get("run", "") for step in job["steps"])
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in script
+    found = commands(script, job["env"])
+    benches = [args for args in found if args[0] == "bench"]
+    gates = [args for args in found if args[0] == "gate"]
+    assert benches and all("--result-json" in args for args in benches)
+    assert any("--update-baseline" in args for args in gates)
+    assert any("--max-drop" in args and "--summary" in args for args in gates)
+    for args in benches:
+        bench.make_context("bench", args[1:])  # raises on an option bench does not have
+    for args in gates:
+        gate.make_context("gate", args[1:])
+
+
+CI_GATE = ROOT / "benchmarks" / "ci_gate.sh"
+CI_BASELINE = ROOT / "benchmarks" / "gate_baseline.json"
+
+
+def script_array(name: str) -> list[str]:
+    match = re.search(rf"^{name}=\((.*)\)$", CI_GATE.read_text(), re.MULTILINE)
+    assert match, f"{name}=(...) not found in {CI_GATE}"
+    return shlex.split(match[1])
+
+
+def test_ci_gate_workload_is_the_one_the_committed_baseline_ran():
+    workload = script_array("WORKLOAD")
+    bench.make_context("bench", list(workload))
+    runs = load_runs(CI_BASELINE)
+    assert len(runs) >= 3
+    for run in runs:
+        config = run.data["config"]
+        args = iter(workload)
+        for flag in args:
+            key = flag.removeprefix("--").replace("-", "_")
+            expected = True if key == "ignore_eos" else type(config[key])(next(args))
+            assert config[key] == expected, f"{flag}: re-record the baseline (ci_gate.sh --update-baseline)"
+
+
+def test_ci_gate_bounds_parse_and_the_baseline_has_their_metrics():
+    bounds = script_array("BOUNDS")
+    context = gate.make_context("gate", ["unused.json", *bounds])
+    metrics = [bound.metric for kind in ("max_drop", "max_rise", "floor", "ceiling") for bound in context.params[kind]]
+    assert "cpu_ms_per_output_token" in metrics
+    for run in load_runs(CI_BASELINE):
+        for metric in metrics:
+            run.metric(metric)
+
+
+@pytest.mark.slow
+def test_ci_gate_fails_on_a_slowed_engine():
+    """The real script, baseline and bounds, with every engine step made to take twice as long (real engine runs:
+    about a minute on two cores)."""
+    env = os.environ | {
+        "PYTHONPATH": str(Path(__file__).parent / "slow_engine"),
+        "INFERTRACE_TEST_SLOWDOWN": "2",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    env.pop("GITHUB_STEP_SUMMARY", None)
+    done = subprocess.run(["bash", str(CI_GATE)], env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("cpu_ms_per_output_token"))
+    assert "regression" in row

@@ -1,0 +1,111 @@
+"""A stand-in OpenAI-compatible server on loopback, in a background thread, whose faults the tests choose."""
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+from aiohttp import web
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+class StandInServer:
+    """Streams max_tokens chunks of one token each with continuous usage; `mode(i)` picks request i's fate:
+    "ok", "500" (an HTTP error) or "close" (the connection drops halfway)."""
+
+    def __init__(self) -> None:
+        self.mode = lambda i: "ok"
+        self.token_delay = 0.0
+        self.count = 0
+        self.streams: list[tuple[float, float]] = []  # (arrival, end) of each generation request
+        self.profile_calls: list[tuple[str, float, object]] = []
+        self.usage_completion_tokens = 0
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.perf_counter()
+        body = await request.json()
+        i, self.count = self.count, self.count + 1
+        mode = self.mode(i)
+        if mode == "500":
+            return web.json_response({"error": {"message": "overloaded"}}, status=500)
+        chat = "messages" in body
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = body["max_tokens"]
+        for k in range(n):
+            if mode == "close" and k == n // 2:
+                request.transport.close()
+                return resp
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+            finish = "length" if k == n - 1 else None
+            choice = {"index": 0, "delta": {"content": f" t{k}"}} if chat else {"index": 0, "text": f" t{k}"}
+            await resp.write(_sse({"choices": [{**choice, "finish_reason": finish}],
+                                   "usage": {"prompt_tokens": 5, "completion_tokens": k + 1}}))
+        await resp.write(_sse({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}}))
+        await resp.write(b"data: [DONE]\n\n")
+        self.usage_completion_tokens += n
+        self.streams.append((arrived, time.perf_counter()))
+        return resp
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
+
+    async def server_info(self, request):
+        return web.json_response({"engine": "stand-in", "gpu": None})
+
+    async def start_profile(self, request):
+        body = await request.json() if request.can_read_body else None
+        self.profile_calls.append(("start", time.perf_counter(), body))
+        return web.json_response({"status": "started"})
+
+    async def stop_profile(self, request):
+        self.profile_calls.append(("stop", time.perf_counter(), None))
+        return web.json_response({"status": "stopped", "files": ["/p/a.pt.trace.json.gz", "/p/manifest.json"],
+                                  "trace_files": ["/p/a.pt.trace.json.gz"]})
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/server_info", self.server_info)
+        app.router.add_post("/start_profile", self.start_profile)
+        app.router.add_post("/stop_profile", self.stop_profile)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def start(self) -> "StandInServer":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def standin():
+    server = StandInServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def prompts_jsonl(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"prompt {i}", "max_tokens": 4 + i % 3}) + "\n" for i in range(6)))
+    return path

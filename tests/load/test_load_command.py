@@ -1,0 +1,171 @@
+"""`infertrace bench` end to end against the stand-in server on loopback."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from infertrace.load.command import bench
+
+VLLM_KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+             "output_throughput", "total_token_throughput", "goodput"] + [
+    f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
+    for stat in ("mean", "median", "std", "p90", "p95", "p99")]
+
+
+def invoke(*args):
+    return CliRunner().invoke(bench, [str(a) for a in args], catch_exceptions=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_result_json_and_requests_jsonl(standin, prompts_jsonl, tmp_path):
+    out, reqs = tmp_path / "r.json", tmp_path / "r.jsonl"
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
+                 "--num-prompts", 6, "--concurrency", 2, "--warmup", 1, "--slo", "ttft_ms=10000,e2el_ms=10000",
+                 "--result-json", out, "--requests-jsonl", reqs)
+    assert res.exit_code == 0, res.output
+    assert "successful requests" in res.stdout and "output token throughput" in res.stdout
+    doc = json.loads(out.read_text())
+    assert all(k in doc for k in VLLM_KEYS)
+    assert (doc["completed"], doc["failed"]) == (6, 0)
+    # max_tokens 4, 5, 6, 4, 5, 6; the stand-in generates exactly that and says so in usage
+    assert doc["total_output_tokens"] == 30 == standin.usage_completion_tokens - 4  # minus the warmup's 4
+    assert doc["total_input_tokens"] == 6 * 5
+    assert doc["output_token_sources"] == {"usage": 6}
+    assert doc["goodput"] == doc["request_throughput"] and doc["good_requests"] == 6
+    assert doc["schema_version"] == 1 and doc["config"]["concurrency"] == 2 and doc["config"]["seed"] == 0
+    assert doc["provenance"]["target"]["model"] == "stand-in"
+    assert doc["provenance"]["target"]["server_info"]["body"]["engine"] == "stand-in"
+    assert doc["schedule_lag_p99_ms"] is not None and doc["client_cpu_percent"] is not None
+    assert doc["mean_itl_per_token_ms"] is not None  # continuous usage gives chunk token counts
+    lines = [json.loads(line) for line in reqs.read_text().splitlines()]
+    assert [line["phase"] for line in lines].count("warmup") == 1 and len(lines) == 7
+    measured = [line for line in lines if line["phase"] == "measured"]
+    assert sorted(line["output_tokens"] for line in measured) == [4, 4, 5, 5, 6, 6]
+    assert all(len(line["itl_ms"]) == line["output_tokens"] - 1 for line in measured)
+
+
+def test_unreachable_url_is_one_line_and_exit_2_before_any_load(tmp_path):
+    out = tmp_path / "r.json"
+    res = invoke("--base-url", f"http://127.0.0.1:{free_port()}", "--result-json", out)
+    assert res.exit_code == 2
+    assert "cannot reach http://127.0.0.1:" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_http_500s_and_dropped_streams_are_counted_failures(standin, prompts_jsonl, tmp_path):
+    standin.mode = lambda i: {1: "500", 3: "close"}.get(i, "ok")  # request 0 is the warmup
+    out, reqs = tmp_path / "r.json", tmp_path / "r.jsonl"
+    res = invoke("--base-url", standin.url, "--endpoint", "chat", "--dataset", "jsonl", "--dataset-path",
+                 prompts_jsonl, "--num-prompts", 6, "--concurrency", 1, "--warmup", 1,
+                 "--result-json", out, "--requests-jsonl", reqs)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert (doc["completed"], doc["failed"]) == (4, 2)
+    assert doc["failures"] == {"HTTP 500": 1, "disconnect": 1}
+    errors = sorted(line["error"] for line in map(json.loads, reqs.read_text().splitlines()) if line["error"])
+    assert errors[0] == 'HTTP 500: {"error": {"message": "overloaded"}}'
+    assert errors[1].startswith("disconnect: ")
+
+
+def test_profile_window_lies_outside_the_measured_requests(standin, prompts_jsonl, tmp_path):
+    out = tmp_path / "r.json"
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
+                 "--num-prompts", 4, "--concurrency", 2, "--warmup", 2, "--profile-steps", 5, "--result-json", out)
+    assert res.exit_code == 0, res.output
+    (start, t_start, body), (stop, t_stop, _) = standin.profile_calls
+    assert (start, stop, body) == ("start", "stop", {"num_steps": 5})
+    warmup, measured = standin.streams[:2], standin.streams[2:]
+    assert max(end for _, end in warmup) < t_start < min(arrived for arrived, _ in measured)
+    assert t_stop > max(end for _, end in measured)
+    doc = json.loads(out.read_text())
+    assert doc["profile"]["trace_files"] == ["/p/a.pt.trace.json.gz"]
+    assert doc["profile"]["num_steps"] == 5
+
+
+def test_sweep_prints_one_table_and_writes_a_plot(standin, prompts_jsonl, tmp_path):
+    out = tmp_path / "sweep.json"
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
+                 "--num-prompts", 4, "--warmup", 0, "--sweep", "concurrency=1,2", "--result-json", out)
+    assert res.exit_code == 0, res.output
+    assert "sweep over concurrency" in res.stdout
+    doc = json.loads(out.read_text())
+    assert [run["max_concurrency"] for run in doc["runs"]] == [1, 2]
+    assert all(run["completed"] == 4 for run in doc["runs"])
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_options_are_one_line_usage_errors():
+    res = invoke("--range-ratio", "1.5")
+    assert res.exit_code == 2 and "range_ratio must be in [0, 1)" in res.stderr
+    res = invoke("--slo", "ttft=3")
+    assert res.exit_code == 2 and "unknown SLO 'ttft'" in res.stderr
+    res = invoke("--sweep", "batch=1,2")
+    assert res.exit_code == 2 and "expected concurrency=N" in res.output
+    res = invoke("--profile")
+    assert res.exit_code == 2 and "needs --base-url" in res.stderr
+
+
+def test_ctrl_c_saves_partial_results_and_prints_the_summary(standin, prompts_jsonl, tmp_path):
+    standin.token_delay = 0.05
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-c", "from infertrace.load.command import bench; bench()",
+           "--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", str(prompts_jsonl),
+           "--output-len", "40", "--num-prompts", "50", "--concurrency", "2", "--warmup", "0",
+           "--result-json", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COLUMNS": "120"})
+    deadline = time.time() + 30
+    while len(standin.streams) < 2 and time.time() < deadline:  # two requests finished: mid-run
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stdout and "successful requests" in stdout
+    doc = json.loads(out.read_text())
+    assert doc["interrupted"] is True
+    assert doc["completed"] >= 2 and doc["failures"] == {"interrupted": 2}
+
+
+def test_profile_seconds_bounds_the_sending_window(standin, prompts_jsonl, tmp_path):
+    standin.token_delay = 0.02
+    out = tmp_path / "r.json"
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
+                 "--num-prompts", 200, "--concurrency", 2, "--warmup", 0, "--profile-seconds", 0.5,
+                 "--result-json", out)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert 2 <= doc["completed"] < 30 and doc["failed"] == 0  # ~0.1 s per request, two at a time, for 0.5 s
+    (_, t_start, body), (_, t_stop, _) = standin.profile_calls
+    assert body is None  # a bare start, as vLLM expects
+    assert t_start < min(a for a, _ in standin.streams) and t_stop > max(e for _, e in standin.streams)
+
+
+def test_open_loop_follows_the_seeded_arrival_schedule(standin, prompts_jsonl, tmp_path):
+    from infertrace.load.dataset import seeded_rng
+    from infertrace.load.schedule import arrival_offsets
+
+    out, reqs = tmp_path / "r.json", tmp_path / "r.jsonl"
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
+                 "--num-prompts", 8, "--request-rate", 20, "--burstiness", 0.5, "--seed", 3, "--warmup", 0,
+                 "--result-json", out, "--requests-jsonl", reqs)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert (doc["request_rate"], doc["burstiness"], doc["max_concurrency"], doc["completed"]) == (20.0, 0.5, None, 8)
+    lines = sorted(map(json.loads, reqs.read_text().splitlines()), key=lambda line: line["index"])
+    scheduled = [line["scheduled_s"] - lines[0]["scheduled_s"] for line in lines]
+    expected = arrival_offsets(20.0, 0.5, seeded_rng(3, "arrivals", 0), count=8)
+    assert scheduled == [pytest.approx(e, abs=1e-9) for e in expected]
+    assert all(line["schedule_lag_ms"] < 50 for line in lines)

@@ -1,0 +1,89 @@
+import dataclasses
+import json
+
+import pytest
+
+from infertrace.load.benchmark import build_specs
+from infertrace.load.config import BenchConfig
+from infertrace.load.dataset import DatasetError, PromptMaker, length_range, seeded_rng
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def test_random_prompts_have_the_exact_length_in_the_target_tokenizer(tokenizer):
+    maker = PromptMaker(tokenizer, seeded_rng(0, "t"))
+    for n in (1, 2, 7, 64, 333, 1024):
+        text, ids = maker.exact(n)
+        assert len(ids) == n
+        assert tokenizer.encode(text, add_special_tokens=False) == ids
+
+
+def test_range_ratio_bounds_lengths(tokenizer):
+    assert length_range(100, 0.0) == (100, 100)
+    assert length_range(100, 0.25) == (75, 125)
+    cfg = BenchConfig(input_len=40, output_len=20, range_ratio=0.5, num_prompts=60)
+    specs = build_specs(cfg, tokenizer, 60, "measure")
+    ins = [s.prompt_len for s in specs]
+    outs = [s.output_len for s in specs]
+    assert min(ins) >= 20 and max(ins) <= 60 and len(set(ins)) > 10
+    assert min(outs) >= 10 and max(outs) <= 30
+    assert all(len(tokenizer.encode(s.prompt, add_special_tokens=False)) == s.prompt_len for s in specs)
+
+
+def test_seed_makes_prompts_identical_byte_for_byte(tokenizer, tmp_path):
+    def dump(seed, stream="measure"):
+        cfg = BenchConfig(input_len=32, range_ratio=0.3, seed=seed)
+        return json.dumps([dataclasses.asdict(s) for s in build_specs(cfg, tokenizer, 12, stream)]).encode()
+
+    assert dump(7) == dump(7)
+    assert dump(7) != dump(8)
+    assert dump(7) != dump(7, "warmup")  # warmup prompts are not the measured ones
+
+
+def test_shared_prefix_requests_start_with_one_of_the_prefixes(tokenizer):
+    cfg = BenchConfig(dataset="shared-prefix", prefix_len=24, num_prefixes=3, input_len=8)
+    specs = build_specs(cfg, tokenizer, 9, "measure")
+    prefixes = {tuple(s.prompt_ids[:24]) for s in specs}
+    assert len(prefixes) == 3
+    assert all(s.prompt_len == 32 for s in specs)
+    assert specs[0].prompt_ids[:24] == specs[3].prompt_ids[:24] != specs[1].prompt_ids[:24]
+
+
+def test_sharegpt_file(tokenizer, tmp_path):
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "What is paging?"}, {"from": "gpt", "value": "Blocks of KV."}]},
+        {"conversations": [{"from": "human", "value": "only one turn"}]},
+        {"conversations": [{"from": "gpt", "value": "starts with a reply"}, {"from": "human", "value": "x"}]},
+        {"conversations": [{"from": "human", "value": "Why batch?"}, {"from": "gpt", "value": "Throughput."}]},
+    ]))
+    cfg = BenchConfig(dataset="sharegpt", dataset_path=str(path))
+    specs = build_specs(cfg, tokenizer, 5, "measure")
+    assert len(specs) == 5 and [s.index for s in specs] == list(range(5))
+    assert {s.prompt for s in specs} == {"What is paging?", "Why batch?"}
+    reply = {"What is paging?": "Blocks of KV.", "Why batch?": "Throughput."}
+    for s in specs:
+        assert s.output_len == len(tokenizer.encode(reply[s.prompt], add_special_tokens=False))
+        assert s.prompt_len == len(s.prompt_ids)
+    fixed = build_specs(BenchConfig(dataset="sharegpt", dataset_path=str(path), output_len=9), None, 2, "m")
+    assert [s.output_len for s in fixed] == [9, 9] and fixed[0].prompt_len is None
+
+
+def test_jsonl_file(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "max_tokens": 3}\n\n{"prompt": "b"}\n')
+    specs = build_specs(BenchConfig(dataset="jsonl", dataset_path=str(path)), None, 3, "measure")
+    assert [(s.prompt, s.output_len) for s in specs] == [("a", 3), ("b", 64), ("a", 3)]
+    path.write_text('{"text": "a"}\n')
+    with pytest.raises(DatasetError, match="p.jsonl:1: each line needs a string field 'prompt'"):
+        build_specs(BenchConfig(dataset="jsonl", dataset_path=str(path)), None, 1, "measure")
+
+
+def test_random_prompts_need_a_tokenizer():
+    with pytest.raises(DatasetError, match="--tokenizer"):
+        build_specs(BenchConfig(), None, 1, "measure")

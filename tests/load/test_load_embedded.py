@@ -1,0 +1,39 @@
+"""The bundled engine as an in-process target: same records, exact token counts from the engine."""
+
+import json
+
+from click.testing import CliRunner
+
+from infertrace.load.command import bench
+from infertrace.load.embedded_target import default_model_dir
+
+
+def test_embedded_run_counts_tokens_exactly(tiny_model_dir, tmp_path):
+    out, reqs = tmp_path / "r.json", tmp_path / "r.jsonl"
+    res = CliRunner().invoke(bench, ["--model", str(tiny_model_dir), "--num-prompts", "4", "--concurrency", "2",
+                                     "--input-len", "16", "--output-len", "6", "--ignore-eos", "--warmup", "1",
+                                     "--result-json", str(out), "--requests-jsonl", str(reqs)],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert (doc["completed"], doc["failed"]) == (4, 0)
+    assert doc["total_input_tokens"] == 4 * 16  # the engine's prompt count equals the built length
+    assert doc["total_output_tokens"] == 4 * 6
+    assert doc["output_token_sources"] == {"usage": 4}
+    assert doc["provenance"]["target"]["kind"] == "embedded"
+    for line in map(json.loads, reqs.read_text().splitlines()):
+        assert sum(line["chunk_tokens"]) == line["output_tokens"] == 6
+        assert len(line["itl_ms"]) == len(line["chunk_tokens"]) - 1
+        assert line["ttft_ms"] > 0 and line["e2el_ms"] >= line["ttft_ms"]
+
+
+def test_builtin_model_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERTRACE_CACHE", str(tmp_path / "cache"))
+    built = []
+    path = default_model_dir(built.append)
+    assert path == tmp_path / "cache" / "models" / "tiny" and built == [path]
+    assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert default_model_dir(built.append) == path and len(built) == 1
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in path.parent.iterdir()] == ["tiny"]  # no leftover build directory

@@ -1,0 +1,72 @@
+"""compute_metrics against figures worked out by hand from three requests."""
+
+import pytest
+
+from infertrace.load.metrics import compute_metrics, token_count_checks, vllm_keys
+from infertrace.load.records import RequestResult, TokenSource
+
+
+def results():
+    r1 = RequestResult(0, scheduled=0.0, t0=0.0, end=0.6, ttft=0.1, e2el=0.5, itl=[0.2, 0.2],
+                       chunk_tokens=[1, 1, 2], output_tokens=4, output_source=TokenSource.USAGE, prompt_tokens=10,
+                       expected_prompt_tokens=10)
+    r2 = RequestResult(1, scheduled=0.19, t0=0.2, end=0.55, ttft=0.3, e2el=0.3, chunk_tokens=[1], output_tokens=1,
+                       output_source=TokenSource.TOKENIZER, expected_prompt_tokens=20)
+    r3 = RequestResult(2, scheduled=0.3, t0=0.3, end=1.0, error="HTTP 500: overloaded", prompt_tokens=99,
+                       output_tokens=7)
+    return [r1, r2, r3]
+
+
+def test_counts_duration_and_throughputs():
+    m = compute_metrics(results())
+    assert (m.completed, m.failed) == (2, 1)
+    assert m.duration == pytest.approx(1.0)  # first send (0.0) to last completion (the failure at 1.0)
+    assert (m.total_input_tokens, m.total_output_tokens) == (30, 5)  # failed requests' tokens are not counted
+    assert m.request_throughput == pytest.approx(2.0)
+    assert m.output_throughput == pytest.approx(5.0)
+    assert m.total_token_throughput == pytest.approx(35.0)
+    assert m.failures == {"HTTP 500": 1}
+    assert m.output_token_sources == {"usage": 1, "tokenizer": 1}
+
+
+def test_latency_statistics():
+    m = compute_metrics(results())
+    assert (m.ttft.mean, m.ttft.median, m.ttft.std) == (pytest.approx(200), pytest.approx(200), pytest.approx(100))
+    assert m.ttft.p99 == pytest.approx(100 + 0.99 * 200)  # linear interpolation between 100 and 300
+    assert m.ttft.p90 == pytest.approx(280)
+    assert m.tpot.count == 1  # one-token responses have no TPOT
+    assert m.tpot.mean == pytest.approx((500 - 100) / 3)
+    assert m.itl.mean == pytest.approx(200) and m.itl.count == 2
+    assert m.itl_per_token.count == 3  # 0.2/1, then 0.2/2 for each of two tokens
+    assert m.itl_per_token.mean == pytest.approx(400 / 3)
+    assert m.e2el.mean == pytest.approx(400) and m.e2el.median == pytest.approx(400)
+    assert (m.schedule_lag.median, m.schedule_lag.p99) == (pytest.approx(0), pytest.approx(9.8))  # lags 0, 10, 0 ms
+
+
+def test_goodput_counts_failures_as_misses():
+    assert compute_metrics(results()).goodput is None
+    m = compute_metrics(results(), {"ttft_ms": 200})
+    assert m.good_requests == 1 and m.goodput == pytest.approx(1.0)
+    m = compute_metrics(results(), {"ttft_ms": 1000, "tpot_ms": 100})
+    assert m.good_requests == 1  # r1's TPOT of 133 ms misses; r2 has no TPOT; r3 failed
+    m = compute_metrics(results(), {"e2el_ms": 1000})
+    assert m.good_requests == 2
+
+
+def test_vllm_keys_and_empty_runs():
+    keys = vllm_keys(compute_metrics(results()))
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p90", "p95", "p99"):
+            assert f"{stat}_{name}_ms" in keys
+    assert keys["completed"] == 2 and keys["goodput"] is None
+    empty = compute_metrics([])
+    assert (empty.completed, empty.duration, empty.request_throughput, empty.ttft.mean) == (0, 0.0, None, None)
+
+
+def test_token_count_checks():
+    rs = results()
+    rs[0].tokenizer_output_tokens = 5
+    rs[1].prompt_tokens = 21
+    assert token_count_checks(rs, compare_prompts=True) == {"output_token_disagreements": 1,
+                                                           "input_token_mismatches": 1}
+    assert token_count_checks(rs, compare_prompts=False)["input_token_mismatches"] == 0

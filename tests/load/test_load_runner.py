@@ -1,0 +1,78 @@
+"""The closed and open loops against a fake target on the real clock (short sleeps, no sockets)."""
+
+import asyncio
+
+import pytest
+
+from infertrace.load.benchmark import Interrupted, Interrupter
+from infertrace.load.clock import MonotonicClock
+from infertrace.load.records import RequestSpec, StreamEvent
+from infertrace.load.runner import Runner
+
+
+class FakeTarget:
+    def __init__(self, tokens=3, gap=0.01):
+        self.tokens, self.gap = tokens, gap
+        self.inflight = self.max_inflight = 0
+
+    async def stream(self, spec):
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            for k in range(self.tokens):
+                await asyncio.sleep(self.gap)
+                yield [StreamEvent(text="x", num_tokens=1, completion_tokens=k + 1,
+                                   finish_reason="stop" if k == self.tokens - 1 else None)]
+        finally:
+            self.inflight -= 1
+
+
+def specs(n):
+    return [RequestSpec(i, "p", 3) for i in range(n)]
+
+
+async def test_closed_loop_keeps_exactly_concurrency_in_flight():
+    target = FakeTarget()
+    runner = Runner(target, MonotonicClock())
+    await runner.closed_loop(specs(10), concurrency=3)
+    assert target.max_inflight == 3
+    assert sorted(r.index for r in runner.results) == list(range(10))
+    assert all(r.success and r.output_tokens == 3 for r in runner.results)
+    assert max(r.schedule_lag for r in runner.results) < 0.05
+
+
+async def test_closed_loop_deadline_stops_new_requests():
+    clock = MonotonicClock()
+    runner = Runner(FakeTarget(gap=0.02), clock)
+    await runner.closed_loop(iter(specs(1000)), concurrency=2, deadline=clock.now() + 0.2)
+    assert 4 <= len(runner.results) <= 12  # each request takes ~60 ms
+
+
+async def test_open_loop_sends_on_schedule_and_records_slot_waits():
+    target = FakeTarget(tokens=2, gap=0.05)
+    clock = MonotonicClock()
+    runner = Runner(target, clock)
+    offsets = [0.0, 0.01, 0.02, 0.03]
+    await runner.open_loop(specs(4), offsets, concurrency=None)
+    by_index = {r.index: r for r in runner.results}
+    start = by_index[0].scheduled
+    assert [by_index[i].scheduled - start for i in range(4)] == pytest.approx(offsets)
+    assert target.max_inflight == 4 and all(r.slot_wait == 0 for r in runner.results)
+
+    capped = Runner(FakeTarget(tokens=2, gap=0.05), clock)
+    await capped.open_loop(specs(4), offsets, concurrency=1)
+    waits = [r.slot_wait for r in sorted(capped.results, key=lambda r: r.index)]
+    assert waits[0] == 0 and all(w > 0.05 for w in waits[1:])
+    assert all(r.schedule_lag >= r.slot_wait for r in capped.results)
+
+
+async def test_interrupt_keeps_finished_and_marks_inflight_requests():
+    runner = Runner(FakeTarget(tokens=20, gap=0.01), MonotonicClock())
+    interrupter = Interrupter()
+    asyncio.get_running_loop().call_later(0.35, interrupter.trigger)
+    with pytest.raises(Interrupted):
+        await interrupter.run(runner.closed_loop(specs(50), concurrency=2))
+    done = [r for r in runner.results if r.success]
+    cut = [r for r in runner.results if not r.success]
+    assert len(done) >= 2 and len(cut) == 2
+    assert all(r.error == "interrupted" and r.ttft is not None for r in cut)

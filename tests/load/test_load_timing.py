@@ -1,0 +1,246 @@
+"""The one timing loop, driven through HttpTarget by a scripted clock and a transport that opens no socket.
+
+Every expected figure below is computed by hand from the scripted arrival times.
+"""
+
+import json
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+
+from infertrace.load.clock import ScriptedClock
+from infertrace.load.http_target import HttpTarget
+from infertrace.load.records import RequestResult, RequestSpec, TokenSource
+from infertrace.load.timing import measure, resolve_output_tokens
+
+T0 = 10.0
+
+
+def sse(obj) -> bytes:
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+
+
+def comp(text, finish=None, usage=None):
+    body = {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = {"prompt_tokens": 7, "completion_tokens": usage}
+    return body
+
+
+def chat(content=None, finish=None, usage=None, role=False):
+    delta = {"role": "assistant", "content": ""} if role else ({"content": content} if content is not None else {})
+    body = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = {"prompt_tokens": 7, "completion_tokens": usage}
+    return body
+
+
+def usage_only(n):
+    return {"object": "text_completion", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n}}
+
+
+DONE = b"[DONE]"
+
+
+class ScriptedResponse:
+    def __init__(self, clock, reads, status=200, body="", raise_at_end=None):
+        self.clock, self.reads, self.status, self.body, self.raise_at_end = clock, reads, status, body, raise_at_end
+
+    async def text(self):
+        return self.body
+
+    async def chunks(self):
+        for t, data in self.reads:
+            self.clock.set(t)
+            yield data
+        if self.raise_at_end is not None:
+            raise self.raise_at_end
+
+
+class ScriptedTransport:
+    def __init__(self, response):
+        self.response = response
+        self.sent = []
+
+    @asynccontextmanager
+    async def stream(self, path, body):
+        self.sent.append((path, body))
+        yield self.response
+
+
+async def run(reads, endpoint="completions", **response_kw):
+    clock = ScriptedClock(T0)
+    transport = ScriptedTransport(ScriptedResponse(clock, [(t, sse(o) if not isinstance(o, bytes) or o == DONE
+                                                            else o) for t, o in reads], **response_kw))
+    target = HttpTarget("http://x", endpoint, "m", transport)
+    spec = RequestSpec(0, "hello", 16, prompt_len=7)
+    result = RequestResult(0, scheduled=T0, t0=0.0, end=0.0)
+    await measure(result, target, spec, clock)
+    return result, transport
+
+
+async def test_multi_token_chunks_with_continuous_usage():
+    result, transport = await run([
+        (10.5, comp("Hello", usage=2)),
+        (10.7, comp(" wor", usage=3)),
+        (11.3, comp("ld!!", usage=6)),
+        (11.4, comp("", finish="length", usage=6)),
+        (11.5, usage_only(6)),
+        (11.6, DONE),
+    ])
+    assert result.success and result.finish_reason == "length"
+    assert result.t0 == T0 and result.end == pytest.approx(1.6 + T0)
+    assert result.ttft == pytest.approx(0.5)
+    assert result.e2el == pytest.approx(1.3)  # the finish chunk carries no text: the last text was at 11.3
+    assert result.itl == pytest.approx([0.2, 0.6])
+    assert result.chunk_tokens == [2, 1, 3]
+    assert (result.output_tokens, result.output_source) == (6, TokenSource.USAGE)
+    assert result.prompt_tokens == 7
+    assert result.tpot == pytest.approx((1.3 - 0.5) / 5)
+    assert result.itl_per_token() == pytest.approx([0.2, 0.2, 0.2, 0.2])  # 0.2/1, then 0.6/3 three times
+    assert result.text == "Hello world!!"
+    body = transport.sent[0][1]
+    assert transport.sent[0][0] == "/v1/completions" and body["prompt"] == "hello"
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+
+
+async def test_role_only_first_chunk_does_not_count_as_text():
+    result, transport = await run([
+        (10.2, chat(role=True, usage=0)),
+        (10.5, chat("Hi", usage=1)),
+        (10.9, chat(" there", usage=2)),
+        (11.0, chat(finish="stop", usage=2)),
+        (11.1, {**usage_only(2), "object": "chat.completion.chunk"}),
+        (11.2, DONE),
+    ], endpoint="chat")
+    assert result.success
+    assert result.ttft == pytest.approx(0.5)  # not 0.2: the role chunk carries no text
+    assert result.e2el == pytest.approx(0.9)
+    assert result.itl == pytest.approx([0.4])
+    assert result.chunk_tokens == [1, 1]
+    assert result.tpot == pytest.approx(0.4)
+    assert transport.sent[0][0] == "/v1/chat/completions"
+    assert transport.sent[0][1]["messages"] == [{"role": "user", "content": "hello"}]
+
+
+async def test_completions_and_chat_time_identically():
+    times = [10.25, 10.5, 11.0, 11.5]
+    a, _ = await run([(times[0], comp("a")), (times[1], comp("b")), (times[2], comp("c", finish="stop")),
+                      (times[3], DONE)])
+    b, _ = await run([(times[0], chat("a")), (times[1], chat("b")), (times[2], chat("c", finish="stop")),
+                      (times[3], DONE)], endpoint="chat")
+    for r in (a, b):
+        assert (r.ttft, r.e2el) == (pytest.approx(0.25), pytest.approx(1.0))
+        assert r.itl == pytest.approx([0.25, 0.5])
+
+
+async def test_usage_only_trailing_chunk_is_excluded_from_e2el():
+    result, _ = await run([
+        (10.1, comp("a")),
+        (10.3, comp("b")),
+        (10.6, comp("c", finish="stop")),
+        (12.0, usage_only(3)),  # arrives late; E2EL must not stretch to it
+        (12.1, DONE),
+    ])
+    assert result.e2el == pytest.approx(0.6)
+    assert result.end == pytest.approx(12.1)
+    assert (result.output_tokens, result.output_source) == (3, TokenSource.USAGE)
+    # usage equals the number of text events and each holds at least one token: exactly one each
+    assert result.chunk_tokens == [1, 1, 1]
+    assert result.tpot == pytest.approx(0.25)
+
+
+async def test_chunk_tokens_stay_unknown_when_usage_cannot_split_them():
+    result, _ = await run([(10.1, comp("ab")), (10.3, comp("cde", finish="stop")), (10.4, usage_only(5)),
+                           (10.5, DONE)])
+    assert result.chunk_tokens == [None, None]
+    assert result.itl_per_token() == []
+    assert result.output_tokens == 5
+    assert result.tpot == pytest.approx(0.2 / 4)
+
+
+async def test_usage_on_the_last_choice_chunk_only_does_not_make_it_a_text_event():
+    # the shape some servers send: text chunks without usage, then a finish chunk with empty text and usage
+    result, _ = await run([(10.1, comp("a")), (10.3, comp("b")), (10.4, comp("c")),
+                           (11.5, comp("", finish="length", usage=16)), (11.6, DONE)])
+    assert result.e2el == pytest.approx(0.4)
+    assert result.chunk_tokens == [None, None, None]
+    assert result.output_tokens == 16
+    assert result.tpot == pytest.approx(0.3 / 15)
+
+
+async def test_no_done_sentinel_after_a_finish_reason_is_a_success():
+    result, _ = await run([(10.1, comp("a", usage=1)), (10.2, comp("b", finish="stop", usage=2)),
+                           (10.3, usage_only(2))])
+    assert result.success
+    assert result.e2el == pytest.approx(0.2) and result.end == pytest.approx(10.3)
+    assert result.output_tokens == 2
+
+
+async def test_stream_closed_before_the_end_is_a_failure():
+    result, _ = await run([(10.1, comp("a", usage=1)), (10.2, comp("b", usage=2))])
+    assert not result.success
+    assert result.error.startswith("disconnect:")
+    assert result.ttft == pytest.approx(0.1)  # what was seen is kept
+
+
+async def test_transport_error_mid_stream_is_a_failure_with_its_reason():
+    result, _ = await run([(10.1, comp("a"))],
+                          raise_at_end=aiohttp.ClientPayloadError("Response payload is not completed"))
+    assert result.error == "disconnect: ClientPayloadError: Response payload is not completed"
+
+
+async def test_error_event_mid_stream_is_a_failure_with_its_reason():
+    result, _ = await run([
+        (10.2, comp("a", usage=1)),
+        (10.4, {"error": {"message": "engine died", "type": "internal_server_error"}}),
+        (10.5, DONE),
+    ])
+    assert not result.success
+    assert result.error == "stream error: engine died"
+    assert result.ttft == pytest.approx(0.2) and result.end == pytest.approx(10.4)
+
+
+async def test_http_error_status_is_a_failure_with_its_body():
+    result, _ = await run([], status=500, body='{"error": {"message": "boom"}}')
+    assert result.error == 'HTTP 500: {"error": {"message": "boom"}}'
+    assert result.ttft is None and result.e2el is None
+
+
+async def test_malformed_json_is_a_failure():
+    result, _ = await run([(10.1, b"data: {not json\n\n")])
+    assert result.error.startswith("malformed stream:")
+
+
+async def test_events_split_across_reads_take_the_time_of_the_read_that_completes_them():
+    raw = sse(comp("a")) + sse(comp("b", finish="stop")) + sse(DONE)
+    cut1, cut2 = len(sse(comp("a"))) - 3, len(sse(comp("a"))) + 10
+    result, _ = await run([(10.1, raw[:cut1]), (10.4, raw[cut1:cut2]), (10.9, raw[cut2:])])
+    assert result.ttft == pytest.approx(0.4)  # "a" was complete only with the second read
+    assert result.itl == pytest.approx([0.5])
+
+
+class WordTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return text.split()
+
+
+async def test_no_usage_falls_back_to_the_tokenizer_and_records_the_source():
+    reads = [(10.1, comp("one two")), (10.2, comp(" three", finish="stop")), (10.3, DONE)]
+    with_tok, _ = await run(reads)
+    without, _ = await run(reads)
+    assert with_tok.output_source is None  # resolved after the run, off the hot path
+    resolve_output_tokens([with_tok], WordTokenizer())
+    resolve_output_tokens([without], None)
+    assert (with_tok.output_tokens, with_tok.output_source) == (3, TokenSource.TOKENIZER)
+    assert (without.output_tokens, without.output_source) == (2, TokenSource.CHUNKS)
+    assert with_tok.tpot == pytest.approx(0.1 / 2)
+
+
+async def test_usage_is_kept_and_the_tokenizer_count_recorded_beside_it():
+    result, _ = await run([(10.1, comp("one two", usage=1)), (10.2, comp(" three", finish="stop", usage=4)),
+                           (10.3, DONE)])
+    resolve_output_tokens([result], WordTokenizer(), check_usage=True)
+    assert (result.output_tokens, result.output_source) == (4, TokenSource.USAGE)
+    assert result.tokenizer_output_tokens == 3
