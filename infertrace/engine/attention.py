@@ -122,11 +122,80 @@ class TorchAttention:
         return out
 
 
-def make_attention_backend(config: EngineConfig, device: torch.device) -> TorchAttention:
-    """The attention backend `config` asks for on `device`; the torch reference is the only one on CPU."""
+class TritonAttention:
+    """CUDA attention through our Triton kernels: one kernel writes the new K/V into the paged cache, one computes
+    attention over it for the whole varlen batch (`batched`) or launches once per request (`looped`).
+
+    It reads only device tensors and host integers fixed by the step's shape, so decode steps can be captured in
+    CUDA graphs.
+    """
+
+    name = "triton"
+    MAX_SPLITS = 8
+
+    def __init__(self, mode: str = "batched", block_size: int = 16, batch_buckets: tuple[int, ...] = (),
+                 max_num_seqs: int = 256):
+        from infertrace.engine.kernels import paged_attention as kernels
+
+        assert mode in ("batched", "looped")
+        self.mode = mode
+        self.block_size = block_size
+        self._kernels = kernels
+        self.batch_buckets = tuple(sorted(batch_buckets))
+        self.max_num_seqs = max_num_seqs
+        self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def decode_splits(self, batch_size: int, num_kv_heads: int) -> int:
+        """KV splits for a decode batch: enough programs to cover the GPU twice. Chosen from the batch's CUDA-graph
+        bucket, so a step computes the same sums whether it replays a graph or runs eagerly."""
+        bucket = next((b for b in self.batch_buckets if b >= batch_size), batch_size)
+        return max(1, min(self.MAX_SPLITS, -(-2 * self.num_sms // (bucket * num_kv_heads))))
+
+    def _split_workspace(self, q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._workspace is None:  # once: graphs and eager decode steps all use views of it
+            _, heads, dim = q.shape
+            self._workspace = (
+                torch.empty((self.MAX_SPLITS, self.max_num_seqs, heads, dim), dtype=torch.float32, device=q.device),
+                torch.empty((self.MAX_SPLITS, self.max_num_seqs, heads), dtype=torch.float32, device=q.device),
+            )
+        parts, lse = self._workspace
+        return parts[:splits, : q.shape[0]], lse[:splits, : q.shape[0]]
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        pass
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_heads_kv, head_dim = k_cache.shape[1], k_cache.shape[2]
+        paged_k = k_cache.view(-1, self.block_size, num_heads_kv, head_dim)
+        paged_v = v_cache.view(-1, self.block_size, num_heads_kv, head_dim)
+        self._kernels.store_kvcache(k, v, paged_k, paged_v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if self.mode == "batched":
+            splits, workspace = 1, None
+            if meta.max_query_len == 1 and q.shape[0] <= self.max_num_seqs:
+                splits = self.decode_splits(q.shape[0], num_heads_kv)
+                workspace = self._split_workspace(q, splits) if splits > 1 else None
+            return self._kernels.paged_attention(
+                q, paged_k, paged_v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                meta.max_query_len, scale, out=out, num_splits=splits, workspace=workspace,
+            )
+        for b, qlen in enumerate(meta.query_lens_list):
+            # the kernel indexes q through query_start_loc, so a request is a one-row view of the batch tensors
+            self._kernels.paged_attention(
+                q, paged_k, paged_v, meta.query_start_loc[b : b + 2], meta.seq_lens[b : b + 1],
+                meta.block_tables[b : b + 1], qlen, scale, out=out,
+            )
+        return out
+
+
+def make_attention_backend(config: EngineConfig, device: torch.device) -> TorchAttention | TritonAttention:
+    """The attention backend `config` asks for on `device`: Triton kernels on CUDA, the torch reference elsewhere."""
     backend = config.attention_backend
     if backend in ("triton", "flash_attn") and device.type != "cuda":
         raise ValueError(f"attention_backend={backend!r} needs a CUDA device; this engine runs on {device.type}")
-    if backend in ("triton", "flash_attn"):
-        raise ValueError(f"attention_backend={backend!r} is not available in this build; use 'torch' or 'auto'")
+    if backend == "flash_attn":
+        raise ValueError("attention_backend='flash_attn' is not available in this build; use 'triton', 'torch' or 'auto'")
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        return TritonAttention(config.attention, config.block_size, config.cuda_graph_batch_sizes, config.max_num_seqs)
     return TorchAttention(config.attention)

@@ -4,11 +4,15 @@ A full block whose KV is computed is published under the chained hash of its tok
 blocks hash the same (and hold the same tokens: a hash alone is never trusted) shares those blocks instead of
 recomputing them. A block nobody references keeps its content and stays findable until it is needed for new
 tokens; the least recently freed is taken first.
+
+Hashes of full blocks whose KV was dropped from every tier are remembered (a bounded log), so that computing the
+same tokens again can be counted as recomputation.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from infertrace.engine.sequence import Sequence
 
@@ -36,6 +40,10 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self._free: deque[int] = deque(range(num_blocks))  # hold nothing reusable
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # unreferenced, still in the prefix cache; LRU first
+        # hashes whose KV no tier holds any more, most recent last; bounded
+        self.dropped: OrderedDict[int, None] = OrderedDict()
+        self.dropped_capacity = max(4096, 4 * num_blocks)
+        self.kept_elsewhere: Callable[[int], bool] | None = None  # another tier (the host) still holds this hash
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,10 +119,12 @@ class BlockManager:
                     self._free.append(block_id)
         seq.block_table = []
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """Publish `seq`'s full, computed blocks to the prefix cache."""
+    def register_full_blocks(self, seq: Sequence) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Publish `seq`'s full, computed blocks to the prefix cache; returns the newly published ones as
+        (block id, hash, tokens)."""
         if not self.prefix_caching:
-            return
+            return []
+        published = []
         num_full = min(seq.num_computed_tokens, len(seq)) // self.block_size
         for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
@@ -123,8 +133,31 @@ class BlockManager:
                 block.hash = h
                 block.token_ids = tuple(seq.block_tokens(i, self.block_size))
                 self.hash_to_block[h] = block.block_id
+                self.dropped.pop(h, None)
+                published.append((block.block_id, h, block.token_ids))
             # else: the same content is already cached in another block; this copy stays private
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+        return published
+
+    def note_dropped(self, block_hash: int) -> None:
+        """Remember that no tier holds the KV of `block_hash` any more (unless this cache still does)."""
+        if block_hash in self.hash_to_block:
+            return
+        self.dropped[block_hash] = None
+        self.dropped.move_to_end(block_hash)
+        while len(self.dropped) > self.dropped_capacity:
+            self.dropped.popitem(last=False)
+
+    def num_dropped_blocks(self, seq: Sequence, first_block: int) -> int:
+        """Leading full blocks of `seq` from `first_block` on whose KV was computed once and dropped since."""
+        if not self.prefix_caching or not self.dropped:
+            return 0
+        n = 0
+        for i in range(first_block, (len(seq) - 1) // self.block_size):
+            if seq.block_hash(i, self.block_size) not in self.dropped:
+                break
+            n += 1
+        return n
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
@@ -136,6 +169,8 @@ class BlockManager:
             block_id, _ = self._cached_free.popitem(last=False)
             block = self.blocks[block_id]
             del self.hash_to_block[block.hash]
+            if self.kept_elsewhere is None or not self.kept_elsewhere(block.hash):
+                self.note_dropped(block.hash)
             block.hash = None
             block.token_ids = None
         block = self.blocks[block_id]

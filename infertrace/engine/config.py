@@ -10,7 +10,7 @@ from typing import Any
 
 ATTENTION_MODES = ("batched", "looped")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
-OFFLOAD_MODES = ("off", "prefix", "long")
+OFFLOAD_MODES = ("off", "prefix", "long", "prefix+long")
 SCHEDULING_POLICIES = ("fcfs",)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -35,10 +35,15 @@ class EngineConfig:
     attention: str = "batched"  # "looped": attention runs one request at a time
     attention_backend: str = "auto"
     cuda_graphs: bool = True  # decode CUDA graphs per batch-size bucket; no effect on CPU
+    static_buffers: bool = True  # step inputs live in buffers allocated once (False: fresh tensors every step)
+    # small fusions on CUDA, one Triton kernel each: residual add + RMSNorm, q/k RMSNorm + RoPE, SiLU-and-multiply
+    fused_norm: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
     # CPU KV offload
-    offload: str = "off"
+    offload: str = "off"  # "prefix": host tier of the prefix cache; "long": contexts beyond the GPU's KV; or both
     offload_host_gb: float = 4.0  # pinned host pool for offloaded KV
+    offload_chunk_tokens: int = 4096  # long mode: tokens per GPU ring slot, the unit KV is streamed in
+    offload_ring_slots: int = 4  # long mode: GPU slots the chunks stream through (one loads while another is used)
     # numerics and placement
     dtype: str = "auto"  # "auto": the checkpoint's dtype (float16 becomes float32 on CPU)
     device: str = "auto"  # "auto": cuda when available, else cpu
@@ -75,8 +80,27 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_batch_sizes must be positive integers, got {self.cuda_graph_batch_sizes}")
         if self.offload_host_gb <= 0:
             raise ValueError(f"offload_host_gb must be positive, got {self.offload_host_gb}")
+        if self.offload_chunk_tokens < 1:
+            raise ValueError(f"offload_chunk_tokens must be at least 1, got {self.offload_chunk_tokens}")
+        if self.offload_ring_slots < 2:
+            raise ValueError(
+                f"offload_ring_slots must be at least 2 (one GPU slot loads while another is attended), "
+                f"got {self.offload_ring_slots}"
+            )
+        if self.offload_prefix and not self.prefix_caching:
+            raise ValueError(f"offload={self.offload!r} is a tier of the prefix cache and needs prefix_caching=true")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+    @property
+    def offload_prefix(self) -> bool:
+        """Full blocks are kept in a host tier of the prefix cache."""
+        return self.offload in ("prefix", "prefix+long")
+
+    @property
+    def offload_long(self) -> bool:
+        """A sequence whose KV does not fit the GPU pool keeps it in host memory and streams it per layer."""
+        return self.offload in ("long", "prefix+long")
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any] | None = None, base: EngineConfig | None = None) -> EngineConfig:

@@ -14,6 +14,12 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, stop: list[str] | None = None):
         self.tokenizer = tokenizer
+        # the Rust tokenizer's own decode skips the Python wrapper's per-call work (it runs twice per token)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode = (
+            (lambda ids: backend.decode(ids, skip_special_tokens=True)) if backend is not None
+            else (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        )
         self.stop = list(stop or [])
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
@@ -43,9 +49,14 @@ class IncrementalDetokenizer:
         return out
 
     def _delta(self, final: bool) -> str:
-        decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=True)
+        decode = self._decode
+        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = decode(self.token_ids[self.prefix_offset :])
+        if not full:
+            # ids that decode to nothing at all (special or unknown tokens): no later token can join them into
+            # text, so the window restarts after them instead of growing with every such token
+            self.prefix_offset = self.read_offset = len(self.token_ids)
+            return ""
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)

@@ -2,11 +2,13 @@
 
 A step is planned (a pure decision), then runs inside one profiler range named after it:
 `step[PREFILL bs=.. toks=..]` / `step[DECODE bs=..]` / `step[MIXED bs=.. toks=..]`, holding `schedule` (the plan
-applied: preemptions, admissions, KV slots), `prepare_inputs`, `forward` and `sample`.
+applied: preemptions, admissions, KV slots), `prepare_inputs`, `forward` and `sample`; with KV offload also
+`offload.load` (host-tier hits copied back before the forward) and `offload.store` (newly full blocks copied out).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -14,8 +16,13 @@ from infertrace.engine.annotate import annotate, step_range_name
 from infertrace.engine.block_manager import BlockManager
 from infertrace.engine.config import EngineConfig
 from infertrace.engine.detokenizer import IncrementalDetokenizer
-from infertrace.engine.model_runner import ModelRunner
+from infertrace.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from infertrace.engine.models.loader import check_model_dir, read_json
+from infertrace.engine.models.qwen3 import Qwen3Spec
+from infertrace.engine.offload.host_pool import check_host_budget
+from infertrace.engine.offload.kv_offload import COUNTER_NAMES as OFFLOAD_COUNTER_NAMES
+from infertrace.engine.offload.kv_offload import KVOffload
+from infertrace.engine.offload.long_context import ring_budget_tokens
 from infertrace.engine.outputs import RequestOutput, StepStats
 from infertrace.engine.sampling_params import SamplingParams
 from infertrace.engine.scheduler import Scheduler, StepPlan
@@ -31,6 +38,9 @@ COUNTER_NAMES = (
     "requests_added",
     "requests_finished",
     "requests_aborted",
+    "cpu_prefix_cache_hits",  # prompt tokens loaded from the host tier of the prefix cache
+    "recomputed_tokens",  # prompt tokens computed again although their KV had been computed and dropped
+    *OFFLOAD_COUNTER_NAMES,
 )
 
 
@@ -39,12 +49,11 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.config = config = config or EngineConfig()
-        if config.offload != "off":
-            raise ValueError(f"offload={config.offload!r} is not available in this build; use offload='off'")
         self.model_dir = check_model_dir(model_dir)
         hf_config = read_json(self.model_dir / "config.json")
+        host_blocks, runner_config = _offload_budgets(config, hf_config)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.runner = ModelRunner(config, self.model_dir, hf_config)
+        self.runner = ModelRunner(runner_config, self.model_dir, hf_config)
         spec = self.runner.spec
 
         if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
@@ -53,7 +62,16 @@ class Engine:
                 f"({spec.max_position_embeddings})"
             )
         kv_capacity = self.runner.num_blocks * config.block_size
-        if config.max_model_len is not None and config.max_model_len > kv_capacity:
+        if config.offload_long:
+            # a request too long for the device pool keeps its KV in the host pool, which caps the context instead
+            host_capacity = host_blocks * config.block_size
+            if config.max_model_len is not None and config.max_model_len > host_capacity:
+                raise ValueError(
+                    f"max_model_len={config.max_model_len} does not fit the host KV pool ({host_capacity} tokens); "
+                    "raise offload_host_gb or lower max_model_len"
+                )
+            kv_capacity = host_capacity
+        elif config.max_model_len is not None and config.max_model_len > kv_capacity:
             raise ValueError(
                 f"max_model_len={config.max_model_len} does not fit the KV cache ({kv_capacity} tokens); "
                 "raise kv_cache_tokens or lower max_model_len"
@@ -64,7 +82,15 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(self.model_dir, hf_config, self.tokenizer)
 
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.offload = None
+        if config.offload != "off":
+            self.offload = KVOffload(config, self.runner, self.block_manager, host_blocks, self.max_model_len)
+        self.scheduler = Scheduler(
+            config,
+            self.block_manager,
+            prefix_tier=self.offload.prefix if self.offload else None,
+            long_context=self.offload.long if self.offload else None,
+        )
         self.counters = dict.fromkeys(COUNTER_NAMES, 0)
         self.last_step: StepStats | None = None
         self._requests: dict[str, Sequence] = {}
@@ -133,17 +159,27 @@ class Engine:
         if not self.scheduler.has_unfinished():
             return []
         t0 = time.perf_counter()
+        offload = self.offload
+        if offload is not None:
+            offload.poll()
+            before = offload.counters()
         plan = self.scheduler.plan()
         if not plan.scheduled:
             self.scheduler.apply(plan)
             self.counters["preemptions"] += len(plan.preempted)
             return []
         kind = plan.kind.value
-        queried = sum(len(seq) for seq, _ in plan.admitted)
+        queried = 0 if plan.long else sum(len(seq) for seq, _ in plan.admitted)
         with annotate(step_range_name(kind, plan.batch_size, plan.num_tokens)):
             with annotate("schedule"):
                 self.scheduler.apply(plan)
-            tokens = self.runner.run(plan)
+            if plan.loads:
+                with annotate("offload.load"):
+                    offload.load(plan.loads)
+            if plan.long:
+                tokens = offload.long.run(self.runner, plan)
+            else:
+                tokens = self.runner.run(plan)
             outputs = self._postprocess(plan, tokens)
         duration = time.perf_counter() - t0
 
@@ -151,6 +187,13 @@ class Engine:
         self.counters["preemptions"] += len(plan.preempted)
         self.counters["prefix_cache_queries"] += queried
         self.counters["prefix_cache_hits"] += plan.num_cached_tokens
+        self.counters["cpu_prefix_cache_hits"] += plan.num_cpu_cached_tokens
+        self.counters["recomputed_tokens"] += plan.num_recomputed_tokens
+        moved: dict[str, float] = {}
+        if offload is not None:
+            after = offload.counters()
+            moved = {k: after[k] - before[k] for k in after}
+            self.counters |= after
         prefill_tokens = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
         self.last_step = StepStats(
             index=self._step_index,
@@ -165,12 +208,21 @@ class Engine:
             num_running=self.num_running,
             num_waiting=self.num_waiting,
             kv_blocks_used=self.kv_blocks_used,
+            cpu_prefix_cache_hits=plan.num_cpu_cached_tokens,
+            recomputed_tokens=plan.num_recomputed_tokens,
+            offload_bytes_h2d=int(moved.get("offload_bytes_h2d", 0)),
+            offload_bytes_d2h=int(moved.get("offload_bytes_d2h", 0)),
+            offload_transfer_s=float(moved.get("offload_transfer_seconds", 0.0)),
+            long_context=plan.long,
         )
         self._step_index += 1
         return outputs
 
     def _postprocess(self, plan: StepPlan, tokens: list[int | None]) -> list[RequestOutput]:
-        self.scheduler.update_computed(plan)
+        published = self.scheduler.update_computed(plan)
+        if published and self.offload is not None and self.offload.prefix is not None:
+            with annotate("offload.store"):
+                self.offload.store(published)
         outputs = []
         for s, token in zip(plan.scheduled, tokens):
             if token is None:
@@ -213,6 +265,29 @@ class Engine:
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None
+
+
+def _offload_budgets(config: EngineConfig, hf_config: dict) -> tuple[int, EngineConfig]:
+    """Host pool blocks (checked against the host's memory before any weight is loaded), and the config the model
+    runner sizes the device KV pool with: in long mode the ring's slots come out of an explicit KV budget."""
+    if config.offload == "off":
+        return 0, config
+    spec = Qwen3Spec.from_hf_config(hf_config)
+    dtype = resolve_dtype(config.dtype, hf_config, resolve_device(config.device))
+    token_bytes = 2 * spec.num_hidden_layers * spec.num_key_value_heads * spec.head_dim * dtype.itemsize
+    host_blocks = check_host_budget(config.offload_host_gb, token_bytes * config.block_size)
+    if not config.offload_long or config.kv_cache_tokens is None:
+        return host_blocks, config
+    ring = ring_budget_tokens(config, spec.num_hidden_layers)
+    left = config.kv_cache_tokens - ring
+    if left < config.block_size:
+        raise ValueError(
+            f"offload=long streams KV through {config.offload_ring_slots} GPU slots of {config.offload_chunk_tokens} "
+            f"tokens per layer, which take {ring} tokens of kv_cache_tokens={config.kv_cache_tokens} and leave less "
+            "than one block for requests held on the GPU; raise kv_cache_tokens or lower offload_chunk_tokens or "
+            "offload_ring_slots"
+        )
+    return host_blocks, dataclasses.replace(config, kv_cache_tokens=left)
 
 
 def _eos_token_ids(model_dir: Path, hf_config: dict, tokenizer) -> frozenset[int]:

@@ -12,7 +12,8 @@ from infertrace.engine.config import EngineConfig
 from infertrace.engine.models.loader import load_weights
 from infertrace.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from infertrace.engine.sampler import Sampler
-from infertrace.engine.scheduler import StepPlan
+from infertrace.engine.scheduler import StepKind, StepPlan
+from infertrace.engine.step_buffers import StepBuffers
 
 _CPU_FLOAT16_FALLBACK = torch.float32  # float16 matmuls are slow or missing on CPUs
 
@@ -52,8 +53,11 @@ class ModelRunner:
         load_weights(model, model_dir)
         model.eval()
         max_positions = min(self.spec.max_position_embeddings, config.max_model_len or self.spec.max_position_embeddings)
-        model.setup(self.attention, max_positions, self.device)
+        on_cuda = self.device.type == "cuda"
+        model.setup(self.attention, max_positions, self.device, fused_norm=config.fused_norm and on_cuda)
         self.model = model
+        self.max_positions = max_positions
+        self.peak_activation_bytes = self._measure_peak_activation() if on_cuda and config.kv_cache_tokens is None else 0
 
         self.num_blocks = self._num_kv_blocks()
         slots = self.num_blocks * self.block_size
@@ -62,6 +66,19 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         model.bind_kv_cache(list(self.kv_cache[0]), list(self.kv_cache[1]))
         self.sampler = Sampler(config.seed, self.device)
+
+        use_graphs = config.cuda_graphs and on_cuda and self.attention.name == "triton"
+        self.buffers = None
+        if config.static_buffers or use_graphs:
+            max_tokens = max(config.max_num_batched_tokens, max_positions, config.max_num_seqs)
+            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, -(-max_positions // self.block_size), self.device)
+        self.graphs = None
+        if use_graphs:
+            from infertrace.engine.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self.buffers, config.cuda_graph_batch_sizes, config.max_num_seqs,
+                                       self.block_size)
+            self.graphs.capture()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -75,9 +92,8 @@ class ModelRunner:
             return cfg.kv_cache_tokens // self.block_size
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            # what the engine may still take, less headroom for activations of the largest step
-            headroom = cfg.max_num_batched_tokens * self.spec.hidden_size * 4 * 16
-            budget = free - total * (1.0 - cfg.gpu_memory_utilization) - headroom
+            # what the engine may still take, less the activations of the largest step (measured by a warm-up)
+            budget = free - total * (1.0 - cfg.gpu_memory_utilization) - self.peak_activation_bytes
         else:
             budget = cfg.cpu_kv_cache_gb * 1024**3
         blocks = int(budget // block_bytes)
@@ -89,14 +105,44 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
+    def _measure_peak_activation(self) -> int:
+        """Run the largest prefill step once, against a throwaway KV cache, and return its peak activation bytes."""
+        n = min(self.config.max_num_batched_tokens, self.max_positions)
+        blocks = -(-n // self.block_size)
+        s = self.spec
+        cache = torch.zeros((2, s.num_hidden_layers, blocks * self.block_size, s.num_key_value_heads, s.head_dim),
+                            dtype=self.dtype, device=self.device)
+        self.model.bind_kv_cache(list(cache[0]), list(cache[1]))
+        long = dict(dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, **long), query_start_loc=torch.tensor([0, n], **long),
+            seq_lens=torch.tensor([n], **long), block_tables=torch.arange(blocks, **long)[None],
+            query_lens_list=[n], seq_lens_list=[n], max_query_len=n, max_seq_len=n, block_size=self.block_size,
+        )
+        self.attention.prepare(meta)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        hidden = self.model(torch.zeros(n, **long), torch.arange(n, **long), meta)
+        self.model.compute_logits(hidden[-1:]).float()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del cache, hidden, meta
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
     def run(self, plan: StepPlan) -> list[int | None]:
         """Forward the planned tokens; returns the sampled token of each scheduled request (None mid-prefill)."""
         with annotate("prepare_inputs"):
             input_ids, positions, meta, logits_indices = self.prepare_inputs(plan)
             self.attention.prepare(meta)
         with annotate("forward"):
-            hidden = self.model(input_ids, positions, meta)
-            logits = self.model.compute_logits(hidden[logits_indices]).float() if logits_indices.numel() else None
+            if self._graph_step(plan):
+                logits = self.graphs.replay(plan.batch_size).float()
+            else:
+                hidden = self.model(input_ids, positions, meta)
+                logits = self.model.compute_logits(hidden[logits_indices]).float() if logits_indices.numel() else None
         with annotate("sample"):
             sampling = [s for s in plan.scheduled if s.samples]
             tokens = (
@@ -128,11 +174,29 @@ class ModelRunner:
             if s.samples:
                 logits_indices.append(query_start_loc[-1] - 1)
         max_blocks = max(len(s.seq.block_table) for s in plan.scheduled)
-        block_tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in plan.scheduled]
+        tables = [s.seq.block_table for s in plan.scheduled]
+        buffers = self.buffers
+        if buffers is not None:
+            graph = self._graph_step(plan)
+            meta = AttentionMetadata(
+                slot_mapping=buffers.fill("slot_mapping", slot_mapping),
+                query_start_loc=buffers.decode_query_start_loc[: len(seq_lens) + 1] if graph
+                else buffers.fill("query_start_loc", query_start_loc),
+                seq_lens=buffers.fill("seq_lens", seq_lens),
+                block_tables=buffers.fill_block_tables(tables, max_blocks),
+                query_lens_list=query_lens,
+                seq_lens_list=seq_lens,
+                max_query_len=max(query_lens),
+                max_seq_len=max(seq_lens),
+                block_size=bs,
+            )
+            return (buffers.fill("input_ids", input_ids), buffers.fill("positions", positions), meta,
+                    buffers.fill("logits_indices", logits_indices))
 
         def tensor(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
+        block_tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         meta = AttentionMetadata(
             slot_mapping=tensor(slot_mapping),
             query_start_loc=tensor(query_start_loc),
@@ -145,3 +209,7 @@ class ModelRunner:
             block_size=bs,
         )
         return tensor(input_ids), tensor(positions), meta, tensor(logits_indices)
+
+    def _graph_step(self, plan: StepPlan) -> bool:
+        return (self.graphs is not None and plan.kind is StepKind.DECODE
+                and self.graphs.bucket_for(plan.batch_size) is not None)

@@ -31,6 +31,13 @@ class StepStats:
     num_running: int = 0  # after the step
     num_waiting: int = 0
     kv_blocks_used: int = 0
+    # KV offload (zero when off)
+    cpu_prefix_cache_hits: int = 0  # prompt tokens loaded from the host tier in this step
+    recomputed_tokens: int = 0  # prompt tokens admitted for computing again although computed once before
+    offload_bytes_h2d: int = 0  # bytes queued host to device in this step
+    offload_bytes_d2h: int = 0
+    offload_transfer_s: float = 0.0  # copy time accounted in this step (copies finish asynchronously on CUDA)
+    long_context: bool = False  # a step of a request whose KV lives in host memory
 
 
 @dataclass(slots=True)

@@ -149,9 +149,13 @@ def test_string_prompts_are_tokenized_with_the_models_tokenizer(make_engine):
     assert out.num_prompt_tokens == len(engine.tokenizer.encode("the model token cache"))
 
 
-def test_offload_modes_are_refused_until_built(tiny_model_dir):
-    with pytest.raises(ValueError, match="offload='prefix'"):
-        Engine(tiny_model_dir, EngineConfig(offload="prefix", kv_cache_tokens=1024))
+def test_offload_modes_build_a_host_tier(tiny_model_dir):
+    for mode in ("prefix", "long", "prefix+long"):
+        engine = Engine(tiny_model_dir, EngineConfig(offload=mode, kv_cache_tokens=1024, offload_host_gb=0.01,
+                                                     offload_chunk_tokens=128))
+        assert (engine.offload.prefix is not None, engine.offload.long is not None) == (
+            "prefix" in mode, "long" in mode)
+    assert Engine(tiny_model_dir, EngineConfig(kv_cache_tokens=1024)).offload is None
 
 
 def test_random_workload_keeps_blocks_consistent(make_engine, run_engine, make_prompts):

@@ -158,7 +158,7 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(q)
     block_m = 16 if max_q_len * group <= 16 else 64
-    block_n = 64 if block_m == 64 else 32
+    block_n = 64
     grid = (triton.cdiv(max_q_len * group, block_m), num_seqs, num_kv_heads * num_splits)
     if num_splits == 1:
         target, lse = out, out  # lse unused

@@ -111,12 +111,20 @@ class Qwen3Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_slots, Hkv, D], bound by the model runner
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+    def forward(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata,
+                fused: bool = False):
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        if fused:
+            from infertrace.engine.kernels.fused import qk_norm_rope
+
+            q, k = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
+                                self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin, positions)
+        else:
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+            q, k = rope(positions, q, k)
         out = attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -128,7 +136,11 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused:
+            from infertrace.engine.kernels.fused import silu_mul
+
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -172,11 +184,17 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         self.rope: RotaryEmbedding | None = None
         self.attn: TorchAttention | None = None
+        self.fused_norm = False
 
-    def setup(self, attn: TorchAttention, max_positions: int, device: torch.device) -> None:
-        """Attach the attention backend and build the RoPE tables (after the weights are on `device`)."""
+    def setup(self, attn: TorchAttention, max_positions: int, device: torch.device, fused_norm: bool = False) -> None:
+        """Attach the attention backend and build the RoPE tables (after the weights are on `device`).
+
+        `fused_norm` (CUDA only) runs residual add + RMSNorm, q/k RMSNorm + RoPE and SiLU-and-multiply as one Triton
+        kernel each.
+        """
         self.attn = attn
         self.rope = RotaryEmbedding(self.spec.head_dim, self.spec.rope_theta, max_positions, device)
+        self.fused_norm = fused_norm
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
@@ -185,9 +203,25 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        if self.fused_norm:
+            return self._forward_fused(x, positions, meta)
         for layer in self.model.layers:
             x = layer(x, positions, self.rope, self.attn, meta)
         return self.model.norm(x)
+
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        from infertrace.engine.kernels.norm import add_rmsnorm
+
+        layers = self.model.layers
+        residual = x  # updated in place by every add_rmsnorm below
+        h = add_rmsnorm(x, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        for i, layer in enumerate(layers):
+            a = layer.self_attn(h, positions, self.rope, self.attn, meta, fused=True)
+            h = add_rmsnorm(a, residual, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+            m = layer.mlp(h, fused=True)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h = add_rmsnorm(m, residual, norm.weight, norm.eps)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,45 @@
+"""Where a decode step's GPU time goes: torch.profiler over eager decode steps, kernels summed by name.
+
+    python benchmarks/decode_breakdown.py --models-dir /tmp/models [--preset qwen3-4b] [--batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from infertrace.engine import LLM, SamplingParams
+from infertrace.modelgen import init_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models-dir", type=Path, default=Path("/tmp/models"))
+    ap.add_argument("--preset", default="qwen3-4b")
+    ap.add_argument("--batch", type=int, default=8)
+    args = ap.parse_args()
+    path = args.models_dir / f"{args.preset}-bfloat16"
+    if not (path / "config.json").exists():
+        init_model(args.preset, path, dtype="bfloat16")
+    llm = LLM(path, cuda_graphs=False)
+    eng = llm.engine
+    rng = random.Random(0)
+    for i in range(args.batch):
+        eng.add_request(f"r{i}", [rng.randrange(1000, 3000) for _ in range(128)],
+                        SamplingParams(max_tokens=300, ignore_eos=True))
+    for _ in range(260):
+        eng.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            eng.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Small fusions of the decode path: q/k RMSNorm with RoPE, and SiLU-and-multiply, one kernel each.
+
+Each intermediate is rounded to the model dtype where the unfused model rounds it, so the fused path computes
+the same function as the eager one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr,
+                         qkv_stride, num_q_heads, num_kv_heads, eps, HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    dtype = q_out_ptr.dtype.element_ty
+    is_q = h < num_q_heads
+    i = tl.arange(0, HALF)
+    base = qkv_ptr + t * qkv_stride + h * 2 * HALF
+    x1 = tl.load(base + i).to(tl.float32)
+    x2 = tl.load(base + HALF + i).to(tl.float32)
+    var = (tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF)
+    r = tl.math.rsqrt(var + eps)
+    if is_q:
+        w1 = tl.load(q_w_ptr + i).to(tl.float32)
+        w2 = tl.load(q_w_ptr + HALF + i).to(tl.float32)
+    else:
+        w1 = tl.load(k_w_ptr + i).to(tl.float32)
+        w2 = tl.load(k_w_ptr + HALF + i).to(tl.float32)
+    y1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    pos = tl.load(pos_ptr + t)
+    c1 = tl.load(cos_ptr + pos * 2 * HALF + i).to(dtype).to(tl.float32)
+    c2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + i).to(dtype).to(tl.float32)
+    s1 = tl.load(sin_ptr + pos * 2 * HALF + i).to(dtype).to(tl.float32)
+    s2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + i).to(dtype).to(tl.float32)
+    o1 = (y1 * c1).to(dtype).to(tl.float32) + (-y2 * s1).to(dtype).to(tl.float32)
+    o2 = (y2 * c2).to(dtype).to(tl.float32) + (y1 * s2).to(dtype).to(tl.float32)
+    if is_q:
+        out = q_out_ptr + (t * num_q_heads + h) * 2 * HALF
+    else:
+        out = k_out_ptr + (t * num_kv_heads + (h - num_q_heads)) * 2 * HALF
+    tl.store(out + i, o1.to(dtype))
+    tl.store(out + HALF + i, o2.to(dtype))
+
+
+def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k [T, Hkv, D], each RMS-normalised per head and rotated."""
+    t = qkv.shape[0]
+    q = torch.empty((t, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((t, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if t:
+        _qk_norm_rope_kernel[(t, num_q_heads + num_kv_heads)](
+            qkv, q, k, q_weight, k_weight, cos, sin, positions, qkv.stride(0), num_q_heads, num_kv_heads, eps,
+            HALF=head_dim // 2, num_warps=1,
+        )
+    return q, k
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    dtype = out_ptr.dtype.element_ty
+    g = tl.load(gate_up_ptr + t * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_up_ptr + t * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + t * inter + cols, (act * u).to(dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
+    t, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if t:
+        block = 1024
+        _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    return out
