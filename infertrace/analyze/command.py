@@ -1,5 +1,145 @@
-"""The `infertrace analyze` command."""
+"""The `infertrace analyze` command: explain profiler traces with HTA's breakdowns plus inference phases."""
 
-from infertrace.pending import pending_command
+from __future__ import annotations
 
-analyze = pending_command("analyze", "Explain profiler traces: HTA breakdowns plus inference phases.")
+from pathlib import Path
+
+import click
+
+from infertrace.console import err_console, fail, out_console
+
+EXIT_CODES = """\b
+Exit codes:
+  0  the report was produced (files that could not be used are listed as warnings on stderr)
+  1  an output file (--json, --csv, --html) could not be written
+  2  nothing to analyse: the path does not exist, holds no trace files, or none of them is readable"""
+
+
+class _RunByDefault(click.Group):
+    """`infertrace analyze DIR` means `infertrace analyze run DIR`; subcommand names still win."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(name="analyze", cls=_RunByDefault, help=f"""Explain profiler traces: HTA breakdowns plus inference phases.
+
+\b
+  infertrace analyze TRACE_DIR [--json R.json] [--csv DIR] [--html R.html]
+  infertrace analyze diff BEFORE AFTER
+
+TRACE_DIR holds one trace per rank: Kineto JSON (`.json`, `.json.gz`) from torch.profiler, vLLM or SGLang, or
+Nsight Systems exports (`.sqlite`; `.nsys-rep` is exported with `nsys` when it is on PATH).
+
+{EXIT_CODES}
+""")
+def analyze() -> None:
+    pass
+
+
+@analyze.command(name="run", help=f"""Analyse the traces in TRACE_DIR (a directory, or one trace file).
+
+Prints HTA's temporal, idle-time, kernel-type, top-kernel and communication-overlap breakdowns (communication
+includes collectives not named nccl), launch statistics (graph launches included), GPU time by kernel category,
+and inference phases: steps found from `step[PREFILL|DECODE|MIXED ..]` (infertrace), `step[EXTEND|DECODE ..]`
+(SGLang) or `execute_context_.._generation_..` (vLLM) annotations, with step time, GPU busy share, kernels per
+step, time by kernel category and a CPU-bound verdict. Timestamps are kept to the nanosecond.
+
+{EXIT_CODES}
+""")
+@click.argument("trace_dir", type=click.Path(path_type=Path))
+@click.option("--json", "json_path", type=click.Path(path_type=Path), metavar="PATH",
+              help="Write the whole report as JSON (readable by `analyze diff`).")
+@click.option("--csv", "csv_dir", type=click.Path(path_type=Path), metavar="DIR",
+              help="Write one CSV file per table into DIR.")
+@click.option("--html", "html_path", type=click.Path(path_type=Path), metavar="PATH",
+              help="Write a self-contained HTML report (inline CSS and SVG; opens offline).")
+@click.option("--top", "top_kernels", type=click.IntRange(min=1), default=None,
+              help="Kernels named per rank and kernel type before the rest are grouped as 'others' [default: 10, "
+                   "as HTA].")
+@click.option("--quiet", is_flag=True, help="Print no tables (only warnings and the files written).")
+def run(trace_dir: Path, json_path: Path | None, csv_dir: Path | None, html_path: Path | None,
+        top_kernels: int | None, quiet: bool) -> None:
+    from infertrace.analyze.capture import CaptureError, load_capture
+    from infertrace.analyze.render import render
+    from infertrace.analyze.report import AnalyzeConfig, build_report
+
+    config = AnalyzeConfig() if top_kernels is None else AnalyzeConfig(top_kernels=top_kernels)
+    try:
+        capture = load_capture(trace_dir)
+    except CaptureError as exc:
+        fail(str(exc), code=2)
+    report = build_report(capture, config)
+    for problem in report.problems:
+        err_console.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
+    for note in report.notes:
+        err_console.print(f"[dim]note: {note}[/]", highlight=False, soft_wrap=True)
+    if not quiet:
+        out_console.print(render(report))
+    _write_outputs(report, json_path, csv_dir, html_path)
+
+
+@analyze.command(name="diff", help=f"""Compare two captures, BEFORE and AFTER, by step type and kernel category.
+
+Each side is a trace directory (or file) or a report written by `analyze --json`. Shows step counts, step time
+(mean and p99), GPU busy and host-wait shares, kernels per step and verdicts per step type, and GPU time per
+kernel category in total and per step, with AFTER's change relative to BEFORE.
+
+{EXIT_CODES}
+""")
+@click.argument("before", type=click.Path(path_type=Path))
+@click.argument("after", type=click.Path(path_type=Path))
+@click.option("--json", "json_path", type=click.Path(path_type=Path), metavar="PATH",
+              help="Write the comparison tables as JSON.")
+def diff(before: Path, after: Path, json_path: Path | None) -> None:
+    import json
+
+    from infertrace.analyze.diff import diff_reports
+    from infertrace.analyze.persist import table_records
+    from infertrace.analyze.render import render_diff
+
+    reports = [_report_of(path) for path in (before, after)]
+    tables = diff_reports(*reports)
+    out_console.print(render_diff(tables, str(before), str(after)))
+    if json_path is not None:
+        doc = {"before": str(before), "after": str(after),
+               "tables": {name: table_records(table) for name, table in tables.items()}}
+        _write(json_path, lambda p: p.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n"))
+
+
+def _report_of(path: Path):
+    from infertrace.analyze.capture import CaptureError, load_capture
+    from infertrace.analyze.persist import is_report_file, read_json
+    from infertrace.analyze.report import build_report
+
+    if is_report_file(path):
+        return read_json(path)
+    try:
+        capture = load_capture(path)
+    except CaptureError as exc:
+        fail(str(exc), code=2)
+    for problem in capture.problems:
+        err_console.print(f"[yellow]warning:[/] {path}: {problem}", highlight=False, soft_wrap=True)
+    return build_report(capture)
+
+
+def _write_outputs(report, json_path: Path | None, csv_dir: Path | None, html_path: Path | None) -> None:
+    from infertrace.analyze.html import write_html
+    from infertrace.analyze.persist import write_csv, write_json
+
+    if json_path is not None:
+        _write(json_path, lambda p: write_json(report, p))
+    if csv_dir is not None:
+        _write(csv_dir, lambda p: write_csv(report, p))
+    if html_path is not None:
+        _write(html_path, lambda p: write_html(report, p))
+
+
+def _write(path: Path, writer) -> None:
+    try:
+        writer(path)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
+    err_console.print(f"wrote {path}", highlight=False)

@@ -1,0 +1,184 @@
+"""What `infertrace ablate` does once its options are parsed: load the recipe, run, render, persist.
+
+Returns the exit code; unusable input becomes one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import signal
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infertrace.ablate.recipe import Recipe, RecipeError, load_recipe
+from infertrace.console import err_console, fail, out_console
+
+EXIT_PHASE_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+@dataclass(slots=True)
+class AblateOptions:
+    recipe: Path
+    profile: bool | None = None
+    profile_steps: int | None = None
+    json_path: Path | None = None
+    plot_path: Path | None = None
+    trace_dir: Path | None = None
+    model: str | None = None
+    preset: str | None = None
+    quick: bool = False
+    engine: dict = field(default_factory=dict)
+    workload: dict = field(default_factory=dict)
+
+
+def _info(message: str) -> None:
+    err_console.print(f"[dim]{message}[/]", highlight=False)
+
+
+def prepare(options: AblateOptions) -> Recipe:
+    try:
+        return load_recipe(options.recipe).with_changes(
+            model=options.model, preset=options.preset, quick=options.quick, workload=options.workload,
+            engine=options.engine, profile=options.profile, profile_steps=options.profile_steps)
+    except RecipeError as exc:
+        fail(str(exc), 2)
+
+
+def check_recipe(options: AblateOptions) -> int:
+    """--check: the recipe and every phase's overrides; the first problem is the one line printed."""
+    recipe = prepare(options)
+    planned = recipe.plan()
+    problems = [p.error for p in planned if p.error]
+    if problems:
+        fail(problems[0] + (f" (and {len(problems) - 1} more phase(s) with problems)" if len(problems) > 1 else ""))
+    out_console.print(f"{recipe.path}: usable, {len(planned)} phase(s)", highlight=False)
+    return 0
+
+
+def execute(options: AblateOptions) -> int:
+    from infertrace.ablate.models import recipe_model_dir
+    from infertrace.ablate.persist import ablation_document, write_json
+    from infertrace.ablate.render import table_notes, waterfall_table
+    from infertrace.ablate.waterfall import waterfall
+
+    recipe = prepare(options)
+    planned = recipe.plan()
+    for phase in planned:
+        if phase.error:
+            err_console.print(f"[yellow]warning:[/] phase {phase.index + 1} {phase.name!r} will fail: {phase.error}",
+                              highlight=False, soft_wrap=True)
+    for path in (options.json_path, options.plot_path):
+        if path is not None:
+            _check_writable(path)
+    try:
+        model_dir = recipe_model_dir(recipe, lambda out: _info(f"writing the {recipe.preset} model into {out} "
+                                                                "(first use only)"))
+    except RecipeError as exc:
+        fail(str(exc), 2)
+    except OSError as exc:
+        fail(f"cannot write the {recipe.preset} model: {exc}", 1)
+    trace_root = None
+    if recipe.profile.enabled:
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        trace_root = options.trace_dir or Path("ablate-traces") / f"{recipe.path.stem}-{stamp}"
+
+    results = []
+
+    def save() -> None:
+        if options.json_path is not None:
+            write_json(options.json_path, ablation_document(recipe, model_dir, results, len(planned),
+                                                            _provenance(recipe, model_dir)))
+
+    def on_phase_done(result) -> None:
+        results.append(result)
+        save()
+
+    crashed = None
+    try:
+        asyncio.run(_run(recipe, model_dir, len(planned), trace_root, on_phase_done))
+    except KeyboardInterrupt:  # a second Ctrl-C: the phases done so far still count
+        err_console.print("[yellow]interrupted[/]")
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the phases already measured are shown and kept
+        crashed = exc
+    subtitle = f"{_model_label(recipe, model_dir)}, {_load_label(recipe)}"
+    rows = waterfall(results)
+    out_console.print(waterfall_table(f"infertrace ablate: {recipe.name}\n{subtitle}", rows))
+    for note in table_notes(rows, recipe.profile.enabled):
+        err_console.print(f"[dim]note: {note}[/]", highlight=False)
+    if trace_root is not None and any(r.trace_dir for r in results):
+        _info(f"traces: {trace_root} (infertrace analyze DIR for the full breakdowns)")
+    if options.json_path is not None:
+        save()
+        _info(f"result: {options.json_path}")
+    if options.plot_path is not None and rows:
+        from infertrace.ablate.plot import plot_waterfall
+
+        _info(f"plot: {plot_waterfall(recipe.name, rows, options.plot_path, subtitle)}")
+    if crashed is not None:
+        fail(f"the run stopped: {type(crashed).__name__}: {crashed}; the phases above were kept", EXIT_PHASE_FAILED)
+    from infertrace.ablate.run import PhaseStatus
+
+    if len(results) < len(planned) or any(r.status in (PhaseStatus.INTERRUPTED, PhaseStatus.NOT_RUN)
+                                          for r in results):
+        return EXIT_INTERRUPTED
+    return EXIT_PHASE_FAILED if any(r.status is PhaseStatus.FAILED for r in results) else 0
+
+
+async def _run(recipe: Recipe, model_dir: Path, total: int, trace_root: Path | None, on_phase_done) -> None:
+    from infertrace.ablate.render import PhaseProgress
+    from infertrace.ablate.run import AblationHooks, run_ablation
+    from infertrace.load.benchmark import Hooks, Interrupter
+
+    interrupter = Interrupter()
+    loop = asyncio.get_running_loop()
+
+    def on_sigint() -> None:
+        err_console.print("[yellow]interrupted: finishing the phase's figures and saving what ran (Ctrl-C again "
+                          "to stop now)[/]")
+        interrupter.trigger()
+        loop.remove_signal_handler(signal.SIGINT)
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    try:
+        with PhaseProgress(err_console, total) as progress:
+            def done(result) -> None:
+                progress.on_phase_done(result)
+                on_phase_done(result)
+
+            hooks = AblationHooks(progress.on_phase_start, done,
+                                  Hooks(progress.on_stage, progress.on_result, progress.on_info))
+            await run_ablation(recipe, model_dir, interrupter, hooks, trace_root)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+def _check_writable(path: Path) -> None:
+    """Output files are checked before the first phase: a run must not end with nowhere to put its result."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.with_name(f".{path.name}.probe")
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        fail(f"cannot write {path}: {exc.strerror or exc}", 2)
+
+
+def _model_label(recipe: Recipe, model_dir: Path) -> str:
+    return f"preset {recipe.preset}" if recipe.model is None else str(model_dir)
+
+
+def _load_label(recipe: Recipe) -> str:
+    cfg = recipe.bench_config()
+    shape = f"{cfg.request_rate:g} req/s" if cfg.open_loop else f"concurrency {cfg.effective_concurrency}"
+    return (f"{shape}, {cfg.num_prompts} x {cfg.input_len} -> {cfg.effective_output_len} tokens"
+            + (f", {cfg.dataset}" if cfg.dataset != "random" else ""))
+
+
+def _provenance(recipe: Recipe, model_dir: Path) -> dict:
+    from infertrace.load.result import provenance
+
+    target = types.SimpleNamespace(describe=lambda: {"kind": "embedded", "model_dir": str(model_dir)})
+    return provenance(target, recipe.bench_config().seed)

@@ -1,0 +1,466 @@
+"""Streaming reader of Kineto (torch.profiler) JSON traces, plain or gzipped, into columns with exact times.
+
+The file is decoded about a megabyte of events at a time, so peak memory follows the size of the kept columns
+rather than the size of the JSON, and a truncated file still yields every event before the cut. Timestamps are
+kept as integer nanoseconds: a float64 cannot hold `1712195495519689.047` us to the nanosecond, so traces with
+such large times have their `ts` digits read from the text itself.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+BLOCK = 1 << 20  # bytes decoded at once: small enough to stay in cache, large enough to amortise each call
+SKIPPED_CATS = frozenset({"python_function", "Trace"})  # Python stacks and the whole-profile span
+_FLOAT_EXACT_US = 2.0**43  # below this a float64 in us keeps every nanosecond, so rint(ts * 1000) is exact
+_WS = b" \t\r\n"
+_TS_RE = re.compile(rb'"ts"\s*:\s*(-?)(\d+)(?:\.(\d*))?([eE][-+]?\d+)?')
+
+
+class TraceError(Exception):
+    """A trace file that cannot be used at all (not JSON, not a trace)."""
+
+
+@dataclass(slots=True)
+class TraceColumns:
+    """The complete events ("ph": "X") of one trace file, one numpy array per field, in file order."""
+
+    names: list[str]
+    name: np.ndarray  # int32 codes into `names`
+    cats: list[str]
+    cat: np.ndarray  # int32 codes into `cats`
+    pid: np.ndarray  # int64; non-integer pids get negative codes
+    tid: np.ndarray
+    ts_ns: np.ndarray  # int64 nanoseconds, as written in the file
+    dur_ns: np.ndarray
+    stream: np.ndarray  # int64 args.stream, -1 where absent
+    correlation: np.ndarray  # int64 args.correlation, -1 where absent
+    external_id: np.ndarray  # int64 args["External id"], -1 where absent
+    metadata: dict = field(default_factory=dict)
+    problem: str | None = None  # why the file ended early, when it did
+    exact_times: bool = True  # False when some timestamps could only be read at float precision
+
+    def __len__(self) -> int:
+        return int(self.ts_ns.size)
+
+
+def read_kineto(path: str | Path, keep_python: bool = False, typed: bool = True) -> TraceColumns:
+    """Read one Kineto JSON trace (`.json` or gzip, told apart by content). Raises TraceError when unusable.
+
+    `keep_python` keeps `python_function` events (with_stack traces hold millions of them and no analysis
+    here needs them). `typed=False` decodes through plain dicts even where msgspec is installed."""
+    sink = _ColumnSink(keep_python)
+    decoder = _StreamDecoder(sink, _typed_decoder() if typed else None)
+    problem = None
+    try:
+        for block in _blocks(Path(path)):
+            decoder.feed(block)
+    except EOFError:
+        problem = "the compressed stream ends early (truncated file)"
+    except (OSError, zlib.error) as exc:
+        problem = f"unreadable after {sink.count:,} events ({exc})"
+    try:
+        late = decoder.finish()
+    except TraceError as exc:
+        if problem is None or sink.count == 0:
+            raise TraceError(problem or str(exc)) from None
+        late = None
+    problem = problem or late
+    columns = sink.columns(decoder.metadata())
+    if problem is not None and not len(columns):
+        raise TraceError(problem.replace(" (truncated file)", ", before its first complete event (truncated file)"))
+    if problem is not None:
+        columns.problem = f"{problem}; kept the {len(columns):,} complete events before it"
+    return columns
+
+
+def _blocks(path: Path):
+    with open(path, "rb") as raw:
+        magic = raw.read(2)
+    opener = gzip.open if magic == b"\x1f\x8b" else open
+    with opener(path, "rb") as fh:
+        while block := fh.read(BLOCK):
+            yield block
+
+
+try:  # decodes only the fields used here into slotted structs: about three times faster than dicts
+    import msgspec
+except ImportError:  # pragma: no cover - the plain-dict path is tested with typed=False
+    msgspec = None
+
+if msgspec is not None:
+
+    class _Args(msgspec.Struct):
+        stream: int | float | str = -1
+        correlation: int | float = -1
+        external_id: int | float = msgspec.field(default=-1, name="External id")
+
+    class _Event(msgspec.Struct):
+        name: str = ""
+        cat: str = ""
+        pid: int | float | str = 0
+        tid: int | float | str = 0
+        ts: int | float | None = None
+        dur: int | float | None = None
+        args: _Args = msgspec.field(default_factory=_Args)
+
+
+def _typed_decoder():
+    if msgspec is None:
+        return None
+    return msgspec.json.Decoder(list[_Event]), msgspec.ValidationError, msgspec.DecodeError
+
+
+_HEADER, _EVENTS, _TRAILER = range(3)
+
+
+class _StreamDecoder:
+    """Splits the `traceEvents` array into pieces that end on an event boundary and decodes each piece.
+
+    `buf` holds undecoded events behind one spare byte: a piece is decoded in place by writing `[` into the
+    spare byte and `]` over the comma after its last event, which saves copying every megabyte twice."""
+
+    def __init__(self, sink: _ColumnSink, typed):
+        self.sink = sink
+        self.typed = typed
+        self.state = _HEADER
+        self.header = b""  # bytes before the "traceEvents" key
+        self.buf = bytearray()
+        self.trailer = b""  # bytes after the array
+        self._searched = 0
+        self._scan_at = BLOCK  # buffer size at which the next structural scan is worth its cost
+
+    def feed(self, data: bytes) -> None:
+        if self.state == _HEADER:
+            self.header += data
+            self._find_array()
+        elif self.state == _EVENTS:
+            self.buf += data
+        else:
+            self.trailer += data
+        if self.state == _EVENTS and len(self.buf) > BLOCK:
+            self._drain(final=False)
+
+    def finish(self) -> str | None:
+        """Decode what is left at end of file; returns a problem line when the array was never closed."""
+        if self.state == _HEADER:
+            try:
+                json.loads(self.header)
+            except ValueError:
+                raise TraceError("not a JSON trace (the file is not valid JSON)") from None
+            raise TraceError('not a Kineto trace (no "traceEvents" array)')
+        if self.state == _EVENTS:
+            self._drain(final=True)
+        if self.state == _EVENTS:
+            return "the JSON ends inside the traceEvents array (truncated file)"
+        return None
+
+    def metadata(self) -> dict:
+        """Everything outside traceEvents, parsed as one object (empty when it cannot be)."""
+        if not self.header.strip():
+            return {}
+        head = self.header + b'"traceEvents": []'
+        for tail in (self.trailer, b"}"):
+            try:
+                meta = json.loads(head + tail)
+                return meta if isinstance(meta, dict) else {}
+            except ValueError:
+                continue
+        return {}
+
+    def _find_array(self) -> None:
+        start = self.header.lstrip(_WS)
+        if start[:1] == b"[":  # the bare-array form of the Chrome trace format
+            self._start_events(start[1:])
+            self.header = b""
+            return
+        while True:
+            key = self.header.find(b'"traceEvents"', max(0, self._searched - 16))
+            if key < 0:
+                self._searched = len(self.header)
+                return
+            self._searched = key + 1
+            if _depth_at(self.header, key) != 1:
+                continue
+            rest = self.header[key + len(b'"traceEvents"'):].lstrip(_WS)
+            if rest[:1] == b":":
+                rest = rest[1:].lstrip(_WS)
+            if not rest:  # the rest of the key has not arrived yet
+                self._searched = key
+                return
+            if rest[:1] != b"[":
+                continue
+            self._start_events(rest[1:])
+            self.header = self.header[:key]
+            return
+
+    def _start_events(self, rest: bytes) -> None:
+        self.buf = bytearray(b" ") + rest
+        self.state = _EVENTS
+
+    def _drain(self, final: bool) -> None:
+        while self.state == _EVENTS and (final or len(self.buf) > BLOCK):
+            comma = None if final else _last_event_end(self.buf)
+            if comma is not None and self._decode_in_place(comma):
+                continue
+            if not final and len(self.buf) < self._scan_at:
+                return  # an event larger than a block: wait for more of it before scanning again
+            if not self._drain_exact(final):
+                self._scan_at = 2 * len(self.buf)  # rescanning every block would be quadratic
+                return
+            self._scan_at = BLOCK
+
+    def _decode_in_place(self, comma: int) -> bool:
+        buf = self.buf
+        buf[0], buf[comma] = 0x5B, 0x5D  # "[" ... "]"
+        with memoryview(buf) as view:
+            events, structs = self._loads(view[: comma + 1], strict=False)
+        if events is None:
+            buf[comma] = 0x2C
+            return False
+        self.sink.add(events, structs, lambda: bytes(buf[1:comma]))
+        del buf[:comma]  # the old comma becomes the spare byte
+        return True
+
+    def _drain_exact(self, final: bool) -> bool:
+        """Find event ends by scanning the JSON structure; False when nothing more can be decoded now."""
+        body = bytes(self.buf[1:])
+        ends, close = _top_level_ends(body)
+        if close is not None:
+            if ends.size:
+                self._decode_copy(body[: int(ends[-1]) + 1])
+            self.trailer = body[close + 1:] + self.trailer
+            self.buf = bytearray()
+            self.state = _TRAILER
+            return True
+        if not ends.size:
+            return False
+        cut = int(ends[-1]) + 1
+        self._decode_copy(body[:cut])
+        self.buf = bytearray(b" ") + body[cut:].lstrip(_WS + b",")
+        return not final
+
+    def _decode_copy(self, piece: bytes) -> None:
+        events, structs = self._loads(b"[" + piece + b"]", strict=True)
+        self.sink.add(events, structs, lambda: piece)
+
+    def _loads(self, text, strict: bool) -> tuple[list | None, bool]:
+        """The events of `text` and whether they are msgspec structs (else plain JSON values)."""
+        if self.typed is not None:
+            decoder, wrong_type, bad_json = self.typed
+            try:
+                return decoder.decode(text), True
+            except wrong_type:
+                pass  # a field of an unexpected type: decode this piece as plain dicts
+            except bad_json:
+                if not strict:
+                    return None, False
+        try:  # the standard library also takes NaN and Infinity, which some writers emit
+            events = json.loads(bytes(text))
+        except ValueError as exc:
+            if strict:
+                raise TraceError(f"invalid JSON after {self.sink.count:,} events: {exc}") from None
+            return None, False
+        return (events if isinstance(events, list) else []), False
+
+
+def _last_event_end(buf: bytearray) -> int | None:
+    """Index of the comma after the last `}` that is followed by the `{` of a next event, or None."""
+    end = len(buf)
+    while True:
+        i = buf.rfind(b"},", 1, end)
+        if i < 0:
+            return None
+        j = i + 2
+        while j < len(buf) and buf[j] in _WS:
+            j += 1
+        if j < len(buf) and buf[j] == 0x7B:
+            return i + 1
+        end = i
+
+
+def _structure(buf: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Positions of brackets outside strings, the bracket bytes, the nesting depth after each, and the
+    number of string-delimiting quotes in `buf` (odd when `buf` ends inside a string)."""
+    a = np.frombuffer(buf, dtype=np.uint8)
+    quotes = np.flatnonzero(a == 0x22)
+    if quotes.size:
+        escaped = np.flatnonzero(a[np.maximum(quotes - 1, 0)] == 0x5C)
+        if escaped.size:
+            keep = np.ones(quotes.size, dtype=bool)
+            for k in escaped:
+                p, run = int(quotes[k]) - 1, 0
+                while p >= 0 and a[p] == 0x5C:
+                    run, p = run + 1, p - 1
+                keep[k] = run % 2 == 0
+            quotes = quotes[keep]
+    brackets = np.flatnonzero((a == 0x7B) | (a == 0x7D) | (a == 0x5B) | (a == 0x5D))
+    brackets = brackets[(np.searchsorted(quotes, brackets) & 1) == 0]
+    chars = a[brackets]
+    depth = np.cumsum(np.where((chars == 0x7B) | (chars == 0x5B), 1, -1))
+    return brackets, chars, depth, int(quotes.size)
+
+
+def _top_level_ends(buf: bytes) -> tuple[np.ndarray, int | None]:
+    """Ends of the complete values in `buf` (which starts between values of an array) and the array's `]`."""
+    brackets, chars, depth, _ = _structure(buf)
+    below = np.flatnonzero(depth < 0)
+    close = int(brackets[below[0]]) if below.size else None
+    ends = brackets[(depth == 0) & ((chars == 0x7D) | (chars == 0x5D))]
+    if close is not None:
+        ends = ends[ends < close]
+    return ends, close
+
+
+def _depth_at(buf: bytes, pos: int) -> int:
+    """Nesting depth just before `pos`, or -1 when `pos` lies inside a string."""
+    _, _, depth, quotes = _structure(buf[:pos])
+    if quotes % 2:
+        return -1
+    return int(depth[-1]) if depth.size else 0
+
+
+class _ColumnSink:
+    """Turns decoded events (msgspec structs or dicts) into numpy columns, a piece at a time."""
+
+    def __init__(self, keep_python: bool):
+        self.skipped = frozenset() if keep_python else SKIPPED_CATS
+        self.names: dict[str, int] = {}
+        self.cats: dict[str, int] = {}
+        self.text_ids: dict[str, int] = {}  # non-integer pid/tid values
+        self.chunks: list[tuple[np.ndarray, ...]] = []
+        self.count = 0
+        self.exact = True
+
+    def add(self, events: list, structs: bool, text) -> None:
+        """Add a decoded piece; `text()` gives its JSON, read only for timestamps too large for a float."""
+        self.count += len(events)
+        if structs:
+            kept, cols = self._from_structs(events)
+        else:
+            kept, cols = self._from_dicts(events)
+        if not kept:
+            return
+        ts = np.array(cols[0], dtype=np.float64)
+        if np.abs(ts).max() >= _FLOAT_EXACT_US:
+            ts_ns = self._exact_ts(events, structs, kept, text())
+            if ts_ns is None:
+                self.exact = False
+                ts_ns = _float_us_to_ns(ts)
+        else:
+            ts_ns = _float_us_to_ns(ts)
+        self.chunks.append((
+            _codes(cols[2], self.names),
+            _codes(cols[3], self.cats),
+            self._ids(cols[4]),
+            self._ids(cols[5]),
+            ts_ns,
+            np.rint(np.array(cols[1], dtype=np.float64) * 1000.0).astype(np.int64),
+            _ints(cols[6]),
+            _ints(cols[7]),
+            _ints(cols[8]),
+        ))
+
+    def _from_structs(self, events: list) -> tuple[list, tuple]:
+        skipped = self.skipped
+        kept = [e for e in events if e.dur is not None and e.ts is not None and e.cat not in skipped]
+        args = [e.args for e in kept]
+        return kept, (
+            [e.ts for e in kept], [e.dur for e in kept], [e.name for e in kept], [e.cat for e in kept],
+            [e.pid for e in kept], [e.tid for e in kept], [a.stream for a in args],
+            [a.correlation for a in args], [a.external_id for a in args])
+
+    def _from_dicts(self, events: list) -> tuple[list, tuple]:
+        skipped = self.skipped
+        kept = [e for e in events if type(e) is dict and type(e.get("dur")) in _NUMBER
+                and type(e.get("ts")) in _NUMBER and e.get("cat") not in skipped]
+        args = [a if type(a := e.get("args")) is dict else _NO_ARGS for e in kept]
+        return kept, (
+            [e["ts"] for e in kept], [e["dur"] for e in kept], [e.get("name", "") for e in kept],
+            [e.get("cat", "") for e in kept], [e.get("pid", 0) for e in kept], [e.get("tid", 0) for e in kept],
+            [a.get("stream", -1) for a in args], [a.get("correlation", -1) for a in args],
+            [a.get("External id", -1) for a in args])
+
+    def _exact_ts(self, events: list, structs: bool, kept: list, piece: bytes) -> np.ndarray | None:
+        """Nanoseconds read from the `"ts": ...` digits of the piece, or None when they cannot be matched."""
+        if structs:
+            has_ts = [e.ts is not None for e in events]
+        else:
+            has_ts = [type(e) is dict and type(e.get("ts")) in _NUMBER for e in events]
+        found = _TS_RE.findall(piece)
+        if len(found) != sum(has_ts) or any(m[3] for m in found):
+            return None  # a nested "ts" key or an exponent: fall back to float precision
+        sign = np.array([-1 if m[0] else 1 for m in found], dtype=np.int64)
+        whole = np.array([m[1] for m in found]).astype(np.int64)
+        frac = np.array([(m[2] + b"000")[:3] for m in found]).astype(np.int64)
+        ns = sign * (whole * 1000 + frac)
+        kept_ids = {id(e) for e in kept}
+        with_ts = [e for e, has in zip(events, has_ts) if has]
+        return ns[np.fromiter((id(e) in kept_ids for e in with_ts), dtype=bool, count=len(with_ts))]
+
+    def _ids(self, values: list) -> np.ndarray:
+        try:
+            arr = np.array(values)
+        except (TypeError, ValueError):  # ragged values such as lists
+            arr = np.empty(0)
+        if arr.ndim == 1 and arr.size == len(values) and arr.dtype.kind in "iub":
+            return arr.astype(np.int64)
+        out = np.empty(len(values), dtype=np.int64)
+        for i, v in enumerate(values):
+            try:
+                out[i] = int(v)
+            except (TypeError, ValueError):
+                out[i] = -1 - self.text_ids.setdefault(str(v), len(self.text_ids))
+        return out
+
+    def columns(self, metadata: dict) -> TraceColumns:
+        if self.chunks:
+            cols = [np.concatenate(parts) for parts in zip(*self.chunks)]
+        else:
+            cols = [np.empty(0, dtype=np.int32)] * 2 + [np.empty(0, dtype=np.int64)] * 7
+        return TraceColumns(
+            names=list(self.names), name=cols[0], cats=list(self.cats), cat=cols[1], pid=cols[2],
+            tid=cols[3], ts_ns=cols[4], dur_ns=cols[5], stream=cols[6], correlation=cols[7],
+            external_id=cols[8], metadata=metadata, exact_times=self.exact)
+
+
+_NO_ARGS: dict = {}
+_NUMBER = (int, float)
+
+
+def _float_us_to_ns(us: np.ndarray) -> np.ndarray:
+    whole = np.floor(us)
+    return whole.astype(np.int64) * 1000 + np.rint((us - whole) * 1000.0).astype(np.int64)
+
+
+def _codes(values: list, table: dict[str, int]) -> np.ndarray:
+    import pandas as pd
+
+    local, uniques = pd.factorize(np.array(values, dtype=object))
+    mapping = np.fromiter((table.setdefault(str(u), len(table)) for u in uniques), dtype=np.int32,
+                          count=len(uniques))
+    return mapping[local]
+
+
+def _ints(values: list) -> np.ndarray:
+    try:
+        arr = np.array(values, dtype=np.int64)
+        if arr.ndim == 1:
+            return arr
+    except (TypeError, ValueError, OverflowError):
+        pass
+    return np.fromiter((_int_or_missing(v) for v in values), dtype=np.int64, count=len(values))
+
+
+def _int_or_missing(value) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return -1

@@ -1,0 +1,80 @@
+"""Reports written to disk: one JSON document, or one CSV file per table; and JSON reports read back."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from infertrace.analyze.report import SCHEMA, TABLES, Report
+
+
+def report_dict(report: Report) -> dict:
+    """The report as plain JSON-ready data (`schema` first, so a reader can tell a report from a trace)."""
+    return {
+        "schema": SCHEMA,
+        "source": report.source,
+        "problems": list(report.problems),
+        "notes": list(report.notes),
+        "skipped": dict(report.skipped),
+        "ranks": table_records(report.ranks),
+        "tables": {name: table_records(table) for name, table in report.tables.items()},
+    }
+
+
+def write_json(report: Report, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report_dict(report), indent=1, allow_nan=False) + "\n")
+    return path
+
+
+def write_csv(report: Report, directory: Path) -> list[Path]:
+    """`ranks.csv` and one `<table>.csv` per table that ran."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, table in [("ranks", report.ranks), *report.tables.items()]:
+        path = directory / f"{name}.csv"
+        table.to_csv(path, index=False)
+        written.append(path)
+    return written
+
+
+def is_report_file(path: Path) -> bool:
+    """Whether `path` is a JSON report written by `write_json` (checked on its first bytes only)."""
+    path = Path(path)
+    if not path.is_file() or not path.name.endswith(".json"):
+        return False
+    with open(path, "rb") as fh:
+        head = fh.read(64)
+    return head.replace(b" ", b"").replace(b"\n", b"").startswith(b'{"schema":"' + SCHEMA.encode())
+
+
+def read_json(path: Path) -> Report:
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"{path} is not an infertrace analyze report (schema {data.get('schema')!r})")
+    tables = {name: pd.DataFrame(rows) for name, rows in data.get("tables", {}).items() if name in TABLES}
+    return Report(data.get("source", str(path)), pd.DataFrame(data.get("ranks", [])),
+                  list(data.get("problems", [])), list(data.get("notes", [])), tables, dict(data.get("skipped", {})))
+
+
+def table_records(table: pd.DataFrame) -> list[dict]:
+    """Rows as JSON-ready dicts (NaN becomes null)."""
+    return [{k: _plain(v) for k, v in row.items()} for row in table.to_dict("records")]
+
+
+def _plain(value):
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating, float)):
+        return None if math.isnan(value) or math.isinf(value) else float(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if value is pd.NA or value is None:
+        return None
+    return value

@@ -1,0 +1,212 @@
+"""Inference phases: engine steps found from their profiler annotations, and the GPU work each step launched.
+
+Recognised step annotations (CPU ranges, torch.profiler `record_function` or NVTX):
+- infertrace's engine: `step[PREFILL bs=2 toks=300]`, `step[DECODE bs=16]`, `step[MIXED bs=9 toks=72]`
+- SGLang: `step[EXTEND bs=15 toks=15360]`, `step[DECODE bs=..]` (and its other modes)
+- vLLM: `execute_context_1(888_788544)_generation_0(0)`: 1 prefill request of 888 tokens, no decodes
+  (`execute_<tokens>_context_..` as some builds write it, too)
+- otherwise `ProfilerStep#N`, as generic steps.
+A recognised range that encloses another on the same thread is a wrapper and is dropped; the innermost counts.
+
+A step's kernels are the GPU work whose correlation id matches a launch call (cudaLaunchKernel, cudaGraphLaunch,
+hipLaunchKernel, ...) made inside the step's range on the step's thread. A step's time runs from its start to
+its end or to the end of its last kernel, whichever is later (`cpu_ms` is the annotated range alone). Within
+that window the GPU is busy (any kernel of the rank runs), waits for the host (idle until a kernel the CPU had
+not yet launched when the GPU went idle), or is otherwise idle (waiting on a dependency, a sync, or launch
+latency).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from infertrace.analyze.events import GPU_WORK
+from infertrace.analyze.intervals import covered_between, union
+from infertrace.analyze.kernels import CATEGORIES, category, per_event
+
+_BRACKET = re.compile(r"^step\[([A-Za-z_]+)\b([^\]]*)\]")
+_VLLM = re.compile(r"^execute_(?:\d+_)?context_(\d+)\(([^)]*)\)_generation_(\d+)\(([^)]*)\)")
+_PROFILER_STEP = re.compile(r"^ProfilerStep#\d+$")
+_FIRST_INT = re.compile(r"\d+")
+_PARAM = re.compile(r"\b(bs|toks)=(\d+)")
+GPU_BOUND_SHARE = 0.8
+
+
+@dataclass(frozen=True, slots=True)
+class StepLabel:
+    type: str
+    bs: int | None
+    toks: int | None
+
+
+def parse_step_name(name: str) -> StepLabel | None:
+    """The step type, batch size and token count an annotation names, or None when it names no step."""
+    if m := _BRACKET.match(name):
+        params = dict(_PARAM.findall(m.group(2)))
+        return StepLabel(m.group(1).upper(), _int(params.get("bs")), _int(params.get("toks")))
+    if m := _VLLM.match(name):
+        ctx, gen = int(m.group(1)), int(m.group(3))
+        kind = "MIXED" if ctx and gen else "PREFILL" if ctx else "DECODE" if gen else "IDLE"
+        toks = sum(int(f.group(0)) for g in (m.group(2), m.group(4)) if (f := _FIRST_INT.search(g)))
+        return StepLabel(kind, ctx + gen, toks)
+    return None
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text is not None else None
+
+
+def find_steps(events: pd.DataFrame) -> pd.DataFrame:
+    """The innermost step annotations of one rank, in time order."""
+    ann = events[(events["kind"] == "annotation").to_numpy()]
+    names = ann["name"].cat.categories
+    labels = {code: parse_step_name(n) for code, n in enumerate(names)}
+    codes = ann["name"].cat.codes.to_numpy()
+    is_step = np.array([labels[c] is not None for c in codes], dtype=bool)
+    if not is_step.any():
+        generic = np.array([bool(_PROFILER_STEP.match(names[c])) for c in codes], dtype=bool)
+        labels = {c: StepLabel("ProfilerStep", None, None) for c in range(len(names))}
+        is_step = generic
+    rows = ann[is_step]
+    chosen = [labels[c] for c in codes[is_step]]
+    steps = pd.DataFrame({
+        "type": [s.type for s in chosen], "label": rows["name"].astype(str).to_numpy(),
+        "bs": pd.array([s.bs for s in chosen], dtype="Int64"),
+        "toks": pd.array([s.toks for s in chosen], dtype="Int64"),
+        "pid": rows["pid"].to_numpy(), "tid": rows["tid"].to_numpy(),
+        "ts_ns": rows["ts_ns"].to_numpy(), "end_ns": (rows["ts_ns"] + rows["dur_ns"]).to_numpy(),
+    })
+    steps = steps.sort_values(["pid", "tid", "ts_ns", "end_ns"], ascending=[True, True, True, False],
+                              ignore_index=True, kind="stable")
+    same_thread = (steps["pid"].shift(-1) == steps["pid"]) & (steps["tid"].shift(-1) == steps["tid"])
+    encloses = same_thread & (steps["ts_ns"].shift(-1) < steps["end_ns"])
+    steps = steps[~encloses.to_numpy()].sort_values("ts_ns", ignore_index=True, kind="stable")
+    return steps
+
+
+def step_metrics(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """`steps` with each step's kernels, GPU busy and host-wait time, and GPU time by kernel category."""
+    out = steps.copy()
+    out["cpu_ms"] = (out["end_ns"] - out["ts_ns"]) / 1e6
+    gpu = events[events["kind"].isin(GPU_WORK).to_numpy()]
+    runtime = events[(events["kind"] == "runtime").to_numpy() & (events["correlation"] >= 0).to_numpy()]
+    runtime = runtime.drop_duplicates("correlation", keep="first")
+    launch_ts = pd.Series(runtime["ts_ns"].to_numpy(), index=runtime["correlation"].to_numpy())
+    step_of_corr = _launches_in_steps(runtime, out)
+    g_ts, g_end = gpu["ts_ns"].to_numpy(), (gpu["ts_ns"] + gpu["dur_ns"]).to_numpy()
+    g_step = step_of_corr.reindex(gpu["correlation"].to_numpy()).to_numpy()
+    own = ~np.isnan(g_step)
+    step_ids = g_step[own].astype(np.int64)
+    n = len(out)
+    out["kernels"] = np.bincount(step_ids, weights=(gpu["kind"] == "kernel").to_numpy()[own],
+                                 minlength=n).astype(np.int64)
+    out["gpu_ops"] = np.bincount(step_ids, minlength=n).astype(np.int64)
+    last_end = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(last_end, step_ids, g_end[own])
+    wall_end = np.maximum(out["end_ns"].to_numpy(), last_end)
+    start = out["ts_ns"].to_numpy()
+    out["step_ms"] = (wall_end - start) / 1e6
+    seg_s, seg_e = union(g_ts, g_end)
+    busy = covered_between(seg_s, seg_e, start, wall_end)
+    wait_s, wait_e = _host_wait_gaps(seg_s, seg_e, g_ts, gpu["correlation"].to_numpy(), launch_ts,
+                                     lo=int(min(start.min(initial=0), seg_s.min(initial=0))),
+                                     hi=int(max(wall_end.max(initial=0), seg_e.max(initial=0))))
+    host_wait = covered_between(wait_s, wait_e, start, wall_end)
+    out["busy_ms"] = busy / 1e6
+    out["host_wait_ms"] = host_wait / 1e6
+    cats = per_event(gpu, category)[own]
+    dur = gpu["dur_ns"].to_numpy()[own]
+    for cat in CATEGORIES:
+        pick = cats == cat
+        out[f"{cat} (ms)"] = np.bincount(step_ids[pick], weights=dur[pick], minlength=n) / 1e6
+    return out
+
+
+def _launches_in_steps(runtime: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
+    """Step index of each launch call (by correlation id) made inside a step on the step's thread."""
+    if runtime.empty or steps.empty:
+        return pd.Series(dtype=float)
+    calls = pd.DataFrame({"ts_ns": runtime["ts_ns"].to_numpy(), "pid": runtime["pid"].to_numpy(),
+                          "tid": runtime["tid"].to_numpy(), "correlation": runtime["correlation"].to_numpy()})
+    ranges = pd.DataFrame({"ts_ns": steps["ts_ns"].to_numpy(), "pid": steps["pid"].to_numpy(),
+                           "tid": steps["tid"].to_numpy(), "end_ns": steps["end_ns"].to_numpy(),
+                           "step": np.arange(len(steps), dtype=np.float64)})
+    matched = pd.merge_asof(calls.sort_values("ts_ns", kind="stable"), ranges.sort_values("ts_ns", kind="stable"),
+                            on="ts_ns", by=["pid", "tid"], direction="backward")
+    inside = matched["ts_ns"] < matched["end_ns"]
+    matched = matched[inside.to_numpy()]
+    return pd.Series(matched["step"].to_numpy(), index=matched["correlation"].to_numpy())
+
+
+def _host_wait_gaps(seg_s, seg_e, op_ts, op_corr, launch_ts: pd.Series, lo: int, hi: int):
+    """The idle gaps of the GPU that end with work the CPU launched only after the gap began (plus the idle
+    time before the first and after the last GPU work)."""
+    if seg_s.size == 0:
+        return np.array([lo], dtype=np.int64), np.array([hi], dtype=np.int64)
+    order = np.argsort(op_ts, kind="stable")
+    first_op = order[np.searchsorted(op_ts[order], seg_s[1:], side="left")]
+    launched = launch_ts.reindex(op_corr[first_op]).to_numpy(dtype=float)
+    waits = launched > seg_e[:-1]  # launched after the GPU had gone idle; unknown launch: not host wait
+    gap_s = np.concatenate(([lo], seg_e[:-1][waits], [seg_e[-1]]))
+    gap_e = np.concatenate(([seg_s[0]], seg_s[1:][waits], [hi]))
+    keep = gap_e > gap_s
+    return gap_s[keep], gap_e[keep]
+
+
+def phase_summary(steps: pd.DataFrame, has_gpu: bool) -> pd.DataFrame:
+    """Per step type: count, step time, GPU busy and host-wait shares, kernels per step, and a verdict."""
+    rows = []
+    for kind, group in steps.groupby("type", sort=False):
+        wall = group["step_ms"].sum()
+        busy = group["busy_ms"].sum() / wall if wall else 0.0
+        host = group["host_wait_ms"].sum() / wall if wall else 0.0
+        step_ms = group["step_ms"].to_numpy()
+        rows.append({
+            "type": kind, "steps": len(group),
+            "bs": group["bs"].astype(float).mean(), "toks": group["toks"].astype(float).mean(),
+            "step_mean (ms)": step_ms.mean(), "step_p50 (ms)": np.percentile(step_ms, 50),
+            "step_p99 (ms)": np.percentile(step_ms, 99), "cpu_mean (ms)": group["cpu_ms"].mean(),
+            "gpu_busy_share": busy, "host_wait_share": host,
+            "kernels_per_step": group["kernels"].mean(),
+            "verdict": verdict(busy, host) if has_gpu else "no GPU work",
+        })
+    return pd.DataFrame(rows)
+
+
+def verdict(busy_share: float, host_wait_share: float) -> str:
+    """CPU-bound when the GPU waited for launches at least as long as it worked."""
+    if host_wait_share >= busy_share:
+        return "CPU-bound"
+    if busy_share >= GPU_BOUND_SHARE:
+        return "GPU-bound"
+    return "mixed"
+
+
+def phase_categories(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per step type and kernel category: GPU time in total and per step, and its share of the type's time."""
+    rows = []
+    for kind, group in steps.groupby("type", sort=False):
+        total = sum(group[f"{c} (ms)"].sum() for c in CATEGORIES)
+        for cat in CATEGORIES:
+            ms = group[f"{cat} (ms)"].sum()
+            if ms > 0:
+                rows.append({"type": kind, "category": cat, "total (ms)": ms, "per_step (ms)": ms / len(group),
+                             "share": ms / total if total else 0.0})
+    return pd.DataFrame(rows, columns=["type", "category", "total (ms)", "per_step (ms)", "share"])
+
+
+def capture_categories(gpu_by_rank: dict[int, pd.DataFrame]) -> pd.DataFrame:
+    """GPU time by kernel category over a whole capture (the GPU work of every rank)."""
+    parts = [pd.DataFrame({"category": per_event(gpu, category), "dur_ns": gpu["dur_ns"].to_numpy()})
+             for gpu in gpu_by_rank.values() if not gpu.empty]
+    if not parts:
+        return pd.DataFrame(columns=["category", "ops", "total (ms)", "share"])
+    table = pd.concat(parts).groupby("category").agg(ops=("dur_ns", "size"), total_ns=("dur_ns", "sum"))
+    table = table.reindex([c for c in CATEGORIES if c in table.index]).reset_index()
+    table["total (ms)"] = table["total_ns"] / 1e6
+    table["share"] = table["total_ns"] / table["total_ns"].sum()
+    return table[["category", "ops", "total (ms)", "share"]]

@@ -1,0 +1,230 @@
+"""Reports as rich tables for the terminal."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+from rich import box
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from infertrace.analyze.kernels import CATEGORIES
+from infertrace.analyze.report import Report
+
+TITLES = {
+    "temporal": "Temporal breakdown (HTA)",
+    "idle": "GPU idle time by cause (HTA)",
+    "kernel_types": "GPU time by kernel type (HTA; communication includes non-nccl collectives)",
+    "top_kernels": "Top kernels per rank and type (HTA's selection)",
+    "overlap": "Communication / computation overlap",
+    "launches": "Kernel launches (all launch APIs, graph launches included)",
+    "categories": "GPU time by kernel category",
+    "phases": "Inference phases by step type",
+    "phase_categories": "GPU time per step by kernel category",
+}
+
+
+def render(report: Report) -> RenderableType:
+    parts: list[RenderableType] = [_ranks(report)]
+    for name, build in _BUILDERS.items():
+        table = report.tables.get(name)
+        if table is not None and not table.empty:
+            parts.append(build(table))
+    if report.skipped:
+        lines = [f"  {name}: {why}" for name, why in report.skipped.items() if name in TITLES]
+        if lines:
+            parts.append(Text("Not shown:\n" + "\n".join(lines), style="dim"))
+    return Group(*parts)
+
+
+def _new(title: str, *columns: str, text: int = 1, caption: str | None = None, wide: int = 0) -> Table:
+    """A table whose first `text` columns are left-aligned labels kept on one line, the rest right-aligned
+    numbers; label column `wide` (an index) gets room for long kernel names."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, caption=caption, caption_justify="left",
+                  padding=(0, 1), pad_edge=False)
+    for i, col in enumerate(columns):
+        if i < text:
+            table.add_column(col, justify="left", no_wrap=True, overflow="ellipsis",
+                             min_width=20 if wide and i == wide else None, max_width=56 if i == wide else 24)
+        else:
+            table.add_column(col, justify="right", no_wrap=col == "verdict", min_width=9 if col == "verdict" else None)
+    return table
+
+
+def _ms(us: float) -> str:
+    return _num(us / 1000.0)
+
+
+def _num(value: float, digits: int | None = None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if digits is None:
+        digits = 3 if abs(value) < 1 else 2 if abs(value) < 100 else 1
+    return f"{value:,.{digits}f}"
+
+
+def _pct(share: float) -> str:
+    return "–" if share is None or (isinstance(share, float) and math.isnan(share)) else f"{100 * share:.1f}%"
+
+
+def _ranks(report: Report) -> Table:
+    table = _new(f"infertrace analyze: {report.source}", "rank", "file", "device", "events", "kernels",
+                 "gpu ops", text=3)
+    for r in report.ranks.to_dict("records"):
+        table.add_row(str(r["rank"]), str(r["file"]), str(r.get("device") or "–"), f"{r['events']:,}",
+                      f"{r['kernels']:,}", f"{r['gpu_ops']:,}")
+    return table
+
+
+def _temporal(df: pd.DataFrame) -> Table:
+    table = _new(TITLES["temporal"], "rank", "kernel span (ms)", "idle", "compute", "non-compute")
+    for r in df.to_dict("records"):
+        table.add_row(str(r["rank"]), _ms(r["kernel_time(us)"]), f"{r['idle_time_pctg']:.2f}%",
+                      f"{r['compute_time_pctg']:.2f}%", f"{r['non_compute_time_pctg']:.2f}%")
+    return table
+
+
+def _idle(df: pd.DataFrame) -> Table:
+    table = _new(TITLES["idle"], "rank", "stream", "host wait (ms)", "kernel wait (ms)", "other (ms)",
+                 "host wait share", text=2, caption="host wait: the next kernel was launched after the GPU went idle; "
+                                            "kernel wait: gaps under 30 us between kernels")
+    pivot = df.pivot_table(index=["rank", "stream"], columns="idle_category", values="idle_time (us)",
+                           aggfunc="sum", fill_value=0.0)
+    for (rank, stream), row in pivot.iterrows():
+        host, kernel, other = (row.get(c, 0.0) for c in ("host_wait", "kernel_wait", "other"))
+        total = host + kernel + other
+        table.add_row(str(rank), str(stream), _ms(host), _ms(kernel), _ms(other),
+                      _pct(host / total) if total else "–")
+    return table
+
+
+def _kernel_types(df: pd.DataFrame) -> Table:
+    table = _new(TITLES["kernel_types"], "type", "time (ms)", "share")
+    for r in df.to_dict("records"):
+        table.add_row(r["kernel_type"], _ms(r["sum (us)"]), f"{r['percentage']:.1f}%")
+    return table
+
+
+def _top_kernels(df: pd.DataFrame) -> Table:
+    table = _new(TITLES["top_kernels"], "rank", "type", "kernel", "category", "count", "total (ms)",
+                 "mean (us)", text=4, wide=2)
+    ordered = df.assign(_others=df["name"] == "others").sort_values(
+        ["rank", "kernel_type", "_others", "sum (us)"], ascending=[True, True, True, False])
+    for r in ordered.to_dict("records"):
+        table.add_row(str(r["rank"]), _TYPE_ABBREV.get(r["kernel_type"], r["kernel_type"]), r["short_name"],
+                      r["category"] or "",
+                      f"{int(r['count']):,}", _ms(r["sum (us)"]), _num(r["mean (us)"]))
+    return table
+
+
+_TYPE_ABBREV = {"COMPUTATION": "comp", "COMMUNICATION": "comm", "MEMORY": "mem"}
+
+
+def _overlap(df: pd.DataFrame) -> Table:
+    table = _new(TITLES["overlap"], "rank", "communication (ms)", "overlapped (ms)", "overlap")
+    for r in df.to_dict("records"):
+        pct = r["comp_comm_overlap_pctg"]
+        table.add_row(str(r["rank"]), _ms(r["comm_time(us)"]), _ms(r["overlapped_time(us)"]),
+                      "no communication" if pct is None or (isinstance(pct, float) and math.isnan(pct))
+                      else f"{pct:.2f}%")
+    return table
+
+
+def _launches(df: pd.DataFrame) -> Table:
+    table = _new(TITLES["launches"], "rank", "api", "calls", "gpu ops", "cpu mean (us)", "cpu p99 (us)",
+                 "delay mean (us)", "delay p99 (us)", text=2,
+                 caption="delay: from the end of the launch call to the start of its first GPU work")
+    for r in df.to_dict("records"):
+        table.add_row(str(r["rank"]), r["api"], f"{r['launches']:,}", f"{r['gpu_ops']:,}",
+                      _num(r["cpu_mean (us)"]), _num(r["cpu_p99 (us)"]), _num(r["delay_mean (us)"]),
+                      _num(r["delay_p99 (us)"]))
+    return table
+
+
+def _categories(df: pd.DataFrame) -> Table:
+    table = _new(TITLES["categories"], "category", "ops", "time (ms)", "share")
+    for r in df.to_dict("records"):
+        table.add_row(r["category"], f"{int(r['ops']):,}", _num(r["total (ms)"]), _pct(r["share"]))
+    return table
+
+
+def _phases(df: pd.DataFrame) -> Table:
+    table = _new(TITLES["phases"], "step type", "steps", "bs", "toks", "mean (ms)", "p50 (ms)", "p99 (ms)",
+                 "GPU busy", "host wait", "kernels/step", "verdict", text=1,
+                 caption="step time: from the step's start to its end or its last kernel's end, whichever is "
+                         "later; CPU-bound: the GPU waited for launches at least as long as it worked")
+    for r in df.to_dict("records"):
+        verdict = r["verdict"]
+        style = {"CPU-bound": "bold yellow", "GPU-bound": "green"}.get(verdict, "")
+        table.add_row(r["type"], f"{r['steps']:,}", _num(r["bs"], 1), _num(r["toks"], 0),
+                      _num(r["step_mean (ms)"]), _num(r["step_p50 (ms)"]), _num(r["step_p99 (ms)"]),
+                      _pct(r["gpu_busy_share"]), _pct(r["host_wait_share"]), _num(r["kernels_per_step"], 1),
+                      Text(verdict, style=style))
+    return table
+
+
+def _phase_categories(df: pd.DataFrame) -> Table:
+    present = [c for c in CATEGORIES if c in set(df["category"])]
+    table = _new(TITLES["phase_categories"], "step type", *[f"{c} (ms)" for c in present])
+    for kind, group in df.groupby("type", sort=False):
+        cells = dict(zip(group["category"], zip(group["per_step (ms)"], group["share"])))
+        table.add_row(kind, *[f"{_num(cells[c][0])} ({_pct(cells[c][1])})" if c in cells else "–"
+                              for c in present])
+    return table
+
+
+_BUILDERS = {
+    "temporal": _temporal, "idle": _idle, "kernel_types": _kernel_types, "top_kernels": _top_kernels,
+    "overlap": _overlap, "launches": _launches, "categories": _categories, "phases": _phases,
+    "phase_categories": _phase_categories,
+}
+
+
+def render_diff(tables: dict[str, pd.DataFrame], a: str, b: str) -> RenderableType:
+    """Diff tables (from `diff.diff_reports`) with A's and B's figures and B's change."""
+    parts: list[RenderableType] = [Text(f"A: {a}\nB: {b}", style="bold")]
+    if (df := tables.get("phases")) is not None:
+        table = _new("Step types: A -> B", "step type", "steps", "mean (ms)", "change", "p99 (ms)", "change",
+                     "GPU busy", "host wait", "kernels/step", "verdict")
+        for r in df.to_dict("records"):
+            table.add_row(r["type"], _pair(r["steps A"], r["steps B"], 0),
+                          _pair(r["step_mean (ms) A"], r["step_mean (ms) B"]), _change(r["step_mean (ms) change"]),
+                          _pair(r["step_p99 (ms) A"], r["step_p99 (ms) B"]), _change(r["step_p99 (ms) change"]),
+                          f"{_pct(r['gpu_busy_share A'])} -> {_pct(r['gpu_busy_share B'])}",
+                          f"{_pct(r['host_wait_share A'])} -> {_pct(r['host_wait_share B'])}",
+                          _pair(r["kernels_per_step A"], r["kernels_per_step B"], 1),
+                          f"{r['verdict A'] or '–'} -> {r['verdict B'] or '–'}")
+        parts.append(table)
+    if (df := tables.get("categories")) is not None:
+        table = _new("GPU time by kernel category: A -> B", "category", "time (ms)", "change", "share")
+        for r in df.to_dict("records"):
+            table.add_row(r["category"], _pair(r["total (ms) A"], r["total (ms) B"]),
+                          _change(r["total (ms) change"]), f"{_pct(r['share A'])} -> {_pct(r['share B'])}")
+        parts.append(table)
+    if (df := tables.get("phase_categories")) is not None:
+        table = _new("GPU time per step by category: A -> B", "step type", "category", "per step (ms)", "change",
+                     "share", text=2)
+        for r in df.to_dict("records"):
+            table.add_row(r["type"], r["category"], _pair(r["per_step (ms) A"], r["per_step (ms) B"]),
+                          _change(r["per_step (ms) change"]), f"{_pct(r['share A'])} -> {_pct(r['share B'])}")
+        parts.append(table)
+    if len(parts) == 1:
+        parts.append(Text("Neither capture has step annotations or GPU kernels to compare.", style="dim"))
+    return Group(*parts)
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _pair(a, b, digits: int | None = None) -> str:
+    return f"{'–' if _missing(a) else _num(float(a), digits)} -> {'–' if _missing(b) else _num(float(b), digits)}"
+
+
+def _change(value) -> Text:
+    if _missing(value):
+        return Text("–")
+    style = "red" if value > 0 else "green" if value < 0 else ""
+    return Text(f"{value:+.1f}%", style=style)

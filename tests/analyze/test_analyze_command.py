@@ -1,0 +1,162 @@
+"""`infertrace analyze`: tables, output files, damaged inputs explained in one line each, and exit codes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from infertrace.analyze.command import analyze
+from infertrace.console import err_console, out_console
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    # rich sizes its consoles once; a wide one keeps titles and kernel names on one line
+    monkeypatch.setattr(out_console, "width", 200)
+    monkeypatch.setattr(err_console, "width", 200)
+
+
+def invoke(*args):
+    return CliRunner().invoke(analyze, [str(a) for a in args], catch_exceptions=False)
+
+
+def warnings_of(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+
+
+def test_tables(traces):
+    result = invoke(traces / "hta-samples" / "two_rank_nccl")
+    assert result.exit_code == 0, result.output
+    for title in ("Temporal breakdown (HTA)", "GPU idle time by cause (HTA)", "GPU time by kernel type",
+                  "Top kernels per rank", "Communication / computation overlap", "Kernel launches",
+                  "GPU time by kernel category", "Inference phases by step type"):
+        assert title in result.stdout
+    assert "53.56%" in result.stdout and "11.81%" in result.stdout
+    assert warnings_of(result) == []
+    assert "note: the last ProfilerStep is left out of the HTA breakdowns, as HTA does" in result.stderr
+
+
+def test_output_files(engine_trace, tmp_path):
+    out = tmp_path / "out"
+    result = invoke(engine_trace.parent, "--json", out / "r.json", "--csv", out / "csv", "--html", out / "r.html",
+                    "--quiet")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""
+    doc = json.loads((out / "r.json").read_text())
+    assert doc["schema"] == "infertrace.analyze/1" and doc["skipped"] == {}
+    phases = {row["type"]: row for row in doc["tables"]["phases"]}
+    assert phases["DECODE"]["verdict"] == "CPU-bound" and phases["PREFILL"]["verdict"] == "GPU-bound"
+    assert sorted(p.name for p in (out / "csv").iterdir()) == sorted(
+        f"{n}.csv" for n in ["ranks", "temporal", "idle", "kernel_types", "top_kernels", "overlap", "launches",
+                             "categories", "steps", "phases", "phase_categories"])
+    html = (out / "r.html").read_text()
+    assert html.startswith("<!DOCTYPE html>") and "<svg" in html and "CPU-bound" in html
+    for external in ("<script", "src=", "href=", "@import", "url("):
+        assert external not in html  # nothing to fetch: the page opens offline
+    assert "wrote" in result.stderr
+
+
+def test_short_kernel_names_in_tables(traces):
+    result = invoke(traces / "tracelens" / "hf_eager_h100_qwen")
+    assert result.exit_code == 0
+    assert "pytorch_flash::flash_fwd_kernel" in result.stdout and "elementwise_kernel<BinaryFunctor>" in result.stdout
+    assert "at::native::" not in result.stdout
+
+
+@pytest.mark.parametrize("sample, expect", [
+    ("hta-samples/cpu_only", "no GPU kernels in the capture (a CPU-only trace)"),
+    ("hta-samples/no_rank_info", "no GPU kernels in the capture (a CPU-only trace)"),
+    ("tracelens/hf_eager_h100_qwen", "Temporal breakdown (HTA)"),
+])
+def test_hard_samples_run(traces, sample, expect):
+    result = invoke(traces / sample)
+    assert result.exit_code == 0, result.output
+    assert expect in result.stdout
+
+
+def test_truncated_gzip(traces, tmp_path):
+    data = (traces / "tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz").read_bytes()
+    (tmp_path / "cut.json.gz").write_bytes(data[: len(data) * 9 // 10])
+    result = invoke(tmp_path)
+    assert result.exit_code == 0
+    (line,) = warnings_of(result)
+    assert line.startswith("warning: cut.json.gz: the compressed stream ends early (truncated file); kept the")
+    assert "Top kernels" in result.stdout
+
+
+def test_file_that_is_not_json_next_to_a_good_one(traces, tmp_path):
+    shutil.copy(traces / "hta-samples/two_rank_nccl/sampled_rank-0.json.gz", tmp_path)
+    (tmp_path / "broken.json").write_text("{not json")
+    result = invoke(tmp_path)
+    assert result.exit_code == 0
+    assert "warning: broken.json: not a JSON trace (the file is not valid JSON); skipped" in warnings_of(result)
+    assert "Temporal breakdown (HTA)" in result.stdout
+
+
+def test_two_files_with_one_rank(traces, tmp_path):
+    source = traces / "hta-samples/two_rank_nccl/sampled_rank-0.json.gz"
+    shutil.copy(source, tmp_path / "a.json.gz")
+    shutil.copy(source, tmp_path / "b.json.gz")
+    result = invoke(tmp_path)
+    assert result.exit_code == 0
+    assert "warning: b.json.gz claims rank 0 like a.json.gz; both are analysed, this one as rank 1" in \
+        warnings_of(result)
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda p: None, "no trace files in"),
+    (lambda p: (p / "only.json").write_text("garbage"), "no usable trace"),
+])
+def test_nothing_usable_exits_2(tmp_path, setup, message):
+    setup(tmp_path)
+    result = invoke(tmp_path)
+    assert result.exit_code == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_missing_path_exits_2(tmp_path):
+    result = invoke(tmp_path / "nope")
+    assert result.exit_code == 2 and "does not exist" in result.stderr
+
+
+def test_unwritable_output_exits_1(engine_trace, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = invoke(engine_trace, "--json", blocker / "r.json", "--quiet")
+    assert result.exit_code == 1 and "cannot write" in result.output
+
+
+def test_explicit_run_and_help():
+    result = invoke("--help")
+    assert result.exit_code == 0 and "Exit codes:" in result.output and "diff" in result.output
+    assert "Exit codes:" in invoke("run", "--help").output
+
+
+def test_diff(engine_trace, tmp_path, make_trace, make_events):
+    slower = make_events([
+        ("user_annotation", "step[DECODE bs=2]", 100, 600, 100, {}),
+        ("cuda_runtime", "cudaLaunchKernel", 110, 5, 100, {"correlation": 1}),
+        ("kernel", "gemv_kernel", 120, 500, 7, {"stream": 7, "correlation": 1}),
+    ])
+    after = make_trace(tmp_path / "after" / "t.json", slower, rank=0)
+    before_json = tmp_path / "before.json"
+    assert invoke(engine_trace.parent, "--json", before_json, "--quiet").exit_code == 0
+    result = invoke("diff", before_json, after.parent, "--json", tmp_path / "d.json")
+    assert result.exit_code == 0, result.output
+    assert "Step types: A -> B" in result.stdout and "GPU time by kernel category: A -> B" in result.stdout
+    doc = json.loads((tmp_path / "d.json").read_text())
+    decode = next(r for r in doc["tables"]["phases"] if r["type"] == "DECODE")
+    assert decode["step_mean (ms) A"] == pytest.approx(0.25) and decode["step_mean (ms) B"] == pytest.approx(0.6)
+    assert decode["step_mean (ms) change"] == pytest.approx(140.0)
+    gemm = next(r for r in doc["tables"]["categories"] if r["category"] == "GEMM")
+    assert gemm["total (ms) A"] == pytest.approx(0.25) and gemm["total (ms) B"] == pytest.approx(0.5)
+    prefill = next(r for r in doc["tables"]["phases"] if r["type"] == "PREFILL")
+    assert prefill["steps A"] == 1 and prefill["steps B"] is None
+
+
+def test_diff_of_missing_path_exits_2(engine_trace, tmp_path):
+    result = invoke("diff", engine_trace.parent, tmp_path / "nope")
+    assert result.exit_code == 2 and "does not exist" in result.stderr

@@ -1,0 +1,160 @@
+"""The streaming Kineto reader: same events as a plain json.loads, nanosecond-exact times, damaged files."""
+
+from __future__ import annotations
+
+import decimal
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from infertrace.analyze import kineto
+from infertrace.analyze.kineto import TraceError, read_kineto
+
+SAMPLES = [
+    "hta-samples/single_rank_ns/rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz",  # epoch us, 3 decimals
+    "hta-samples/two_rank_nccl/sampled_rank-0.json.gz",  # integer us, compact JSON
+    "tracelens/hf_eager_h100_qwen/Qwen_Qwen1.5-0.5B-Chat__1016005.json.gz",  # HTA's rounding breaks on it
+    "tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz",  # indent=4, metadata after the events
+]
+
+
+def reference(raw: bytes) -> list[dict]:
+    """The kept events by a plain, exact reading: every number as a Decimal."""
+    doc = json.loads(raw, parse_float=decimal.Decimal)
+    return [e for e in doc["traceEvents"] if e.get("dur") is not None and e.get("ts") is not None
+            and e.get("cat") not in ("python_function", "Trace")]
+
+
+def assert_same(cols, events):
+    assert len(cols) == len(events)
+    ts = [int(decimal.Decimal(e["ts"]) * 1000) for e in events]
+    dur = [int((decimal.Decimal(e["dur"]) * 1000).to_integral_value()) for e in events]
+    assert cols.ts_ns.tolist() == ts
+    assert cols.dur_ns.tolist() == dur
+    names = np.array(cols.names, dtype=object)[cols.name]
+    assert names.tolist() == [e.get("name", "") for e in events]
+    assert cols.correlation.tolist() == [(e.get("args") or {}).get("correlation", -1) for e in events]
+    assert cols.stream.tolist() == [(e.get("args") or {}).get("stream", -1) for e in events]
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["msgspec", "dicts"])
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.split("/")[1])
+def test_reads_real_traces_exactly(traces, sample, typed):
+    path = traces / sample
+    cols = read_kineto(path, typed=typed)
+    assert_same(cols, reference(gzip.decompress(path.read_bytes())))
+    assert cols.exact_times and cols.problem is None
+
+
+def test_epoch_timestamps_keep_their_nanoseconds(traces):
+    # 1712195495519689.047 us is 1712195495519689.0 as a float64: the digits must come from the text
+    cols = read_kineto(traces / SAMPLES[0])
+    assert (cols.ts_ns % 1000 != 0).mean() > 0.9
+    assert 1712195495519689047 in set(cols.ts_ns.tolist())
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["msgspec", "dicts"])
+def test_small_blocks_split_events_anywhere(traces, tmp_path, monkeypatch, typed):
+    # with 4 KiB blocks every piece boundary falls somewhere new: inside strings, numbers and nested args
+    monkeypatch.setattr(kineto, "BLOCK", 4096)
+    raw = gzip.decompress((traces / SAMPLES[3]).read_bytes())[:3_000_000]
+    raw = raw[: raw.rindex(b"},") + 1] + b"]}"  # a well-formed prefix of the event array
+    path = tmp_path / "prefix.json"
+    path.write_bytes(raw)
+    assert_same(read_kineto(path, typed=typed), reference(raw))
+
+
+def test_tricky_json_layouts(tmp_path, monkeypatch):
+    monkeypatch.setattr(kineto, "BLOCK", 64)
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": 'a "},{" b \\"}, {', "pid": 1, "tid": 1, "ts": 5, "dur": 2,
+         "args": {"nested": [{"x": 1}, {"y": [1, 2]}], "text": "]]]"}},
+        {"ph": "i", "name": "instant", "pid": 1, "tid": 1, "ts": 6},
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 7.5, "dur": 0.001,
+         "args": {"stream": 7, "correlation": 3}},
+        {"ph": "X", "cat": "python_function", "name": "f", "pid": 1, "tid": 1, "ts": 8, "dur": 1},
+    ]
+    doc = {"deviceProperties": [{"name": "GPU-A"}, {"name": "GPU-B"}], "traceEvents": events,
+           "distributedInfo": {"rank": 3, "pg_config": [{"ranks": [0, 1]}]}, "traceName": "x"}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    cols = read_kineto(path)
+    assert cols.ts_ns.tolist() == [5000, 7500] and cols.dur_ns.tolist() == [2000, 1]
+    assert [cols.names[i] for i in cols.name] == ['a "},{" b \\"}, {', "k"]
+    assert cols.metadata["distributedInfo"]["rank"] == 3 and cols.metadata["traceName"] == "x"
+    assert len(read_kineto(path, keep_python=True)) == 3
+
+
+def test_bare_array_and_nan(tmp_path):
+    path = tmp_path / "bare.json"
+    path.write_text('[{"ph": "X", "name": "a", "cat": "cpu_op", "ts": 1, "dur": 2, "args": {"v": NaN}}]')
+    cols = read_kineto(path)
+    assert len(cols) == 1 and cols.metadata == {}
+
+
+def test_truncated_gzip_keeps_the_events_before_the_cut(traces, tmp_path):
+    data = (traces / SAMPLES[3]).read_bytes()
+    path = tmp_path / "cut.json.gz"
+    path.write_bytes(data[: len(data) // 2])
+    cols = read_kineto(path)
+    assert "truncated" in cols.problem and "kept the" in cols.problem
+    full = reference(gzip.decompress((traces / SAMPLES[3]).read_bytes()))
+    assert 0 < len(cols) < len(full)
+    assert_same(cols, full[: len(cols)])
+
+
+def test_truncated_json_text(tmp_path):
+    doc = {"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": f"op{i}", "ts": i, "dur": 1, "pid": 1, "tid": 1}
+                           for i in range(50)]}
+    text = json.dumps(doc)
+    path = tmp_path / "cut.json"
+    path.write_text(text[: len(text) * 2 // 3])
+    cols = read_kineto(path)
+    assert "ends inside the traceEvents array" in cols.problem
+    assert 20 < len(cols) < 50
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"this is not json at all", "not a JSON trace"),
+    (b'{"schema": "something else", "rows": [1, 2]}', "no \"traceEvents\" array"),
+    (b"", "not a JSON trace"),
+])
+def test_unusable_files_raise_one_line(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_bytes(content)
+    with pytest.raises(TraceError, match=message) as info:
+        read_kineto(path)
+    assert "\n" not in str(info.value)
+
+
+def test_garbage_gzip(tmp_path):
+    path = tmp_path / "bad.json.gz"
+    path.write_bytes(b"\x1f\x8b" + b"\x00" * 50)
+    with pytest.raises(TraceError):
+        read_kineto(path)
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["msgspec", "dicts"])
+def test_odd_values_do_not_stop_the_reader(tmp_path, typed):
+    events = [5, "x", None, {"ph": "X", "ts": "abc", "dur": 1, "name": "bad time"},
+              {"ph": "X", "ts": 3, "dur": 1, "name": 7, "pid": [1], "tid": {"a": 1},
+               "args": {"stream": "s", "correlation": "9"}},
+              {"ph": "X", "ts": 4, "dur": 1, "name": "b", "pid": 3, "tid": "t", "args": {"correlation": [2]}}]
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    cols = read_kineto(path, typed=typed)
+    assert [cols.names[i] for i in cols.name] == ["7", "b"]
+    assert cols.pid[1] == 3 and cols.pid[0] < 0 and cols.tid[0] != cols.tid[1]  # text ids get codes
+    assert cols.correlation.tolist() == [9, -1] and cols.stream.tolist() == [-1, -1]
+
+
+def test_an_event_larger_than_many_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(kineto, "BLOCK", 256)
+    big = {"ph": "X", "cat": "cpu_op", "name": "big", "ts": 1, "dur": 1, "args": {"blob": ["x" * 50] * 400}}
+    small = {"ph": "X", "cat": "cpu_op", "name": "small", "ts": 2, "dur": 1}
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({"traceEvents": [small, big, small, big, small]}))
+    cols = read_kineto(path)
+    assert [cols.names[i] for i in cols.name] == ["small", "big", "small", "big", "small"]
