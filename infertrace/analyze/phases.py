@@ -9,7 +9,8 @@ Recognised step annotations (CPU ranges, torch.profiler `record_function` or NVT
 A recognised range that encloses another on the same thread is a wrapper and is dropped; the innermost counts.
 
 A step's kernels are the GPU work whose correlation id matches a launch call (cudaLaunchKernel, cudaGraphLaunch,
-hipLaunchKernel, ...) made inside the step's range on the step's thread. A step's time runs from its start to
+hipLaunchKernel, ...) made inside the step's range on the step's thread (or, when the call's thread id is stale,
+that of no CPU operator, in the same process while the step's range is open). A step's time runs from its start to
 its end or to the end of its last kernel, whichever is later (`cpu_ms` is the annotated range alone). Within
 that window the GPU is busy (any kernel of the rank runs), waits for the host (idle until a kernel the CPU had
 not yet launched when the GPU went idle), or is otherwise idle (waiting on a dependency, a sync, or launch
@@ -96,7 +97,9 @@ def step_metrics(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     runtime = events[(events["kind"] == "runtime").to_numpy() & (events["correlation"] >= 0).to_numpy()]
     runtime = runtime.drop_duplicates("correlation", keep="first")
     launch_ts = pd.Series(runtime["ts_ns"].to_numpy(), index=runtime["correlation"].to_numpy())
-    step_of_corr = _launches_in_steps(runtime, out)
+    cpu = events[events["kind"].isin(("cpu_op", "annotation")).to_numpy()]
+    cpu_threads = pd.MultiIndex.from_frame(cpu[["pid", "tid"]].drop_duplicates())
+    step_of_corr = _launches_in_steps(runtime, out, cpu_threads)
     g_ts, g_end = gpu["ts_ns"].to_numpy(), (gpu["ts_ns"] + gpu["dur_ns"]).to_numpy()
     g_step = step_of_corr.reindex(gpu["correlation"].to_numpy()).to_numpy()
     own = ~np.isnan(g_step)
@@ -126,8 +129,14 @@ def step_metrics(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _launches_in_steps(runtime: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
-    """Step index of each launch call (by correlation id) made inside a step on the step's thread."""
+def _launches_in_steps(runtime: pd.DataFrame, steps: pd.DataFrame, cpu_threads: pd.MultiIndex) -> pd.Series:
+    """Step index of each launch call (by correlation id) made inside a step on the step's thread.
+
+    Launch calls on a thread that has no CPU operator or annotation at all are matched by process and time
+    instead: such a thread is not a real one but a stale id. The profiler records the runtime calls of a later
+    capture in a process under the thread id of its first capture (Kineto's "External init callback must run in
+    same thread as registerClient"), while the operators that made the calls carry the real thread.
+    """
     if runtime.empty or steps.empty:
         return pd.Series(dtype=float)
     calls = pd.DataFrame({"ts_ns": runtime["ts_ns"].to_numpy(), "pid": runtime["pid"].to_numpy(),
@@ -135,10 +144,19 @@ def _launches_in_steps(runtime: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
     ranges = pd.DataFrame({"ts_ns": steps["ts_ns"].to_numpy(), "pid": steps["pid"].to_numpy(),
                            "tid": steps["tid"].to_numpy(), "end_ns": steps["end_ns"].to_numpy(),
                            "step": np.arange(len(steps), dtype=np.float64)})
-    matched = pd.merge_asof(calls.sort_values("ts_ns", kind="stable"), ranges.sort_values("ts_ns", kind="stable"),
-                            on="ts_ns", by=["pid", "tid"], direction="backward")
-    inside = matched["ts_ns"] < matched["end_ns"]
-    matched = matched[inside.to_numpy()]
+    stale = ~pd.MultiIndex.from_frame(calls[["pid", "tid"]]).isin(cpu_threads)
+    parts = []
+    for subset, by in ((calls[~stale], ["pid", "tid"]), (calls[stale], ["pid"])):
+        if subset.empty:
+            continue
+        right = ranges if by == ["pid", "tid"] else ranges.drop(columns="tid")
+        left = subset if by == ["pid", "tid"] else subset.drop(columns="tid")
+        matched = pd.merge_asof(left.sort_values("ts_ns", kind="stable"), right.sort_values("ts_ns", kind="stable"),
+                                on="ts_ns", by=by, direction="backward")
+        parts.append(matched[(matched["ts_ns"] < matched["end_ns"]).to_numpy()])
+    if not parts:
+        return pd.Series(dtype=float)
+    matched = pd.concat(parts)
     return pd.Series(matched["step"].to_numpy(), index=matched["correlation"].to_numpy())
 
 

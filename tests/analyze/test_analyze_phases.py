@@ -115,11 +115,28 @@ def test_engine_phase_summary(engine_steps):
 def test_kernels_from_another_thread_are_not_the_steps(tmp_path, make_trace, make_events):
     events = make_events([
         ("user_annotation", "step[DECODE bs=1]", 100, 50, 100, {}),
-        ("cuda_runtime", "cudaLaunchKernel", 110, 5, 200, {"correlation": 1}),  # another thread, same time
+        ("cpu_op", "aten::mm", 108, 10, 200, {}),  # another thread, working at the same time
+        ("cuda_runtime", "cudaLaunchKernel", 110, 5, 200, {"correlation": 1}),
         ("kernel", "gemv_kernel", 120, 10, 7, {"stream": 7, "correlation": 1}),
     ])
     steps = _steps(make_trace(tmp_path / "t.json", events))
     assert steps["kernels"].tolist() == [0]
+
+
+def test_launches_under_a_stale_thread_id_belong_to_the_open_step(tmp_path, make_trace, make_events):
+    # a second capture in one process (seen on an H100 with torch 2.11): the step ranges and operators carry the
+    # engine thread (100), the runtime calls the id of the thread that started the first capture (200)
+    events = make_events([
+        ("user_annotation", "step[DECODE bs=1]", 100, 50, 100, {}),
+        ("cpu_op", "aten::mm", 105, 20, 100, {}),
+        ("cuda_runtime", "cudaGraphLaunch", 110, 5, 200, {"correlation": 1}),
+        ("kernel", "gemv_kernel", 120, 10, 7, {"stream": 7, "correlation": 1}),
+        ("kernel", "rms_norm_kernel", 131, 5, 7, {"stream": 7, "correlation": 1}),
+        ("cuda_runtime", "cudaLaunchKernel", 300, 5, 200, {"correlation": 2}),  # outside any step
+        ("kernel", "gemv_kernel", 310, 10, 7, {"stream": 7, "correlation": 2}),
+    ])
+    steps = _steps(make_trace(tmp_path / "t.json", events))
+    assert steps["kernels"].tolist() == [2]
 
 
 def test_our_engine_on_cpu(tiny_model_dir, tmp_path):
