@@ -8,7 +8,8 @@
 # The gated figure is CPU time per output token. Five runs of this workload on unchanged code, on a 2-core
 # machine shared with other work, gave output throughput from 77 to 139 tok/s but CPU time per token from 7.1 to
 # 7.6 ms: only the latter can be held to a bound that a real slow-down crosses (an engine made to do twice the
-# work per step gives +107%). Wall-clock throughput is gated only against collapse.
+# work per step gives +107%). The bound is +40%: a CI run right after the test suite, with other work on the
+# machine, measured +16% [+9%, +23%] on unchanged code. Wall-clock throughput is gated only against collapse.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,7 +18,7 @@ export OMP_NUM_THREADS=1
 BASELINE=benchmarks/gate_baseline.json
 REPEATS=3
 WORKLOAD=(--num-prompts 16 --concurrency 4 --input-len 64 --output-len 32 --ignore-eos --seed 0)
-BOUNDS=(--max-rise cpu_ms_per_output_token=25% --max-drop output_throughput=75% --max failed=0)
+BOUNDS=(--max-rise cpu_ms_per_output_token=40% --max-drop output_throughput=75% --max failed=0)
 
 results=$(mktemp -d)
 trap 'rm -rf "$results"' EXIT
