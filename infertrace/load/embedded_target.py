@@ -19,11 +19,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("INFERTRACE_CACHE") or Path.home() / ".cache" / "infertrace")
 
 
-def default_model_dir(on_build: Callable[[Path], None] | None = None) -> Path:
-    """The built-in tiny model, written on first use. It is built beside its final place and renamed into it,
-    so an interrupted build never leaves a directory that looks complete."""
-    out = cache_dir() / "models" / TINY_PRESET
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+def default_model_dir(on_build: Callable[[Path], None] | None = None, preset: str = TINY_PRESET) -> Path:
+    """A preset's model in the cache (the built-in tiny model by default), written on first use. It is built
+    beside its final place and renamed into it, so an interrupted build never leaves a directory that looks
+    complete."""
+    out = cache_dir() / "models" / preset
+    if _holds_model(out):
         return out
     from infertrace.modelgen import init_model
 
@@ -31,14 +32,21 @@ def default_model_dir(on_build: Callable[[Path], None] | None = None) -> Path:
         on_build(out)
     tmp = out.with_name(f".{out.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    init_model(TINY_PRESET, tmp, seed=0)
     try:
+        init_model(preset, tmp, seed=0)
         os.replace(tmp, out)
-    except OSError:  # another process finished first
+    except OSError:  # another process finished first, or the disk is full
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "model.safetensors").is_file():
+        if not _holds_model(out):
             raise
     return out
+
+
+def _holds_model(path: Path) -> bool:
+    """config.json and weights, in one file or sharded (the larger presets)."""
+    return (path / "config.json").is_file() and (
+        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    )
 
 
 class EmbeddedTarget:

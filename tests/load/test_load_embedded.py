@@ -37,3 +37,19 @@ def test_builtin_model_is_built_once_into_the_cache(tmp_path, monkeypatch):
     assert default_model_dir(built.append) == path and len(built) == 1
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in path.parent.iterdir()] == ["tiny"]  # no leftover build directory
+
+
+def test_a_sharded_preset_in_the_cache_is_not_written_again(tmp_path, monkeypatch):
+    import infertrace.modelgen
+
+    monkeypatch.setenv("INFERTRACE_CACHE", str(tmp_path))
+    out = tmp_path / "models" / "qwen3-4b"
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    (out / "model.safetensors.index.json").write_text("{}")
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the cached sharded model was written again")
+
+    monkeypatch.setattr(infertrace.modelgen, "init_model", must_not_run)
+    assert default_model_dir(preset="qwen3-4b") == out
