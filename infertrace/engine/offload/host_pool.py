@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from infertrace.engine.block_manager import Block
+
 
 def host_available_bytes() -> int | None:
     """Memory the host can still hand out (MemAvailable), or None where it cannot be read."""
@@ -48,16 +50,6 @@ def check_host_budget(host_gb: float, block_bytes: int) -> int:
     return blocks
 
 
-class HostBlock:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.hash: int | None = None
-        self.token_ids: tuple[int, ...] | None = None
-
-
 class HostKVPool:
     def __init__(
         self,
@@ -78,7 +70,7 @@ class HostKVPool:
         # untouched until written: no block is read before a copy has filled it
         self.tensor = torch.empty((num_blocks, self.block_numel), dtype=dtype, pin_memory=pin_memory)
         self.block_nbytes = self.block_numel * self.tensor.element_size()
-        self.blocks = [HostBlock(i) for i in range(num_blocks)]
+        self.blocks = [Block(i) for i in range(num_blocks)]  # same bookkeeping as a device block
         self.hash_to_block: dict[int, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # hold nothing reusable
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced, findable by hash; LRU first
