@@ -20,6 +20,16 @@ _COUNTER_HELP = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "preemptions": "Requests preempted (recomputed later) because KV blocks ran out.",
+    "cpu_prefix_cache_hits": "Prompt tokens found in the host (CPU) tier of the prefix cache.",
+    "recomputed_tokens": "Prompt tokens computed again after their KV was dropped (preemption or eviction).",
+    "offload_blocks_stored": "KV blocks copied to the host tier.",
+    "offload_blocks_loaded": "KV blocks copied back from the host tier.",
+    "offload_host_evictions": "Host-tier KV blocks evicted (least recently used first).",
+    "offload_bytes_h2d": "Bytes of KV copied host to device.",
+    "offload_bytes_d2h": "Bytes of KV copied device to host.",
+    "offload_transfer_seconds": "Time spent in KV copies between host and device.",
+    "long_context_requests": "Requests whose KV lives in host memory and streams through GPU slots.",
+    "long_context_steps": "Engine steps run for long-context requests.",
 }
 
 
