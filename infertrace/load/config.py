@@ -87,8 +87,8 @@ class BenchConfig:
         for key, value in self.slo.items():
             if key not in SLO_KEYS:
                 raise ValueError(f"unknown SLO {key!r}; use {', '.join(SLO_KEYS)}")
-            if not value > 0:
-                raise ValueError(f"SLO {key} must be positive, got {value}")
+            if not (value > 0 and math.isfinite(value)):  # the result file is strict JSON: no infinity
+                raise ValueError(f"SLO {key} must be a positive number, got {value}")
         if self.sweep_param is not None:
             if self.sweep_param not in SWEEP_PARAMS.values() or not self.sweep_values:
                 raise ValueError(f"a sweep needs one of {', '.join(SWEEP_PARAMS)} and at least one value")

@@ -131,5 +131,5 @@ def vllm_keys(m: Metrics) -> dict:
         s: Stats = getattr(m, name)
         for stat in ("mean", "median", "std", "p90", "p95", "p99"):
             out[f"{stat}_{name}_ms"] = getattr(s, stat)
-    out["goodput"] = m.goodput
+    out["request_goodput"] = out["goodput"] = m.goodput  # vLLM's name, and the name used throughout infertrace
     return out

@@ -8,7 +8,8 @@ import codecs
 class SSEParser:
     """Feed raw body bytes in any split; get back each event's `data` (lines joined by newline) as text.
 
-    Lines end in LF or CRLF; comment lines (`:`) and other fields (`event:`, `id:`, `retry:`) are skipped.
+    Lines end in LF or CRLF; comment lines (`:`) and other fields (`event:`, `id:`, `retry:`) are skipped, and
+    an event whose data is empty (`data:` alone) is not handed back.
     A UTF-8 character split across two reads is decoded whole. `close()` hands back an event the stream ended
     without its blank line.
     """
@@ -33,7 +34,9 @@ class SSEParser:
                 line = line[:-1]
             if not line:
                 if data:
-                    events.append(data[0] if len(data) == 1 else "\n".join(data))
+                    payload = data[0] if len(data) == 1 else "\n".join(data)
+                    if payload:  # an event with empty data (a keep-alive) is not dispatched
+                        events.append(payload)
                     data.clear()
             elif line[:5] == "data:":
                 data.append(line[6:] if line[5:6] == " " else line[5:])

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from infertrace.load.command import bench
 
 VLLM_KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
-             "output_throughput", "total_token_throughput", "goodput"] + [
+             "output_throughput", "total_token_throughput", "request_goodput", "goodput"] + [
     f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
     for stat in ("mean", "median", "std", "p90", "p95", "p99")]
 
@@ -112,6 +112,8 @@ def test_bad_options_are_one_line_usage_errors():
     assert res.exit_code == 2 and "range_ratio must be in [0, 1)" in res.stderr
     res = invoke("--slo", "ttft=3")
     assert res.exit_code == 2 and "unknown SLO 'ttft'" in res.stderr
+    res = invoke("--slo", "tpot_ms=inf")  # refused up front, not after the run when the result is written
+    assert res.exit_code == 2 and "SLO tpot_ms must be a positive number" in res.stderr
     res = invoke("--sweep", "batch=1,2")
     assert res.exit_code == 2 and "expected concurrency=N" in res.output
     res = invoke("--profile")

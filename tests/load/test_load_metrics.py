@@ -58,7 +58,9 @@ def test_vllm_keys_and_empty_runs():
     for name in ("ttft", "tpot", "itl", "e2el"):
         for stat in ("mean", "median", "std", "p90", "p95", "p99"):
             assert f"{stat}_{name}_ms" in keys
-    assert keys["completed"] == 2 and keys["goodput"] is None
+    assert keys["completed"] == 2 and keys["goodput"] is None and keys["request_goodput"] is None
+    keys = vllm_keys(compute_metrics(results(), {"ttft_ms": 200}))
+    assert keys["request_goodput"] == keys["goodput"] == pytest.approx(1.0)  # one good request over 1.0 s
     empty = compute_metrics([])
     assert (empty.completed, empty.duration, empty.request_throughput, empty.ttft.mean) == (0, 0.0, None, None)
 

@@ -46,3 +46,9 @@ def test_decoder_reads_both_endpoints_and_marks_usage_only_chunks():
     assert decode_data("[DONE]").done
     assert decode_chunk({"object": "error", "message": "bad"}).error == "stream error: bad"
     assert decode_chunk([1, 2]).error.startswith("malformed stream")
+
+
+def test_an_event_with_empty_data_is_not_handed_out():
+    # `data:` alone (a keep-alive some servers send) has empty data; two empty data lines join to one newline
+    raw = b'data:\n\ndata: \r\n\r\ndata: {"a": 1}\n\ndata:\ndata:\n\n'
+    assert feed_all([raw]) == ['{"a": 1}', "\n"]

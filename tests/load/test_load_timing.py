@@ -208,6 +208,15 @@ async def test_http_error_status_is_a_failure_with_its_body():
     assert result.ttft is None and result.e2el is None
 
 
+async def test_an_empty_keep_alive_event_is_neither_text_nor_a_failure():
+    result, _ = await run([(10.1, comp("a", usage=1)), (10.2, b"data:\n\n"), (10.4, comp("b", usage=2)),
+                           (10.5, b"data: \n\n"), (10.6, comp("", finish="stop", usage=2)), (10.7, DONE)])
+    assert result.success
+    assert (result.ttft, result.e2el) == (pytest.approx(0.1), pytest.approx(0.4))
+    assert result.itl == pytest.approx([0.3])
+    assert result.chunk_tokens == [1, 1]
+
+
 async def test_malformed_json_is_a_failure():
     result, _ = await run([(10.1, b"data: {not json\n\n")])
     assert result.error.startswith("malformed stream:")
