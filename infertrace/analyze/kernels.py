@@ -30,10 +30,12 @@ CATEGORIES = ("attention", "GEMM", "norm", "activation", "elementwise", "communi
 _CATEGORY_RULES: tuple[tuple[str, re.Pattern], ...] = (
     ("memcpy/memset", re.compile(r"^(Memcpy|Memset|dma)", re.IGNORECASE)),
     ("communication", COMM_RE),
+    ("norm", re.compile(r"qk_?norm", re.IGNORECASE)),  # a QK norm fused with RoPE is a norm, not attention
     ("attention", re.compile(
         r"flash_?attn|flash_fwd|flash_bwd|flash::|pytorch_flash|fmha|attention|attn|mha|paged_?kv|batch_?decode"
         r"|batch_?prefill|sdpa|xformers|rotary|\brope|_rope|rope_|reshape_and_cache|kv_?cache|kv_?indices"
-        r"|merge_(?:attn_)?states|cascade", re.IGNORECASE)),
+        r"|merge_?(?:attn_)?states?|merge_splits|cascade|^_fwd_(?:grouped_)?kernel(?:_stage\d)?$",
+        re.IGNORECASE)),
     ("GEMM", re.compile(
         r"(?<!fb)gemm|gemv|matmul|cublas|Cijk_|nvjet|xmma|wgmma|bmm|splitk|cutlass::Kernel|cutlass_\d|tensorop"
         r"|_mm_|mm_kernel|fused_moe|grouped_mm|hipblaslt|rocblas", re.IGNORECASE)),

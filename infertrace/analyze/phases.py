@@ -84,7 +84,8 @@ def find_steps(events: pd.DataFrame) -> pd.DataFrame:
     steps = steps.sort_values(["pid", "tid", "ts_ns", "end_ns"], ascending=[True, True, True, False],
                               ignore_index=True, kind="stable")
     same_thread = (steps["pid"].shift(-1) == steps["pid"]) & (steps["tid"].shift(-1) == steps["tid"])
-    encloses = same_thread & (steps["ts_ns"].shift(-1) < steps["end_ns"])
+    next_ts = steps["ts_ns"].shift(-1, fill_value=np.iinfo(np.int64).max)  # int64: a float loses nanoseconds
+    encloses = same_thread & (next_ts < steps["end_ns"])
     steps = steps[~encloses.to_numpy()].sort_values("ts_ns", ignore_index=True, kind="stable")
     return steps
 
@@ -144,6 +145,7 @@ def _launches_in_steps(runtime: pd.DataFrame, steps: pd.DataFrame, cpu_threads: 
     ranges = pd.DataFrame({"ts_ns": steps["ts_ns"].to_numpy(), "pid": steps["pid"].to_numpy(),
                            "tid": steps["tid"].to_numpy(), "end_ns": steps["end_ns"].to_numpy(),
                            "step": np.arange(len(steps), dtype=np.float64)})
+    ends = steps["end_ns"].to_numpy()
     stale = ~pd.MultiIndex.from_frame(calls[["pid", "tid"]]).isin(cpu_threads)
     parts = []
     for subset, by in ((calls[~stale], ["pid", "tid"]), (calls[stale], ["pid"])):
@@ -153,7 +155,11 @@ def _launches_in_steps(runtime: pd.DataFrame, steps: pd.DataFrame, cpu_threads: 
         left = subset if by == ["pid", "tid"] else subset.drop(columns="tid")
         matched = pd.merge_asof(left.sort_values("ts_ns", kind="stable"), right.sort_values("ts_ns", kind="stable"),
                                 on="ts_ns", by=by, direction="backward")
-        parts.append(matched[(matched["ts_ns"] < matched["end_ns"]).to_numpy()])
+        step = matched["step"].to_numpy()
+        found = ~np.isnan(step)
+        inside = found.copy()  # compared in int64: `end_ns` turns float where a call follows no step
+        inside[found] = matched["ts_ns"].to_numpy()[found] < ends[step[found].astype(np.int64)]
+        parts.append(matched[inside])
     if not parts:
         return pd.Series(dtype=float)
     matched = pd.concat(parts)
@@ -162,12 +168,12 @@ def _launches_in_steps(runtime: pd.DataFrame, steps: pd.DataFrame, cpu_threads: 
 
 def _host_wait_gaps(seg_s, seg_e, op_ts, op_corr, launch_ts: pd.Series, lo: int, hi: int):
     """The idle gaps of the GPU that end with work the CPU launched only after the gap began (plus the idle
-    time before the first and after the last GPU work)."""
+    time before the first and after the last GPU work); no gaps where the rank ran no GPU work at all."""
     if seg_s.size == 0:
-        return np.array([lo], dtype=np.int64), np.array([hi], dtype=np.int64)
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
     order = np.argsort(op_ts, kind="stable")
     first_op = order[np.searchsorted(op_ts[order], seg_s[1:], side="left")]
-    launched = launch_ts.reindex(op_corr[first_op]).to_numpy(dtype=float)
+    launched = launch_ts.reindex(op_corr[first_op], fill_value=np.iinfo(np.int64).min).to_numpy()
     waits = launched > seg_e[:-1]  # launched after the GPU had gone idle; unknown launch: not host wait
     gap_s = np.concatenate(([lo], seg_e[:-1][waits], [seg_e[-1]]))
     gap_e = np.concatenate(([seg_s[0]], seg_s[1:][waits], [hi]))
@@ -190,14 +196,14 @@ def phase_summary(steps: pd.DataFrame, has_gpu: bool) -> pd.DataFrame:
             "step_p99 (ms)": np.percentile(step_ms, 99), "cpu_mean (ms)": group["cpu_ms"].mean(),
             "gpu_busy_share": busy, "host_wait_share": host,
             "kernels_per_step": group["kernels"].mean(),
-            "verdict": verdict(busy, host) if has_gpu else "no GPU work",
+            "verdict": verdict(busy, host) if has_gpu and group["gpu_ops"].sum() else "no GPU work",
         })
     return pd.DataFrame(rows)
 
 
 def verdict(busy_share: float, host_wait_share: float) -> str:
-    """CPU-bound when the GPU waited for launches at least as long as it worked."""
-    if host_wait_share >= busy_share:
+    """CPU-bound when the GPU waited for launches at least as long as it worked (and waited at all)."""
+    if host_wait_share > 0 and host_wait_share >= busy_share:
         return "CPU-bound"
     if busy_share >= GPU_BOUND_SHARE:
         return "GPU-bound"

@@ -45,6 +45,30 @@ def test_category(name, expected):
     assert category(name) == expected
 
 
+@pytest.mark.parametrize("name, expected", [
+    # the Triton kernels of infertrace's engine
+    ("_paged_attention_kernel", "attention"),
+    ("_merge_splits_kernel", "attention"),  # combines the split-KV partial results of paged attention
+    ("_store_kvcache_kernel", "attention"),  # KV-cache writes count as attention, as vLLM's reshape_and_cache
+    ("_add_rmsnorm_kernel", "norm"),
+    ("_qk_norm_rope_kernel", "norm"),  # QK RMSNorm fused with RoPE
+    ("_silu_mul_kernel", "activation"),
+    # their counterparts elsewhere
+    ("void flashinfer::MergeStatesKernel<8u, 16u, 8u, 4u, __nv_bfloat16, __nv_bfloat16>(__nv_bfloat16*, float*)",
+     "attention"),
+    ("void flashinfer::MergeStateInPlaceKernel<8u, 16u, __nv_bfloat16>(__nv_bfloat16*, float*)", "attention"),
+    ("_fwd_kernel_stage1", "attention"),  # SGLang's and vLLM's Triton decode attention
+    ("_fwd_grouped_kernel_stage1", "attention"),
+    ("_fwd_kernel_stage2", "attention"),
+    ("void vllm::rotary_embedding_kernel<c10::BFloat16, true>(long const*, c10::BFloat16*)", "attention"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>(cublasLt::cublasSplitKParams<float>)",
+     "GEMM"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8>(Params)", "GEMM"),
+])
+def test_category_of_engine_kernels(name, expected):
+    assert category(name) == expected
+
+
 def test_copies_are_memcpy_whatever_their_name():
     assert category("anything", kind="memcpy") == category("x", kind="memset") == "memcpy/memset"
 

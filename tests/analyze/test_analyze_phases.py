@@ -15,6 +15,7 @@ from infertrace.analyze.phases import (
     phase_categories,
     phase_summary,
     step_metrics,
+    verdict,
 )
 
 
@@ -110,6 +111,94 @@ def test_engine_phase_summary(engine_steps):
     decode_cats = cats[cats["type"] == "DECODE"].set_index("category")
     assert decode_cats["per_step (ms)"].to_dict() == pytest.approx(
         {"GEMM": 0.025, "activation": 0.025, "elementwise": 0.005, "communication": 0.025, "memcpy/memset": 0.02})
+
+
+def test_verdict_needs_the_gpu_to_have_waited():
+    assert verdict(0.0, 0.0) != "CPU-bound"  # e.g. a zero-length step: the GPU neither worked nor waited
+    assert verdict(0.2, 0.2) == "CPU-bound"
+    assert verdict(0.9, 0.05) == "GPU-bound"
+
+
+def test_steps_without_gpu_work_get_no_cpu_bound_verdict(tmp_path, make_trace, make_events):
+    events = make_events([
+        ("user_annotation", "step[PREFILL bs=1 toks=5]", 100, 50, 100, {}),
+        ("cuda_runtime", "cudaLaunchKernel", 110, 5, 100, {"correlation": 1}),
+        ("kernel", "gemv_kernel", 120, 10, 7, {"stream": 7, "correlation": 1}),
+        ("user_annotation", "step[DECODE bs=1]", 200, 0, 100, {}),  # zero length, nothing launched
+        ("user_annotation", "step[IDLE bs=0]", 300, 20, 100, {}),  # nothing launched
+    ])
+    steps = _steps(make_trace(tmp_path / "t.json", events))
+    summary = phase_summary(steps, has_gpu=True).set_index("type")
+    assert summary.loc["PREFILL", "verdict"] == "CPU-bound"  # 40 of 50 us waiting for the launch
+    assert summary.loc["DECODE", "verdict"] == summary.loc["IDLE", "verdict"] == "no GPU work"
+
+
+def test_a_rank_without_gpu_work_has_no_host_wait(tmp_path, make_trace, make_events):
+    # in a capture where another rank ran kernels, this rank's file holds CPU events only: its GPU was not seen
+    # waiting for anything
+    events = make_events([
+        ("user_annotation", "step[DECODE bs=1]", 100, 50, 100, {}),
+        ("cpu_op", "aten::mm", 105, 20, 100, {}),
+    ])
+    steps = _steps(make_trace(tmp_path / "t.json", events))
+    assert steps["host_wait_ms"].tolist() == [0.0] and steps["busy_ms"].tolist() == [0.0]
+
+
+def test_a_wrapper_is_found_to_the_nanosecond(tmp_path):
+    # at epoch times a float64 of nanoseconds has a 256 ns step: the inner range starts 100 ns before the outer
+    # one ends, which a float comparison does not see
+    base = 1712195495519
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "execute_context_0(0)_generation_1(1)", "pid": 1, "tid": 1,
+         "ts": f"{base}000.100", "dur": 1.0},
+        {"ph": "X", "cat": "user_annotation", "name": "step[DECODE bs=1]", "pid": 1, "tid": 1,
+         "ts": f"{base}001.000", "dur": 0.05},
+    ]
+    text = json.dumps({"traceEvents": events})
+    for e in events:  # timestamps as JSON numbers, written out in full
+        text = text.replace(f'"{e["ts"]}"', e["ts"])
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    assert _steps(path)["label"].tolist() == ["step[DECODE bs=1]"]
+
+
+def test_a_launch_at_the_end_of_a_step_is_found_to_the_nanosecond(tmp_path):
+    # the launch starts 100 ns before the step ends; an earlier launch outside any step must not make the
+    # comparison a float one
+    base = 1712195495519
+    events = [
+        ("cuda_runtime", "cudaLaunchKernel", "000.000", 0.01, {"correlation": 2}),
+        ("user_annotation", "step[DECODE bs=1]", "000.100", 1.0, {}),
+        ("cuda_runtime", "cudaLaunchKernel", "001.000", 0.01, {"correlation": 1}),
+        ("kernel", "gemv_kernel", "002.000", 1.0, {"stream": 7, "correlation": 1}),
+        ("kernel", "gemv_kernel", "004.000", 1.0, {"stream": 7, "correlation": 2}),
+    ]
+    text = json.dumps({"traceEvents": [
+        {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 7 if cat == "kernel" else 1, "ts": f"@{ts}",
+         "dur": dur, "args": args} for cat, name, ts, dur, args in events]})
+    path = tmp_path / "t.json"
+    path.write_text(text.replace('"@', str(base)).replace('0",', "0,"))  # timestamps as JSON numbers, in full
+    assert _steps(path)["kernels"].tolist() == [1]
+
+
+def test_host_wait_is_found_to_the_nanosecond(tmp_path):
+    # the second kernel is launched 100 ns after the GPU went idle: the whole gap is host wait
+    base = 1712195495519
+    events = [
+        ("user_annotation", "step[DECODE bs=1]", "000.000", 10.0, {}),
+        ("cuda_runtime", "cudaLaunchKernel", "000.100", 0.01, {"correlation": 1}),
+        ("kernel", "gemv_kernel", "000.500", 0.6, {"stream": 7, "correlation": 1}),
+        ("cuda_runtime", "cudaLaunchKernel", "001.200", 0.01, {"correlation": 2}),
+        ("kernel", "gemv_kernel", "002.000", 1.0, {"stream": 7, "correlation": 2}),
+    ]
+    text = json.dumps({"traceEvents": [
+        {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 7 if cat == "kernel" else 1, "ts": f"@{ts}",
+         "dur": dur, "args": args} for cat, name, ts, dur, args in events]})
+    path = tmp_path / "t.json"
+    path.write_text(text.replace('"@', str(base)).replace('0",', "0,"))  # timestamps as JSON numbers, in full
+    step = _steps(path).iloc[0]
+    # idle before the first kernel (0.5 us), between the kernels (0.9 us) and after the last one (7 us)
+    assert step["host_wait_ms"] * 1e6 == pytest.approx(500 + 900 + 7000)
 
 
 def test_kernels_from_another_thread_are_not_the_steps(tmp_path, make_trace, make_events):
