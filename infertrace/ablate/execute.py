@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import signal
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,26 +132,19 @@ async def _run(recipe: Recipe, model_dir: Path, total: int, trace_root: Path | N
     from infertrace.load.benchmark import Hooks, Interrupter
 
     interrupter = Interrupter()
-    loop = asyncio.get_running_loop()
 
-    def on_sigint() -> None:
+    def announce() -> None:
         err_console.print("[yellow]interrupted: finishing the phase's figures and saving what ran (Ctrl-C again "
                           "to stop now)[/]")
-        interrupter.trigger()
-        loop.remove_signal_handler(signal.SIGINT)
 
-    loop.add_signal_handler(signal.SIGINT, on_sigint)
-    try:
-        with PhaseProgress(err_console, total) as progress:
-            def done(result) -> None:
-                progress.on_phase_done(result)
-                on_phase_done(result)
+    with interrupter.on_sigint(announce), PhaseProgress(err_console, total) as progress:
+        def done(result) -> None:
+            progress.on_phase_done(result)
+            on_phase_done(result)
 
-            hooks = AblationHooks(progress.on_phase_start, done,
-                                  Hooks(progress.on_stage, progress.on_result, progress.on_info))
-            await run_ablation(recipe, model_dir, interrupter, hooks, trace_root)
-    finally:
-        loop.remove_signal_handler(signal.SIGINT)
+        hooks = AblationHooks(progress.on_phase_start, done,
+                              Hooks(progress.on_stage, progress.on_result, progress.on_info))
+        await run_ablation(recipe, model_dir, interrupter, hooks, trace_root)
 
 
 def _check_writable(path: Path) -> None:

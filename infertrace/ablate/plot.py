@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from infertrace.ablate.waterfall import WaterfallRow
+from infertrace.load.plot import save_figure
 
 UP, DOWN, BASE, FAILED = "#2e7d32", "#c62828", "#546e7a", "#9e9e9e"
 
@@ -40,9 +41,4 @@ def plot_waterfall(title: str, rows: list[WaterfallRow], path: str | Path, subti
     ax.set_ylim(0, top * 1.18)
     ax.set_title(f"{title}\n{subtitle}" if subtitle else title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

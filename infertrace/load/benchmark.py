@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import math
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,6 +49,22 @@ class Interrupter:
         self.requested = True
         if self._task is not None:
             self._task.cancel()
+
+    @contextlib.contextmanager
+    def on_sigint(self, announce: Callable[[], None]):
+        """While inside, the first Ctrl-C calls `announce` and triggers; a second one gets Python's default."""
+        loop = asyncio.get_running_loop()
+
+        def handler() -> None:
+            announce()
+            self.trigger()
+            loop.remove_signal_handler(signal.SIGINT)
+
+        loop.add_signal_handler(signal.SIGINT, handler)
+        try:
+            yield self
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
 
     async def run(self, coro) -> None:
         if self.requested:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 from pathlib import Path
 
 from infertrace.console import err_console, fail, out_console
@@ -32,26 +31,18 @@ def _info(message: str) -> None:
 async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
     target = make_target(cfg, _info)
     interrupter = Interrupter()
-    loop = asyncio.get_running_loop()
 
-    def on_sigint() -> None:
-        err_console.print("[yellow]interrupted: finishing up and saving partial results "
-                          "(Ctrl-C again to abort)[/]")
-        interrupter.trigger()
-        loop.remove_signal_handler(signal.SIGINT)
+    def announce() -> None:
+        err_console.print("[yellow]interrupted: finishing up and saving partial results (Ctrl-C again to abort)[/]")
 
     await target.open()
     try:
         await target.preflight()
         if target.kind == "http" and (source := tokenizer_source(cfg)) is not None:
             target.tokenizer = await asyncio.to_thread(load_tokenizer, source)
-        loop.add_signal_handler(signal.SIGINT, on_sigint)
-        try:
-            with LiveProgress(err_console) as progress:
-                hooks = Hooks(progress.on_phase, progress.on_result, progress.on_info)
-                records = await run_benchmark(cfg, target, MonotonicClock(), interrupter, hooks)
-        finally:
-            loop.remove_signal_handler(signal.SIGINT)
+        with interrupter.on_sigint(announce), LiveProgress(err_console) as progress:
+            hooks = Hooks(progress.on_phase, progress.on_result, progress.on_info)
+            records = await run_benchmark(cfg, target, MonotonicClock(), interrupter, hooks)
     finally:
         await target.close()
     return records, target

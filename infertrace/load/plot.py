@@ -32,6 +32,13 @@ def plot_sweep(records: list[PointRecord], param: str, path: str | Path) -> Path
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
         ax.legend()
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Write a matplotlib figure as PNG (creating its folder) and release it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
