@@ -12,6 +12,7 @@ ATTENTION_MODES = ("batched", "looped")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 OFFLOAD_MODES = ("off", "prefix", "long", "prefix+long")
 SCHEDULING_POLICIES = ("fcfs",)
+ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -31,6 +32,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # >0: a prefill gets at most this many tokens per step
     prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    # plan and queue step N+1 while step N runs on the device, feeding N's sampled tokens to N+1 on the device;
+    # "auto": on for CUDA (the host's share of a decode step then hides behind the GPU's), off on CPU
+    async_scheduling: str = "auto"
     # attention and the decode path
     attention: str = "batched"  # "looped": attention runs one request at a time
     attention_backend: str = "auto"
@@ -72,6 +76,7 @@ class EngineConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _check_choice("async_scheduling", self.async_scheduling, ASYNC_SCHEDULING)
         _check_choice("attention", self.attention, ATTENTION_MODES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("offload", self.offload, OFFLOAD_MODES)

@@ -16,7 +16,7 @@ from infertrace.engine.annotate import annotate, step_range_name
 from infertrace.engine.block_manager import BlockManager
 from infertrace.engine.config import EngineConfig
 from infertrace.engine.detokenizer import IncrementalDetokenizer
-from infertrace.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
+from infertrace.engine.model_runner import LaunchedStep, ModelRunner, resolve_device, resolve_dtype
 from infertrace.engine.models.loader import check_model_dir, read_json
 from infertrace.engine.models.qwen3 import Qwen3Spec
 from infertrace.engine.offload.host_pool import check_host_budget
@@ -40,6 +40,7 @@ COUNTER_NAMES = (
     "requests_aborted",
     "cpu_prefix_cache_hits",  # prompt tokens loaded from the host tier of the prefix cache
     "recomputed_tokens",  # prompt tokens computed again although their KV had been computed and dropped
+    "overlapped_steps",  # steps planned and queued before the previous step's tokens reached the host
     *OFFLOAD_COUNTER_NAMES,
 )
 
@@ -96,6 +97,11 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self._step_index = 0
         self._arrivals = 0
+        # async scheduling: the step queued on the device whose tokens the host has not seen yet
+        self._async = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.runner.device.type == "cuda")
+        self._async = self._async and config.offload == "off"
+        self._inflight: _Step | None = None
 
     # ----- state -----
     @property
@@ -113,9 +119,6 @@ class Engine:
     @property
     def kv_blocks_used(self) -> int:
         return self.block_manager.num_used_blocks
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
 
     # ----- requests -----
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -146,6 +149,8 @@ class Engine:
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return None
+        if seq.token_ids[-1] == _PENDING:
+            seq.token_ids.pop()  # its token was still being sampled
         self.scheduler.finish(seq, "abort")
         self.counters["requests_aborted"] += 1
         return self._output(seq, [], finished=True)
@@ -155,11 +160,20 @@ class Engine:
 
     # ----- stepping -----
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns outputs of the requests that produced tokens or finished in it."""
+        """Run one scheduler step; returns outputs of the requests that produced tokens or finished in it.
+
+        With async scheduling a step's tokens come out of the next call: that call first plans and queues the
+        following step (its decode rows read the pending tokens on the device), then waits for the earlier one.
+        """
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._inflight = self._launch_overlapped(prev)
+            return self._complete(prev)
         if not self.scheduler.has_unfinished():
             return []
         t0 = time.perf_counter()
         offload = self.offload
+        before = None
         if offload is not None:
             offload.poll()
             before = offload.counters()
@@ -168,36 +182,110 @@ class Engine:
             self.scheduler.apply(plan)
             self.counters["preemptions"] += len(plan.preempted)
             return []
-        kind = plan.kind.value
-        queried = 0 if plan.long else sum(len(seq) for seq, _ in plan.admitted)
-        with annotate(step_range_name(kind, plan.batch_size, plan.num_tokens)):
+        step = _Step(plan, t0, before, 0 if plan.long else sum(len(seq) for seq, _ in plan.admitted))
+        with annotate(step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens)):
             with annotate("schedule"):
                 self.scheduler.apply(plan)
             if plan.loads:
                 with annotate("offload.load"):
                     offload.load(plan.loads)
             if plan.long:
-                tokens = offload.long.run(self.runner, plan)
+                step.tokens = offload.long.run(self.runner, plan)
             else:
-                tokens = self.runner.run(plan)
-            outputs = self._postprocess(plan, tokens)
-        duration = time.perf_counter() - t0
+                step.launched = self.runner.launch(plan)
+            if self._async and step.launched is not None and step.launched.tokens is not None:
+                self._inflight = step
+                return []
+            return self._complete(step)
 
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    def _launch_overlapped(self, prev: _Step) -> _Step | None:
+        """Plan and queue the step after `prev` before `prev`'s tokens are on the host, or None when the next step
+        has to see them first (a preemption or a long-context step)."""
+        t0 = time.perf_counter()
+        plan_prev = prev.plan
+        prev.published = self.scheduler.update_computed(plan_prev)
+        prev.computed = True
+        # each sampled row gets a placeholder token, filled in when `prev` completes; a request the token is
+        # certain to end (by length) gets none and is not scheduled again
+        rows: dict[Sequence, int] = {}
+        sampled = [s.seq for s, x in zip(plan_prev.scheduled, prev.launched.samples) if x]
+        for i, seq in enumerate(sampled):
+            if seq.is_finished or seq.num_output_tokens + 1 >= seq.params.max_tokens or len(seq) + 1 >= self.max_model_len:
+                continue
+            seq.append_token(_PENDING)
+            rows[seq] = i
+        plan = self.scheduler.plan()
+        if not plan.scheduled or plan.preempted or plan.long:
+            for seq in rows:
+                seq.token_ids.pop()
+            return None
+        step = _Step(plan, t0, None, sum(len(seq) for seq, _ in plan.admitted))
+        self.counters["overlapped_steps"] += 1
+        feed_rows = [j for j, s in enumerate(plan.scheduled) if s.seq in rows and s.start + s.num_new_tokens == len(s.seq)]
+        with annotate(step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens)):
+            with annotate("schedule"):
+                self.scheduler.apply(plan)
+            # the placeholder is the last token of its row: the row's last input position, fed on the device
+            starts = [0]
+            for s in plan.scheduled:
+                starts.append(starts[-1] + s.num_new_tokens)
+            feed = (prev.launched.tokens, [starts[j + 1] - 1 for j in feed_rows],
+                    [rows[plan.scheduled[j].seq] for j in feed_rows])
+            step.launched = self.runner.launch(plan, feed if feed_rows else None)
+        return step
+
+    def _complete(self, step: _Step) -> list[RequestOutput]:
+        """Wait for a step's tokens, hand them to their requests, and record the step."""
+        plan = step.plan
+        tokens = step.launched.results() if step.launched is not None else step.tokens
+        if not step.computed:
+            step.published = self.scheduler.update_computed(plan)
+        if step.published and self.offload is not None and self.offload.prefix is not None:
+            with annotate("offload.store"):
+                self.offload.store(step.published)
+        outputs = []
+        for s, token in zip(plan.scheduled, tokens):
+            seq = s.seq
+            if token is None or seq.is_finished:
+                continue
+            position = s.start + s.num_new_tokens
+            if position < len(seq):
+                seq.token_ids[position] = token  # the placeholder the next step was planned with
+            else:
+                seq.append_token(token)
+            self.counters["generation_tokens"] += 1
+            reason = self._stop_reason(seq, token)
+            finished = reason is not None
+            if finished:
+                if seq.detokenizer.flush() and reason != "stop":
+                    reason = "stop"
+                self.scheduler.finish(seq, reason)
+                del self._requests[seq.request_id]
+                self.counters["requests_finished"] += 1
+            outputs.append(self._output(seq, [token], finished))
+        self._record(step, time.perf_counter() - step.t0)
+        return outputs
+
+    def _record(self, step: _Step, duration: float) -> None:
+        plan = step.plan
         self.counters["steps"] += 1
         self.counters["preemptions"] += len(plan.preempted)
-        self.counters["prefix_cache_queries"] += queried
+        self.counters["prefix_cache_queries"] += step.queried
         self.counters["prefix_cache_hits"] += plan.num_cached_tokens
         self.counters["cpu_prefix_cache_hits"] += plan.num_cpu_cached_tokens
         self.counters["recomputed_tokens"] += plan.num_recomputed_tokens
         moved: dict[str, float] = {}
-        if offload is not None:
-            after = offload.counters()
-            moved = {k: after[k] - before[k] for k in after}
+        if step.offload_before is not None:
+            after = self.offload.counters()
+            moved = {k: after[k] - step.offload_before[k] for k in after}
             self.counters |= after
         prefill_tokens = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
         self.last_step = StepStats(
             index=self._step_index,
-            kind=kind,
+            kind=plan.kind.value,
             batch_size=plan.batch_size,
             num_tokens=plan.num_tokens,
             duration_s=duration,
@@ -216,30 +304,6 @@ class Engine:
             long_context=plan.long,
         )
         self._step_index += 1
-        return outputs
-
-    def _postprocess(self, plan: StepPlan, tokens: list[int | None]) -> list[RequestOutput]:
-        published = self.scheduler.update_computed(plan)
-        if published and self.offload is not None and self.offload.prefix is not None:
-            with annotate("offload.store"):
-                self.offload.store(published)
-        outputs = []
-        for s, token in zip(plan.scheduled, tokens):
-            if token is None:
-                continue
-            seq = s.seq
-            seq.append_token(token)
-            self.counters["generation_tokens"] += 1
-            reason = self._stop_reason(seq, token)
-            finished = reason is not None
-            if finished:
-                if seq.detokenizer.flush() and reason != "stop":
-                    reason = "stop"
-                self.scheduler.finish(seq, reason)
-                del self._requests[seq.request_id]
-                self.counters["requests_finished"] += 1
-            outputs.append(self._output(seq, [token], finished))
-        return outputs
 
     @staticmethod
     def _output(seq: Sequence, new_token_ids: list[int], finished: bool) -> RequestOutput:
@@ -265,6 +329,21 @@ class Engine:
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None
+
+
+_PENDING = -1  # token id of a placeholder: the step that samples it has not finished
+
+
+@dataclasses.dataclass(slots=True)
+class _Step:
+    plan: StepPlan
+    t0: float
+    offload_before: dict | None
+    queried: int  # prompt tokens of admitted requests looked up in the prefix cache
+    launched: LaunchedStep | None = None
+    tokens: list[int | None] | None = None  # a long-context step's tokens (it runs synchronously)
+    computed: bool = False  # update_computed already applied (the next step was planned before this one ended)
+    published: list = dataclasses.field(default_factory=list)
 
 
 def _offload_budgets(config: EngineConfig, hf_config: dict) -> tuple[int, EngineConfig]:

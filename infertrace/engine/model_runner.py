@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,6 +39,29 @@ def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dty
     return dtype
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose kernels are queued: its sampled tokens on the device and a host copy that lands when it ends."""
+
+    plan: StepPlan
+    samples: list[bool]  # per scheduled request: whether it samples (fixed at launch; the sequences grow later)
+    tokens: torch.Tensor | None  # one per scheduled request that samples, in plan order, on the device
+    host: torch.Tensor | None  # pinned copy of `tokens`, valid once `event` has completed (CUDA only)
+    event: torch.cuda.Event | None
+
+    def results(self) -> list[int | None]:
+        """Wait for the step; the sampled token of each scheduled request (None mid-prefill)."""
+        if self.tokens is None:
+            values: list[int] = []
+        elif self.event is not None:
+            self.event.synchronize()
+            values = self.host[: self.tokens.numel()].tolist()
+        else:
+            values = self.tokens.tolist()
+        it = iter(values)
+        return [next(it) if sampled else None for sampled in self.samples]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, hf_config: dict):
         self.config = config
@@ -66,6 +90,13 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         model.bind_kv_cache(list(self.kv_cache[0]), list(self.kv_cache[1]))
         self.sampler = Sampler(config.seed, self.device)
+        # two pinned landing buffers for sampled tokens, used in turn: a step's copy lands while the host still
+        # reads the one before it
+        self._landing = [
+            (torch.zeros(config.max_num_seqs, dtype=torch.long, pin_memory=True), torch.cuda.Event())
+            for _ in range(2)
+        ] if on_cuda else []
+        self._turn = 0
 
         use_graphs = config.cuda_graphs and on_cuda and self.attention.name == "triton"
         self.buffers = None
@@ -131,11 +162,23 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan) -> list[int | None]:
         """Forward the planned tokens; returns the sampled token of each scheduled request (None mid-prefill)."""
+        return self.launch(plan).results()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, feed: tuple[torch.Tensor, list[int], list[int]] | None = None) -> LaunchedStep:
+        """Queue the step's kernels and return without waiting for them.
+
+        `feed` = (tokens, rows, sources): input token `rows[i]` of this step is `tokens[sources[i]]`, the device
+        tensor of an earlier step that may still be running (its host copy of those tokens is a placeholder).
+        """
         with annotate("prepare_inputs"):
+            if self.buffers is not None:
+                self.buffers.next_step()
             input_ids, positions, meta, logits_indices = self.prepare_inputs(plan)
+            if feed is not None:
+                self._feed_tokens(input_ids, *feed)
             self.attention.prepare(meta)
         with annotate("forward"):
             if self._graph_step(plan):
@@ -144,14 +187,26 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, meta)
                 logits = self.model.compute_logits(hidden[logits_indices]).float() if logits_indices.numel() else None
         with annotate("sample"):
-            sampling = [s for s in plan.scheduled if s.samples]
-            tokens = (
-                self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
-                if sampling
-                else []
-            )
-        it = iter(tokens)
-        return [next(it) if s.samples else None for s in plan.scheduled]
+            samples = [s.samples for s in plan.scheduled]
+            sampling = [s for s, sampled in zip(plan.scheduled, samples) if sampled]
+            if not sampling:
+                return LaunchedStep(plan, samples, None, None, None)
+            tokens = self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
+            if not self._landing:
+                return LaunchedStep(plan, samples, tokens, None, None)
+            host, event = self._landing[self._turn]
+            self._turn ^= 1
+            host[: tokens.numel()].copy_(tokens, non_blocking=True)
+            event.record()
+            return LaunchedStep(plan, samples, tokens, host, event)
+
+    def _feed_tokens(self, input_ids: torch.Tensor, tokens: torch.Tensor, rows: list[int], sources: list[int]) -> None:
+        n = len(rows)
+        if rows == sources == list(range(n)):
+            input_ids[:n].copy_(tokens[:n])
+            return
+        index = torch.tensor([rows, sources], dtype=torch.long).to(self.device, non_blocking=True)
+        input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
 
     def prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         bs = self.block_size

@@ -18,18 +18,19 @@ class Sampler:
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> list[int]:
-        """logits [B, V] float; one token id per row."""
+    ) -> torch.Tensor:
+        """logits [B, V] float; one token id per row, as a long tensor on the logits' device (no host sync for
+        greedy rows, so a step's tokens can feed the next step before the host has seen them)."""
         tokens = torch.argmax(logits, dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             tokens = tokens.clone()
             for i in random_rows:
                 tokens[i] = self._sample_row(logits[i].float(), params[i], generators[i] or self.generator)
-        return tokens.tolist()
+        return tokens
 
     @staticmethod
-    def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+    def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
         logits = logits / p.temperature
         top_k = p.top_k_or_none
         if top_k is not None and top_k < logits.numel():
@@ -52,5 +53,5 @@ class Sampler:
             probs = probs.masked_fill((torch.cumsum(probs, dim=-1) - probs) >= p.top_p, 0.0)
         # argmax of p / Exp(1) noise draws index i with probability p_i / sum(p), and is much cheaper than multinomial
         noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-        choice = int(torch.argmax(probs / noise))
-        return choice if ids is None else int(ids[choice])
+        choice = torch.argmax(probs / noise)
+        return choice if ids is None else ids[choice]

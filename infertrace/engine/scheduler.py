@@ -230,6 +230,8 @@ class Scheduler:
         """
         published = []
         for s in plan.scheduled:
+            if s.seq.is_finished:
+                continue  # ended (stopped or aborted) while this step ran: its blocks are gone
             s.seq.num_computed_tokens += s.num_new_tokens
             if not plan.long:
                 published += self.block_manager.register_full_blocks(s.seq)

@@ -1,5 +1,9 @@
 """Step inputs in device buffers allocated once, so a step allocates nothing on the device and CUDA graphs can
-read the same addresses every replay."""
+read the same addresses every replay.
+
+On CUDA the host values go through pinned staging buffers, two sets used in turn (`next_step()`), so a copy is
+queued without waiting for the device: the next step is prepared while the one before it still runs, and its
+staging set is the one of the step before that, whose copies have landed."""
 
 from __future__ import annotations
 
@@ -20,16 +24,36 @@ class StepBuffers:
         self.logits_indices = buf(max_seqs)
         # decode steps have one query token per request: their cu_seqlens never change
         self.decode_query_start_loc = torch.arange(max_seqs + 1, dtype=torch.long, device=device)
+        names = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
+                 "logits_indices")
+        self._staging = [
+            {n: torch.zeros(getattr(self, n).numel(), dtype=torch.long).pin_memory() for n in names} for _ in range(2)
+        ] if device.type == "cuda" else []
+        self._turn = 0
+
+    def next_step(self) -> None:
+        """Switch staging sets: called once per step, before its `fill` calls."""
+        self._turn ^= 1
+
+    def _source(self, name: str, values: list) -> torch.Tensor:
+        src = torch.tensor(values, dtype=torch.long)
+        if not self._staging:
+            return src
+        # contiguous, so the copy goes straight from pinned memory (a strided source would be packed into pageable)
+        stage = self._staging[self._turn][name][: src.numel()].view(src.shape)
+        stage.copy_(src)
+        return stage
 
     def fill(self, name: str, values: list[int]) -> torch.Tensor:
         """Copy `values` into the front of buffer `name`; returns that slice."""
         dst = getattr(self, name)[: len(values)]
-        dst.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+        dst.copy_(self._source(name, values), non_blocking=True)
         return dst
 
     def fill_block_tables(self, tables: list[list[int]], width: int) -> torch.Tensor:
         rows = [t + [0] * (width - len(t)) for t in tables]
-        self.block_tables[: len(rows), :width].copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
+        if rows:
+            self.block_tables[: len(rows), :width].copy_(self._source("block_tables", rows), non_blocking=True)
         return self.block_tables[: len(rows)]
 
     def pad_decode_rows(self, start: int, end: int) -> None:

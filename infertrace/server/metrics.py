@@ -22,6 +22,7 @@ _COUNTER_HELP = {
     "preemptions": "Requests preempted (recomputed later) because KV blocks ran out.",
     "cpu_prefix_cache_hits": "Prompt tokens found in the host (CPU) tier of the prefix cache.",
     "recomputed_tokens": "Prompt tokens computed again after their KV was dropped (preemption or eviction).",
+    "overlapped_steps": "Engine steps queued on the device before the previous step's tokens reached the host.",
     "offload_blocks_stored": "KV blocks copied to the host tier.",
     "offload_blocks_loaded": "KV blocks copied back from the host tier.",
     "offload_host_evictions": "Host-tier KV blocks evicted (least recently used first).",

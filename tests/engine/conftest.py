@@ -95,6 +95,20 @@ def make_prompts():
     return random_prompts
 
 
+class DigitTokenizer:
+    """Decodes token id t to the digit t % 10 (a stand-in with visible text for every id)."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(str(t % 10) for t in ids)
+
+
+@pytest.fixture
+def digit_tokenizer() -> DigitTokenizer:
+    return DigitTokenizer()
+
+
 def run_to_completion(engine, prompts, params) -> tuple[list[list[int]], list]:
     """Add every prompt, step until done; returns each prompt's output tokens and every step's StepStats."""
     ids = [f"r{i}" for i in range(len(prompts))]

@@ -67,21 +67,12 @@ def test_stop_token_ids_and_eos(make_engine, run_engine, make_prompts):
     assert ignored == free
 
 
-class DigitTokenizer:
-    """Decodes token id t to the digit t % 10 (a stand-in with visible text for every id)."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(str(t % 10) for t in ids)
-
-
-def test_stop_strings_cut_the_text_and_finish(make_engine, run_engine, make_prompts):
+def test_stop_strings_cut_the_text_and_finish(make_engine, run_engine, make_prompts, digit_tokenizer):
     prompt = make_prompts([20], seed=13)[0]
     engine = make_engine(kv_cache_tokens=4096)
-    engine.tokenizer = DigitTokenizer()
+    engine.tokenizer = digit_tokenizer
     [free], _ = run_engine(engine, [prompt], GREEDY)
-    text = DigitTokenizer().decode(free)
+    text = digit_tokenizer.decode(free)
     stop = text[5:7]
     cut = text.index(stop)
 

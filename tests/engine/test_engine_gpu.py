@@ -91,6 +91,7 @@ def test_bfloat16_first_step_logits_within_2e_2(qwen06_dirs):
 
 
 @pytest.mark.parametrize("switch", [dict(cuda_graphs=False), dict(fused_norm=False), dict(static_buffers=False),
+                                    dict(async_scheduling="off"),
                                     dict(attention="looped", cuda_graphs=False)])
 def test_switches_give_identical_tokens(qwen06_dirs, switch):
     import torch

@@ -139,7 +139,7 @@ class LongContext:
         with annotate("sample"):
             tokens = runner.sampler(logits, [seq.params], [seq.generator]) if s.samples else []
         self.num_steps += 1
-        return [tokens[0] if s.samples else None]
+        return [int(tokens[0]) if s.samples else None]
 
     def _begin(self, kv: LongSequenceKV, past: int) -> None:
         self.transfers.stores_before_loads()  # the KV before this step was written by earlier steps' stores

@@ -1,0 +1,122 @@
+"""Decode-shaped GEMMs (8 rows) against the bytes they must read: cuBLAS variants and the skinny Triton kernel.
+
+    python benchmarks/gemm_bench.py [--rows 8] [--quick]
+
+Each timing cycles through enough copies of the weight that none is served from L2, as in a real decode step
+where 36 layers of weights pass through the cache. Prints, per shape, each variant's time and its share of the
+measured copy bandwidth, then the best skinny-kernel configurations as a table to paste into the kernel's config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+
+from infertrace.engine.kernels.skinny_gemm import skinny_gemm
+
+SHAPES = {  # qwen3-4b projections: (N, K)
+    "qkv_proj": (6144, 2560),
+    "o_proj": (2560, 4096),
+    "gate_up_proj": (19456, 2560),
+    "down_proj": (2560, 9728),
+    "lm_head": (151936, 2560),
+}
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
+    return 2 * x.numel() * 2 / (ms * 1e-3)
+
+
+def timed(fn_for_weight, weights) -> float:
+    """Median seconds per call, over calls that each read a different copy of the weight."""
+    def run():
+        for w in weights:
+            fn_for_weight(w)
+    ms = triton.testing.do_bench_cudagraph(run, rep=60, return_mode="median")
+    return ms * 1e-3 / len(weights)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="fewer skinny-kernel configurations")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    peak = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {peak / 1e12:.2f} TB/s  rows={args.rows}")
+    m = args.rows
+    best_rows = []
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(2, -(-400 * 1024**2 // nbytes))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x16 = torch.zeros(16, k, device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x, weights[0]).float()
+        results: list[tuple[str, float]] = []
+        results.append(("cuBLAS F.linear", timed(lambda w: torch.nn.functional.linear(x, w), weights)))
+        results.append((f"cuBLAS, rows padded to 16", timed(lambda w: torch.nn.functional.linear(x16, w), weights)))
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        results.append(("cuBLAS, no reduced-precision reduction",
+                        timed(lambda w: torch.nn.functional.linear(x, w), weights)))
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+        try:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            results.append(("cuBLASLt", timed(lambda w: torch.nn.functional.linear(x, w), weights)))
+        finally:
+            torch.backends.cuda.preferred_blas_library("cublas")
+        grid = itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4), (4,), (3, 5))
+        if args.quick:
+            grid = itertools.product((16, 32, 64), (256,), (1, 2, 4), (4,), (4,))
+        skinny: list[tuple[tuple, float]] = []
+        acc = torch.zeros(m, n, device="cuda", dtype=torch.float32)
+        for bn, bk, sk, warps, stages in grid:
+            if k % (bk * sk):
+                continue
+            cfg = dict(block_n=bn, block_k=bk, split_k=sk, num_warps=warps, num_stages=stages)
+            try:
+                if sk == 1:
+                    got = skinny_gemm(x, weights[0], **cfg).float()
+                    fn = lambda w, cfg=cfg: skinny_gemm(x, w, **cfg)
+                else:
+                    acc.zero_()
+                    got = skinny_gemm(x, weights[0], acc, **cfg).clone()
+
+                    def fn(w, cfg=cfg):
+                        acc.zero_()
+                        skinny_gemm(x, w, acc, **cfg)
+                err = float((got - ref).abs().max() / ref.abs().max())
+                if err > 2e-2:
+                    print(f"  {name} {cfg}: wrong result (rel err {err:.3g})")
+                    continue
+                skinny.append(((bn, bk, sk, warps, stages), timed(fn, weights)))
+            except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
+                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+        skinny.sort(key=lambda r: r[1])
+        for cfg, t in skinny[:3]:
+            results.append((f"skinny bn={cfg[0]} bk={cfg[1]} split={cfg[2]} warps={cfg[3]} stages={cfg[4]}", t))
+        no_split = [r for r in skinny if r[0][2] == 1]
+        if no_split:
+            cfg, t = no_split[0]
+            results.append((f"skinny, no split: bn={cfg[0]} bk={cfg[1]} warps={cfg[3]} stages={cfg[4]}", t))
+        print(f"\n{name}: N={n} K={k}, {nbytes / 1e6:.1f} MB of weights, {copies} copies cycled")
+        for label, t in results:
+            print(f"  {label:<62} {t * 1e6:8.1f} us  {nbytes / t / 1e9:7.0f} GB/s  {100 * nbytes / t / peak:5.1f}%")
+        if skinny:
+            best_rows.append((name, n, k, skinny[0][0], skinny[0][1], results[0][1]))
+        del weights
+        torch.cuda.empty_cache()
+    print("\n| shape | N | K | best skinny (bn, bk, split, warps, stages) | skinny us | cuBLAS us |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, n, k, cfg, t, cublas in best_rows:
+        print(f"| {name} | {n} | {k} | {cfg} | {t * 1e6:.1f} | {cublas * 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
