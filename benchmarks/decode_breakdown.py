@@ -21,11 +21,12 @@ def main() -> None:
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/models"))
     ap.add_argument("--preset", default="qwen3-4b")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--graphs", action="store_true", help="profile CUDA-graph replays instead of eager steps")
     args = ap.parse_args()
     path = args.models_dir / f"{args.preset}-bfloat16"
     if not (path / "config.json").exists():
         init_model(args.preset, path, dtype="bfloat16")
-    llm = LLM(path, cuda_graphs=False)
+    llm = LLM(path, cuda_graphs=args.graphs)
     eng = llm.engine
     rng = random.Random(0)
     for i in range(args.batch):

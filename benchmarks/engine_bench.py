@@ -106,18 +106,18 @@ def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
 
 
 def bench_decode(root: Path, bw: float, attention: str = "batched", cuda_graphs: bool = True,
-                 async_scheduling: str = "auto", profile_host: bool = False) -> float:
+                 profile_host: bool = False, **overrides) -> float:
     path = model_dir(root, "qwen3-4b")
     cfg = json.loads((path / "config.json").read_text())
-    llm = LLM(path, attention=attention, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
+    llm = LLM(path, attention=attention, cuda_graphs=cuda_graphs, **overrides)
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 3000) for _ in range(128)] for _ in range(8)]
     params = SamplingParams(max_tokens=512, ignore_eos=True)
     run_steps(llm, prompts, SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
     r = run_steps(llm, prompts, params)
     tok_s = r["out_tokens"] / r["wall_s"]
-    label = (f"qwen3-4b bf16 bs=8 128in/512out attention={attention} cuda_graphs={cuda_graphs} "
-             f"async_scheduling={async_scheduling}")
+    label = f"qwen3-4b bf16 bs=8 128in/512out attention={attention} cuda_graphs={cuda_graphs}"
+    label += "".join(f" {k}={v}" for k, v in overrides.items())
     if attention == "batched" and cuda_graphs:
         dt = sorted(r["decode_times"])[len(r["decode_times"]) // 2]
         weight_bytes = parameter_count(cfg) * 2
@@ -234,7 +234,8 @@ def main() -> None:
     row("device-to-device copy bandwidth (read+write)", f"{bw / 1e12:.2f} TB/s")
     if "decode" in only:
         batched = bench_decode(args.models_dir, bw)
-        bench_decode(args.models_dir, bw, async_scheduling="off", profile_host=True)
+        bench_decode(args.models_dir, bw, skinny_gemm=False)
+        bench_decode(args.models_dir, bw, async_scheduling="off", profile_host="host" in only)
     if "looped" in only:
         looped = bench_decode(args.models_dir, bw, attention="looped", cuda_graphs=False)
         eager = bench_decode(args.models_dir, bw, attention="batched", cuda_graphs=False)

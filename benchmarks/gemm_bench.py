@@ -42,15 +42,53 @@ def timed(fn_for_weight, weights) -> float:
     return ms * 1e-3 / len(weights)
 
 
+def engine_calls(m: int, peak: float) -> None:
+    """The projections exactly as the model's decode path calls them (decode_linear: tuned tiling, split-K into
+    the float32 accumulator), against cuBLAS, over 36 layers' worth of weights."""
+    from infertrace.engine.kernels.fused import silu_mul
+    from infertrace.engine.models.qwen3 import decode_linear
+
+    layers = 36
+    print(f"\nas the engine calls them ({layers} weight copies, {m} rows):")
+    hidden, inter = 2560, 9728
+    acc = torch.zeros(m, hidden, device="cuda", dtype=torch.float32)
+    for name, (n, k) in SHAPES.items():
+        if name == "lm_head":
+            continue
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+        x = torch.randn(m, 2 * k if name == "down_proj" else k, device="cuda", dtype=torch.bfloat16)
+        nbytes = n * k * 2
+        rows = []
+        if name == "down_proj":
+            rows.append(("cuBLAS after silu_mul kernel",
+                         timed(lambda w: torch.nn.functional.linear(silu_mul(x), w), weights)))
+            rows.append(("silu_mul kernel + decode_linear into acc",
+                         timed(lambda w: decode_linear(silu_mul(x), w, acc), weights)))
+        else:
+            rows.append(("cuBLAS", timed(lambda w: torch.nn.functional.linear(x, w), weights)))
+            target = acc if name == "o_proj" else None
+            rows.append(("decode_linear" + (" into acc" if target is not None else ""),
+                         timed(lambda w: decode_linear(x, w, target), weights)))
+        acc.zero_()
+        for label, t in rows:
+            print(f"  {name:<14} {label:<44} {t * 1e6:8.1f} us  {100 * nbytes / t / peak:5.1f}% of copy bw")
+        del weights
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="fewer skinny-kernel configurations")
+    ap.add_argument("--engine-only", action="store_true", help="only the projections as the engine calls them")
     args = ap.parse_args()
     torch.manual_seed(0)
     peak = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {peak / 1e12:.2f} TB/s  rows={args.rows}")
     m = args.rows
+    engine_calls(m, peak)
+    if args.engine_only:
+        return
     best_rows = []
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2

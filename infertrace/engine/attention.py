@@ -132,6 +132,7 @@ class TritonAttention:
 
     name = "triton"
     MAX_SPLITS = 8
+    fuses_kv_store = True  # the model's fused q/k-norm + RoPE kernel may write K/V into the cache for it
 
     def __init__(self, mode: str = "batched", block_size: int = 16, batch_buckets: tuple[int, ...] = (),
                  max_num_seqs: int = 256):
@@ -165,11 +166,14 @@ class TritonAttention:
     def prepare(self, meta: AttentionMetadata) -> None:
         pass
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                kv_stored: bool = False) -> torch.Tensor:
+        """`kv_stored`: the step's K/V are already in the cache (written by the fused q/k-norm + RoPE kernel)."""
         num_heads_kv, head_dim = k_cache.shape[1], k_cache.shape[2]
         paged_k = k_cache.view(-1, self.block_size, num_heads_kv, head_dim)
         paged_v = v_cache.view(-1, self.block_size, num_heads_kv, head_dim)
-        self._kernels.store_kvcache(k, v, paged_k, paged_v, meta.slot_mapping)
+        if not kv_stored:
+            self._kernels.store_kvcache(k, v, paged_k, paged_v, meta.slot_mapping)
         out = torch.empty_like(q)
         if self.mode == "batched":
             splits, workspace = 1, None

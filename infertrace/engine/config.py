@@ -42,6 +42,9 @@ class EngineConfig:
     static_buffers: bool = True  # step inputs live in buffers allocated once (False: fresh tensors every step)
     # small fusions on CUDA, one Triton kernel each: residual add + RMSNorm, q/k RMSNorm + RoPE, SiLU-and-multiply
     fused_norm: bool = True
+    # with fused_norm, on CUDA with 16-bit weights: projections of steps of <= 16 tokens as weight-streaming Triton
+    # GEMMs (split-K sums added in float32 and read by the next residual add + RMSNorm)
+    skinny_gemm: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
     # CPU KV offload
     offload: str = "off"  # "prefix": host tier of the prefix cache; "long": contexts beyond the GPU's KV; or both

@@ -78,7 +78,9 @@ class ModelRunner:
         model.eval()
         max_positions = min(self.spec.max_position_embeddings, config.max_model_len or self.spec.max_position_embeddings)
         on_cuda = self.device.type == "cuda"
-        model.setup(self.attention, max_positions, self.device, fused_norm=config.fused_norm and on_cuda)
+        fused = config.fused_norm and on_cuda
+        model.setup(self.attention, max_positions, self.device, fused_norm=fused,
+                    skinny_gemm=fused and config.skinny_gemm and self.dtype in (torch.bfloat16, torch.float16))
         self.model = model
         self.max_positions = max_positions
         self.peak_activation_bytes = self._measure_peak_activation() if on_cuda and config.kv_cache_tokens is None else 0

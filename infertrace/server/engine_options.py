@@ -28,6 +28,8 @@ FIELD_HELP = {
     "long_prefill_token_threshold": "Most prefill tokens of one request per step; 0: no limit.",
     "prefix_caching": "Reuse KV blocks of shared prompt prefixes.",
     "scheduling_policy": "Scheduling policy.",
+    "async_scheduling": "Plan and queue the next step while the current one runs: auto (on for CUDA), on or off.",
+    "skinny_gemm": "Projections of small decode steps as weight-streaming Triton GEMMs (CUDA, 16-bit, fused norm).",
     "attention": "batched: one attention kernel for the batch; looped: one request at a time (ablation).",
     "attention_backend": "Attention kernels: auto, torch, triton or flash_attn.",
     "cuda_graphs": "Capture decode steps in CUDA graphs per batch-size bucket (no effect on CPU).",

@@ -1,4 +1,5 @@
-"""Small fusions of the decode path: q/k RMSNorm with RoPE, and SiLU-and-multiply, one kernel each.
+"""Small fusions of the decode path: q/k RMSNorm with RoPE (optionally writing K and V into the paged cache as
+well), and SiLU-and-multiply, one kernel each.
 
 Each intermediate is rounded to the model dtype where the unfused model rounds it, so the fused path computes
 the same function as the eager one.
@@ -13,7 +14,8 @@ import triton.language as tl
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr,
-                         qkv_stride, num_q_heads, num_kv_heads, eps, HALF: tl.constexpr):
+                         k_cache_ptr, v_cache_ptr, slot_ptr,
+                         qkv_stride, num_q_heads, num_kv_heads, eps, HALF: tl.constexpr, STORE_KV: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
@@ -39,25 +41,48 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_pt
     s2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + i).to(dtype).to(tl.float32)
     o1 = (y1 * c1).to(dtype).to(tl.float32) + (-y2 * s1).to(dtype).to(tl.float32)
     o2 = (y2 * c2).to(dtype).to(tl.float32) + (y1 * s2).to(dtype).to(tl.float32)
+    r1 = o1.to(dtype)
+    r2 = o2.to(dtype)
     if is_q:
         out = q_out_ptr + (t * num_q_heads + h) * 2 * HALF
     else:
         out = k_out_ptr + (t * num_kv_heads + (h - num_q_heads)) * 2 * HALF
-    tl.store(out + i, o1.to(dtype))
-    tl.store(out + HALF + i, o2.to(dtype))
+    tl.store(out + i, r1)
+    tl.store(out + HALF + i, r2)
+    if STORE_KV:
+        if not is_q:
+            slot = tl.load(slot_ptr + t)
+            if slot >= 0:  # -1: a padding row of a captured graph
+                kv_head = h - num_q_heads
+                dst = (slot * num_kv_heads + kv_head) * 2 * HALF
+                tl.store(k_cache_ptr + dst + i, r1)
+                tl.store(k_cache_ptr + dst + HALF + i, r2)
+                v_src = qkv_ptr + t * qkv_stride + (num_q_heads + num_kv_heads + kv_head) * 2 * HALF
+                tl.store(v_cache_ptr + dst + i, tl.load(v_src + i))
+                tl.store(v_cache_ptr + dst + HALF + i, tl.load(v_src + HALF + i))
 
 
 def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor,
-                 k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+                 k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """qkv [T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k [T, Hkv, D], each RMS-normalised per head and rotated."""
+    """qkv [T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k [T, Hkv, D], each RMS-normalised per head and rotated.
+
+    With `kv_cache` = (k_cache, v_cache, slot_mapping), caches [num_slots, Hkv, D], the rotated K and the V of
+    every token are also written at its slot (slot -1 writes nothing), so no separate store kernel runs.
+    """
     t = qkv.shape[0]
     q = torch.empty((t, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((t, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if t:
+        if kv_cache is not None:
+            k_cache, v_cache, slots = kv_cache
+            assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1:] == (num_kv_heads, head_dim)
+        else:
+            k_cache = v_cache = slots = k  # unused
         _qk_norm_rope_kernel[(t, num_q_heads + num_kv_heads)](
-            qkv, q, k, q_weight, k_weight, cos, sin, positions, qkv.stride(0), num_q_heads, num_kv_heads, eps,
-            HALF=head_dim // 2, num_warps=1,
+            qkv, q, k, q_weight, k_weight, cos, sin, positions, k_cache, v_cache, slots, qkv.stride(0),
+            num_q_heads, num_kv_heads, eps, HALF=head_dim // 2, STORE_KV=kv_cache is not None, num_warps=1,
         )
     return q, k
 

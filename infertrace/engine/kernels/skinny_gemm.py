@@ -48,13 +48,16 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         tl.atomic_add(y_ptrs, acc, mask=mask, sem="relaxed")
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int = 32,
-                block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """x [M, K] (M <= 16) times weight [N, K] transposed. With split_k > 1, `out` must be a zeroed float32 [M, N]
-    tensor the partial sums are added to (and is returned as is)."""
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int = 32, block_k: int = 256, split_k: int = 1, num_warps: int = 4,
+                num_stages: int = 4) -> torch.Tensor:
+    """x [M, K] (M <= 16) times weight [N, K] transposed.
+
+    With split_k > 1, `out` must be a zeroed float32 [M, N] tensor the partial sums are added to (and is returned
+    as is); split_k = 2 stays deterministic (0 + a + b is the same sum in either order).
+    """
     m, k = x.shape
     n = weight.shape[0]
-    assert m <= 16 and x.stride(1) == 1 and weight.stride(1) == 1
+    assert m <= 16 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
         if split_k > 1:
@@ -64,3 +67,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
                               BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                               EVEN_K=k % (block_k * split_k) == 0, num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+# (N, K) of a projection -> (block_n, block_k, split_k), from benchmarks/gemm_bench.py on an H100 (qwen3-4b shapes,
+# 8 rows, weights cold in L2); split_k is at most 2 so the sums stay deterministic
+def decode_config(n: int, k: int) -> tuple[int, int, int]:
+    if n <= 4096:
+        return 64, 256, 2 if k % 512 == 0 else 1  # few output columns: split the reduction to fill the SMs
+    if n <= 8192:
+        return 64, 256, 1
+    return (32, 256, 1) if n < 65536 else (64, 256, 1)

@@ -95,6 +95,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+SKINNY_MAX_ROWS = 16  # steps of at most this many tokens use the weight-streaming GEMMs
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T by the skinny GEMM with its tuned tiling; into `acc` (float32, zeroed) when the shape splits K."""
+    from infertrace.engine.kernels.skinny_gemm import decode_config, skinny_gemm
+
+    n, k = weight.shape
+    block_n, block_k, split_k = decode_config(n, k)
+    if acc is None or split_k == 1:
+        return skinny_gemm(x, weight, block_n=block_n, block_k=block_k)
+    return skinny_gemm(x, weight, acc, block_n=block_n, block_k=block_k, split_k=split_k)
+
+
 class Qwen3Attention(nn.Module):
     def __init__(self, spec: Qwen3Spec, dtype: torch.dtype):
         super().__init__()
@@ -112,20 +126,29 @@ class Qwen3Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata,
-                fused: bool = False):
-        qkv = self.qkv_proj(x)
+                fused: bool = False, acc: torch.Tensor | None = None, skinny: bool = False):
+        """With `skinny`, the projections run as weight-streaming GEMMs, the output one adding into `acc`."""
+        qkv = decode_linear(x, self.qkv_proj.weight) if skinny else self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        stored = False
         if fused:
             from infertrace.engine.kernels.fused import qk_norm_rope
 
+            stored = getattr(attn, "fuses_kv_store", False)
             q, k = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
-                                self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin, positions)
+                                self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin, positions,
+                                kv_cache=(self.k_cache, self.v_cache, meta.slot_mapping) if stored else None)
         else:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
             q, k = rope(positions, q, k)
-        out = attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        if stored:
+            out = attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, kv_stored=True)
+        else:
+            out = attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        if skinny:
+            return decode_linear(out.reshape(-1, self.q_size), self.o_proj.weight, acc)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -136,10 +159,13 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False, acc: torch.Tensor | None = None,
+                skinny: bool = False) -> torch.Tensor:
         if fused:
             from infertrace.engine.kernels.fused import silu_mul
 
+            if skinny:
+                return decode_linear(silu_mul(decode_linear(x, self.gate_up_proj.weight)), self.down_proj.weight, acc)
             return self.down_proj(silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -185,16 +211,20 @@ class Qwen3ForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None
         self.attn: TorchAttention | None = None
         self.fused_norm = False
+        self.skinny_gemm = False
 
-    def setup(self, attn: TorchAttention, max_positions: int, device: torch.device, fused_norm: bool = False) -> None:
+    def setup(self, attn: TorchAttention, max_positions: int, device: torch.device, fused_norm: bool = False,
+              skinny_gemm: bool = False) -> None:
         """Attach the attention backend and build the RoPE tables (after the weights are on `device`).
 
-        `fused_norm` (CUDA only) runs residual add + RMSNorm, q/k RMSNorm + RoPE and SiLU-and-multiply as one Triton
-        kernel each.
+        `fused_norm` (CUDA only) runs residual add + RMSNorm, q/k RMSNorm + RoPE (with the K/V cache write when the
+        backend allows) and SiLU-and-multiply as one Triton kernel each. `skinny_gemm` (CUDA, 16-bit weights, with
+        `fused_norm`) runs the projections of steps of at most 16 tokens as weight-streaming Triton GEMMs.
         """
         self.attn = attn
         self.rope = RotaryEmbedding(self.spec.head_dim, self.spec.rope_theta, max_positions, device)
         self.fused_norm = fused_norm
+        self.skinny_gemm = skinny_gemm and fused_norm and not self.spec.attention_bias
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
@@ -214,17 +244,22 @@ class Qwen3ForCausalLM(nn.Module):
 
         layers = self.model.layers
         residual = x  # updated in place by every add_rmsnorm below
+        skinny = self.skinny_gemm and x.shape[0] <= SKINNY_MAX_ROWS
+        # split-K projections add into this; each add_rmsnorm that reads it leaves it zeroed
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if skinny else None
         h = add_rmsnorm(x, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         for i, layer in enumerate(layers):
-            a = layer.self_attn(h, positions, self.rope, self.attn, meta, fused=True)
+            a = layer.self_attn(h, positions, self.rope, self.attn, meta, fused=True, acc=acc, skinny=skinny)
             h = add_rmsnorm(a, residual, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-            m = layer.mlp(h, fused=True)
+            m = layer.mlp(h, fused=True, acc=acc, skinny=skinny)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h = add_rmsnorm(m, residual, norm.weight, norm.eps)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.skinny_gemm and hidden.shape[0] <= SKINNY_MAX_ROWS:
+            return decode_linear(hidden.contiguous(), weight)
         return F.linear(hidden, weight)
 
     def packed_slice(self, param_name: str, index: int) -> tuple[int, int]:

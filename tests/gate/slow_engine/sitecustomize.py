@@ -11,14 +11,14 @@ if _factor > 1:
 
     from infertrace.engine.model_runner import ModelRunner
 
-    _run = ModelRunner.run
+    _launch = ModelRunner.launch  # on a CPU device the step's work is done when launch returns
 
-    def _slow_run(self, plan):
+    def _slow_launch(self, plan, *args, **kwargs):
         start = time.perf_counter()
-        tokens = _run(self, plan)
+        launched = _launch(self, plan, *args, **kwargs)
         until = start + (time.perf_counter() - start) * _factor
         while time.perf_counter() < until:
             pass
-        return tokens
+        return launched
 
-    ModelRunner.run = _slow_run
+    ModelRunner.launch = _slow_launch

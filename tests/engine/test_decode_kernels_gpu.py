@@ -1,0 +1,84 @@
+"""The decode path's weight-streaming GEMM and fused kernels against plain torch (GPU only)."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _linear_ref(x, w):
+    return (x.double() @ w.double().T)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize("n, k", [(2560, 4096), (6144, 2560), (1000, 1200), (151936, 256)])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_skinny_gemm_matches_matmul(rows, n, k, split_k):
+    from infertrace.engine.kernels.skinny_gemm import skinny_gemm
+
+    torch.manual_seed(rows + n)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    ref = _linear_ref(x, w)
+    if split_k == 1:
+        got = skinny_gemm(x, w, block_n=64, block_k=256)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    else:
+        acc = torch.zeros(rows, n, device="cuda", dtype=torch.float32)
+        got = skinny_gemm(x, w, acc, block_n=64, block_k=256, split_k=2)
+        assert got is acc
+    err = (got.double() - ref).abs().max() / ref.abs().max()
+    assert err < 1e-2, float(err)
+
+
+def test_split_k_sums_are_deterministic():
+    from infertrace.engine.kernels.skinny_gemm import skinny_gemm
+
+    torch.manual_seed(2)
+    x = torch.randn(8, 9728, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2560, 9728, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for _ in range(5):
+        acc = torch.zeros(8, 2560, device="cuda", dtype=torch.float32)
+        runs.append(skinny_gemm(x, w, acc, block_n=64, block_k=256, split_k=2).clone())
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+def test_add_rmsnorm_reads_and_zeroes_a_float32_accumulator():
+    from infertrace.engine.kernels.norm import add_rmsnorm
+
+    torch.manual_seed(3)
+    acc = torch.randn(8, 2560, device="cuda", dtype=torch.float32)
+    residual = torch.randn(8, 2560, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(2560, device="cuda", dtype=torch.bfloat16)
+    want_residual = residual.clone()
+    want = add_rmsnorm(acc.to(torch.bfloat16), want_residual, weight, 1e-6)
+    got = add_rmsnorm(acc, residual, weight, 1e-6)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want) and torch.equal(residual, want_residual)
+    assert not acc.any(), "the accumulator was not left zeroed"
+
+
+def test_qk_norm_rope_writes_the_cache_like_the_store_kernel():
+    from infertrace.engine.kernels.fused import qk_norm_rope
+    from infertrace.engine.kernels.paged_attention import store_kvcache
+
+    torch.manual_seed(4)
+    t, hq, hkv, d = 8, 32, 8, 128
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    qw = torch.randn(d, device="cuda", dtype=torch.bfloat16)
+    kw = torch.randn(d, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(100, 100 + t, device="cuda")
+    cos = torch.randn(4096, d, device="cuda")
+    sin = torch.randn(4096, d, device="cuda")
+    slots = torch.tensor([5, 17, 40, -1, 3, 64, 65, -1], device="cuda")
+    k_cache = torch.zeros(128, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    q, k = qk_norm_rope(qkv, hq, hkv, d, qw, kw, 1e-6, cos, sin, positions, kv_cache=(k_cache, v_cache, slots))
+    q_ref, k_ref = qk_norm_rope(qkv, hq, hkv, d, qw, kw, 1e-6, cos, sin, positions)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    k_want = torch.zeros(8, 16, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_want = torch.zeros_like(k_want)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    store_kvcache(k_ref, v, k_want, v_want, slots)
+    assert torch.equal(k_cache, k_want.view_as(k_cache)) and torch.equal(v_cache, v_want.view_as(v_cache))
