@@ -24,6 +24,7 @@ class ProfileFigures:
     decode_steps: int
     kernels_per_decode_step: float | None  # GPU kernels, graph-replayed ones included
     launches_per_decode_step: float | None  # launch calls (cudaLaunchKernel, cudaGraphLaunch, ...)
+    attention_kernels_per_decode_step: float | None  # of the kernels, attention's (split-KV merges included)
     cpu_ops_per_decode_step: float | None  # leaf CPU operators
     gpu_idle_share: float | None  # of the captured steps' wall time, the share with no GPU work running
     host_wait_share: float | None  # of the same wall time, the share the GPU sat idle waiting for a launch
@@ -41,7 +42,6 @@ def analyze_profile(trace_dir: str | Path) -> ProfileFigures:
     no usable trace, ValueError when it holds no engine step."""
     from infertrace.analyze.capture import load_capture
     from infertrace.analyze.events import GPU_WORK
-    from infertrace.analyze.launches import launches
     from infertrace.analyze.phases import find_steps, phase_summary, step_metrics
 
     capture = load_capture(trace_dir)
@@ -60,13 +60,11 @@ def analyze_profile(trace_dir: str | Path) -> ProfileFigures:
     def per_decode(counts: np.ndarray) -> float | None:
         return float(counts[decode].mean()) if n_decode else None
 
-    kernels = launches_per_step = idle = host_wait = verdict = None
+    kernels = launches_per_step = attention = idle = host_wait = verdict = None
     if has_gpu:
         kernels = per_decode(steps["kernels"].to_numpy())
-        calls = launches(events)
-        runtime = events[(events["kind"] == "runtime").to_numpy()].drop_duplicates("correlation")
-        calls = runtime[runtime["correlation"].isin(calls["correlation"]).to_numpy()]
-        launches_per_step = per_decode(count_in_steps(calls, steps))
+        launches_per_step = per_decode(steps["launches"].to_numpy())
+        attention = per_decode(steps["attention kernels"].to_numpy())
         wall = float(steps["step_ms"].sum())
         if wall > 0:
             idle = 1.0 - float(steps["busy_ms"].sum()) / wall
@@ -79,6 +77,7 @@ def analyze_profile(trace_dir: str | Path) -> ProfileFigures:
     return ProfileFigures(
         trace_dir=str(trace_dir), has_gpu=has_gpu, steps=len(steps), decode_steps=n_decode,
         kernels_per_decode_step=kernels, launches_per_decode_step=launches_per_step,
+        attention_kernels_per_decode_step=attention,
         cpu_ops_per_decode_step=cpu_ops, gpu_idle_share=idle, host_wait_share=host_wait,
         decode_step_p50_ms=float(np.median(step_ms)) if n_decode else None, verdict=verdict,
         phases=_records(summary), problems=list(capture.problems))

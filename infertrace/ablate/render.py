@@ -81,6 +81,8 @@ def _kernels(row: WaterfallRow) -> Text:
         launches = row.launches_per_decode_step
         if launches is not None and round(launches) != round(row.kernels_per_decode_step):
             cell.append(f"\n{launches:.0f} launch{'es' if round(launches) != 1 else ''}", style="dim")  # graphs
+        if row.attention_kernels_per_decode_step is not None:
+            cell.append(f"\n{row.attention_kernels_per_decode_step:.0f} attention", style="dim")
         return cell
     if row.cpu_ops_per_decode_step is not None:
         return Text(f"{row.cpu_ops_per_decode_step:.0f} ops")

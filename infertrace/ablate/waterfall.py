@@ -22,6 +22,7 @@ class WaterfallRow:
     median_itl_ms: float | None
     kernels_per_decode_step: float | None
     launches_per_decode_step: float | None
+    attention_kernels_per_decode_step: float | None
     cpu_ops_per_decode_step: float | None  # a CPU trace's stand-in for kernels
     gpu_idle_share: float | None
     detail: str | None  # the error of a failed phase; for one that ran, failed requests or a missing profile
@@ -43,6 +44,7 @@ def waterfall(results: list[PhaseResult]) -> list[WaterfallRow]:
             median_ttft_ms=m.ttft.median if m else None, median_itl_ms=m.itl.median if m else None,
             kernels_per_decode_step=p.kernels_per_decode_step if p else None,
             launches_per_decode_step=p.launches_per_decode_step if p else None,
+            attention_kernels_per_decode_step=p.attention_kernels_per_decode_step if p else None,
             cpu_ops_per_decode_step=p.cpu_ops_per_decode_step if p else None,
             gpu_idle_share=p.gpu_idle_share if p else None,
             detail=r.error if r.status is not PhaseStatus.OK else _notes(r)))

@@ -109,6 +109,10 @@ def step_metrics(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     out["kernels"] = np.bincount(step_ids, weights=(gpu["kind"] == "kernel").to_numpy()[own],
                                  minlength=n).astype(np.int64)
     out["gpu_ops"] = np.bincount(step_ids, minlength=n).astype(np.int64)
+    # launch calls that reached the GPU: one per correlation id (a graph launch starts many kernels)
+    corr_own = gpu["correlation"].to_numpy()[own]
+    _, first = np.unique(corr_own, return_index=True)
+    out["launches"] = np.bincount(step_ids[first], minlength=n).astype(np.int64)
     last_end = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
     np.maximum.at(last_end, step_ids, g_end[own])
     wall_end = np.maximum(out["end_ns"].to_numpy(), last_end)
@@ -127,6 +131,7 @@ def step_metrics(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     for cat in CATEGORIES:
         pick = cats == cat
         out[f"{cat} (ms)"] = np.bincount(step_ids[pick], weights=dur[pick], minlength=n) / 1e6
+        out[f"{cat} kernels"] = np.bincount(step_ids[pick], minlength=n).astype(np.int64)
     return out
 
 

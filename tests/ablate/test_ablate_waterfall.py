@@ -36,9 +36,11 @@ def test_first_phase_failing_makes_the_next_the_baseline():
 
 def test_profile_columns_come_from_the_profile():
     profile = types.SimpleNamespace(kernels_per_decode_step=504.0, launches_per_decode_step=1.0,
-                                    cpu_ops_per_decode_step=None, gpu_idle_share=0.05)
+                                    attention_kernels_per_decode_step=72.0, cpu_ops_per_decode_step=None,
+                                    gpu_idle_share=0.05)
     row = waterfall([_result(0, 700.0, profile=profile)])[0]
-    assert (row.kernels_per_decode_step, row.launches_per_decode_step, row.gpu_idle_share) == (504.0, 1.0, 0.05)
+    assert (row.kernels_per_decode_step, row.launches_per_decode_step, row.attention_kernels_per_decode_step,
+            row.gpu_idle_share) == (504.0, 1.0, 72.0, 0.05)
 
 
 def test_a_phase_that_ran_without_its_profile_says_why():

@@ -57,6 +57,7 @@ def test_sglang_steps_and_categories(sglang):
     assert sglang["type"].tolist() == ["EXTEND"]
     step = sglang.iloc[0]
     assert (step["bs"], step["toks"], step["kernels"], step["gpu_ops"]) == (15, 15360, 521, 524)
+    assert step["launches"] == 524  # one GPU op per launch call in this eager step
     assert step["cpu_ms"] == pytest.approx(28.915862)
     assert step["step_ms"] == pytest.approx(493.633219)
     expected_ms = {"GEMM": 420.305748, "attention": 26.076170, "norm": 26.258560, "activation": 16.508145,
@@ -226,6 +227,8 @@ def test_launches_under_a_stale_thread_id_belong_to_the_open_step(tmp_path, make
     ])
     steps = _steps(make_trace(tmp_path / "t.json", events))
     assert steps["kernels"].tolist() == [2]
+    assert steps["launches"].tolist() == [1]  # one graph launch, two kernels
+    assert steps["GEMM kernels"].tolist() == [1] and steps["norm kernels"].tolist() == [1]
 
 
 def test_our_engine_on_cpu(tiny_model_dir, tmp_path):

@@ -69,11 +69,12 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     return out
 
 
-# (N, K) of a projection -> (block_n, block_k, split_k), from benchmarks/gemm_bench.py on an H100 (qwen3-4b shapes,
-# 8 rows, weights cold in L2); split_k is at most 2 so the sums stay deterministic
-def decode_config(n: int, k: int) -> tuple[int, int, int]:
+# (N, K) of a projection -> (block_n, block_k, split_k, num_stages), from benchmarks/gemm_bench.py on an H100
+# (qwen3-4b shapes, 8 rows, weights cold in L2); split_k is at most 2 so the sums stay deterministic
+def decode_config(n: int, k: int) -> tuple[int, int, int, int]:
     if n <= 4096:
-        return 64, 256, 2 if k % 512 == 0 else 1  # few output columns: split the reduction to fill the SMs
+        # few output columns: split the reduction to fill the SMs
+        return (64, 256, 2, 4) if k % 512 == 0 else (64, 128, 1, 5)
     if n <= 8192:
-        return 64, 256, 1
-    return (32, 256, 1) if n < 65536 else (64, 256, 1)
+        return 64, 128, 1, 5
+    return (32, 128, 1, 3) if n < 65536 else (64, 256, 1, 4)

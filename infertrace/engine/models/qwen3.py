@@ -103,10 +103,10 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | Non
     from infertrace.engine.kernels.skinny_gemm import decode_config, skinny_gemm
 
     n, k = weight.shape
-    block_n, block_k, split_k = decode_config(n, k)
+    block_n, block_k, split_k, stages = decode_config(n, k)
     if acc is None or split_k == 1:
-        return skinny_gemm(x, weight, block_n=block_n, block_k=block_k)
-    return skinny_gemm(x, weight, acc, block_n=block_n, block_k=block_k, split_k=split_k)
+        return skinny_gemm(x, weight, block_n=block_n, block_k=block_k, num_stages=stages)
+    return skinny_gemm(x, weight, acc, block_n=block_n, block_k=block_k, split_k=split_k, num_stages=stages)
 
 
 class Qwen3Attention(nn.Module):
