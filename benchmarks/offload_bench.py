@@ -203,8 +203,22 @@ class LogitRecorder:
         return self.sampler(logits, params, generators)
 
 
+def hf_last_logits(path: Path, prompt: list[int], dtype: str) -> torch.Tensor:
+    """Hugging Face transformers' own logits after `prompt` (last position only), as the reference."""
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    model = model.cuda().eval()
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([prompt], device="cuda")).last_hidden_state[0, -1:]
+        logits = model.lm_head(hidden)[0].float().cpu()
+    del model
+    release()
+    return logits
+
+
 def bench_long(root: Path, dtype: str, prompt_len: int = 65536, budget: int = 16384, new_tokens: int = 32,
-               preset: str = "qwen3-0.6b", chunk_tokens: int = 4096) -> None:
+               preset: str = "qwen3-0.6b", chunk_tokens: int = 4096, hf_check: bool = False) -> None:
     path = model_dir(root, preset, dtype, max_positions=131072)
     prompt = random_tokens(random.Random(1), prompt_len)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
@@ -250,6 +264,13 @@ def bench_long(root: Path, dtype: str, prompt_len: int = 65536, budget: int = 16
     compared = list(zip(ref["logits"], off["logits"]))[: agree + 1]
     rel = max(float((b - a).norm() / a.norm()) for a, b in compared)
     rel_max = max(float((b - a).abs().max() / a.abs().max()) for a, b in compared)
+    if hf_check:
+        want = hf_last_logits(path, prompt, dtype)
+        for label, r in runs.items():
+            got = r["logits"][0]
+            row(f"long {dtype} {prompt_len}: first logits, {label} vs Hugging Face",
+                f"{float((got - want).norm() / want.norm()):.2e} relative L2",
+                f"argmax {int(got.argmax())} vs {int(want.argmax())}")
     c = off["counters"]
     row(f"long {dtype}: first {new_tokens} greedy tokens, offload=long vs large budget",
         "identical" if same else f"first {agree} identical",
@@ -270,6 +291,9 @@ def main() -> None:
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/models"))
     ap.add_argument("--only", default="ttft,bandwidth,long", help="comma-separated parts: ttft, bandwidth, long")
     ap.add_argument("--long-dtypes", default="float32,bfloat16", help="dtypes of the long-context part")
+    ap.add_argument("--long-prompt", type=int, default=65536, help="prompt tokens of the long-context part")
+    ap.add_argument("--long-budget", type=int, default=16384, help="GPU KV budget (tokens) of offload=long")
+    ap.add_argument("--hf-check", action="store_true", help="also compare first logits with Hugging Face's")
     ap.add_argument("--out", type=Path, help="also write the rows as JSON here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -279,7 +303,9 @@ def main() -> None:
     parts = {
         "ttft": [lambda: bench_ttft(args.models_dir)],
         "bandwidth": [lambda: bench_bandwidth(args.models_dir)],
-        "long": [lambda d=d: bench_long(args.models_dir, d) for d in args.long_dtypes.split(",") if d],
+        "long": [lambda d=d: bench_long(args.models_dir, d, prompt_len=args.long_prompt, budget=args.long_budget,
+                                        hf_check=args.hf_check)
+                 for d in args.long_dtypes.split(",") if d],
     }
     for name in [p.strip() for p in args.only.split(",") if p.strip()]:
         for part in parts.get(name, []):

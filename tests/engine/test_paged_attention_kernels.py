@@ -64,3 +64,26 @@ def test_paged_attention_matches_reference(dtype, num_splits, heads, kv_heads, d
     err = (out.double() - ref).norm() / ref.norm()
     assert not out.isnan().any()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("q_len", [64, 8192])
+def test_paged_attention_over_a_64k_context(q_len):
+    """A prefill chunk at the end of a 65,536-token context (bf16, 16 heads over 8 KV heads): the last query rows
+    against a float64 reference over all keys."""
+    from infertrace.engine.kernels.paged_attention import paged_attention
+
+    torch.manual_seed(0)
+    dev, dtype = "cuda", torch.bfloat16
+    ctx_len, block_size, heads, kv_heads, dim = 65536, 16, 16, 8, 128
+    num_blocks = ctx_len // block_size + 64
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, device=dev, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(num_blocks, device=dev)[: ctx_len // block_size][None].contiguous()
+    q = torch.randn(q_len, heads, dim, device=dev, dtype=dtype)
+    cu = torch.tensor([0, q_len], device=dev, dtype=torch.int64)
+    ctx = torch.tensor([ctx_len], device=dev, dtype=torch.int64)
+    out = paged_attention(q, k_cache, v_cache, cu, ctx, block_tables, q_len, dim**-0.5)
+    rows = 4  # the last query rows see (nearly) every key
+    ref = _reference(q[-rows:], k_cache, v_cache, [rows], [ctx_len], block_tables, dim**-0.5)
+    err = (out[-rows:].double() - ref).norm() / ref.norm()
+    assert err < 1e-2, float(err)
