@@ -179,6 +179,8 @@ class ModelRunner:
             if self.buffers is not None:
                 self.buffers.next_step()
             input_ids, positions, meta, logits_indices = self.prepare_inputs(plan)
+            if self.buffers is not None:
+                self.buffers.staged()
             if feed is not None:
                 self._feed_tokens(input_ids, *feed)
             self.attention.prepare(meta)

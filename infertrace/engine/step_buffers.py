@@ -2,8 +2,10 @@
 read the same addresses every replay.
 
 On CUDA the host values go through pinned staging buffers, two sets used in turn (`next_step()`), so a copy is
-queued without waiting for the device: the next step is prepared while the one before it still runs, and its
-staging set is the one of the step before that, whose copies have landed."""
+queued without waiting for the device and the next step is prepared while the one before it still runs. A set is
+written again only once the copies out of it have run (an event recorded after them, `staged()`): steps that
+sample nothing (prefill chunks) do not wait for the device, and the host could otherwise run two steps ahead and
+overwrite values a queued copy has not read yet."""
 
 from __future__ import annotations
 
@@ -30,10 +32,20 @@ class StepBuffers:
             {n: torch.zeros(getattr(self, n).numel(), dtype=torch.long).pin_memory() for n in names} for _ in range(2)
         ] if device.type == "cuda" else []
         self._turn = 0
+        self._copied: list[torch.cuda.Event | None] = [None, None]
 
     def next_step(self) -> None:
         """Switch staging sets: called once per step, before its `fill` calls."""
         self._turn ^= 1
+        if self._staging and self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()  # the step before last has read this set
+
+    def staged(self) -> None:
+        """Called after a step's `fill` calls: marks where the copies out of this staging set end."""
+        if self._staging:
+            if self._copied[self._turn] is None:
+                self._copied[self._turn] = torch.cuda.Event()
+            self._copied[self._turn].record()
 
     def _source(self, name: str, values: list) -> torch.Tensor:
         src = torch.tensor(values, dtype=torch.long)

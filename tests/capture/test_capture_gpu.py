@@ -69,7 +69,9 @@ def kernels_in_steps(trace: Path) -> tuple[list[str], dict[str, int], int]:
 
 
 def test_torch_trace_holds_kernels_inside_steps(qwen3_dir, tmp_path):
-    subprocess.run([sys.executable, "-c", ENGINE_RUN, str(qwen3_dir), str(tmp_path)], check=True)
+    done = subprocess.run([sys.executable, "-c", ENGINE_RUN, str(qwen3_dir), str(tmp_path)], capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
     trace = next(tmp_path.glob("qwen3.*.pt.trace.json.gz"))
     steps, inside, total = kernels_in_steps(trace)
     assert len(steps) == 10 and all(name.startswith("step[DECODE bs=8]") for name in steps)

@@ -161,3 +161,38 @@ def test_bfloat16_decode_tokens_are_hf_argmax_within_rounding(qwen06_dirs):
         assert float(gap.max()) < 3e-2, (float(gap.max()), int(gap.argmax()))
     del hf
     torch.cuda.empty_cache()
+
+
+def test_many_prefill_chunks_in_flight_read_their_own_inputs(qwen06_dirs):
+    """A 32k prompt in 16 prefill chunks: the host queues chunks far ahead of the GPU (none samples, so nothing
+    waits), and each chunk's inputs must still be the ones it was planned with. Found at 64k in bf16, where
+    reused pinned staging made the first logits unrelated to Hugging Face's (0.55 relative L2)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from infertrace.engine import Engine, EngineConfig, SamplingParams
+
+    path = qwen06_dirs["bfloat16"]
+    prompt = [random.Random(21).randrange(151936) for _ in range(32768)]
+    engine = Engine(path, EngineConfig(kv_cache_tokens=33792, max_num_batched_tokens=2048))
+    captured = []
+    sampler = engine.runner.sampler
+
+    def spy(logits, params, generators):
+        captured.append(logits[0].float().cpu())
+        return sampler(logits, params, generators)
+
+    engine.runner.sampler = spy
+    engine.add_request("long", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    del engine
+    torch.cuda.empty_cache()
+    hf = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    with torch.no_grad():
+        hidden = hf.model(torch.tensor([prompt], device="cuda")).last_hidden_state[0, -1:]
+        want = hf.lm_head(hidden)[0].float().cpu()
+    del hf
+    torch.cuda.empty_cache()
+    rel = float((captured[0] - want).norm() / want.norm())
+    assert rel < 2e-2, rel
