@@ -50,7 +50,7 @@ def engine_calls(m: int, peak: float) -> None:
 
     layers = 36
     print(f"\nas the engine calls them ({layers} weight copies, {m} rows):")
-    hidden, inter = 2560, 9728
+    hidden = 2560
     acc = torch.zeros(m, hidden, device="cuda", dtype=torch.float32)
     for name, (n, k) in SHAPES.items():
         if name == "lm_head":
@@ -99,7 +99,7 @@ def main() -> None:
         ref = torch.nn.functional.linear(x, weights[0]).float()
         results: list[tuple[str, float]] = []
         results.append(("cuBLAS F.linear", timed(lambda w: torch.nn.functional.linear(x, w), weights)))
-        results.append((f"cuBLAS, rows padded to 16", timed(lambda w: torch.nn.functional.linear(x16, w), weights)))
+        results.append(("cuBLAS, rows padded to 16", timed(lambda w: torch.nn.functional.linear(x16, w), weights)))
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         results.append(("cuBLAS, no reduced-precision reduction",
                         timed(lambda w: torch.nn.functional.linear(x, w), weights)))

@@ -12,11 +12,16 @@ import argparse
 import random
 from pathlib import Path
 
-import torch
+from offload_bench import (
+    LogitRecorder,
+    hf_last_logits,
+    model_dir,
+    random_tokens,
+    release,
+    run_one,
+)
 
 from infertrace.engine import Engine, EngineConfig, SamplingParams
-
-from offload_bench import LogitRecorder, hf_last_logits, model_dir, random_tokens, release, run_one
 
 
 def main() -> None:

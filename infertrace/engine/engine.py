@@ -16,7 +16,12 @@ from infertrace.engine.annotate import annotate, step_range_name
 from infertrace.engine.block_manager import BlockManager
 from infertrace.engine.config import EngineConfig
 from infertrace.engine.detokenizer import IncrementalDetokenizer
-from infertrace.engine.model_runner import LaunchedStep, ModelRunner, resolve_device, resolve_dtype
+from infertrace.engine.model_runner import (
+    LaunchedStep,
+    ModelRunner,
+    resolve_device,
+    resolve_dtype,
+)
 from infertrace.engine.models.loader import check_model_dir, read_json
 from infertrace.engine.models.qwen3 import Qwen3Spec
 from infertrace.engine.offload.host_pool import check_host_budget
