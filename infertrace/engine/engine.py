@@ -206,6 +206,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
+    def decode_path(self) -> dict:
+        """What the engine chose at start-up for its steps, for a run's provenance."""
+        runner = self.runner
+        return {"attention_backend": f"{runner.attention.name} ({runner.attention.mode})",
+                "cuda_graphs_captured": runner.graphs is not None,
+                "fused_norm": runner.model.fused_norm, "skinny_gemm": runner.model.skinny_gemm,
+                "async_scheduling": self._async}
+
     def _launch_overlapped(self, prev: _Step) -> _Step | None:
         """Plan and queue the step after `prev` before `prev`'s tokens are on the host, or None when the next step
         has to see them first (a preemption or a long-context step)."""

@@ -117,10 +117,8 @@ class EmbeddedTarget:
             config = getattr(self.engine, "config", None)
             if dataclasses.is_dataclass(config):
                 info["engine_config"] = dataclasses.asdict(config)
-            runner = self.engine.runner
-            info["attention_backend"] = f"{runner.attention.name} ({runner.attention.mode})"
-            info["device"] = str(runner.device)
-            info["cuda_graphs_captured"] = runner.graphs is not None
+            info |= self.engine.decode_path()
+            info["device"] = str(self.engine.runner.device)
             # prefix-cache, offload and preemption counters of the whole run (warm-up included)
             info["engine_counters"] = dict(self.engine.counters)
         return info

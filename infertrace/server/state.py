@@ -34,8 +34,7 @@ class ServerState:
         self.settings = settings
         self.engine_config = engine_config
         # chosen once at start-up: reported by /server_info so a run records what it measured
-        self.attention_backend = f"{engine.runner.attention.name} ({engine.runner.attention.mode})"
-        self.cuda_graphs_captured = engine.runner.graphs is not None
+        self.decode_path = engine.decode_path()
         self.sampling_defaults = load_sampling_defaults(settings.model_dir)
         self.metrics = metrics.ServerMetrics()
         self.profiler = Profiler(aeng, settings.profile_dir)
@@ -157,4 +156,4 @@ class ServerState:
                 "max_model_len": self.max_model_len, "engine_config": self.engine_config,
                 "sampling_defaults": self.sampling_defaults, "server": settings, "versions": versions,
                 "device": device_info(), "platform": platform.platform(),
-                "attention_backend": self.attention_backend, "cuda_graphs_captured": self.cuda_graphs_captured}
+                **self.decode_path}

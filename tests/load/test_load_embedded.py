@@ -20,7 +20,11 @@ def test_embedded_run_counts_tokens_exactly(tiny_model_dir, tmp_path):
     assert doc["total_input_tokens"] == 4 * 16  # the engine's prompt count equals the built length
     assert doc["total_output_tokens"] == 4 * 6
     assert doc["output_token_sources"] == {"usage": 4}
-    assert doc["provenance"]["target"]["kind"] == "embedded"
+    target = doc["provenance"]["target"]
+    assert target["kind"] == "embedded"
+    assert target["attention_backend"] == "torch (batched)" and target["device"] == "cpu"
+    assert (target["cuda_graphs_captured"], target["async_scheduling"], target["skinny_gemm"]) == (False, False, False)
+    assert target["engine_counters"]["generation_tokens"] >= 4 * 6
     for line in map(json.loads, reqs.read_text().splitlines()):
         assert sum(line["chunk_tokens"]) == line["output_tokens"] == 6
         assert len(line["itl_ms"]) == len(line["chunk_tokens"]) - 1

@@ -146,6 +146,7 @@ async def test_models_health_version_server_info(serve_tiny):
         info = await (await client.get("/server_info")).json()
         assert info["model"] == "tiny" and info["max_model_len"] == client.state.max_model_len
         assert info["attention_backend"] == "torch (batched)" and info["cuda_graphs_captured"] is False
+        assert info["async_scheduling"] is False and info["skinny_gemm"] is False  # CPU: both stay off
         assert info["engine_config"] == {"kv_cache_tokens": 16384}
         assert info["server"]["max_queue"] == 7
         assert info["versions"]["torch"] and info["versions"]["infertrace"] == infertrace.__version__

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 
 LONG = {"prompt": "a long answer please", "max_tokens": 3000, "ignore_eos": True}
 
@@ -49,8 +50,10 @@ async def test_200_concurrent_streaming_clients_all_complete(serve_tiny, read_ss
         assert m["infertrace:generation_tokens_total"] == 800
 
 
-async def test_client_disconnect_mid_stream_aborts_and_frees_blocks(serve_tiny, metrics_of, wait_metrics):
-    async with serve_tiny() as client:
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+async def test_client_disconnect_mid_stream_aborts_and_frees_blocks(serve_tiny, metrics_of, wait_metrics,
+                                                                   async_scheduling):
+    async with serve_tiny({"async_scheduling": async_scheduling}) as client:
         async with aiohttp.ClientSession() as session:
             resp = await session.post(client.make_url("/v1/completions"), json={**LONG, "stream": True})
             assert resp.status == 200
@@ -66,6 +69,7 @@ async def test_client_disconnect_mid_stream_aborts_and_frees_blocks(serve_tiny, 
         assert after["infertrace:requests_aborted_total"] == 1
         assert after["infertrace:client_disconnects_total"] == 1
         assert after["infertrace:generation_tokens_total"] < 3000
+        assert (after["infertrace:overlapped_steps_total"] > 0) == (async_scheduling == "on")
 
 
 async def test_client_timeout_on_non_streaming_request_aborts_it(serve_tiny, wait_metrics):
@@ -131,3 +135,25 @@ async def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event(ser
         resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert resp.status == 500
         assert "error" in await resp.json()
+
+
+async def test_async_scheduling_serves_the_same_completions(serve_tiny):
+    """Concurrent greedy requests of different lengths, with steps planned ahead (async) or not: same answers."""
+    bodies = [{"prompt": f"request number {i} asks for text", "max_tokens": 5 + 3 * i, "ignore_eos": True,
+               "temperature": 0.0} for i in range(12)]
+
+    async def serve(mode: str) -> list[tuple[str, int]]:
+        async with serve_tiny({"async_scheduling": mode}) as client:
+            async def one(body):
+                resp = await client.post("/v1/completions", json=body)
+                assert resp.status == 200
+                data = await resp.json()
+                return data["choices"][0]["text"], data["usage"]["completion_tokens"]
+
+            answers = list(await asyncio.gather(*(one(b) for b in bodies)))
+            assert (client.engine.counters["overlapped_steps"] > 0) == (mode == "on")
+            return answers
+
+    sync, overlapped = await serve("off"), await serve("on")
+    assert overlapped == sync
+    assert [n for _, n in sync] == [b["max_tokens"] for b in bodies]
