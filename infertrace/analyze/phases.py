@@ -116,6 +116,16 @@ def step_metrics(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     last_end = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
     np.maximum.at(last_end, step_ids, g_end[own])
     wall_end = np.maximum(out["end_ns"].to_numpy(), last_end)
+    # the time between this step's last kernel and the previous step's (same process): the rate steps complete
+    # at, which stays right when a step is queued before the one ahead of it ends (async scheduling), where the
+    # step's own wall time also spans the tail of the step ahead
+    has_work = last_end > np.iinfo(np.int64).min
+    spacing = np.full(n, np.nan)
+    for _, idx in out.groupby("pid", sort=False).indices.items():
+        idx = np.sort(idx)
+        idx = idx[has_work[idx]]
+        spacing[idx[1:]] = (last_end[idx[1:]] - last_end[idx[:-1]]) / 1e6
+    out["spacing_ms"] = spacing
     start = out["ts_ns"].to_numpy()
     out["step_ms"] = (wall_end - start) / 1e6
     seg_s, seg_e = union(g_ts, g_end)
@@ -199,11 +209,17 @@ def phase_summary(steps: pd.DataFrame, has_gpu: bool) -> pd.DataFrame:
             "bs": group["bs"].astype(float).mean(), "toks": group["toks"].astype(float).mean(),
             "step_mean (ms)": step_ms.mean(), "step_p50 (ms)": np.percentile(step_ms, 50),
             "step_p99 (ms)": np.percentile(step_ms, 99), "cpu_mean (ms)": group["cpu_ms"].mean(),
+            "spacing_p50 (ms)": _nanmedian(group["spacing_ms"].to_numpy()),
             "gpu_busy_share": busy, "host_wait_share": host,
             "kernels_per_step": group["kernels"].mean(),
             "verdict": verdict(busy, host) if has_gpu and group["gpu_ops"].sum() else "no GPU work",
         })
     return pd.DataFrame(rows)
+
+
+def _nanmedian(values: np.ndarray) -> float:
+    values = values[~np.isnan(values)]
+    return float(np.median(values)) if values.size else float("nan")
 
 
 def verdict(busy_share: float, host_wait_share: float) -> str:

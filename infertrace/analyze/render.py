@@ -151,17 +151,23 @@ def _categories(df: pd.DataFrame) -> Table:
 
 
 def _phases(df: pd.DataFrame) -> Table:
+    # spacing only where some step type has two steps with GPU work (a single-step capture has none)
+    spacing = "spacing_p50 (ms)" in df and bool(df["spacing_p50 (ms)"].notna().any())
+    caption = "step time: from the step's start to its end or its last kernel's end, whichever is later; "
+    if spacing:
+        caption += ("spacing: from the previous step's last kernel to this one's, the rate steps complete at (also "
+                    "when a step is queued before the one ahead ends); ")
+    caption += "CPU-bound: the GPU waited for launches at least as long as it worked"
     table = _new(TITLES["phases"], "step type", "steps", "bs", "toks", "mean (ms)", "p50 (ms)", "p99 (ms)",
-                 "GPU busy", "host wait", "kernels/step", "verdict", text=1,
-                 caption="step time: from the step's start to its end or its last kernel's end, whichever is "
-                         "later; CPU-bound: the GPU waited for launches at least as long as it worked")
+                 *(["spacing p50"] if spacing else []), "GPU busy", "host wait", "kernels/step", "verdict", text=1,
+                 caption=caption)
     for r in df.to_dict("records"):
         verdict = r["verdict"]
         style = {"CPU-bound": "bold yellow", "GPU-bound": "green"}.get(verdict, "")
         table.add_row(r["type"], f"{r['steps']:,}", _num(r["bs"], 1), _num(r["toks"], 0),
                       _num(r["step_mean (ms)"]), _num(r["step_p50 (ms)"]), _num(r["step_p99 (ms)"]),
-                      _pct(r["gpu_busy_share"]), _pct(r["host_wait_share"]), _num(r["kernels_per_step"], 1),
-                      Text(verdict, style=style))
+                      *([_num(r["spacing_p50 (ms)"])] if spacing else []), _pct(r["gpu_busy_share"]),
+                      _pct(r["host_wait_share"]), _num(r["kernels_per_step"], 1), Text(verdict, style=style))
     return table
 
 

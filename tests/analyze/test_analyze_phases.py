@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 
+import numpy as np
 import pytest
 
 from infertrace.analyze.capture import load_capture
@@ -275,3 +276,27 @@ def test_our_engine_on_gpu_with_cuda_graphs(tiny_model_dir, tmp_path):
     assert (steps["kernels"] > 0).all()  # graph replays included: their kernels carry the launch's correlation
     apis = set(launches(load_capture(path).ranks[0].events)["api"])
     assert "cudaGraphLaunch" in apis
+
+
+def test_steps_queued_ahead_are_spaced_by_their_last_kernels(tmp_path, make_trace, make_events):
+    # async scheduling: each step is planned and launched while the one before it still runs on the GPU, so a
+    # step's wall time (range start to its last kernel) spans the previous step's tail; the spacing does not
+    events = make_events([
+        ("user_annotation", "step[DECODE bs=8]", 100, 10, 100, {}),
+        ("cuda_runtime", "cudaGraphLaunch", 105, 2, 100, {"correlation": 1}),
+        ("kernel", "gemv_kernel", 120, 30, 7, {"stream": 7, "correlation": 1}),
+        ("user_annotation", "step[DECODE bs=8]", 112, 8, 100, {}),
+        ("cuda_runtime", "cudaGraphLaunch", 115, 2, 100, {"correlation": 2}),
+        ("kernel", "gemv_kernel", 150, 30, 7, {"stream": 7, "correlation": 2}),
+        ("user_annotation", "step[DECODE bs=8]", 140, 8, 100, {}),
+        ("cuda_runtime", "cudaGraphLaunch", 143, 2, 100, {"correlation": 3}),
+        ("kernel", "gemv_kernel", 180, 30, 7, {"stream": 7, "correlation": 3}),
+    ])
+    steps = _steps(make_trace(tmp_path / "t.json", events))
+    assert steps["kernels"].tolist() == [1, 1, 1]
+    assert steps["step_ms"].tolist() == pytest.approx([0.050, 0.068, 0.070])
+    assert np.isnan(steps["spacing_ms"].iloc[0])
+    assert steps["spacing_ms"].iloc[1:].tolist() == pytest.approx([0.030, 0.030])
+    summary = phase_summary(steps, has_gpu=True).iloc[0]
+    assert summary["spacing_p50 (ms)"] == pytest.approx(0.030)
+    assert summary["step_p50 (ms)"] == pytest.approx(0.068)
