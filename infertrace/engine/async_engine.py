@@ -57,8 +57,10 @@ class AsyncEngine:
         if self._thread is None:
             return
         if self._thread.is_alive():
-            self._stopping = True
-            self._put(("stop", abort_running, None))
+            if self._error is None:
+                self._stopping = True
+                self._put(("stop", abort_running, None))
+            # else the loop failed and is ending on its own: only wait for it
             await asyncio.to_thread(self._thread.join)
         self._thread = None
 

@@ -122,3 +122,35 @@ async def test_shutdown_aborts_running_requests(aengine):
     outs = await asyncio.wait_for(task, timeout=30)
     assert outs[-1].finish_reason == "abort"
     assert aengine.engine.kv_blocks_used == 0
+
+
+async def test_shutdown_after_the_loop_failed_waits_for_it_and_raises_nothing(aengine):
+    """A server whose engine died still shuts down: shutdown() called while the failed loop is still unwinding
+    (here held in its failure handling until shutdown has been called) must not raise."""
+    from infertrace.engine.async_engine import EngineDeadError
+
+    engine = aengine.engine
+    real_step = engine.step
+
+    def failing_step():
+        real_step()
+        raise RuntimeError("simulated device failure")
+
+    engine.step = failing_step
+    shutting_down = threading.Event()
+    fail_pending = aengine._fail_pending
+
+    def slow_fail_pending(exc):
+        shutting_down.wait(timeout=10)  # the loop thread is still alive when shutdown() looks at it
+        fail_pending(exc)
+
+    aengine._fail_pending = slow_fail_pending
+    await aengine.start()
+    with pytest.raises(RuntimeError, match="simulated device failure"):
+        await collect(aengine, "a", [1, 2, 3], GREEDY)
+    assert aengine._thread.is_alive()
+    threading.Timer(0.2, shutting_down.set).start()
+    await aengine.shutdown()
+    assert aengine._thread is None
+    with pytest.raises(EngineDeadError):
+        aengine._put(("stop", True, None))  # the failure stays reported to anyone still calling in
