@@ -29,6 +29,7 @@ class ProfileFigures:
     gpu_idle_share: float | None  # of the captured steps' wall time, the share with no GPU work running
     host_wait_share: float | None  # of the same wall time, the share the GPU sat idle waiting for a launch
     decode_step_p50_ms: float | None
+    decode_spacing_p50_ms: float | None  # between decode steps' last kernels: the step rate, also when steps overlap
     verdict: str | None  # analyze's CPU-bound / GPU-bound / mixed for decode steps
     phases: list[dict] = field(default_factory=list)  # analyze's per-step-type summary
     problems: list[str] = field(default_factory=list)
@@ -74,12 +75,15 @@ def analyze_profile(trace_dir: str | Path) -> ProfileFigures:
     ops = events[(events["kind"] == "cpu_op").to_numpy()]
     cpu_ops = per_decode(count_in_steps(leaf_ops(ops), steps)) if not ops.empty else None
     step_ms = steps.loc[decode, "step_ms"].to_numpy()
+    spacing = steps.loc[decode, "spacing_ms"].to_numpy()
+    spacing = spacing[~np.isnan(spacing)]
     return ProfileFigures(
         trace_dir=str(trace_dir), has_gpu=has_gpu, steps=len(steps), decode_steps=n_decode,
         kernels_per_decode_step=kernels, launches_per_decode_step=launches_per_step,
         attention_kernels_per_decode_step=attention,
         cpu_ops_per_decode_step=cpu_ops, gpu_idle_share=idle, host_wait_share=host_wait,
-        decode_step_p50_ms=float(np.median(step_ms)) if n_decode else None, verdict=verdict,
+        decode_step_p50_ms=float(np.median(step_ms)) if n_decode else None,
+        decode_spacing_p50_ms=float(np.median(spacing)) if spacing.size else None, verdict=verdict,
         phases=_records(summary), problems=list(capture.problems))
 
 

@@ -51,6 +51,8 @@ def test_gpu_trace_gives_kernels_launches_and_idle_share(tmp_path):
     assert figures.gpu_idle_share == pytest.approx(1 - (30 + 15) / (100 + 50 + 10))
     assert figures.cpu_ops_per_decode_step == 0.5  # one leaf op in two decode steps
     assert figures.decode_step_p50_ms == pytest.approx(0.075)
+    assert figures.decode_spacing_p50_ms == pytest.approx(0.175)  # last kernels at 70 and 245 us
+    assert figures.attention_kernels_per_decode_step == 1.0  # attn_b, once a step
     assert {p["type"] for p in figures.phases} == {"DECODE", "PREFILL"}
     json.dumps(figures.to_json(), allow_nan=False)
 
