@@ -189,19 +189,39 @@ class Engine:
             return []
         step = _Step(plan, t0, before, 0 if plan.long else sum(len(seq) for seq, _ in plan.admitted))
         with annotate(step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens)):
-            with annotate("schedule"):
-                self.scheduler.apply(plan)
-            if plan.loads:
-                with annotate("offload.load"):
-                    offload.load(plan.loads)
-            if plan.long:
-                step.tokens = offload.long.run(self.runner, plan)
-            else:
-                step.launched = self.runner.launch(plan)
+            self._launch(step)
             if self._async and step.launched is not None and step.launched.tokens is not None:
                 self._inflight = step
                 return []
-            return self._complete(step)
+            return self._complete(step)  # inside the step's range: its offload stores belong to it
+
+    def _launch(self, step: _Step, ahead: _Step | None = None, rows: dict[Sequence, int] | None = None) -> None:
+        """Apply the step's plan and queue its forward (a long-context step runs to the end), inside the caller's
+        step range.
+
+        `rows` maps requests whose last token is a placeholder to their row among the tokens of `ahead`, the step
+        still running.
+        """
+        plan = step.plan
+        with annotate("schedule"):
+            self.scheduler.apply(plan)
+        if plan.loads:
+            with annotate("offload.load"):
+                self.offload.load(plan.loads)
+        if plan.long:
+            step.tokens = self.offload.long.run(self.runner, plan)
+            return
+        feed = None
+        if rows:
+            # a placeholder is the last token of its row: the row's last input position, fed on the device
+            inputs, sources, end = [], [], 0
+            for s in plan.scheduled:
+                end += s.num_new_tokens
+                if s.seq in rows and s.start + s.num_new_tokens == len(s.seq):
+                    inputs.append(end - 1)
+                    sources.append(rows[s.seq])
+            feed = (ahead.launched.tokens, inputs, sources) if inputs else None
+        step.launched = self.runner.launch(plan, feed)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -226,7 +246,7 @@ class Engine:
         rows: dict[Sequence, int] = {}
         sampled = [s.seq for s, x in zip(plan_prev.scheduled, prev.launched.samples) if x]
         for i, seq in enumerate(sampled):
-            if seq.is_finished or seq.num_output_tokens + 1 >= seq.params.max_tokens or len(seq) + 1 >= self.max_model_len:
+            if seq.is_finished or self._ends_by_length(seq, pending=1):
                 continue
             seq.append_token(_PENDING)
             rows[seq] = i
@@ -237,17 +257,8 @@ class Engine:
             return None
         step = _Step(plan, t0, None, sum(len(seq) for seq, _ in plan.admitted))
         self.counters["overlapped_steps"] += 1
-        feed_rows = [j for j, s in enumerate(plan.scheduled) if s.seq in rows and s.start + s.num_new_tokens == len(s.seq)]
         with annotate(step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens)):
-            with annotate("schedule"):
-                self.scheduler.apply(plan)
-            # the placeholder is the last token of its row: the row's last input position, fed on the device
-            starts = [0]
-            for s in plan.scheduled:
-                starts.append(starts[-1] + s.num_new_tokens)
-            feed = (prev.launched.tokens, [starts[j + 1] - 1 for j in feed_rows],
-                    [rows[plan.scheduled[j].seq] for j in feed_rows])
-            step.launched = self.runner.launch(plan, feed if feed_rows else None)
+            self._launch(step, prev, rows)
         return step
 
     def _complete(self, step: _Step) -> list[RequestOutput]:
@@ -339,9 +350,14 @@ class Engine:
             return "stop"
         if seq.detokenizer.add(token):
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+        if self._ends_by_length(seq):
             return "length"
         return None
+
+    def _ends_by_length(self, seq: Sequence, pending: int = 0) -> bool:
+        """Whether `seq` is at its length limit (output tokens or context) once `pending` more tokens arrive."""
+        return (seq.num_output_tokens + pending >= seq.params.max_tokens
+                or len(seq) + pending >= self.max_model_len)
 
 
 _PENDING = -1  # token id of a placeholder: the step that samples it has not finished

@@ -29,6 +29,38 @@ def _hf_greedy(model, prompts, new_tokens):
     return outs
 
 
+def _first_logits(engine, prompt):
+    """The logits the engine samples the prompt's first new token from (float32, on the host)."""
+    from infertrace.engine import SamplingParams
+
+    captured = []
+    sampler = engine.runner.sampler
+
+    def spy(logits, params, generators):
+        captured.append(logits[0].float().cpu())
+        return sampler(logits, params, generators)
+
+    engine.runner.sampler = spy
+    engine.add_request("first", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    return captured[0]
+
+
+def _hf_last_logits(path, prompt):
+    """Hugging Face's own bfloat16 logits after `prompt` (last position only, float32 on the host)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    hf = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    with torch.no_grad():
+        hidden = hf.model(torch.tensor([prompt], device="cuda")).last_hidden_state[0, -1:]
+        logits = hf.lm_head(hidden)[0].float().cpu()
+    del hf
+    torch.cuda.empty_cache()
+    return logits
+
+
 @pytest.fixture(scope="module")
 def qwen06_dirs(tmp_path_factory):
     from infertrace.modelgen import init_model
@@ -58,7 +90,6 @@ def test_greedy_tokens_match_hf_in_float32(which, tiny_model_dir, qwen06_dirs):
 
 def test_bfloat16_first_step_logits_within_2e_2(qwen06_dirs):
     import torch
-    from transformers import Qwen3ForCausalLM
 
     from infertrace.engine.engine import Engine
     from infertrace.engine.config import EngineConfig
@@ -66,26 +97,10 @@ def test_bfloat16_first_step_logits_within_2e_2(qwen06_dirs):
     path = qwen06_dirs["bfloat16"]
     prompt = _prompts(1, seed=3)[0]
     engine = Engine(path, EngineConfig(gpu_memory_utilization=0.5))
-    captured = {}
-    sampler = engine.runner.sampler
-    original = sampler.__call__
-
-    def spy(logits, params, generators):
-        captured.setdefault("logits", logits[0].clone())
-        return original(logits, params, generators)
-
-    engine.runner.sampler = spy
-    from infertrace.engine import SamplingParams
-
-    engine.add_request("r", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
+    ours = _first_logits(engine, prompt)
     del engine
     torch.cuda.empty_cache()
-    hf = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
-    ours = captured["logits"].float()
+    ref = _hf_last_logits(path, prompt)
     rel = ((ours - ref).norm() / ref.norm()).item()
     assert rel < 2e-2, rel
 
@@ -168,31 +183,15 @@ def test_many_prefill_chunks_in_flight_read_their_own_inputs(qwen06_dirs):
     waits), and each chunk's inputs must still be the ones it was planned with. Found at 64k in bf16, where
     reused pinned staging made the first logits unrelated to Hugging Face's (0.55 relative L2)."""
     import torch
-    from transformers import Qwen3ForCausalLM
 
-    from infertrace.engine import Engine, EngineConfig, SamplingParams
+    from infertrace.engine import Engine, EngineConfig
 
     path = qwen06_dirs["bfloat16"]
     prompt = [random.Random(21).randrange(151936) for _ in range(32768)]
     engine = Engine(path, EngineConfig(kv_cache_tokens=33792, max_num_batched_tokens=2048))
-    captured = []
-    sampler = engine.runner.sampler
-
-    def spy(logits, params, generators):
-        captured.append(logits[0].float().cpu())
-        return sampler(logits, params, generators)
-
-    engine.runner.sampler = spy
-    engine.add_request("long", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
+    ours = _first_logits(engine, prompt)
     del engine
     torch.cuda.empty_cache()
-    hf = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
-    with torch.no_grad():
-        hidden = hf.model(torch.tensor([prompt], device="cuda")).last_hidden_state[0, -1:]
-        want = hf.lm_head(hidden)[0].float().cpu()
-    del hf
-    torch.cuda.empty_cache()
-    rel = float((captured[0] - want).norm() / want.norm())
+    want = _hf_last_logits(path, prompt)
+    rel = float((ours - want).norm() / want.norm())
     assert rel < 2e-2, rel
