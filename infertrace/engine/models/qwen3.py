@@ -6,6 +6,7 @@ float32), so that greedy tokens match it exactly.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -98,10 +99,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 SKINNY_MAX_ROWS = 16  # steps of at most this many tokens use the weight-streaming GEMMs
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T by the skinny GEMM with its tuned tiling; into `acc` (float32, zeroed) when the shape splits K."""
+@functools.cache
+def _skinny_kernels():
+    """Imported on first use: Triton is a CUDA-only dependency, and this runs 4 times a layer in eager decode."""
     from infertrace.engine.kernels.skinny_gemm import decode_config, skinny_gemm
 
+    return decode_config, skinny_gemm
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T by the skinny GEMM with its tuned tiling; into `acc` (float32, zeroed) when the shape splits K."""
+    decode_config, skinny_gemm = _skinny_kernels()
     n, k = weight.shape
     block_n, block_k, split_k, stages = decode_config(n, k)
     if acc is None or split_k == 1:
