@@ -19,14 +19,15 @@ from infertrace.cli import main
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-# Runs in its own process (under nsys in one test): 6 steps outside the window, then a window of 10.
+# Runs in its own process (under nsys in one test): 6 steps outside the window, then a window of 10. The KV cache
+# is sized in tokens, not from free memory: earlier GPU tests in the pytest process may still hold most of the GPU.
 ENGINE_RUN = """
 import sys
 from pathlib import Path
 from infertrace.capture.torch_capture import CaptureSession
 from infertrace.engine import Engine, EngineConfig, SamplingParams
 
-engine = Engine(sys.argv[1], EngineConfig(max_model_len=2048))
+engine = Engine(sys.argv[1], EngineConfig(max_model_len=2048, kv_cache_tokens=8192))
 params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 for i in range(8):
     engine.add_request(f"req-{i}", [100 + i] * 128, params)
