@@ -1,9 +1,13 @@
-"""Decode-attention kernel timing against the bytes it must read (run on a GPU machine).
+"""Attention kernel timing on a GPU machine: decode against the bytes it must read, prefill against the FLOPs it
+must do (ours over the paged cache, and PyTorch's built-in flash kernels over contiguous K/V for comparison).
 
-Usage: python benchmarks/kernels_bench.py
+Usage: python benchmarks/kernels_bench.py [--only decode,prefill]
 """
 
 from __future__ import annotations
+
+import argparse
+import inspect
 
 import torch
 import triton
@@ -35,9 +39,77 @@ def decode_case(bs: int, ctx: int, heads: int, kv_heads: int, dim: int, splits: 
     return ms * 1e3, nbytes / (ms * 1e-3)
 
 
+def torch_varlen():
+    """PyTorch's flash varlen entry point and the keyword that makes it causal, or (None, reason)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as exc:
+        return None, f"torch.nn.attention.varlen: {exc}"
+    params = inspect.signature(varlen_attn).parameters
+    gqa = ", enable_gqa" if "enable_gqa" in params else ""
+    if "window_size" in params:
+        return (lambda *a, **k: varlen_attn(*a, window_size=(-1, 0), **k)), "window_size=(-1, 0)" + gqa
+    if "is_causal" in params:
+        return (lambda *a, **k: varlen_attn(*a, is_causal=True, **k)), "is_causal=True" + gqa
+    return None, f"no causal switch in varlen_attn{inspect.signature(varlen_attn)}"
+
+
+def prefill_case(bs: int, prefix: int, new: int, heads: int, kv_heads: int, dim: int) -> dict[str, float | str]:
+    """Each of `bs` requests attends `new` query tokens over `prefix` cached tokens plus themselves (causal)."""
+    block_size = 16
+    ctx = prefix + new
+    blocks_per_seq = -(-ctx // block_size)
+    dt = torch.bfloat16
+    k_cache = torch.randn(bs * blocks_per_seq, block_size, kv_heads, dim, device="cuda", dtype=dt)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(bs * blocks_per_seq, device="cuda").int().view(bs, blocks_per_seq)
+    q = torch.randn(bs * new, heads, dim, device="cuda", dtype=dt)
+    cu_q = torch.arange(0, bs * new + 1, new, device="cuda", dtype=torch.int32)
+    ctx_t = torch.full((bs,), ctx, device="cuda", dtype=torch.int32)
+    scale = dim**-0.5
+    flops = 4 * bs * heads * dim * (new * prefix + new * (new + 1) / 2)
+    ours = triton.testing.do_bench(lambda: paged_attention(q, k_cache, v_cache, cu_q, ctx_t, block_tables, new, scale),
+                                   return_mode="median")
+    result: dict[str, float | str] = {"ours_ms": ours, "ours_tflops": flops / ours / 1e9}
+    varlen, how = torch_varlen()
+    if varlen is None or prefix:
+        result["torch"] = how if varlen is None else "n/a (contiguous K/V only here)"
+        return result
+    k = torch.randn(bs * ctx, kv_heads, dim, device="cuda", dtype=dt)
+    v = torch.randn_like(k)
+    cu_k = torch.arange(0, bs * ctx + 1, ctx, device="cuda", dtype=torch.int32)
+    gqa = {"enable_gqa": True}
+    if "enable_gqa" not in how:  # an older varlen_attn without GQA: K/V repeated to the query heads, untimed
+        k, v, gqa = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1), {}
+        how += ", K/V repeated to the query heads (untimed)"
+    try:
+        fn = lambda: varlen(q, k, v, cu_q, cu_k, new, ctx, scale=scale, **gqa)
+        fn()
+    except (RuntimeError, TypeError) as exc:  # an older signature or a GPU the kernel does not support
+        result["torch"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        return result
+    ms = triton.testing.do_bench(fn, return_mode="median")
+    result.update(torch_ms=ms, torch_tflops=flops / ms / 1e9, torch=how)
+    return result
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="decode,prefill")
+    only = set(ap.parse_args().only.split(","))
     peak = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {peak / 1e12:.2f} TB/s")
+    if "prefill" in only:
+        print(f"{'bs':>4} {'prefix':>6} {'new':>6} {'heads':>6} {'ours ms':>8} {'TFLOP/s':>8} {'torch ms':>8} "
+              f"{'TFLOP/s':>8}  note")
+        for bs, prefix, new, heads, kvh in [(1, 0, 1024, 32, 8), (4, 0, 2048, 32, 8), (1, 0, 8192, 32, 8),
+                                            (1, 0, 8192, 16, 8), (1, 8192, 8192, 16, 8), (1, 57344, 8192, 16, 8)]:
+            r = prefill_case(bs, prefix, new, heads, kvh, 128)
+            torch_cols = (f"{r['torch_ms']:>8.3f} {r['torch_tflops']:>8.0f}" if "torch_ms" in r else f"{'-':>8} {'-':>8}")
+            print(f"{bs:>4} {prefix:>6} {new:>6} {heads:>6} {r['ours_ms']:>8.3f} {r['ours_tflops']:>8.0f} "
+                  f"{torch_cols}  {r['torch']}")
+    if "decode" not in only:
+        return
     print(f"{'bs':>4} {'ctx':>6} {'heads':>6} {'splits':>6} {'us':>8} {'GB/s':>8} {'% copy bw':>9}")
     for bs, ctx, heads, kvh, splits in [(8, 640, 32, 8, 1), (8, 640, 32, 8, 4), (8, 4096, 32, 8, 1),
                                         (8, 4096, 32, 8, 8), (64, 1024, 16, 8, 1), (256, 1024, 16, 8, 1),
