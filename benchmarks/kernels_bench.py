@@ -22,7 +22,8 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 2 / (ms * 1e-3)
 
 
-def decode_case(bs: int, ctx: int, heads: int, kv_heads: int, dim: int, splits: int) -> tuple[float, float]:
+def decode_case(bs: int, ctx: int, heads: int, kv_heads: int, dim: int, splits: int,
+                tiling: tuple[int, int, int] | None = None) -> tuple[float, float]:
     block_size = 16
     blocks_per_seq = (ctx + block_size - 1) // block_size
     k_cache = torch.randn(bs * blocks_per_seq + 8, block_size, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -33,7 +34,7 @@ def decode_case(bs: int, ctx: int, heads: int, kv_heads: int, dim: int, splits: 
     ctx_t = torch.full((bs,), ctx, device="cuda", dtype=torch.int32)
     out = torch.empty_like(q)
     fn = lambda: paged_attention(q, k_cache, v_cache, cu, ctx_t, block_tables, 1, dim**-0.5, out=out,
-                                 num_splits=splits)
+                                 num_splits=splits, tiling=tiling)
     ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
     nbytes = 2 * bs * ctx * kv_heads * dim * 2
     return ms * 1e3, nbytes / (ms * 1e-3)
@@ -93,6 +94,22 @@ def prefill_case(bs: int, prefix: int, new: int, heads: int, kv_heads: int, dim:
     return result
 
 
+def decode_sweep() -> None:
+    """Decode attention at batch 8 (qwen3-4b heads) over splits and tilings; the best few per context length."""
+    for ctx in (128, 384, 640):
+        results = []
+        for splits in (1, 2, 3, 4, 5, 8):
+            for block_n in (16, 32, 64):
+                for warps in (1, 2, 4):
+                    for stages in (1, 2):
+                        us, _ = decode_case(8, ctx, 32, 8, 128, splits, (block_n, warps, stages))
+                        results.append((us, splits, block_n, warps, stages))
+        results.sort()
+        default = decode_case(8, ctx, 32, 8, 128, max(1, min(8, -(-2 * 132 // 64))))[0]
+        print(f"ctx {ctx}: current default {default:.1f} us; best (us, splits, BLOCK_N, warps, stages): "
+              + "  ".join(f"{r[0]:.1f} {r[1:]}" for r in results[:5]), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="decode,prefill")
@@ -108,6 +125,8 @@ def main() -> None:
             torch_cols = (f"{r['torch_ms']:>8.3f} {r['torch_tflops']:>8.0f}" if "torch_ms" in r else f"{'-':>8} {'-':>8}")
             print(f"{bs:>4} {prefix:>6} {new:>6} {heads:>6} {r['ours_ms']:>8.3f} {r['ours_tflops']:>8.0f} "
                   f"{torch_cols}  {r['torch']}")
+    if "sweep" in only:
+        decode_sweep()
     if "decode" not in only:
         return
     print(f"{'bs':>4} {'ctx':>6} {'heads':>6} {'splits':>6} {'us':>8} {'GB/s':>8} {'% copy bw':>9}")

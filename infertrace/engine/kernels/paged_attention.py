@@ -143,13 +143,15 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int = 1,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tiling: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over a paged cache that already holds their K/V.
 
     q: [total_q_tokens, num_heads, head_dim]; cu_seqlens_q: [num_seqs + 1] int32; context_lens: [num_seqs] int32
     (cached + new tokens); block_tables: [num_seqs, max_blocks] int32. `max_q_len` bounds the grid (1 for decode),
     so the launch shape depends only on host integers, which keeps it capturable in a CUDA graph.
-    `workspace` (partials, lse) may be passed in to avoid allocating when num_splits > 1.
+    `workspace` (partials, lse) may be passed in to avoid allocating when num_splits > 1. `tiling` is
+    (BLOCK_N, num_warps, num_stages), (64, 4, 2) when not given.
     """
     total, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -158,7 +160,7 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(q)
     block_m = 16 if max_q_len * group <= 16 else 64
-    block_n = 64
+    block_n, num_warps, num_stages = tiling or (64, 4, 2)
     grid = (triton.cdiv(max_q_len * group, block_m), num_seqs, num_kv_heads * num_splits)
     if num_splits == 1:
         target, lse = out, out  # lse unused
@@ -178,7 +180,7 @@ def paged_attention(
         *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(total, num_heads)](
