@@ -32,6 +32,10 @@ from infertrace.load.timing import TargetError, resolve_output_tokens
 
 CLIENT_CPU_WARN = 0.8  # share of one core used by the load generator's event-loop thread
 CLIENT_LAG_WARN_S = 0.010  # p99 of send lateness that is the client's own (slot waits excluded)
+TOKEN_CHECK_NOTES = {  # what a flagged count means, after its name
+    "output_token_disagreements": ": the server's usage differs from the tokenizer's count of the text (the "
+    "figures use usage; ids that do not survive detokenizing, as from random weights, differ too)",
+}
 
 
 class Interrupted(Exception):
@@ -109,7 +113,8 @@ class PointRecord:
                        "--tokenizer DIR")
         for name, count in self.token_checks.items():
             if count:
-                out.append(f"{count} request(s) with {name.replace('_', ' ')} (see --requests-jsonl)")
+                out.append(f"{count} request(s) with {name.replace('_', ' ')}{TOKEN_CHECK_NOTES.get(name, '')} "
+                           "(see --requests-jsonl)")
         return out
 
 

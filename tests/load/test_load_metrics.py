@@ -2,7 +2,8 @@
 
 import pytest
 
-from infertrace.load.metrics import compute_metrics, token_count_checks, vllm_keys
+from infertrace.load.benchmark import PointRecord
+from infertrace.load.metrics import Stats, compute_metrics, token_count_checks, vllm_keys
 from infertrace.load.records import RequestResult, TokenSource
 
 
@@ -72,3 +73,15 @@ def test_token_count_checks():
     assert token_count_checks(rs, compare_prompts=True) == {"output_token_disagreements": 1,
                                                            "input_token_mismatches": 1}
     assert token_count_checks(rs, compare_prompts=False)["input_token_mismatches"] == 0
+
+
+def test_flagged_token_counts_become_warnings_that_say_what_they_mean():
+    record = PointRecord(config=None, results=[], warmup_results=[], metrics=compute_metrics([]),
+                         token_checks={"output_token_disagreements": 3, "input_token_mismatches": 0},
+                         client_cpu=None, process_cpu=None, client_lag=Stats.of([]))
+    assert record.warnings == [
+        "3 request(s) with output token disagreements: the server's usage differs from the tokenizer's count of the "
+        "text (the figures use usage; ids that do not survive detokenizing, as from random weights, differ too) "
+        "(see --requests-jsonl)"]
+    record.token_checks = {"output_token_disagreements": 0, "input_token_mismatches": 2}
+    assert record.warnings == ["2 request(s) with input token mismatches (see --requests-jsonl)"]
