@@ -154,3 +154,26 @@ async def test_shutdown_after_the_loop_failed_waits_for_it_and_raises_nothing(ae
     assert aengine._thread is None
     with pytest.raises(EngineDeadError):
         aengine._put(("stop", True, None))  # the failure stays reported to anyone still calling in
+
+
+async def test_a_step_reaches_the_event_loop_in_one_handoff(aengine, make_prompts):
+    from infertrace.engine import async_engine
+
+    handoffs = []
+    post = aengine._post
+
+    def record(fn, *args):
+        if fn is async_engine._put_all:
+            handoffs.append(len(args[0]))
+        post(fn, *args)
+
+    aengine._post = record
+    prompts = make_prompts([10, 11, 12, 13], seed=24)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    streams = await asyncio.gather(*(collect(aengine, f"h{i}", p, params) for i, p in enumerate(prompts)))
+    assert all(sum(len(o.new_token_ids) for o in outs) == 6 for outs in streams)
+    steps = aengine.stats()["counters"]["steps"]
+    # every output went through a handoff; decode steps with all four running hand four outputs over at once
+    assert sum(handoffs) == sum(len(outs) for outs in streams) and len(handoffs) <= steps
+    assert max(handoffs) == 4
+    await aengine.shutdown()
