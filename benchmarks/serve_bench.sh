@@ -37,6 +37,7 @@ for _ in $(seq 300); do
   kill -0 $server 2>/dev/null || { echo "server exited:"; tail -20 "$out/server.log"; exit 1; }
   sleep 1
 done
+curl -sf "http://127.0.0.1:$port/health" >/dev/null || { echo "server not healthy after 300 s"; exit 1; }
 stamp "server ready"
 curl -s "http://127.0.0.1:$port/server_info"; echo
 
