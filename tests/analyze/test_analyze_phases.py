@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -146,58 +147,51 @@ def test_a_rank_without_gpu_work_has_no_host_wait(tmp_path, make_trace, make_eve
     assert steps["host_wait_ms"].tolist() == [0.0] and steps["busy_ms"].tolist() == [0.0]
 
 
-def test_a_wrapper_is_found_to_the_nanosecond(tmp_path):
-    # at epoch times a float64 of nanoseconds has a 256 ns step: the inner range starts 100 ns before the outer
-    # one ends, which a float comparison does not see
-    base = 1712195495519
-    events = [
-        {"ph": "X", "cat": "user_annotation", "name": "execute_context_0(0)_generation_1(1)", "pid": 1, "tid": 1,
-         "ts": f"{base}000.100", "dur": 1.0},
-        {"ph": "X", "cat": "user_annotation", "name": "step[DECODE bs=1]", "pid": 1, "tid": 1,
-         "ts": f"{base}001.000", "dur": 0.05},
-    ]
-    text = json.dumps({"traceEvents": events})
-    for e in events:  # timestamps as JSON numbers, written out in full
-        text = text.replace(f'"{e["ts"]}"', e["ts"])
+EPOCH_US = 1712195495519  # leading digits of an epoch time in microseconds
+
+
+def epoch_trace(tmp_path, events) -> Path:
+    """A trace of (category, name, microseconds after EPOCH_US*1000, duration, args) events with the timestamps
+    written as JSON numbers in full: at epoch times a float64 of nanoseconds has a 256 ns step."""
+    text = json.dumps({"traceEvents": [
+        {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 7 if cat == "kernel" else 1, "ts": f"@{ts}",
+         "dur": dur, "args": args} for cat, name, ts, dur, args in events]})
     path = tmp_path / "t.json"
-    path.write_text(text)
+    path.write_text(text.replace('"@', str(EPOCH_US)).replace('0",', "0,"))
+    return path
+
+
+def test_a_wrapper_is_found_to_the_nanosecond(tmp_path):
+    # the inner range starts 100 ns before the outer one ends, which a float comparison does not see
+    path = epoch_trace(tmp_path, [
+        ("user_annotation", "execute_context_0(0)_generation_1(1)", "000.100", 1.0, {}),
+        ("user_annotation", "step[DECODE bs=1]", "001.000", 0.05, {}),
+    ])
     assert _steps(path)["label"].tolist() == ["step[DECODE bs=1]"]
 
 
 def test_a_launch_at_the_end_of_a_step_is_found_to_the_nanosecond(tmp_path):
     # the launch starts 100 ns before the step ends; an earlier launch outside any step must not make the
     # comparison a float one
-    base = 1712195495519
-    events = [
+    path = epoch_trace(tmp_path, [
         ("cuda_runtime", "cudaLaunchKernel", "000.000", 0.01, {"correlation": 2}),
         ("user_annotation", "step[DECODE bs=1]", "000.100", 1.0, {}),
         ("cuda_runtime", "cudaLaunchKernel", "001.000", 0.01, {"correlation": 1}),
         ("kernel", "gemv_kernel", "002.000", 1.0, {"stream": 7, "correlation": 1}),
         ("kernel", "gemv_kernel", "004.000", 1.0, {"stream": 7, "correlation": 2}),
-    ]
-    text = json.dumps({"traceEvents": [
-        {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 7 if cat == "kernel" else 1, "ts": f"@{ts}",
-         "dur": dur, "args": args} for cat, name, ts, dur, args in events]})
-    path = tmp_path / "t.json"
-    path.write_text(text.replace('"@', str(base)).replace('0",', "0,"))  # timestamps as JSON numbers, in full
+    ])
     assert _steps(path)["kernels"].tolist() == [1]
 
 
 def test_host_wait_is_found_to_the_nanosecond(tmp_path):
     # the second kernel is launched 100 ns after the GPU went idle: the whole gap is host wait
-    base = 1712195495519
-    events = [
+    path = epoch_trace(tmp_path, [
         ("user_annotation", "step[DECODE bs=1]", "000.000", 10.0, {}),
         ("cuda_runtime", "cudaLaunchKernel", "000.100", 0.01, {"correlation": 1}),
         ("kernel", "gemv_kernel", "000.500", 0.6, {"stream": 7, "correlation": 1}),
         ("cuda_runtime", "cudaLaunchKernel", "001.200", 0.01, {"correlation": 2}),
         ("kernel", "gemv_kernel", "002.000", 1.0, {"stream": 7, "correlation": 2}),
-    ]
-    text = json.dumps({"traceEvents": [
-        {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 7 if cat == "kernel" else 1, "ts": f"@{ts}",
-         "dur": dur, "args": args} for cat, name, ts, dur, args in events]})
-    path = tmp_path / "t.json"
-    path.write_text(text.replace('"@', str(base)).replace('0",', "0,"))  # timestamps as JSON numbers, in full
+    ])
     step = _steps(path).iloc[0]
     # idle before the first kernel (0.5 us), between the kernels (0.9 us) and after the last one (7 us)
     assert step["host_wait_ms"] * 1e6 == pytest.approx(500 + 900 + 7000)
