@@ -116,9 +116,9 @@ def bench_decode(root: Path, bw: float, attention: str = "batched", cuda_graphs:
     prompts = [[rng.randrange(1000, 3000) for _ in range(128)] for _ in range(8)]
     params = SamplingParams(max_tokens=512, ignore_eos=True)
     run_steps(llm, prompts, SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
-    rates = sorted((((r := run_steps(llm, prompts, params))["out_tokens"] / r["wall_s"], r) for _ in range(repeats)),
-                   key=lambda rate_run: rate_run[0])
-    tok_s, r = rates[len(rates) // 2]
+    runs = sorted((run_steps(llm, prompts, params) for _ in range(repeats)), key=lambda x: x["out_tokens"] / x["wall_s"])
+    rates = [x["out_tokens"] / x["wall_s"] for x in runs]
+    r, tok_s = runs[len(runs) // 2], rates[len(runs) // 2]
     label = f"qwen3-4b bf16 bs=8 128in/512out attention={attention} cuda_graphs={cuda_graphs}"
     label += "".join(f" {k}={v}" for k, v in overrides.items())
     if attention == "batched" and cuda_graphs:
@@ -130,7 +130,7 @@ def bench_decode(root: Path, bw: float, attention: str = "batched", cuda_graphs:
         row("decode steps/s (median spacing of decode steps)", f"{1 / dt:.0f}", label)
         row("decode achieved bytes/s", f"{achieved / 1e12:.2f} TB/s = {100 * achieved / bw:.0f}% of copy bw",
             "weights + mean KV read per step / median step time")
-    spread = f", median of {repeats}: {rates[0][0]:.0f}..{rates[-1][0]:.0f}" if repeats > 1 else ""
+    spread = f", median of {repeats}: {rates[0]:.0f}..{rates[-1]:.0f}" if repeats > 1 else ""
     row("output tok/s", f"{tok_s:.0f}", label + f" (wall, incl. prefill{spread})")
     graphs = llm.engine.runner.graphs
     if graphs is not None:

@@ -105,7 +105,8 @@ def decode_sweep() -> None:
                         us, _ = decode_case(8, ctx, 32, 8, 128, splits, (block_n, warps, stages))
                         results.append((us, splits, block_n, warps, stages))
         results.sort()
-        default = decode_case(8, ctx, 32, 8, 128, max(1, min(8, -(-2 * 132 // 64))))[0]
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        default = decode_case(8, ctx, 32, 8, 128, max(1, min(8, -(-2 * sms // (8 * 8)))))[0]  # TritonAttention's rule
         print(f"ctx {ctx}: current default {default:.1f} us; best (us, splits, BLOCK_N, warps, stages): "
               + "  ".join(f"{r[0]:.1f} {r[1:]}" for r in results[:5]), flush=True)
 
