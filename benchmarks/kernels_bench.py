@@ -12,6 +12,7 @@ import inspect
 import torch
 import triton
 
+from infertrace.engine.attention import TritonAttention
 from infertrace.engine.kernels.paged_attention import paged_attention
 
 
@@ -105,8 +106,7 @@ def decode_sweep() -> None:
                         us, _ = decode_case(8, ctx, 32, 8, 128, splits, (block_n, warps, stages))
                         results.append((us, splits, block_n, warps, stages))
         results.sort()
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        default = decode_case(8, ctx, 32, 8, 128, max(1, min(8, -(-2 * sms // (8 * 8)))))[0]  # TritonAttention's rule
+        default = decode_case(8, ctx, 32, 8, 128, TritonAttention(batch_buckets=(8,)).decode_splits(8, 8))[0]
         print(f"ctx {ctx}: current default {default:.1f} us; best (us, splits, BLOCK_N, warps, stages): "
               + "  ".join(f"{r[0]:.1f} {r[1:]}" for r in results[:5]), flush=True)
 
