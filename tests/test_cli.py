@@ -42,3 +42,18 @@ def test_unknown_flag_is_usage_error():
     result = CliRunner().invoke(main, ["model", "init", "--preset", "tiny", "--out", "x", "--bogus"])
     assert result.exit_code == 2
     assert "No such option" in result.output and "--bogus" in result.output
+
+
+def test_python_dash_m_runs_the_cli():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "infertrace", "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("infertrace, version ")
+
+
+def test_no_placeholder_module_remains():
+    import importlib.util
+
+    assert importlib.util.find_spec("infertrace.pending") is None
