@@ -101,7 +101,7 @@ class EmbeddedTarget:
                 if out.finished and out.finish_reason == "abort":
                     yield [StreamEvent(error="aborted: the engine aborted the request")]
                     return
-                yield [StreamEvent(text=out.new_text, num_tokens=len(out.new_token_ids),
+                yield [StreamEvent(text=out.new_text, output=True, num_tokens=len(out.new_token_ids),
                                    prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                                    finish_reason=out.finish_reason if out.finished else None)]
         except ValueError as e:  # the engine refuses the request (too long for the context, ...)

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from infertrace.load.records import RequestSpec, StreamEvent
-from infertrace.load.sse import SSEParser
+from infertrace.load.sse import SSELineTooLong, SSEParser
 from infertrace.load.timing import TargetError
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -102,25 +102,76 @@ class AiohttpTransport:
 _scan_json = json.JSONDecoder().scan_once  # the C scanner without json.loads' wrappers: this runs per event
 
 
+_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "an integer"}
+
+
+class Malformed(ValueError):
+    """A streamed chunk that is valid JSON but breaks the OpenAI schema; the message names the field."""
+
+
+def _field(obj: dict, key: str, kinds: tuple[type, ...], where: str):
+    """obj[key] when absent/null or of one of `kinds` (bool never counts as a number), else Malformed."""
+    value = obj.get(key)
+    if value is None or (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)):
+        return value
+    raise Malformed(f"{where}{key} is {json.dumps(value)[:40]}, expected "
+                    f"{' or '.join(_JSON_KINDS[k] for k in kinds)}")
+
+
+def _count(usage: dict, key: str) -> int | None:
+    """A usage token count: a non-negative integer (NaN, infinity, negatives and fractions are malformed)."""
+    value = _field(usage, key, (int,), "usage.")
+    if value is not None and value < 0:
+        raise Malformed(f"usage.{key} is negative ({value})")
+    return value
+
+
+def _chat_has_output(delta: dict, text: str) -> bool:
+    """A chat delta stands for generated tokens when it carries text or a tool call, or empty `content` without
+    the role (a token that decodes to nothing); the opening chunk carries the role and is no output."""
+    if text or delta.get("tool_calls") or delta.get("function_call"):
+        return True
+    return delta.get("content") == "" and "role" not in delta
+
+
 def decode_chunk(obj: Any) -> StreamEvent:
-    """One streamed JSON object of either endpoint -> StreamEvent (completions `text`, chat `delta.content`)."""
+    """One streamed JSON object of either endpoint -> StreamEvent (completions `text`, chat `delta.content`).
+
+    Every completions choice is output, whatever its text (tokens can decode to nothing); a chat choice is
+    output as `_chat_has_output` says. A chunk that breaks the schema fails the request as a malformed stream.
+    """
     if not isinstance(obj, dict):
         return StreamEvent(error=f"malformed stream: expected a JSON object, got {type(obj).__name__}")
-    choices = obj.get("choices")
-    usage = obj.get("usage")
+    try:
+        return _decode(obj)
+    except Malformed as e:
+        return StreamEvent(error=f"malformed stream: {e}")
+
+
+def _decode(obj: dict) -> StreamEvent:
+    choices = _field(obj, "choices", (list,), "")
+    usage = _field(obj, "usage", (dict,), "")
     prompt_tokens = completion_tokens = None
     if usage:
-        prompt_tokens, completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        prompt_tokens, completion_tokens = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
     if choices:
         choice = choices[0]
-        text = choice.get("text")
-        if text is None:
-            delta = choice.get("delta") or {}
-            text = delta.get("content") or ""
-            if reasoning := delta.get("reasoning_content") or delta.get("reasoning"):
-                text = reasoning + text  # reasoning tokens are generated output too
-        return StreamEvent(text=text or "", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                           finish_reason=choice.get("finish_reason"))
+        if not isinstance(choice, dict):
+            raise Malformed(f"choices[0] is {json.dumps(choice)[:40]}, expected an object")
+        finish_reason = _field(choice, "finish_reason", (str,), "choices[0].")
+        if "delta" in choice or "text" not in choice:
+            delta = _field(choice, "delta", (dict,), "choices[0].") or {}
+            text = _field(delta, "content", (str,), "choices[0].delta.") or ""
+            for key in ("reasoning_content", "reasoning"):  # reasoning tokens are generated output too
+                if reasoning := _field(delta, key, (str,), "choices[0].delta."):
+                    text = reasoning + text
+                    break
+            output = _chat_has_output(delta, text)
+        else:
+            text = _field(choice, "text", (str,), "choices[0].") or ""
+            output = True
+        return StreamEvent(text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                           finish_reason=finish_reason, output=output)
     err = obj.get("error")
     if err is not None or obj.get("object") == "error":
         message = err.get("message", err) if isinstance(err, dict) else (err or obj.get("message"))
@@ -219,6 +270,8 @@ class HttpTarget:
                         yield [decode_data(data) for data in events]
                 if events := parser.close():
                     yield [decode_data(data) for data in events]
+        except SSELineTooLong as e:
+            yield [StreamEvent(error=f"malformed stream: {e}")]
         except asyncio.TimeoutError:
             yield [StreamEvent(error="timeout: no complete response within --request-timeout")]
         except (aiohttp.ClientError, OSError) as e:

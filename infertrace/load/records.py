@@ -37,6 +37,7 @@ class StreamEvent:
     error: str | None = None  # the target reported a failure; ends the request
     done: bool = False  # the `[DONE]` sentinel
     usage_only: bool = False  # a chunk with no choices (the trailing usage chunk): never generated output
+    output: bool = False  # carries a choice that stands for generated tokens, even if its text is empty
 
 
 @dataclass(slots=True)

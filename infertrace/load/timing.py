@@ -22,8 +22,9 @@ class Target(Protocol):
 async def measure(result: RequestResult, target: Target, spec: RequestSpec, clock: Clock) -> RequestResult:
     """Send `spec` through `target` and fill `result` in place (so a cancelled request keeps what it saw).
 
-    An event counts as generated output when it carries text or a positive token count: a role-only first chunk
-    and a usage-only trailing chunk do not, nor does `[DONE]`. Events that arrived together share their arrival
+    An event counts as generated output when it carries an output choice (even one whose text is empty: tokens
+    can decode to nothing) that usage does not show to hold zero tokens, or a positive token count: a role-only
+    first chunk and a usage-only trailing chunk do not, nor does `[DONE]`. Usage that goes down is malformed. Events that arrived together share their arrival
     time. The stream must end with `[DONE]` or a finish reason; otherwise the request failed (the connection
     closed early).
     """
@@ -49,12 +50,17 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
                         result.prompt_tokens = ev.prompt_tokens
                     n = ev.num_tokens
                     if ev.completion_tokens is None:
-                        continuous = continuous and (ev.usage_only or n is not None)
+                        continuous = continuous and (not ev.output or n is not None)
                     else:
+                        if ev.completion_tokens < (usage_tokens or 0):
+                            result.error = (f"malformed stream: usage.completion_tokens went down from "
+                                            f"{usage_tokens} to {ev.completion_tokens}")
+                            break
                         if n is None and continuous and not ev.usage_only:
                             n = ev.completion_tokens - (usage_tokens or 0)
                         usage_tokens = ev.completion_tokens
-                    if not ev.usage_only and (ev.text or (n is not None and n > 0)):
+                    # an output choice is an event unless usage proves it holds no token (a finish-only chunk)
+                    if (ev.output and n != 0) or (not ev.usage_only and n is not None and n > 0):
                         if last_text_t is None:
                             result.ttft = t - t0
                         else:
@@ -80,6 +86,8 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
                 result.chunk_tokens = [1] * usage_tokens  # every text event holds >= 1 token, so exactly 1
     if result.error is None and not finished:
         result.error = "disconnect: the stream ended before the response finished"
+    elif result.error is None and last_text_t is None:  # as `vllm bench serve`: no TTFT, no success
+        result.error = "empty response: the stream finished without any generated output"
     return result
 
 

@@ -1,5 +1,7 @@
+import pytest
+
 from infertrace.load.http_target import decode_chunk, decode_data
-from infertrace.load.sse import SSEParser
+from infertrace.load.sse import SSELineTooLong, SSEParser
 
 
 def feed_all(parts):
@@ -52,3 +54,49 @@ def test_an_event_with_empty_data_is_not_handed_out():
     # `data:` alone (a keep-alive some servers send) has empty data; two empty data lines join to one newline
     raw = b'data:\n\ndata: \r\n\r\ndata: {"a": 1}\n\ndata:\ndata:\n\n'
     assert feed_all([raw]) == ['{"a": 1}', "\n"]
+
+
+def test_a_long_line_over_many_reads_takes_linear_time():
+    # 32 MiB in 4 KiB reads without a newline: re-joining the unfinished line on every read would copy
+    # 32 MiB * 8192 / 2 = 128 GiB; kept as pieces it is one join
+    import time
+
+    piece = b"x" * 4096
+    p = SSEParser(max_line_bytes=64 * 1024 * 1024)
+    start = time.perf_counter()
+    assert p.feed(b'data: "') == []
+    for _ in range(8192):
+        assert p.feed(piece) == []
+    out = p.feed(b'"\n\n')
+    assert time.perf_counter() - start < 2.0
+    assert len(out) == 1 and len(out[0]) == 8192 * 4096 + 2
+
+
+def test_a_line_over_the_cap_is_refused_whether_split_or_whole():
+    for parts in ([b"data: " + b"x" * 100], [b"data: " + b"x" * 100 + b"\n\n"],
+                  [b"data: xx", b"x" * 100 + b"\n\n"], [b"data: 1\n", b"data: " + b"x" * 100 + b"\n"]):
+        p = SSEParser(max_line_bytes=64)
+        with pytest.raises(SSELineTooLong):
+            for part in parts:
+                p.feed(part)
+    p = SSEParser(max_line_bytes=64)
+    assert p.feed(b"data: " + b"x" * 50 + b"\n\n") == ["x" * 50]  # under the cap
+
+
+def test_schema_breaks_are_malformed_streams_naming_the_field():
+    cases = {
+        '{"choices": [{"text": 5}]}': "malformed stream: choices[0].text is 5, expected a string",
+        '{"choices": {"text": "a"}}': "malformed stream: choices is {\"text\": \"a\"}, expected an array",
+        '{"choices": ["a"]}': "malformed stream: choices[0] is \"a\", expected an object",
+        '{"choices": [{"delta": "a"}]}': "malformed stream: choices[0].delta is \"a\", expected an object",
+        '{"choices": [{"delta": {"content": 1}}]}': "malformed stream: choices[0].delta.content is 1, expected a string",
+        '{"choices": [{"text": "a", "finish_reason": 3}]}': "malformed stream: choices[0].finish_reason is 3",
+        '{"choices": [], "usage": [1]}': "malformed stream: usage is [1], expected an object",
+        '{"choices": [], "usage": {"completion_tokens": NaN}}': "malformed stream: usage.completion_tokens is NaN, expected an integer",
+        '{"choices": [], "usage": {"prompt_tokens": Infinity}}': "malformed stream: usage.prompt_tokens is Infinity",
+        '{"choices": [], "usage": {"completion_tokens": -3}}': "malformed stream: usage.completion_tokens is "
+                                                                "negative (-3)",
+        '{"choices": [], "usage": {"completion_tokens": true}}': "malformed stream: usage.completion_tokens is true",
+    }
+    for data, want in cases.items():
+        assert decode_data(data).error.startswith(want), (data, decode_data(data).error)

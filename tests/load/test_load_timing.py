@@ -160,14 +160,43 @@ async def test_chunk_tokens_stay_unknown_when_usage_cannot_split_them():
     assert result.tpot == pytest.approx(0.2 / 4)
 
 
-async def test_usage_on_the_last_choice_chunk_only_does_not_make_it_a_text_event():
-    # the shape some servers send: text chunks without usage, then a finish chunk with empty text and usage
+async def test_an_empty_text_finish_chunk_without_continuous_usage_is_an_output_event():
+    # text chunks without usage, then a finish chunk with empty text and the final usage: nothing says that chunk
+    # holds no token (it may hold the last 13), so it is an output event, as in `vllm bench serve`
     result, _ = await run([(10.1, comp("a")), (10.3, comp("b")), (10.4, comp("c")),
                            (11.5, comp("", finish="length", usage=16)), (11.6, DONE)])
-    assert result.e2el == pytest.approx(0.4)
-    assert result.chunk_tokens == [None, None, None]
+    assert result.e2el == pytest.approx(1.5)
+    assert result.chunk_tokens == [None, None, None, None]
     assert result.output_tokens == 16
-    assert result.tpot == pytest.approx(0.3 / 15)
+    assert result.tpot == pytest.approx(1.4 / 15)
+
+
+async def test_tokens_that_decode_to_empty_text_are_output_events_without_continuous_usage():
+    # a tokenizer that emits partial UTF-8: the first two tokens decode to "" and the third completes "é"
+    reads = [(10.05, comp("")), (10.10, comp("")), (10.15, comp("é")), (10.20, comp("")),
+             (10.25, comp("x", finish="length")), (10.30, usage_only(5)), (10.35, DONE)]
+    result, _ = await run(reads)
+    assert result.success
+    assert result.ttft == pytest.approx(0.05)  # the first token, not the first visible character (0.15)
+    assert result.e2el == pytest.approx(0.25)
+    assert result.itl == pytest.approx([0.05] * 4)
+    assert result.chunk_tokens == [1] * 5  # usage 5 over 5 events: one token each
+    assert result.tpot == pytest.approx(0.05)
+    assert result.text == "éx"
+
+
+async def test_chat_empty_content_counts_but_the_role_chunk_and_an_empty_delta_do_not():
+    result, _ = await run([(10.02, chat(role=True)), (10.05, chat("")), (10.10, chat("")), (10.15, chat("é")),
+                           (10.40, chat(finish="stop")), (10.45, usage_only(3)), (10.5, DONE)], endpoint="chat")
+    assert result.success
+    assert (result.ttft, result.e2el) == (pytest.approx(0.05), pytest.approx(0.15))
+    assert result.chunk_tokens == [1, 1, 1]
+
+
+async def test_a_finished_stream_without_any_output_event_is_a_failure():
+    result, _ = await run([(10.1, chat(role=True)), (10.2, chat(finish="stop")), (10.3, DONE)], endpoint="chat")
+    assert result.error == "empty response: the stream finished without any generated output"
+    assert result.ttft is None
 
 
 async def test_no_done_sentinel_after_a_finish_reason_is_a_success():
@@ -253,3 +282,24 @@ async def test_usage_is_kept_and_the_tokenizer_count_recorded_beside_it():
     resolve_output_tokens([result], WordTokenizer(), check_usage=True)
     assert (result.output_tokens, result.output_source) == (4, TokenSource.USAGE)
     assert result.tokenizer_output_tokens == 3
+
+
+async def test_usage_that_goes_down_is_a_malformed_stream():
+    result, _ = await run([(10.1, comp("a", usage=2)), (10.2, comp("b", usage=1)), (10.3, DONE)])
+    assert result.error == "malformed stream: usage.completion_tokens went down from 2 to 1"
+
+
+async def test_a_chunk_that_breaks_the_schema_fails_as_malformed_not_a_client_error():
+    result, _ = await run([(10.1, comp("a")), (10.2, {"choices": [{"delta": ["x"]}]}), (10.3, DONE)],
+                          endpoint="chat")
+    assert result.error == "malformed stream: choices[0].delta is [\"x\"], expected an object"
+    nan, _ = await run([(10.1, comp("a", finish="stop")), (10.2, b'data: {"choices": [], "usage": '
+                                                                  b'{"completion_tokens": NaN}}\n\n')])
+    assert nan.error.startswith("malformed stream: usage.completion_tokens is NaN, expected an integer")
+    assert nan.output_tokens is None  # no non-finite value reaches the figures
+
+
+async def test_an_oversized_line_is_a_malformed_stream(monkeypatch):
+    monkeypatch.setattr("infertrace.load.sse.MAX_LINE_BYTES", 1024)
+    result, _ = await run([(10.1, comp("a")), (10.2, b"data: " + b"x" * 600), (10.3, b"x" * 600)])
+    assert result.error == "malformed stream: an SSE line exceeds 1024 bytes"
