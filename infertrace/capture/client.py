@@ -1,17 +1,21 @@
-"""Start and stop the profiler of a live server: vLLM, SGLang or `infertrace serve`.
-
-vLLM takes a bare `POST /start_profile` / `POST /stop_profile` (capture options are fixed when the server
-is launched); SGLang and infertrace take a JSON body shaped like SGLang's ProfileReqInput.
+"""Start and stop the profiler of a live server: vLLM, SGLang or `infertrace serve`, each sent exactly what it
+accepts (see peers.py for what each one takes, answers and writes).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import socket
 from dataclasses import dataclass, field
-from enum import Enum
+from urllib.parse import urlsplit
 
-SERVER_ACTIVITIES = ("CPU", "GPU", "MEM", "RPD", "CUDA_PROFILER")
+from infertrace.capture.peers import (SERVER_ACTIVITIES, Flavour, ProfileOptions, likely_cause, sglang_body,
+                                      vllm_body, vllm_takes_options)
+
+__all__ = ["SERVER_ACTIVITIES", "Flavour", "ProfileOptions", "ProfilerClient", "ProfilerError", "StartResult",
+           "StopResult", "is_local_url"]
 
 VLLM_NO_PROFILER = (
     "vLLM answered 404 for {path}: the server was started without a profiler configuration; relaunch it "
@@ -20,53 +24,23 @@ VLLM_NO_PROFILER = (
 )
 
 
-class Flavour(str, Enum):
-    VLLM = "vllm"
-    SGLANG = "sglang"
-    INFERTRACE = "infertrace"
-
-
 class ProfilerError(Exception):
     """A failure to report to the user in one line."""
 
 
-@dataclass(frozen=True, slots=True)
-class ProfileOptions:
-    """What to capture; None leaves the server's own default."""
-
-    output_dir: str | None = None
-    num_steps: int | None = None
-    activities: tuple[str, ...] | None = None
-    with_stack: bool | None = None
-    record_shapes: bool | None = None
-
-    def __post_init__(self):
-        if self.num_steps is not None and self.num_steps < 1:
-            raise ValueError(f"num_steps must be at least 1, got {self.num_steps}")
-        unknown = [a for a in self.activities or () if a not in SERVER_ACTIVITIES]
-        if unknown:
-            raise ValueError(f"unknown activity {unknown[0]!r}; choose from {', '.join(SERVER_ACTIVITIES)}")
-
-    def body(self) -> dict:
-        """The ProfileReqInput-style JSON body (only the fields that were set)."""
-        body: dict = {}
-        if self.output_dir is not None:
-            body["output_dir"] = self.output_dir
-        if self.num_steps is not None:
-            body["num_steps"] = self.num_steps
-        if self.activities is not None:
-            body["activities"] = list(self.activities)
-        if self.with_stack is not None:
-            body["with_stack"] = self.with_stack
-        if self.record_shapes is not None:
-            body["record_shapes"] = self.record_shapes
-        return body
+@dataclass(slots=True)
+class StartResult:
+    message: str
+    options: ProfileOptions  # what was asked for, output_dir made absolute where it was relative
+    body: dict | None  # what was sent (None: a bare POST)
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class StopResult:
     message: str
     traces: list[str] = field(default_factory=list)  # listed by the server (infertrace does)
+    already_stopped: bool = False  # the capture had ended by itself (SGLang after num_steps)
 
 
 @dataclass(slots=True)
@@ -82,69 +56,132 @@ class _Reply:
 
 
 class ProfilerClient:
-    """`async with ProfilerClient(url) as c: await c.start(ProfileOptions(...)); await c.stop()`."""
+    """`async with ProfilerClient(url) as c: await c.start(ProfileOptions(...)); await c.stop()`.
 
-    def __init__(self, base_url: str, flavour: Flavour | str | None = None, timeout_s: float = 600.0):
+    `headers` (an API key's Authorization among them) go with every call, flavour detection included."""
+
+    def __init__(self, base_url: str, flavour: Flavour | str | None = None, timeout_s: float = 600.0,
+                 headers: dict[str, str] | None = None):
         self.base_url = base_url.rstrip("/")
         self._flavour = Flavour(flavour) if flavour else None
         self.timeout_s = timeout_s
+        self.headers = dict(headers or {})
+        self.server_version: str | None = None
+        self.server_info: dict | None = None
         self._session = None
 
     async def __aenter__(self) -> "ProfilerClient":
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=min(10.0, self.timeout_s))
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._session = aiohttp.ClientSession(timeout=timeout, headers=self.headers)
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self._session.close()
+
+    @property
+    def local(self) -> bool:
+        return is_local_url(self.base_url)
 
     async def flavour(self) -> Flavour:
         if self._flavour is None:
             self._flavour = await self._detect()
         return self._flavour
 
-    async def start(self, options: ProfileOptions = ProfileOptions()) -> str:
+    async def start(self, options: ProfileOptions = ProfileOptions()) -> StartResult:
         flavour = await self.flavour()
+        notes: list[str] = []
         if flavour is Flavour.VLLM:
-            given = [name for name, value in _option_names(options) if value is not None]
-            if given:
-                raise ValueError(f"vLLM takes no capture options over HTTP ({', '.join(given)}); set them in "
-                                 "the server's --profiler-config, or use --seconds for a time window")
-            reply = await self._request("POST", "/start_profile")
+            body = vllm_body(options) or None
+            if body is not None:
+                takes = vllm_takes_options(await self._version())
+                if takes is False:
+                    notes.append(f"vLLM {self.server_version} takes no capture options over HTTP (they came in 0.33): "
+                                 f"{', '.join(body)} not applied")
+                    body = None
+            reply = await self._request("POST", "/start_profile", body=body)
+            if reply.status == 422 and body is not None:
+                # a server whose route validates a body it does not know: start it bare rather than not at all
+                notes.append(f"the server refused the capture options (HTTP 422: {_message(reply) or 'no detail'}); "
+                             f"started without them: {', '.join(body)} not applied")
+                body = None
+                reply = await self._request("POST", "/start_profile")
         else:
-            reply = await self._request("POST", "/start_profile", body=options.body())
+            if flavour is Flavour.SGLANG:
+                options = await self._sglang_safe(options)
+            body = sglang_body(options)
+            reply = await self._request("POST", "/start_profile", body=body)
         self._raise_for(reply, "/start_profile")
-        return _message(reply) or "profiling started"
+        return StartResult(_message(reply) or "profiling started", options, body, notes)
 
-    async def stop(self) -> StopResult:
-        await self.flavour()
+    async def stop(self, self_stopping: bool = False) -> StopResult:
+        """Stop the capture. `self_stopping`: it was started with a step limit, so a server that answers that
+        nothing runs (SGLang's 500) means it ended by itself: the normal end, not a failure."""
+        flavour = await self.flavour()
         reply = await self._request("POST", "/stop_profile")
+        if flavour is Flavour.SGLANG and reply.status == 500 and self_stopping:
+            return StopResult(message=likely_cause(flavour, "/stop_profile", 500, "", True), already_stopped=True)
         self._raise_for(reply, "/stop_profile")
         data = reply.json()
         traces = _trace_list(data) if isinstance(data, dict) else []
         return StopResult(message=_message(reply) or "profiling stopped", traces=traces)
 
+    async def _sglang_safe(self, options: ProfileOptions) -> ProfileOptions:
+        """Refuse what takes an SGLang server down (its scheduler raises and the process exits)."""
+        import dataclasses
+
+        if options.activities and "RPD" in options.activities and not self._is_rocm():
+            raise ProfilerError("RPD is a ROCm profiler: SGLang on a CUDA build raises inside its scheduler and the "
+                                "server goes down; use CPU,GPU")
+        out = options.output_dir
+        if out is not None:
+            if not os.path.isabs(os.path.expanduser(out)):
+                if not self.local:
+                    raise ProfilerError(f"--output-dir {out!r} is relative and the server is not on this host: "
+                                        "give the absolute path on the server's machine")
+                out = os.path.abspath(out)
+            if self.local:
+                _check_creatable(os.path.expanduser(out))
+            options = dataclasses.replace(options, output_dir=out)
+        return options
+
+    def _is_rocm(self) -> bool:
+        info = self.server_info or {}
+        text = json.dumps({k: info.get(k) for k in ("device", "version", "attention_backend")}).lower()
+        return "rocm" in text or "hip" in text
+
+    async def _version(self) -> str | None:
+        if self.server_version is None:
+            data = await self._get_json("/version")
+            if isinstance(data, dict) and isinstance(data.get("version"), str):
+                self.server_version = data["version"]
+        return self.server_version
+
     async def _detect(self) -> Flavour:
         info = await self._get_json("/server_info")
         if isinstance(info, dict):
+            self.server_info = info
             if _is_infertrace(info):
                 return Flavour.INFERTRACE
             if "vllm_config" in info:
                 return Flavour.VLLM
             if "model_path" in info or "tp_size" in info:
                 return Flavour.SGLANG
-        if isinstance(await self._get_json("/get_server_info"), dict):
+        info = await self._get_json("/get_server_info")
+        if isinstance(info, dict):
+            self.server_info = info
             return Flavour.SGLANG
-        version = await self._get_json("/version")
-        if isinstance(version, dict) and "version" in version:
+        if await self._version() is not None:
             return Flavour.VLLM
         raise ProfilerError(f"cannot tell which server runs at {self.base_url} (no usable /server_info, "
                             "/get_server_info or /version); pass --server vllm|sglang|infertrace")
 
     async def _get_json(self, path: str):
         reply = await self._request("GET", path)
+        if reply.status in (401, 403):
+            cause = likely_cause(self._flavour, path, reply.status, "")
+            raise ProfilerError(f"GET {path} answered {reply.status}: {cause}")
         return reply.json() if 200 <= reply.status < 300 else None
 
     async def _request(self, method: str, path: str, body: dict | None = None) -> _Reply:
@@ -173,13 +210,39 @@ class ProfilerClient:
         if reply.status == 404 and self._flavour is Flavour.VLLM:
             raise ProfilerError(VLLM_NO_PROFILER.format(path=path))
         detail = _message(reply) or "no detail"
-        raise ProfilerError(f"{self._flavour.value} server refused POST {path} (HTTP {reply.status}): {detail}")
+        cause = likely_cause(self._flavour, path, reply.status, detail)
+        said = f"{detail}; {cause}" if cause else detail
+        raise ProfilerError(f"{self._flavour.value} server refused POST {path} (HTTP {reply.status}): {said}")
 
 
-def _option_names(options: ProfileOptions):
-    return [("output_dir", options.output_dir), ("num_steps", options.num_steps),
-            ("activities", options.activities), ("with_stack", options.with_stack),
-            ("record_shapes", options.record_shapes)]
+def is_local_url(url: str) -> bool:
+    """Whether the server at `url` runs on this host (a loopback address, or one of this host's names)."""
+    host = urlsplit(url).hostname or ""
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_creatable(path: str) -> None:
+    """Refuse an output directory the (local) server could not create or write: SGLang would crash on it. The
+    nearest existing ancestor is probed by making and removing a directory in it (permission bits say nothing
+    to root, nor about /proc)."""
+    import tempfile
+
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".infertrace-probe-", dir=probe))
+    except OSError as exc:
+        raise ProfilerError(f"--output-dir {path!r} cannot be created or written on this host ({probe}: "
+                            f"{exc.strerror}); SGLang would fail at stop and lose the capture") from exc
 
 
 def _is_infertrace(info: dict) -> bool:

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import time
 from pathlib import Path
 
 import click
 
-from infertrace.capture.client import SERVER_ACTIVITIES
+from infertrace.capture.peers import SERVER_ACTIVITIES, Flavour
+from infertrace.capture.session import WHERE_UNKNOWN
 from infertrace.console import err_console, out_console
+from infertrace.load.auth import request_headers, server_auth_options
 
 FLAVOURS = ("vllm", "sglang", "infertrace")
 ACTIVITY_NAMES = ", ".join(SERVER_ACTIVITIES)
-TRACE_HOME = {
-    "vllm": "the torch_profiler_dir of its --profiler-config",
-    "sglang": "the output_dir sent, else SGLANG_TORCH_PROFILER_DIR or /tmp",
-}
 
 
 @click.command(name="profile")
@@ -30,10 +29,15 @@ TRACE_HOME = {
 @click.option("--nsys", is_flag=True,
               help="Run COMMAND (an infertrace subcommand or any program) under nsys with the cudaProfilerApi "
                    "capture range; with --url/--server, print the nsys line that launches that server.")
-@click.option("--output-dir", help="Where traces go: sent to the server (SGLang, infertrace), or the "
-                                   "directory of the nsys report with --nsys.")
+@click.option("--output-dir", help="Where traces go: sent to SGLang and infertrace (a relative path is made absolute "
+                                   "only for a server on this host); for vLLM, which fixes it in --profiler-config, "
+                                   "where to look for the files; the directory of the nsys report with --nsys.")
+@click.option("--name", help="The capture's name, which every trace file name starts with (vLLM profile_prefix, "
+                             "SGLang profile_id); default infertrace-YYYYmmdd-HHMMSS.")
 @click.option("--num-steps", type=click.IntRange(min=1),
-              help="Stop by itself after N engine steps (infertrace and SGLang servers).")
+              help="Stop by itself after N engine steps (vLLM max_iterations, SGLang and infertrace num_steps).")
+@click.option("--delay-steps", type=click.IntRange(min=0),
+              help="vLLM: start capturing N engine steps after the start (delay_iterations).")
 @click.option("--activities", help=f"Comma-separated activities among {ACTIVITY_NAMES} (server default "
                                    "when omitted).")
 @click.option("--with-stack/--no-with-stack", default=None, help="Record Python stacks (server default when "
@@ -42,11 +46,12 @@ TRACE_HOME = {
               help="Record operator input shapes (server default when omitted).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds to wait for each server answer (a large trace can take minutes to flush).")
+@server_auth_options
 @click.option("--dry-run", is_flag=True, help="With --nsys: print the command line instead of running it.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def profile(ctx, url, flavour, start, stop, seconds, nsys, output_dir, num_steps, activities, with_stack,
-            record_shapes, timeout, dry_run, command):
+def profile(ctx, url, flavour, start, stop, seconds, nsys, output_dir, name, num_steps, delay_steps, activities,
+            with_stack, record_shapes, timeout, api_key, header, dry_run, command):
     """Start or stop profiler capture on a live server (vLLM, SGLang, infertrace), or run under nsys.
 
     \b
@@ -71,23 +76,25 @@ def profile(ctx, url, flavour, start, stop, seconds, nsys, output_dir, num_steps
         raise click.UsageError(f"{chosen[0]} needs --url")
     if seconds is not None and num_steps is not None:
         raise click.UsageError("give either --seconds or --num-steps, not both")
-    given = [name for name, value in (("--output-dir", output_dir), ("--num-steps", num_steps),
-                                      ("--activities", activities), ("--with-stack", with_stack),
-                                      ("--record-shapes", record_shapes)) if value is not None]
+    given = [flag for flag, value in (("--output-dir", output_dir), ("--name", name), ("--num-steps", num_steps),
+                                      ("--delay-steps", delay_steps), ("--activities", activities),
+                                      ("--with-stack", with_stack), ("--record-shapes", record_shapes))
+             if value is not None]
     if stop and given:
         raise click.UsageError(f"{given[0]} applies when a capture starts, not to --stop")
-    from infertrace.capture.client import ProfileOptions
+    from infertrace.capture.peers import ProfileOptions, default_capture_name
 
     try:
-        options = ProfileOptions(output_dir=output_dir, num_steps=num_steps,
-                                 activities=_parse_activities(activities), with_stack=with_stack,
-                                 record_shapes=record_shapes)
+        options = ProfileOptions(name=name or default_capture_name(), output_dir=output_dir, num_steps=num_steps,
+                                 delay_steps=delay_steps, activities=_parse_activities(activities),
+                                 with_stack=with_stack, record_shapes=record_shapes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    headers = request_headers(api_key, header)
     if stop:
-        _run(_stop(url, flavour, timeout))
+        _run(_stop(url, flavour, timeout, headers))
     else:
-        _run(_start(url, flavour, timeout, options, seconds))
+        _run(_start(url, flavour, timeout, headers, options, seconds))
 
 
 def _say(text: str) -> None:
@@ -120,39 +127,68 @@ def _run(coro):
         raise click.UsageError(str(exc)) from exc
 
 
-async def _start(url, flavour, timeout, options, seconds):
+async def _start(url, flavour, timeout, headers, options, seconds):
     from infertrace.capture.client import ProfilerClient
+    from infertrace.capture.session import ServerCapture
 
-    async with ProfilerClient(url, flavour, timeout) as client:
-        kind = (await client.flavour()).value
-        message = await client.start(options)
-        _say(f"{kind} profiler started at {url}: {message}")
-        if options.num_steps is not None:
-            _say(f"it stops by itself after {options.num_steps} steps")
+    async with ProfilerClient(url, flavour, timeout, headers) as client:
+        kind = await client.flavour()
+        started = await client.start(options)
+        for note in started.notes:
+            _say(f"note: {note}")
+        sent_name = _sent_name(kind, started.body)
+        capture = ServerCapture.begin(url, kind, sent_name, started.options.output_dir, client.local,
+                                      started.options.num_steps if started.body else None, started.body)
+        _say(f"{kind.value} profiler started at {url}: {started.message}")
+        _say(f"capture {sent_name or '(unnamed)'} writes to {capture.where()}")
+        if capture.num_steps is not None:
+            _say(f"it stops by itself after {capture.num_steps} steps")
         if seconds is None:
+            capture.save()
             return
         try:
             await asyncio.sleep(seconds)
         finally:
             # also on Ctrl-C: leave no capture running on the server
-            await _report_stop(client, url)
+            await _report_stop(client, url, capture)
 
 
-async def _stop(url, flavour, timeout):
+async def _stop(url, flavour, timeout, headers):
     from infertrace.capture.client import ProfilerClient
+    from infertrace.capture.session import ServerCapture
 
-    async with ProfilerClient(url, flavour, timeout) as client:
-        await _report_stop(client, url)
+    capture = ServerCapture.load(url)
+    async with ProfilerClient(url, flavour or (capture.flavour if capture else None), timeout, headers) as client:
+        await _report_stop(client, url, capture)
 
 
-async def _report_stop(client, url):
-    result = await client.stop()
+async def _report_stop(client, url, capture):
+    result = await client.stop(self_stopping=bool(capture and capture.num_steps))
     kind = (await client.flavour()).value
     _say(f"{kind} profiler stopped at {url}: {result.message}")
-    for trace in result.traces:
+    files = list(result.traces)
+    if capture is not None:
+        capture.stopped_at = time.time()
+        if not files:
+            files = capture.written(wait_s=min(client.timeout_s, 10.0))
+            capture.files = files
+            manifest = capture.write_manifest()
+            if manifest is not None:
+                _say(f"manifest: {manifest}")
+        capture.forget()
+        if not files:
+            _say(f"{kind} writes its traces on the server host, into {capture.where()}")
+    elif not files:
+        _say(f"{kind} writes its traces on the server host, into {WHERE_UNKNOWN[Flavour(kind)]}")
+    for trace in files:
         _emit(trace)
-    if not result.traces and kind in TRACE_HOME:
-        _say(f"{kind} writes its traces on the server host, into {TRACE_HOME[kind]}")
+
+
+def _sent_name(kind, body: dict | None) -> str | None:
+    """The name the server will put into its file names, as it was really sent."""
+    if not body:
+        return None
+    return body.get("profile_prefix") or body.get("profile_id")
 
 
 def _nsys(ctx, url, flavour, output_dir, timeout, dry_run, command):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -35,12 +37,14 @@ def calls(stand_in):
 
 # vLLM ----------------------------------------------------------------------------------------------------
 
-def test_vllm_detected_then_bare_start(vllm_server):
+def test_vllm_detected_then_named_start(vllm_server):
     result = invoke("--url", vllm_server.url, "--start")
     assert result.exit_code == 0, result.output
     assert [(m, p) for m, p, _ in calls(vllm_server)] == DETECTION + [("POST", "/start_profile")]
-    assert calls(vllm_server)[-1][2] == b""  # vLLM takes no body
+    body = vllm_server.received[-1].json()
+    assert list(body) == ["profile_prefix"] and body["profile_prefix"].startswith("infertrace-")
     assert "vllm profiler started" in result.stderr
+    assert "_dp*_pp*_tp*_dcp*_ep*_rank*.*.pt.trace.json*" in result.stderr  # the file pattern it will write
 
 
 def test_vllm_stop_with_flavour_given_sends_only_the_stop(vllm_server):
@@ -52,9 +56,10 @@ def test_vllm_stop_with_flavour_given_sends_only_the_stop(vllm_server):
 
 
 def test_vllm_seconds_window(vllm_server):
-    result = invoke("--url", vllm_server.url, "--server", "vllm", "--seconds", "0.2")
+    result = invoke("--url", vllm_server.url, "--server", "vllm", "--seconds", "0.2", "--name", "w1")
     assert result.exit_code == 0, result.output
-    assert calls(vllm_server) == [("POST", "/start_profile", b""), ("POST", "/stop_profile", b"")]
+    assert calls(vllm_server) == [("GET", "/version", b""), ("POST", "/start_profile", b'{"profile_prefix": "w1"}'),
+                                  ("POST", "/stop_profile", b"")]
     assert not vllm_server.profiling
 
 
@@ -67,62 +72,200 @@ def test_vllm_404_explains_missing_profiler_config(vllm_server_without_profiler)
     assert "--profiler-config" in lines[0] and "VLLM_TORCH_PROFILER_DIR" in lines[0]
 
 
-def test_vllm_refuses_options_it_cannot_take(vllm_server):
-    result = invoke("--url", vllm_server.url, "--server", "vllm", "--start", "--num-steps", "5")
+def test_vllm_options_map_to_its_start_body(vllm_server):
+    result = invoke("--url", vllm_server.url, "--server", "vllm", "--start", "--num-steps", "5",
+                    "--delay-steps", "2", "--name", "run.a", "--record-shapes", "--no-with-stack")
+    assert result.exit_code == 0, result.output
+    assert vllm_server.received[-1].json() == {"profile_prefix": "run.a", "delay_iterations": 2,
+                                               "max_iterations": 5,
+                                               "profiler_kwargs": {"record_shapes": True, "with_stack": False}}
+    assert vllm_server.session == vllm_server.received[-1].json()  # the stand-in took every field
+    assert "stops by itself after 5 steps" in result.stderr
+
+
+def test_vllm_activities_are_refused_with_the_reason(vllm_server):
+    result = invoke("--url", vllm_server.url, "--server", "vllm", "--start", "--activities", "CPU")
     assert result.exit_code == 2
-    assert "vLLM takes no capture options over HTTP (num_steps)" in result.output
-    assert calls(vllm_server) == []
+    assert "--profiler-config" in result.output
+    assert [r.path for r in vllm_server.received if r.method == "POST"] == []
+
+
+def test_vllm_second_start_names_the_cause(vllm_server):
+    assert invoke("--url", vllm_server.url, "--start").exit_code == 0
+    result = invoke("--url", vllm_server.url, "--start")
+    assert result.exit_code == 1
+    assert error_lines(result) == [
+        "Error: vllm server refused POST /start_profile (HTTP 409): A profiling session is already active. Call "
+        "/stop_profile before starting another session.; a capture is already running on the server; stop it "
+        "first (infertrace profile --stop)"]
+
+
+def test_vllm_stop_lists_this_captures_files_and_leaves_a_manifest(vllm_server):
+    trace_dir = vllm_server.trace_dir
+    trace_dir.mkdir()
+    (trace_dir / "older_dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz").write_bytes(b"x")  # another capture
+    start = invoke("--url", vllm_server.url, "--start", "--name", "cap1", "--output-dir", str(trace_dir))
+    assert start.exit_code == 0, start.output
+    assert f"{trace_dir}/{{cap1_dp*_pp*_tp*_dcp*_ep*_rank*.*.pt.trace.json*" in start.stderr
+    stop = invoke("--url", vllm_server.url, "--stop")
+    assert stop.exit_code == 0, stop.output
+    listed = stop.stdout.splitlines()
+    assert len(listed) == 2 and all(Path(f).name.startswith("cap1_") for f in listed)
+    assert any(".async_llm." in f for f in listed) and any("_rank0." in f for f in listed)
+    manifest = json.loads((trace_dir / "cap1.infertrace.json").read_text())
+    assert manifest["name"] == "cap1" and manifest["flavour"] == "vllm" and sorted(manifest["files"]) == sorted(listed)
+    assert manifest["sent"] == {"profile_prefix": "cap1"}
+
+
+def test_vllm_before_033_gets_a_bare_start_and_a_note(vllm_old_server):
+    result = invoke("--url", vllm_old_server.url, "--start", "--num-steps", "4")
+    assert result.exit_code == 0, result.output
+    assert vllm_old_server.received[-1].body == b""
+    assert "vLLM 0.11.0 takes no capture options over HTTP" in result.stderr
+    assert "max_iterations" in result.stderr and "not applied" in result.stderr
+    assert "stops by itself" not in result.stderr  # it will not
+
+
+def test_vllm_422_on_the_body_falls_back_to_a_bare_start(serve_app):
+    from aiohttp import web
+
+    bodies = []
+
+    async def start(request):
+        raw = await request.read()
+        bodies.append(raw)
+        if raw:
+            return web.json_response({"detail": [{"msg": "Extra inputs are not permitted"}]}, status=422)
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/version", replying(lambda: web.json_response({"version": "0.34.0rc1"})))
+    app.router.add_post("/start_profile", start)
+    with serve_app(app) as url:
+        result = invoke("--url", url, "--server", "vllm", "--start", "--num-steps", "3")
+    assert result.exit_code == 0, result.output
+    assert bodies[1] == b"" and json.loads(bodies[0])["max_iterations"] == 3
+    assert "HTTP 422" in result.stderr and "not applied" in result.stderr
 
 
 # SGLang --------------------------------------------------------------------------------------------------
 
-def test_sglang_detected_and_full_body(sglang_server):
-    result = invoke("--url", sglang_server.url, "--start", "--output-dir", "/tmp/sgl", "--num-steps", "8",
-                    "--activities", "cpu,GPU", "--with-stack", "--record-shapes")
+def test_sglang_detected_and_full_body(sglang_server, tmp_path):
+    out = tmp_path / "sgl"
+    result = invoke("--url", sglang_server.url, "--start", "--output-dir", str(out), "--num-steps", "8",
+                    "--activities", "cpu,GPU", "--with-stack", "--record-shapes", "--name", "s1")
     assert result.exit_code == 0, result.output
-    assert [(m, p) for m, p, _ in calls(sglang_server)] == [("GET", "/server_info"), ("GET", "/get_server_info"),
-                                                           ("POST", "/start_profile")]
+    assert [(m, p) for m, p, _ in calls(sglang_server)] == [("GET", "/server_info"), ("POST", "/start_profile")]
     start = sglang_server.received[-1]
     assert start.content_type == "application/json"
-    assert start.json() == {"output_dir": "/tmp/sgl", "num_steps": 8, "activities": ["CPU", "GPU"],
-                            "with_stack": True, "record_shapes": True}
+    assert start.json() == {"output_dir": str(out), "num_steps": 8, "with_stack": True, "record_shapes": True,
+                            "activities": ["CPU", "GPU"], "profile_id": "s1"}
     assert "stops by itself after 8 steps" in result.stderr
+    assert f"{out}/{{s1-TP-*.trace.json.gz" in result.stderr
 
 
 def test_sglang_body_carries_only_what_was_given(sglang_server):
-    result = invoke("--url", sglang_server.url, "--server", "sglang", "--start", "--no-with-stack")
+    result = invoke("--url", sglang_server.url, "--server", "sglang", "--start", "--no-with-stack", "--name", "n")
     assert result.exit_code == 0, result.output
     assert len(sglang_server.received) == 1
-    assert sglang_server.received[0].json() == {"with_stack": False}
+    assert sglang_server.received[0].json() == {"with_stack": False, "profile_id": "n"}
 
 
 def test_sglang_cuda_profiler_activity(sglang_server):
-    result = invoke("--url", sglang_server.url, "--server", "sglang", "--start", "--activities", "CUDA_PROFILER")
+    result = invoke("--url", sglang_server.url, "--server", "sglang", "--start", "--activities", "CUDA_PROFILER",
+                    "--name", "n")
     assert result.exit_code == 0, result.output
-    assert sglang_server.received[0].json() == {"activities": ["CUDA_PROFILER"]}
+    assert sglang_server.received[0].json() == {"activities": ["CUDA_PROFILER"], "profile_id": "n"}
 
 
-def test_sglang_seconds_window(sglang_server):
-    result = invoke("--url", sglang_server.url, "--server", "sglang", "--seconds", "0.1", "--activities", "GPU")
+def test_sglang_seconds_window_lists_files(sglang_server, tmp_path):
+    out = tmp_path / "o"
+    result = invoke("--url", sglang_server.url, "--server", "sglang", "--seconds", "0.1", "--activities", "GPU",
+                    "--name", "w", "--output-dir", str(out))
     assert result.exit_code == 0, result.output
     assert [(r.method, r.path) for r in sglang_server.received] == [("POST", "/start_profile"),
                                                                     ("POST", "/stop_profile")]
-    assert sglang_server.received[0].json() == {"activities": ["GPU"]}
     assert sglang_server.received[1].body == b""
-    assert "SGLANG_TORCH_PROFILER_DIR" in result.stderr
+    assert result.stdout.splitlines() == [str(out / "w-TP-0.trace.json.gz")]
+    assert (out / "w.infertrace.json").exists()
 
 
-def test_sglang_stop_without_start_is_one_line(sglang_server):
+def test_sglang_stop_without_start_names_the_cause(sglang_server):
     result = invoke("--url", sglang_server.url, "--stop")
     assert result.exit_code == 1
     assert error_lines(result) == [
-        "Error: sglang server refused POST /stop_profile (HTTP 500): Internal Server Error"]
+        "Error: sglang server refused POST /stop_profile (HTTP 500): Internal Server Error; nothing is being "
+        "captured: it was never started, or it already stopped by itself after --num-steps"]
 
 
-def test_sglang_unwritable_output_dir_is_one_line(sglang_server):
+def test_sglang_second_start_names_the_cause(sglang_server):
+    assert invoke("--url", sglang_server.url, "--start").exit_code == 0
+    result = invoke("--url", sglang_server.url, "--start")
+    assert result.exit_code == 1
+    assert "a capture is already running on the server" in error_lines(result)[0]
+
+
+def test_sglang_self_stop_then_stop_is_the_normal_end(sglang_server, tmp_path):
+    out = tmp_path / "self"
+    start = invoke("--url", sglang_server.url, "--start", "--num-steps", "2", "--name", "ss", "--output-dir", str(out))
+    assert start.exit_code == 0, start.output
+    deadline = time.monotonic() + 5
+    while sglang_server.profiling and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not sglang_server.profiling  # it stopped by itself
+    stop = invoke("--url", sglang_server.url, "--stop")
+    assert stop.exit_code == 0, stop.output
+    assert "already stopped by itself after --num-steps" in stop.stderr
+    assert stop.stdout.splitlines() == [str(out / "ss-TP-0.trace.json.gz")]
+
+
+def test_sglang_unwritable_output_dir_is_refused_before_sending(sglang_server):
     result = invoke("--url", sglang_server.url, "--start", "--output-dir", "/proc/traces")
     assert result.exit_code == 1
-    assert len(error_lines(result)) == 1 and "HTTP 500" in result.stderr
+    assert len(error_lines(result)) == 1 and "cannot be created or written" in result.stderr
+    assert sglang_server.profile_calls() == [] and not sglang_server.down
+
+
+def test_sglang_rpd_is_refused_before_it_takes_the_server_down(sglang_server):
+    result = invoke("--url", sglang_server.url, "--start", "--activities", "RPD")
+    assert result.exit_code == 1
+    assert "RPD is a ROCm profiler" in error_lines(result)[0]
+    assert sglang_server.profile_calls() == [] and not sglang_server.down
+
+
+def test_sglang_relative_output_dir_made_absolute_for_a_local_server(sglang_server, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("--url", sglang_server.url, "--start", "--output-dir", "rel/traces")
+    assert result.exit_code == 0, result.output
+    assert sglang_server.received[-1].json()["output_dir"] == str(tmp_path / "rel" / "traces")
+
+
+def test_relative_output_dir_refused_for_a_remote_server():
+    import asyncio
+
+    from infertrace.capture.client import ProfilerClient, ProfilerError
+    from infertrace.capture.peers import ProfileOptions
+
+    async def scenario():
+        async with ProfilerClient("http://10.255.255.1:30000", "sglang") as client:  # never contacted
+            await client._sglang_safe(ProfileOptions(output_dir="rel"))
+
+    with pytest.raises(ProfilerError, match="relative and the server is not on this host"):
+        asyncio.run(scenario())
+
+
+def test_api_key_and_headers_reach_every_call(sglang_server_with_key):
+    url = sglang_server_with_key.url
+    refused = invoke("--url", url, "--start")
+    assert refused.exit_code == 1
+    assert "pass --api-key or set OPENAI_API_KEY" in error_lines(refused)[0]
+    result = CliRunner(env={"OPENAI_API_KEY": "sk-test"}).invoke(
+        main, ["profile", "--url", url, "--start", "--header", "X-Trace:yes"])
+    assert result.exit_code == 0, result.output
+    accepted = sglang_server_with_key.received[-2:]
+    assert [r.path for r in accepted] == ["/server_info", "/start_profile"]
+    stop = invoke("--url", url, "--stop", "--api-key", "sk-test")
+    assert stop.exit_code == 0, stop.output
 
 
 # detection, usage and faults ----------------------------------------------------------------------------
@@ -167,7 +310,8 @@ def test_detection_from_server_info(serve_app, info, flavour):
         result = invoke("--url", url, "--start")
     assert result.exit_code == 0, result.output
     assert f"{flavour} profiler started" in result.stderr
-    assert received == [b""] if flavour == "vllm" else [b"{}"]
+    assert len(received) == 1
+    assert list(json.loads(received[0])) == ["profile_prefix" if flavour == "vllm" else "profile_id"]
 
 
 def test_infertrace_stop_lists_traces_on_stdout(serve_app):
@@ -224,7 +368,8 @@ def test_client_library_returns_traces(serve_app):
 
     from aiohttp import web
 
-    from infertrace.capture.client import Flavour, ProfileOptions, ProfilerClient
+    from infertrace.capture.client import Flavour, ProfilerClient
+    from infertrace.capture.peers import ProfileOptions
 
     bodies = []
 
@@ -241,8 +386,8 @@ def test_client_library_returns_traces(serve_app):
     async def scenario(url):
         async with ProfilerClient(url) as client:
             assert await client.flavour() is Flavour.INFERTRACE
-            message = await client.start(ProfileOptions(num_steps=3, activities=("CPU",)))
-            return message, await client.stop()
+            started = await client.start(ProfileOptions(num_steps=3, activities=("CPU",)))
+            return started.message, await client.stop()
 
     with serve_app(app) as url:
         message, stopped = asyncio.run(scenario(url))
