@@ -8,7 +8,6 @@ import dataclasses
 import itertools
 import math
 import signal
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,7 +185,6 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
     # trace and stalls the server) happens after the last measured request, never inside the measured window.
     window = min((s for s in (cfg.duration_s, cfg.profile_seconds) if s), default=None)
     runner = Runner(target, clock, hooks.on_result)
-    cpu_thread0, cpu_proc0 = time.thread_time(), time.process_time()
     if not interrupted:
         hooks.on_phase("measure", None if cfg.duration_s else cfg.num_prompts, window)
         if cfg.open_loop:
@@ -201,7 +199,6 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
             await interrupter.run(phase)
         except Interrupted:
             interrupted = True
-    cpu_thread, cpu_proc = time.thread_time() - cpu_thread0, time.process_time() - cpu_proc0
 
     if profile is not None:
         try:
@@ -216,12 +213,13 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
     resolve_output_tokens(warm.results, tokenizer)
     metrics = compute_metrics(results, cfg.slo)
     duration = metrics.duration
+    cpu = runner.cpu_window  # over the same window as the duration
     compare_prompts = target.kind == "http" and cfg.endpoint == "completions"
     return PointRecord(
         config=cfg, results=results, warmup_results=warm.results, metrics=metrics,
         token_checks=token_count_checks(results, compare_prompts),
-        client_cpu=cpu_thread / duration if duration > 0 else None,
-        process_cpu=cpu_proc / duration if duration > 0 else None,
+        client_cpu=cpu[0] / duration if cpu and duration > 0 else None,
+        process_cpu=cpu[1] / duration if cpu and duration > 0 else None,
         client_lag=Stats.of([max(0.0, r.schedule_lag - r.slot_wait) for r in results]),
         interrupted=interrupted, profile=profile)
 

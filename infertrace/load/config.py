@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 ENDPOINTS = ("completions", "chat")
 DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl")
@@ -11,6 +12,21 @@ SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
 SWEEP_PARAMS = {"concurrency": "concurrency", "request-rate": "request_rate"}
 DEFAULT_OUTPUT_LEN = 64  # --output-len for random prompts and files that name no length
 DEFAULT_CONCURRENCY = 8  # closed loop when neither --concurrency nor --request-rate is given
+DEFAULT_SWEEP_PLOT = "bench-sweep.png"
+MIN_REQUEST_RATE = 1 / 3600  # one request an hour; below it the first gaps outlast any benchmark
+RESERVED_BODY_KEYS = {  # request-body keys bench sets itself, and the option that sets each
+    "stream": "bench always streams",
+    "stream_options": "bench asks for usage itself (see --no-continuous-usage)",
+    "model": "use --served-model-name", "max_tokens": "use --output-len", "max_completion_tokens": "use --output-len",
+    "temperature": "use --temperature", "ignore_eos": "use --ignore-eos",
+    "prompt": "the dataset gives the prompts", "messages": "the dataset gives the prompts",
+    "n": "bench measures one choice a request",
+}
+
+
+def _finite_positive(name: str, value: float | None, unit: str = "") -> None:
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive finite number{unit}, got {value}")
 
 
 @dataclass(slots=True)
@@ -70,20 +86,22 @@ class BenchConfig:
             raise ValueError(f"output_len must be at least 1, got {self.output_len}")
         if not 0.0 <= self.range_ratio < 1.0:
             raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
-        if self.duration_s is not None and self.duration_s <= 0:
-            raise ValueError(f"duration must be positive, got {self.duration_s}")
+        _finite_positive("duration", self.duration_s, " of seconds")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
-        if self.request_rate is not None and not self.request_rate > 0:
-            raise ValueError(f"request_rate must be positive (or inf), got {self.request_rate}")
+        if self.request_rate is not None and not (self.request_rate >= MIN_REQUEST_RATE):  # NaN fails too
+            raise ValueError(f"request_rate must be at least {MIN_REQUEST_RATE:.6g} (one request an hour) "
+                             f"or inf, got {self.request_rate}")
         if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
             raise ValueError(f"burstiness must be a positive number, got {self.burstiness}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout must be positive, got {self.request_timeout_s}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _finite_positive("request_timeout", self.request_timeout_s, " of seconds")
+        if not (0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        for key, why in RESERVED_BODY_KEYS.items():
+            if key in self.extra_body:
+                raise ValueError(f"--extra-body may not set {key!r}: {why}")
         for key, value in self.slo.items():
             if key not in SLO_KEYS:
                 raise ValueError(f"unknown SLO {key!r}; use {', '.join(SLO_KEYS)}")
@@ -97,8 +115,7 @@ class BenchConfig:
             self.points()  # each point validates its own value
         if self.profile_steps is not None and self.profile_steps < 1:
             raise ValueError(f"profile_steps must be at least 1, got {self.profile_steps}")
-        if self.profile_seconds is not None and self.profile_seconds <= 0:
-            raise ValueError(f"profile_seconds must be positive, got {self.profile_seconds}")
+        _finite_positive("profile_seconds", self.profile_seconds)
         if (self.profile_steps is not None or self.profile_seconds is not None) and not self.profile:
             self.profile = True
         if self.profile and self.base_url is None:
@@ -132,6 +149,14 @@ class BenchConfig:
             fields = asdict(self) | {self.sweep_param: value, "sweep_param": None, "sweep_values": ()}
             out.append(BenchConfig(**fields))
         return out
+
+    def output_paths(self) -> dict[str, str]:
+        """Every file the run will write, by the option that names it (checked before any request)."""
+        paths = {"--result-json": self.result_json, "--requests-jsonl": self.requests_jsonl}
+        if self.sweep_param is not None:
+            paths["--plot"] = self.plot or (str(Path(self.result_json).with_suffix(".png")) if self.result_json
+                                            else DEFAULT_SWEEP_PLOT)
+        return {flag: path for flag, path in paths.items() if path}
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from infertrace.console import err_console, fail, out_console
 from infertrace.load.benchmark import (
@@ -18,9 +17,12 @@ from infertrace.load.benchmark import (
 from infertrace.load.clock import MonotonicClock
 from infertrace.load.config import BenchConfig
 from infertrace.load.dataset import DatasetError
+from infertrace.load.outputs import OutputError, check_writable
 from infertrace.load.render import LiveProgress, summary_table, sweep_table
 from infertrace.load.timing import TargetError
 
+EXIT_ALL_FAILED = 1
+EXIT_BAD_INPUT = 2  # a bad option, an unreachable target, an unwritable output
 EXIT_INTERRUPTED = 130
 
 
@@ -52,12 +54,15 @@ def execute(cfg: BenchConfig) -> int:
     from infertrace.load.result import result_document, write_json, write_requests_jsonl
 
     try:
+        check_writable(cfg.output_paths())
+    except OutputError as e:
+        fail(str(e), EXIT_BAD_INPUT)
+    try:
         records, target = asyncio.run(_run(cfg))
     except (TargetError, DatasetError) as e:
-        fail(str(e), 2)
+        fail(str(e), EXIT_BAD_INPUT)
     except KeyboardInterrupt:  # before the load started, or a second Ctrl-C: nothing is saved
         fail("interrupted; no result was saved", EXIT_INTERRUPTED)
-    interrupted = any(r.interrupted for r in records)
     if cfg.sweep_param is None:
         out_console.print(summary_table(records[0]))
     else:
@@ -65,14 +70,30 @@ def execute(cfg: BenchConfig) -> int:
     for record in records:
         for warning in record.warnings:
             err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
-    if cfg.result_json:
-        path = write_json(cfg.result_json, result_document(records, cfg.to_json(), target))
-        _info(f"result: {path}")
-    if cfg.requests_jsonl:
-        _info(f"requests: {write_requests_jsonl(cfg.requests_jsonl, records)}")
-    if cfg.sweep_param is not None and records:
-        from infertrace.load.plot import plot_sweep
+    paths = cfg.output_paths()
+    try:
+        if cfg.result_json:
+            path = write_json(cfg.result_json, result_document(records, cfg.to_json(), target))
+            _info(f"result: {path}")
+        if cfg.requests_jsonl:
+            _info(f"requests: {write_requests_jsonl(cfg.requests_jsonl, records)}")
+        if "--plot" in paths and records:
+            from infertrace.load.plot import plot_sweep
 
-        default = Path(cfg.result_json).with_suffix(".png") if cfg.result_json else Path("bench-sweep.png")
-        _info(f"plot: {plot_sweep(records, cfg.sweep_param, cfg.plot or default)}")
-    return EXIT_INTERRUPTED if interrupted else 0
+            _info(f"plot: {plot_sweep(records, cfg.sweep_param, paths['--plot'])}")
+    except OSError as e:  # checked before the run; the disk can still fill up or vanish meanwhile
+        fail(f"cannot save the results: {e}", EXIT_BAD_INPUT)
+    code = exit_code(records)
+    if code == EXIT_ALL_FAILED:
+        err_console.print("[bold red]error:[/] every measured request failed (reasons under 'failed requests')",
+                          highlight=False)
+    return code
+
+
+def exit_code(records: list[PointRecord]) -> int:
+    """130 when interrupted, 1 when every measured request of the run failed (all sweep points), else 0."""
+    if any(r.interrupted for r in records):
+        return EXIT_INTERRUPTED
+    if any(r.results for r in records) and not any(r.metrics.completed for r in records):
+        return EXIT_ALL_FAILED
+    return 0

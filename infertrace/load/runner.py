@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 from infertrace.load.clock import Clock
@@ -10,19 +11,38 @@ from infertrace.load.records import RequestResult, RequestSpec
 from infertrace.load.timing import Target, measure
 
 
+def cpu_seconds() -> tuple[float, float]:
+    """CPU time of this thread (the event loop that runs the load generator) and of the whole process."""
+    return time.thread_time(), time.process_time()
+
+
 class Runner:
     """Sends requests and keeps every outcome, including the ones cut short when the run is cancelled."""
 
     def __init__(self, target: Target, clock: Clock,
-                 on_result: Callable[[RequestResult], None] | None = None) -> None:
+                 on_result: Callable[[RequestResult], None] | None = None,
+                 cpu_clock: Callable[[], tuple[float, float]] | None = None) -> None:
         self.target = target
         self.clock = clock
         self.on_result = on_result
+        self.cpu_clock = cpu_clock or (lambda: cpu_seconds())  # looked up at call time: tests replace it
         self.results: list[RequestResult] = []
         self._inflight: set[asyncio.Task] = set()
+        self._cpu_first: tuple[float, float] | None = None  # at the first send
+        self._cpu_last: tuple[float, float] | None = None  # at the latest completion
+
+    @property
+    def cpu_window(self) -> tuple[float, float] | None:
+        """(thread, process) CPU seconds from the first send to the last completion: the measured duration's
+        own window, so setup before it (prompts, schedules) and teardown after it are not charged to it."""
+        if self._cpu_first is None or self._cpu_last is None:
+            return None
+        return self._cpu_last[0] - self._cpu_first[0], self._cpu_last[1] - self._cpu_first[1]
 
     async def _one(self, spec: RequestSpec, scheduled: float, slot_wait: float = 0.0) -> None:
         result = RequestResult(spec.index, scheduled=scheduled, t0=scheduled, end=scheduled, slot_wait=slot_wait)
+        if self._cpu_first is None:
+            self._cpu_first = self.cpu_clock()
         try:
             await measure(result, self.target, spec, self.clock)
         except asyncio.CancelledError:
@@ -31,6 +51,7 @@ class Runner:
         except Exception as e:  # noqa: BLE001 - a fault in a target must cost one request, not the run
             result.error, result.end = f"client error: {type(e).__name__}: {e}", self.clock.now()
         finally:
+            self._cpu_last = self.cpu_clock()
             self.results.append(result)
             if self.on_result is not None:
                 self.on_result(result)

@@ -15,7 +15,7 @@ def _sse(obj) -> bytes:
 
 class StandInServer:
     """Streams max_tokens chunks of one token each with continuous usage; `mode(i)` picks request i's fate:
-    "ok", "500" (an HTTP error) or "close" (the connection drops halfway)."""
+    "ok", "500" (an HTTP error), "close" (the connection drops halfway) or "nan-usage" (NaN token counts)."""
 
     def __init__(self) -> None:
         self.mode = lambda i: "ok"
@@ -47,8 +47,9 @@ class StandInServer:
                 await asyncio.sleep(self.token_delay)
             finish = "length" if k == n - 1 else None
             choice = {"index": 0, "delta": {"content": f" t{k}"}} if chat else {"index": 0, "text": f" t{k}"}
+            count = float("nan") if mode == "nan-usage" else k + 1
             await resp.write(_sse({"choices": [{**choice, "finish_reason": finish}],
-                                   "usage": {"prompt_tokens": 5, "completion_tokens": k + 1}}))
+                                   "usage": {"prompt_tokens": 5, "completion_tokens": count}}))
         await resp.write(_sse({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}}))
         await resp.write(b"data: [DONE]\n\n")
         self.usage_completion_tokens += n

@@ -171,3 +171,66 @@ def test_open_loop_follows_the_seeded_arrival_schedule(standin, prompts_jsonl, t
     expected = arrival_offsets(20.0, 0.5, seeded_rng(3, "arrivals", 0), count=8)
     assert scheduled == [pytest.approx(e, abs=1e-9) for e in expected]
     assert all(line["schedule_lag_ms"] < 50 for line in lines)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--duration", "nan"], "duration must be a positive finite number of seconds, got nan"),
+    (["--duration", "inf"], "duration must be a positive finite number of seconds, got inf"),
+    (["--request-rate", "1e-300"], "request_rate must be at least 0.000277778 (one request an hour) or inf"),
+    (["--request-rate", "nan"], "request_rate must be at least"),
+    (["--request-timeout", "nan"], "request_timeout must be a positive finite number of seconds, got nan"),
+    (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "inf"], "temperature must be a finite number >= 0, got inf"),
+    (["--profile-seconds", "inf", "--base-url", "http://x"], "profile_seconds must be a positive finite number"),
+    (["--sweep", "request-rate=1,nan"], "request_rate must be at least"),
+    (["--extra-body", '{"stream": false}'], "--extra-body may not set 'stream': bench always streams"),
+    (["--extra-body", '{"stream_options": {}}'], "--extra-body may not set 'stream_options'"),
+    (["--extra-body", '{"max_tokens": 9}'], "--extra-body may not set 'max_tokens': use --output-len"),
+])
+def test_non_finite_and_out_of_range_flags_are_refused_before_any_request(args, message):
+    res = invoke(*args)
+    assert res.exit_code == 2
+    assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_request_rate_inf_keeps_meaning_all_at_once(standin, prompts_jsonl, tmp_path):
+    out = tmp_path / "r.json"
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
+                 "--num-prompts", 3, "--request-rate", "inf", "--warmup", 0, "--result-json", out)
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["request_rate"] == "inf"
+
+
+@pytest.mark.parametrize("flag", ["--result-json", "--requests-jsonl", "--plot"])
+def test_an_unwritable_output_is_one_line_and_exit_2_before_any_request(standin, prompts_jsonl, tmp_path, flag):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    extra = ["--sweep", "concurrency=1"] if flag == "--plot" else []
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl, "--warmup", 0,
+                 flag, blocker / "out", *extra)
+    assert res.exit_code == 2
+    assert f"{flag} {blocker / 'out'}: cannot write there" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert standin.count == 0  # checked before the first request
+    res = invoke("--base-url", standin.url, "--result-json", tmp_path)
+    assert res.exit_code == 2 and "is a directory" in res.stderr and standin.count == 0
+
+
+def test_a_run_in_which_every_request_failed_exits_1(standin, prompts_jsonl, tmp_path):
+    standin.mode = lambda i: "500"
+    out = tmp_path / "r.json"
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
+                 "--num-prompts", 3, "--warmup", 0, "--result-json", out)
+    assert res.exit_code == 1
+    assert "every measured request failed" in res.stderr
+    assert json.loads(out.read_text())["failed"] == 3  # the result is still saved
+
+
+def test_a_nan_usage_from_the_server_is_a_counted_failure_and_the_run_is_saved(standin, prompts_jsonl, tmp_path):
+    standin.mode = lambda i: "nan-usage" if i == 1 else "ok"
+    out = tmp_path / "r.json"
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
+                 "--num-prompts", 3, "--concurrency", 1, "--warmup", 0, "--result-json", out)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert (doc["completed"], doc["failed"], doc["failures"]) == (2, 1, {"malformed stream": 1})

@@ -76,3 +76,39 @@ async def test_interrupt_keeps_finished_and_marks_inflight_requests():
     cut = [r for r in runner.results if not r.success]
     assert len(done) >= 2 and len(cut) == 2
     assert all(r.error == "interrupted" and r.ttft is not None for r in cut)
+
+
+async def test_client_cpu_is_measured_over_exactly_the_measured_window(monkeypatch, tmp_path):
+    from infertrace.load import benchmark
+    from infertrace.load.benchmark import Hooks, run_point
+    from infertrace.load.config import BenchConfig
+
+    cpu = {"s": 0.0}  # a scripted CPU clock: 5 s of setup before the first send and of work after the last end
+    monkeypatch.setattr("infertrace.load.runner.cpu_seconds", lambda: (cpu["s"], cpu["s"]))
+
+    class CpuTarget(FakeTarget):
+        kind, tokenizer = "embedded", None
+
+        async def stream(self, spec):
+            async for events in super().stream(spec):
+                cpu["s"] += 0.001
+                yield events
+
+    build_specs, resolve = benchmark.build_specs, benchmark.resolve_output_tokens
+
+    def costly(fn):
+        def wrapped(*args, **kw):
+            cpu["s"] += 5.0
+            return fn(*args, **kw)
+        return wrapped
+
+    monkeypatch.setattr(benchmark, "build_specs", costly(build_specs))
+    monkeypatch.setattr(benchmark, "resolve_output_tokens", costly(resolve))
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "p", "max_tokens": 3}\n')
+    cfg = BenchConfig(dataset="jsonl", dataset_path=str(path), num_prompts=4, concurrency=2, warmup=0)
+    record = await run_point(cfg, CpuTarget(), MonotonicClock(), Interrupter(), Hooks())
+    assert record.metrics.completed == 4
+    # 4 requests x 3 events x 1 ms inside the window; the 10 s of setup and teardown are not charged
+    assert record.client_cpu * record.metrics.duration == pytest.approx(0.012)
+    assert record.process_cpu * record.metrics.duration == pytest.approx(0.012)
