@@ -101,12 +101,23 @@ class PointRecord:
 
     @property
     def warnings(self) -> list[str]:
+        return self.headroom_warnings + self.token_count_warnings
+
+    @property
+    def headroom_warnings(self) -> list[str]:
+        """Signs that the client, not the server, may have set the pace."""
         out = []
         if self.client_cpu is not None and self.client_cpu > CLIENT_CPU_WARN:
             out.append(f"the load generator used {self.client_cpu:.0%} of a CPU core: it may be the bottleneck")
         if self.client_lag.p99 is not None and self.client_lag.p99 > CLIENT_LAG_WARN_S * 1000:
             out.append(f"requests left {self.client_lag.p99:.1f} ms late at p99: the client is falling behind "
                        "its schedule")
+        return out
+
+    @property
+    def token_count_warnings(self) -> list[str]:
+        """Where token counts are estimated or disagree between the server and our tokenizer."""
+        out = []
         if self.metrics.output_token_sources.get("chunks"):
             out.append("no usage and no tokenizer: output tokens were counted as one per text event; pass "
                        "--tokenizer DIR")
@@ -258,7 +269,8 @@ def make_target(cfg: BenchConfig, on_info: Callable[[str], None]):
         from infertrace.load.http_target import AiohttpTransport, HttpTarget, normalize_base_url
 
         model_dir = resolve_model_dir(cfg.model)
-        transport = AiohttpTransport(normalize_base_url(cfg.base_url), cfg.max_connections, cfg.request_timeout_s)
+        transport = AiohttpTransport(normalize_base_url(cfg.base_url), cfg.max_connections, cfg.request_timeout_s,
+                                     cfg.headers)
         return HttpTarget(cfg.base_url, cfg.endpoint, cfg.served_model_name or cfg.model, transport,
                           model_is_path=model_dir is not None and cfg.served_model_name is None,
                           ignore_eos=cfg.ignore_eos, temperature=cfg.temperature,

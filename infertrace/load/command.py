@@ -7,6 +7,7 @@ import json
 
 import click
 
+from infertrace.load.auth import request_headers, server_auth_options
 from infertrace.load.config import (
     DATASETS,
     DEFAULT_CONCURRENCY,
@@ -125,6 +126,7 @@ def _json_object(text: str) -> dict:
               "failure reason, one JSON object per line.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Sweep plot PNG path [default: --result-json "
               "with .png, else bench-sweep.png].")
+@server_auth_options
 def bench(**options) -> None:
     """Load-test an OpenAI-compatible server or the bundled engine.
 
@@ -135,6 +137,8 @@ def bench(**options) -> None:
     from infertrace.console import fail
     from infertrace.load.execute import execute
 
+    if headers := request_headers(options.pop("api_key"), options.pop("header")):
+        options["headers"] = headers
     sweep = options.pop("sweep")
     if sweep is not None:
         options["sweep_param"], options["sweep_values"] = sweep

@@ -62,6 +62,7 @@ class BenchConfig:
     continuous_usage: bool = True
     extra_body: dict = field(default_factory=dict)
     request_timeout_s: float = 600.0
+    headers: dict = field(default_factory=dict)  # on every HTTP call (--api-key, --header); values never written
     # measurement
     slo: dict = field(default_factory=dict)
     profile: bool = False
@@ -160,6 +161,7 @@ class BenchConfig:
 
     def to_json(self) -> dict:
         d = asdict(self)
+        d["headers"] = {key: "<redacted>" for key in self.headers}  # keys and tokens stay out of result files
         for key in ("request_rate",):
             if d[key] is not None and math.isinf(d[key]):
                 d[key] = "inf"

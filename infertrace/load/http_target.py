@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
@@ -59,20 +58,19 @@ class _AiohttpResponse:
 class AiohttpTransport:
     """One ClientSession for the whole run, its connection pool sized to the concurrency."""
 
-    def __init__(self, base_url: str, max_connections: int, timeout_s: float) -> None:
+    def __init__(self, base_url: str, max_connections: int, timeout_s: float,
+                 headers: dict[str, str] | None = None) -> None:
         self.base_url = base_url
         self.max_connections = max_connections
         self.timeout_s = timeout_s
+        self.headers = dict(headers or {})  # --api-key and --header: on the session, so on every call
         self._session = None
 
     async def open(self) -> None:
-        headers = {}
-        if api_key := os.environ.get("OPENAI_API_KEY"):
-            headers["Authorization"] = f"Bearer {api_key}"
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, ttl_dns_cache=None),
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            read_bufsize=READ_BUFSIZE, headers=headers, auto_decompress=False)
+            read_bufsize=READ_BUFSIZE, headers=self.headers, auto_decompress=False)
 
     async def close(self) -> None:
         if self._session is not None:

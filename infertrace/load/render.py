@@ -46,6 +46,17 @@ class LiveProgress:
         self.progress.console.print(f"[dim]{message}[/]", highlight=False)
 
 
+SOURCE_WORDS = {"usage": "usage", "tokenizer": "our tokenizer", "chunks": "one per text event"}
+
+
+def token_sources(sources: dict[str, int], requests: int) -> str:
+    """`{"usage": 60, "tokenizer": 4}` -> "from usage in 60, our tokenizer in 4 of 64 requests"."""
+    if not sources:
+        return "no successful request"
+    parts = ", ".join(f"{SOURCE_WORDS.get(k, k)} in {v}" for k, v in sources.items())
+    return f"from {parts} of {requests} requests"
+
+
 def summary_table(record: PointRecord) -> Table:
     """The figures of one run, in the order `vllm bench serve` prints them, plus the client's headroom."""
     m, cfg = record.metrics, record.config
@@ -63,8 +74,7 @@ def summary_table(record: PointRecord) -> Table:
                                              if m.failures else "")),
         ("duration (s)", _num(m.duration)),
         ("total input tokens", str(m.total_input_tokens)),
-        ("total output tokens", str(m.total_output_tokens)
-         + f"  ({', '.join(f'{k}: {v}' for k, v in m.output_token_sources.items())})"),
+        ("total output tokens", f"{m.total_output_tokens}  ({token_sources(m.output_token_sources, m.completed)})"),
         ("request throughput (req/s)", _num(m.request_throughput)),
         ("output token throughput (tok/s)", _num(m.output_throughput)),
         ("total token throughput (tok/s)", _num(m.total_token_throughput)),

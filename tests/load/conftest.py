@@ -20,10 +20,12 @@ class StandInServer:
     def __init__(self) -> None:
         self.mode = lambda i: "ok"
         self.token_delay = 0.0
+        self.no_usage = False  # stream without any usage, as servers that ignore stream_options do
         self.count = 0
         self.streams: list[tuple[float, float]] = []  # (arrival, end) of each generation request
         self.profile_calls: list[tuple[str, float, object]] = []
         self.usage_completion_tokens = 0
+        self.calls: list[tuple[str, str | None, str | None]] = []  # (path, Authorization, X-Team) of every call
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -48,9 +50,10 @@ class StandInServer:
             finish = "length" if k == n - 1 else None
             choice = {"index": 0, "delta": {"content": f" t{k}"}} if chat else {"index": 0, "text": f" t{k}"}
             count = float("nan") if mode == "nan-usage" else k + 1
-            await resp.write(_sse({"choices": [{**choice, "finish_reason": finish}],
-                                   "usage": {"prompt_tokens": 5, "completion_tokens": count}}))
-        await resp.write(_sse({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}}))
+            usage = None if self.no_usage else {"prompt_tokens": 5, "completion_tokens": count}
+            await resp.write(_sse({"choices": [{**choice, "finish_reason": finish}], "usage": usage}))
+        if not self.no_usage:
+            await resp.write(_sse({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}}))
         await resp.write(b"data: [DONE]\n\n")
         self.usage_completion_tokens += n
         self.streams.append((arrived, time.perf_counter()))
@@ -72,8 +75,13 @@ class StandInServer:
         return web.json_response({"status": "stopped", "files": ["/p/a.pt.trace.json.gz", "/p/manifest.json"],
                                   "trace_files": ["/p/a.pt.trace.json.gz"]})
 
+    @web.middleware
+    async def _record(self, request, handler):
+        self.calls.append((request.path, request.headers.get("Authorization"), request.headers.get("X-Team")))
+        return await handler(request)
+
     async def _start(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self._record])
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_post("/v1/chat/completions", self.generate)
         app.router.add_get("/v1/models", self.models)

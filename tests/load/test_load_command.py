@@ -234,3 +234,47 @@ def test_a_nan_usage_from_the_server_is_a_counted_failure_and_the_run_is_saved(s
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     assert (doc["completed"], doc["failed"], doc["failures"]) == (2, 1, {"malformed stream": 1})
+
+
+def test_api_key_and_headers_go_on_every_call_and_stay_out_of_the_result(standin, prompts_jsonl, tmp_path,
+                                                                          monkeypatch):
+    out = tmp_path / "r.json"
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl, "--num-prompts",
+                 2, "--warmup", 1, "--api-key", "sk-secret", "--header", "X-Team: infra", "--profile",
+                 "--result-json", out)
+    assert res.exit_code == 0, res.output
+    paths = {path for path, _, _ in standin.calls}
+    assert {"/v1/models", "/server_info", "/v1/completions", "/start_profile", "/stop_profile"} <= paths
+    assert all(auth == "Bearer sk-secret" and team == "infra" for _, auth, team in standin.calls)
+    text = out.read_text()
+    assert "sk-secret" not in text and "infra" not in text
+    assert json.loads(text)["config"]["headers"] == {"Authorization": "<redacted>", "X-Team": "<redacted>"}
+
+    standin.calls.clear()
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl, "--num-prompts",
+                 1, "--warmup", 0)
+    assert res.exit_code == 0, res.output
+    assert standin.calls and all(auth == "Bearer sk-env" for _, auth, _ in standin.calls)
+    res = invoke("--header", "no-colon")
+    assert res.exit_code == 2 and "is not KEY:VALUE" in res.output
+
+
+def test_token_count_warnings_are_kept_apart_from_headroom_warnings(standin, prompts_jsonl, tmp_path):
+    # no usage from the server and no tokenizer: output tokens are counted one per text event, a token-count
+    # matter, not a sign that the client was short of headroom
+    standin.no_usage = True
+    out = tmp_path / "r.json"
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
+                 "--num-prompts", 3, "--warmup", 0, "--result-json", out)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["headroom_warnings"] == []
+    assert len(doc["token_count_warnings"]) == 1 and "one per text event" in doc["token_count_warnings"][0]
+
+
+def test_the_table_says_where_output_tokens_came_from(standin, prompts_jsonl):
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
+                 "--num-prompts", 4, "--warmup", 0)
+    assert res.exit_code == 0, res.output
+    assert "from usage in 4 of 4 requests" in " ".join(res.stdout.split())
