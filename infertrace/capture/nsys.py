@@ -42,7 +42,8 @@ SERVER_LAUNCH = {
 # What then opens the capture range on a running server.
 SERVER_START_HINT = {
     "infertrace": "infertrace profile --url URL --start --activities CUDA_PROFILER",
-    "vllm": "infertrace profile --url URL --start   (vLLM < 0.13: launch with VLLM_TORCH_CUDA_PROFILE=1)",
+    "vllm": "infertrace profile --url URL --start --num-steps N   (vLLM < 0.13: launch with "
+            "VLLM_TORCH_CUDA_PROFILE=1)",
     "sglang": "infertrace profile --url URL --start --activities CUDA_PROFILER",
 }
 
@@ -79,10 +80,13 @@ def require_nsys(env: dict[str, str] | None = None) -> Path:
 
 
 def nsys_profile_command(output: str | Path, command: list[str], nsys: str | Path = "nsys",
-                         multiprocess: bool = False) -> list[str]:
-    """`nsys profile <capture args> -o OUTPUT COMMAND...` (nsys adds .nsys-rep to OUTPUT)."""
+                         multiprocess: bool = False, repeat: bool = False) -> list[str]:
+    """`nsys profile <capture args> -o OUTPUT COMMAND...` (nsys adds .nsys-rep to OUTPUT). `repeat`: every
+    cudaProfilerStart/Stop pair of a long-lived server becomes its own report (OUTPUT.1, OUTPUT.2, ...) instead
+    of the first one ending the capture."""
     extra = MULTIPROCESS_ARGS if multiprocess else ()
-    return [str(nsys), "profile", *CAPTURE_ARGS, *extra, "-o", str(output), *command]
+    args = [a.replace("--capture-range-end=stop", "--capture-range-end=repeat") if repeat else a for a in CAPTURE_ARGS]
+    return [str(nsys), "profile", *args, *extra, "-o", str(output), *command]
 
 
 def infertrace_argv(args: list[str]) -> list[str]:
@@ -102,6 +106,8 @@ def run_under_nsys(command: list[str], output: str | Path, nsys: str | Path) -> 
 
 def server_nsys_line(flavour: str, output: str | Path, server_command: list[str] | None = None,
                      nsys: str | Path = "nsys") -> str:
-    """The shell line that launches a server of `flavour` under nsys with the cudaProfilerApi range."""
+    """The shell line that launches a server of `flavour` under nsys with the cudaProfilerApi range; each
+    start/stop window the server is then given lands in a report of its own."""
     command = list(server_command) if server_command else SERVER_LAUNCH[flavour]
-    return shlex.join(nsys_profile_command(output, command, nsys, multiprocess=flavour != "infertrace"))
+    return shlex.join(nsys_profile_command(output, command, nsys, multiprocess=flavour != "infertrace",
+                                           repeat=True))

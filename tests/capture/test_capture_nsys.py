@@ -50,12 +50,13 @@ def test_capture_command_line_is_exact():
         "/opt/nsys", "profile", *CAPTURE, "-o", "out/run", "python", "x.py"]
 
 
-def test_server_line_follows_forks_for_peers():
+def test_server_line_follows_forks_for_peers_and_repeats_windows():
+    repeat = [a.replace("end=stop", "end=repeat") for a in CAPTURE]
     line = nsys.server_nsys_line("vllm", "traces/vllm")
-    assert line == ("nsys profile " + " ".join(CAPTURE) + " --trace-fork-before-exec=true --cuda-graph-trace=node"
+    assert line == ("nsys profile " + " ".join(repeat) + " --trace-fork-before-exec=true --cuda-graph-trace=node"
                     " -o traces/vllm vllm serve MODEL --profiler-config '{\"profiler\": \"cuda\"}'")
     ours = shlex.split(nsys.server_nsys_line("infertrace", "o", ["infertrace", "serve", "--model", "m"]))
-    assert ours == ["nsys", "profile", *CAPTURE, "-o", "o", "infertrace", "serve", "--model", "m"]
+    assert ours == ["nsys", "profile", *repeat, "-o", "o", "infertrace", "serve", "--model", "m"]
 
 
 def test_find_nsys_order(tmp_path, no_nsys, monkeypatch):
@@ -144,7 +145,8 @@ def test_dry_run_prints_the_line(no_nsys, tmp_path):
 def test_server_line_for_a_flavour(no_nsys):
     result = CliRunner().invoke(main, ["profile", "--nsys", "--server", "sglang", "--output-dir", "t"])
     assert result.exit_code == 0, result.output
-    assert shlex.split(result.stdout) == ["nsys", "profile", *CAPTURE, "--trace-fork-before-exec=true",
+    repeat = [a.replace("end=stop", "end=repeat") for a in CAPTURE]
+    assert shlex.split(result.stdout) == ["nsys", "profile", *repeat, "--trace-fork-before-exec=true",
                                           "--cuda-graph-trace=node", "-o", "t/infertrace.%p", "python", "-m",
                                           "sglang.launch_server", "--model-path", "MODEL"]
     assert "--activities CUDA_PROFILER" in result.stderr
