@@ -1,0 +1,169 @@
+"""Which trace files form which capture, and which rank each file is: the naming of vLLM 0.33, SGLang 0.5.23 and
+infertrace, so that a directory where captures accumulate is read capture by capture.
+
+- vLLM (vllm/v1/worker/gpu_worker.py, vllm/v1/engine/async_llm.py): `{prefix_}dp{d}_pp{p}_tp{t}_dcp{c}_ep{e}_rank{r}
+  .{ms}.pt.trace.json.gz` per worker, and the API server's CPU-only `{prefix_}{host}_{pid}.async_llm.{ms}.pt.trace
+  .json.gz`, which is the frontend, not a rank.
+- SGLang (sglang/srt/managers/scheduler_components/profiler_manager.py): `[prefix-]{id}-TP-{t}[-DP-d][-PP-p][-EP-e]
+  [-EXTEND|-DECODE].trace.json.gz`; the EXTEND and DECODE files are two stages of one rank; `merged-{id}.trace.json
+  .gz` repeats the per-rank files and is read only when they are absent.
+- Anything else (torch.profiler, infertrace's `capture-*` directories, nsys exports): one capture per directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite", ".nsys-rep")
+MANIFEST_SUFFIXES = (".manifest.json", ".infertrace.json")  # written beside captures; not traces
+UNNAMED_GAP_MS = 120_000  # vLLM files without a prefix further apart than this belong to different captures
+
+_VLLM_RANK = re.compile(r"^(?:(?P<prefix>.+)_)?dp(?P<dp>\d+)_pp(?P<pp>\d+)_tp(?P<tp>\d+)_dcp(?P<dcp>\d+)_ep(?P<ep>\d+)"
+                        r"_rank(?P<rank>\d+)\.(?P<ms>\d+)\.pt\.trace\.json(?:\.gz)?$")
+_VLLM_FRONTEND = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<host>[^_]+)_(?P<pid>\d+)\.async_llm\.(?P<ms>\d+)"
+                            r"\.pt\.trace\.json(?:\.gz)?$")
+_SGLANG = re.compile(r"^(?P<capture>.+?)-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-PP-(?P<pp>\d+))?(?:-EP-(?P<ep>\d+))?"
+                     r"(?:-(?P<stage>EXTEND|DECODE))?\.trace\.json\.gz$")
+_SGLANG_MERGED = re.compile(r"^merged-(?P<capture>.+)\.trace\.json\.gz$")
+
+
+class Role(str, Enum):
+    RANK = "rank"
+    FRONTEND = "frontend"  # vLLM's API-server CPU trace
+    MERGED = "merged"  # SGLang's merge of every rank into one file
+
+
+@dataclass(slots=True)
+class TraceFile:
+    path: Path
+    capture: str  # the capture's name (prefix, profile id, or the directory)
+    role: Role
+    rank: int | None = None  # from the name; None when the name gives none
+    stage: str | None = None  # SGLang EXTEND / DECODE
+    mtime: float = 0.0
+    ms: int | None = None  # vLLM's millisecond stamp
+
+
+@dataclass(slots=True)
+class CaptureGroup:
+    name: str
+    directory: Path
+    files: list[TraceFile] = field(default_factory=list)
+
+    @property
+    def newest(self) -> float:
+        return max((f.mtime for f in self.files), default=0.0)
+
+    def rank_files(self) -> list[TraceFile]:
+        """The per-rank files; SGLang's merged file only when no per-rank file exists."""
+        ranks = [f for f in self.files if f.role is Role.RANK]
+        return ranks or [f for f in self.files if f.role is Role.MERGED]
+
+    def frontend(self) -> list[TraceFile]:
+        return [f for f in self.files if f.role is Role.FRONTEND]
+
+
+def is_trace_name(name: str) -> bool:
+    return name.endswith(TRACE_SUFFIXES) and not name.endswith(MANIFEST_SUFFIXES) and not name.startswith(".")
+
+
+def classify(path: Path) -> TraceFile:
+    name = path.name
+    mtime = _mtime(path)
+    if m := _VLLM_RANK.match(name):
+        return TraceFile(path, m["prefix"] or "", Role.RANK, int(m["rank"]), mtime=mtime, ms=int(m["ms"]))
+    if m := _VLLM_FRONTEND.match(name):
+        return TraceFile(path, m["prefix"] or "", Role.FRONTEND, mtime=mtime, ms=int(m["ms"]))
+    if m := _SGLANG_MERGED.match(name):
+        return TraceFile(path, m["capture"], Role.MERGED, mtime=mtime)
+    if m := _SGLANG.match(name):
+        return TraceFile(path, m["capture"], Role.RANK, int(m["tp"]), m["stage"], mtime=mtime)
+    return TraceFile(path, "", Role.RANK, mtime=mtime)
+
+
+def catalog(path: Path) -> list[CaptureGroup]:
+    """Every capture under `path` (a file, or a directory searched to any depth), oldest first."""
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in _walk(path) if is_trace_name(p.name))
+    files = _without_exported_reports(files)
+    groups: dict[tuple[Path, str], CaptureGroup] = {}
+    for file in files:
+        entry = classify(file)
+        key = entry.capture or file.parent.name or str(file.parent)
+        group = groups.setdefault((file.parent, key), CaptureGroup(key, file.parent))
+        group.files.append(entry)
+    out: list[CaptureGroup] = []
+    for group in groups.values():
+        out.extend(_split_unnamed_vllm(group))
+    return sorted(out, key=lambda g: (g.newest, g.name))
+
+
+def select(groups: list[CaptureGroup], capture: str | None = None,
+           rank: int | None = None) -> tuple[CaptureGroup | None, list[str]]:
+    """The capture to analyse (the newest, or the one named), its rank files filtered to `rank`, and notes."""
+    notes: list[str] = []
+    if not groups:
+        return None, notes
+    if capture is not None:
+        chosen = [g for g in groups if g.name == capture] or [g for g in groups if capture in g.name]
+        if not chosen:
+            raise LookupError(f"no capture named {capture!r}; captures here: {', '.join(g.name for g in groups)}")
+        group = chosen[-1]
+    else:
+        group = groups[-1]
+        if len(groups) > 1:
+            others = ", ".join(g.name for g in groups[:-1])
+            notes.append(f"{len(groups)} captures here; analysing the newest, {group.name} (others: {others}; "
+                         "choose one with --capture)")
+    if rank is not None:
+        kept = [f for f in group.files if f.role is not Role.RANK or f.rank == rank or f.rank is None]
+        if not any(f.role is Role.RANK and f.rank == rank for f in kept):
+            ranks = sorted({f.rank for f in group.files if f.rank is not None})
+            raise LookupError(f"capture {group.name} has no rank {rank} (ranks: {', '.join(map(str, ranks)) or 'none named'})")
+        group = CaptureGroup(group.name, group.directory, [f for f in kept if f.role is not Role.RANK or f.rank == rank])
+    return group, notes
+
+
+def _walk(path: Path):
+    for root, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in names:
+            yield Path(root) / name
+
+
+def _without_exported_reports(files: list[Path]) -> list[Path]:
+    """A report exported beside itself is read once, from the faster .sqlite."""
+    exported = {p.with_name(p.name[: -len(".sqlite")]) for p in files if p.name.endswith(".sqlite")}
+    return [p for p in files if not (p.name.endswith(".nsys-rep") and p.with_name(p.name[: -len(".nsys-rep")])
+                                     in exported)]
+
+
+def _split_unnamed_vllm(group: CaptureGroup) -> list[CaptureGroup]:
+    """vLLM files without a prefix carry only a millisecond stamp: files far apart in time are separate captures."""
+    stamped = sorted((f for f in group.files if f.ms is not None), key=lambda f: f.ms)
+    if not stamped or group.name != group.directory.name or any(f.capture for f in stamped):
+        return [group]
+    rest = [f for f in group.files if f.ms is None]
+    parts: list[list[TraceFile]] = [[stamped[0]]]
+    for f in stamped[1:]:
+        if f.ms - parts[-1][-1].ms > UNNAMED_GAP_MS:
+            parts.append([])
+        parts[-1].append(f)
+    if len(parts) == 1:
+        return [group]
+    out = [CaptureGroup(f"{group.name}@{part[0].ms}", group.directory, part) for part in parts]
+    out[-1].files.extend(rest)
+    return out
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0

@@ -1,0 +1,89 @@
+"""Captures and ranks told apart by the peers' own file names (vLLM 0.33.0, SGLang 0.5.23) and by directory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from infertrace.analyze.catalog import Role, catalog, classify, select
+
+
+def touch(path, mtime=None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"{}")
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+    return path
+
+
+@pytest.mark.parametrize("name, capture, role, rank, stage", [
+    ("run1_dp0_pp0_tp1_dcp0_ep0_rank1.1732390000123.pt.trace.json.gz", "run1", Role.RANK, 1, None),
+    ("dp0_pp0_tp0_dcp0_ep0_rank0.1732390000123.pt.trace.json.gz", "", Role.RANK, 0, None),
+    ("run1_gpu-host-7_4242.async_llm.1732390000456.pt.trace.json.gz", "run1", Role.FRONTEND, None, None),
+    ("gpuhost_4242.async_llm.1732390000456.pt.trace.json.gz", "", Role.FRONTEND, None, None),
+    ("1732390000.5-TP-3.trace.json.gz", "1732390000.5", Role.RANK, 3, None),
+    ("infertrace-20261123-194254-TP-0-EXTEND.trace.json.gz", "infertrace-20261123-194254", Role.RANK, 0, "EXTEND"),
+    ("pre-abc-TP-1-DP-1-PP-0-DECODE.trace.json.gz", "pre-abc", Role.RANK, 1, "DECODE"),
+    ("merged-abc.trace.json.gz", "abc", Role.MERGED, None, None),
+    ("worker0.pt.trace.json", "", Role.RANK, None, None),
+])
+def test_peer_names(tmp_path, name, capture, role, rank, stage):
+    entry = classify(tmp_path / name)
+    assert (entry.capture, entry.role, entry.rank, entry.stage) == (capture, role, rank, stage)
+
+
+def test_a_directory_of_accumulated_captures_is_split_and_the_newest_chosen(tmp_path):
+    for rank in (0, 1):
+        touch(tmp_path / f"a_dp0_pp0_tp{rank}_dcp0_ep0_rank{rank}.100.pt.trace.json.gz", 1000)
+        touch(tmp_path / f"b_dp0_pp0_tp{rank}_dcp0_ep0_rank{rank}.200.pt.trace.json.gz", 2000)
+    touch(tmp_path / "b_host_1.async_llm.201.pt.trace.json.gz", 2000)
+    touch(tmp_path / "b.infertrace.json", 2000)  # a manifest, not a trace
+    groups = catalog(tmp_path)
+    assert [g.name for g in groups] == ["a", "b"]
+    group, notes = select(groups)
+    assert group.name == "b" and len(group.rank_files()) == 2 and len(group.frontend()) == 1
+    assert notes and "analysing the newest, b" in notes[0] and "a" in notes[0]
+    named, notes = select(groups, capture="a")
+    assert named.name == "a" and notes == []
+    one, _ = select(groups, rank=1)
+    assert [f.rank for f in one.rank_files()] == [1] and len(one.frontend()) == 1
+
+
+def test_sglang_stages_pair_and_merged_is_a_fallback(tmp_path):
+    touch(tmp_path / "x-TP-0-EXTEND.trace.json.gz")
+    touch(tmp_path / "x-TP-0-DECODE.trace.json.gz")
+    touch(tmp_path / "merged-x.trace.json.gz")
+    (group,) = catalog(tmp_path)
+    assert group.name == "x"
+    assert sorted(f.stage for f in group.rank_files()) == ["DECODE", "EXTEND"]
+    assert {f.rank for f in group.rank_files()} == {0}
+    only_merged = tmp_path / "m"
+    touch(only_merged / "merged-y.trace.json.gz")
+    (group,) = catalog(only_merged)
+    assert [f.role for f in group.rank_files()] == [Role.MERGED]
+
+
+def test_subdirectories_are_captures_of_their_own(tmp_path):
+    touch(tmp_path / "capture-1" / "rank0.pt.trace.json.gz", 10)
+    touch(tmp_path / "capture-2" / "rank0.pt.trace.json.gz", 20)
+    touch(tmp_path / "capture-2" / "rank1.pt.trace.json.gz", 20)
+    groups = catalog(tmp_path)
+    assert [(g.name, len(g.files)) for g in groups] == [("capture-1", 1), ("capture-2", 2)]
+
+
+def test_unnamed_vllm_captures_are_told_apart_by_time(tmp_path):
+    touch(tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1000000.pt.trace.json.gz")
+    touch(tmp_path / "dp0_pp0_tp1_dcp0_ep0_rank1.1000400.pt.trace.json.gz")
+    touch(tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.9000000.pt.trace.json.gz")
+    groups = catalog(tmp_path)
+    assert [len(g.files) for g in groups] == [2, 1]
+
+
+def test_unknown_capture_or_rank_is_a_clear_error(tmp_path):
+    touch(tmp_path / "a-TP-0.trace.json.gz")
+    groups = catalog(tmp_path)
+    with pytest.raises(LookupError, match="no capture named 'zz'; captures here: a"):
+        select(groups, capture="zz")
+    with pytest.raises(LookupError, match="has no rank 3"):
+        select(groups, rank=3)
