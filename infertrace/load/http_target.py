@@ -286,5 +286,7 @@ class HttpTarget:
         return await self.transport.request_json("POST", "/stop_profile", None, PROFILE_TIMEOUT_S)
 
     def describe(self) -> dict:
+        headers = getattr(self.transport, "headers", None) or {}
         return {"kind": self.kind, "base_url": self.base_url, "endpoint": self.endpoint, "model": self.model,
+                "headers": {key: "<redacted>" for key in headers},  # keys and tokens stay out of result files
                 "server_info": self.server_info}

@@ -57,6 +57,8 @@ class Metrics:
     slot_wait: Stats  # open loop with a concurrency cap: waiting for a free slot
     failures: dict[str, int]  # reason (text before the first colon) -> count
     output_token_sources: dict[str, int]
+    max_output_tokens_per_s: float = 0.0  # the busiest one-second bucket, as `vllm bench serve` counts it
+    max_concurrent_requests: int = 0  # the most requests active in one one-second bucket, likewise
 
 
 def input_tokens(r: RequestResult) -> int:
@@ -78,6 +80,28 @@ def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
     return not ("tpot_ms" in slo and tpot is not None and tpot * 1000.0 > slo["tpot_ms"])
 
 
+def peak_per_second(results: list[RequestResult]) -> tuple[float, int]:
+    """(max output events in a one-second bucket, max requests active in one), over successful requests.
+
+    `vllm bench serve` 0.33's `max_output_tokens_per_s` and `max_concurrent_requests` (vllm/benchmarks/serve.py,
+    calculate_metrics): buckets of one second from the first successful send; each output event (the first at
+    t0 + TTFT, then one per ITL gap) counts as one token, and a request is active in every bucket from its send
+    to its last output event.
+    """
+    done = [r for r in results if r.success and r.ttft is not None and r.e2el is not None]
+    if not done:
+        return 0.0, 0
+    start = min(r.t0 for r in done)
+    buckets = int(np.ceil(max(r.t0 + r.e2el for r in done) - start)) + 1
+    tokens = np.zeros(buckets)
+    active = np.zeros(buckets)
+    for r in done:
+        times = r.t0 - start + r.ttft + np.concatenate(([0.0], np.cumsum(r.itl)))
+        np.add.at(tokens, np.clip(times.astype(int), 0, buckets - 1), 1)
+        active[int(r.t0 - start):int(r.t0 + r.e2el - start) + 1] += 1
+    return float(tokens.max()), int(active.max())
+
+
 def compute_metrics(results: list[RequestResult], slo: dict[str, float] | None = None) -> Metrics:
     done = [r for r in results if r.success]
     duration = (max(r.end for r in results) - min(r.t0 for r in results)) if results else 0.0
@@ -88,6 +112,7 @@ def compute_metrics(results: list[RequestResult], slo: dict[str, float] | None =
         return x / duration if duration > 0 else None
 
     good = sum(meets_slo(r, slo) for r in results) if slo else None
+    peak = peak_per_second(results)
     return Metrics(
         completed=len(done), failed=len(results) - len(done), duration=duration,
         total_input_tokens=total_in, total_output_tokens=total_out,
@@ -103,6 +128,7 @@ def compute_metrics(results: list[RequestResult], slo: dict[str, float] | None =
         slot_wait=Stats.of([r.slot_wait for r in results]),
         failures=dict(Counter(r.error.split(":", 1)[0] for r in results if r.error is not None)),
         output_token_sources=dict(Counter(r.output_source.value for r in done if r.output_source)),
+        max_output_tokens_per_s=peak[0], max_concurrent_requests=peak[1],
     )
 
 
@@ -132,4 +158,6 @@ def vllm_keys(m: Metrics) -> dict:
         for stat in ("mean", "median", "std", "p90", "p95", "p99"):
             out[f"{stat}_{name}_ms"] = getattr(s, stat)
     out["request_goodput"] = out["goodput"] = m.goodput  # vLLM's name, and the name used throughout infertrace
+    out["max_output_tokens_per_s"] = m.max_output_tokens_per_s
+    out["max_concurrent_requests"] = m.max_concurrent_requests
     return out

@@ -53,10 +53,11 @@ def point_result(record: PointRecord) -> dict:
     """One run's result: vLLM's keys first, then ours."""
     cfg, m = record.config, record.metrics
     out = {"schema_version": SCHEMA_VERSION, **vllm_keys(m)}
-    out.update({
+    out.update({  # as vLLM writes them: a closed loop is an infinite rate capped by max_concurrency
+        "num_prompts": cfg.num_prompts,
         "max_concurrency": cfg.effective_concurrency,
-        "request_rate": _finite(cfg.request_rate) if cfg.open_loop else None,
-        "burstiness": cfg.burstiness if cfg.open_loop else None,
+        "request_rate": _finite(cfg.request_rate) if cfg.open_loop else "inf",
+        "burstiness": cfg.burstiness,
         "good_requests": m.good_requests, "slo": cfg.slo,
     })
     for stat in ("mean", "median", "std", "p90", "p95", "p99"):
@@ -79,10 +80,29 @@ def point_result(record: PointRecord) -> dict:
     return out
 
 
+BACKENDS = {"completions": "openai", "chat": "openai-chat"}  # vLLM's --backend names for the two endpoints
+
+
+def run_keys(config: dict, target, now: dt.datetime) -> dict:
+    """The run-level keys `vllm bench serve --save-result` writes (vllm/benchmarks/serve.py, 0.33), same meaning."""
+    description = target.describe()
+    if description["kind"] == "http":
+        backend = BACKENDS[config["endpoint"]]
+        model_id = description.get("model") or config["model"]
+    else:
+        backend, model_id = "infertrace-embedded", config["model"] or description.get("model_dir")
+    return {
+        "date": now.astimezone().strftime("%Y%m%d-%H%M%S"),  # vLLM's format, local time
+        "date_utc": now.astimezone(dt.timezone.utc).isoformat(timespec="seconds"),
+        "endpoint_type": backend, "backend": backend, "model_id": model_id,
+        "tokenizer_id": config["tokenizer"] or model_id,
+    }
+
+
 def result_document(records: list[PointRecord], config: dict, target) -> dict:
     """A single run: its result with config and provenance. A sweep: one entry per point under `runs`."""
-    stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    common = {"date": stamp, "config": config, "provenance": provenance(target, config["seed"])}
+    common = {**run_keys(config, target, dt.datetime.now(dt.timezone.utc)), "config": config,
+              "provenance": provenance(target, config["seed"])}
     sweep = config.get("sweep_param")
     if sweep is None:
         return {**point_result(records[0]), **common}

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +18,22 @@ VLLM_KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_out
              "output_throughput", "total_token_throughput", "request_goodput", "goodput"] + [
     f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
     for stat in ("mean", "median", "std", "p90", "p95", "p99")]
+
+
+# What `vllm bench serve --save-result` writes at the top level without --save-detailed, read from
+# vllm/benchmarks/serve.py of vLLM 0.33.0 (main(): date ... max_concurrency; benchmark(): the `result` dict and
+# process_one_metric's mean_/median_/std_/p99_ keys at the default --metric-percentiles 99), with the JSON types
+# it writes. Left out: `label` and --metadata (free text), `rtfx` (audio), the per-request lists it deletes.
+NUMBER = (int, float)
+VLLM_RESULT_TYPES = {
+    "date": str, "endpoint_type": str, "backend": str, "model_id": str, "tokenizer_id": str, "num_prompts": int,
+    "request_rate": (float, int, str), "burstiness": NUMBER, "max_concurrency": (int, type(None)),
+    "duration": NUMBER, "completed": int, "failed": int, "total_input_tokens": int, "total_output_tokens": int,
+    "request_throughput": NUMBER, "request_goodput": (float, type(None)), "output_throughput": NUMBER,
+    "total_token_throughput": NUMBER, "max_output_tokens_per_s": NUMBER, "max_concurrent_requests": int,
+    **{f"{stat}_{name}_ms": NUMBER for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "std",
+                                                                                          "p99")},
+}
 
 
 def invoke(*args):
@@ -248,7 +265,9 @@ def test_api_key_and_headers_go_on_every_call_and_stay_out_of_the_result(standin
     assert all(auth == "Bearer sk-secret" and team == "infra" for _, auth, team in standin.calls)
     text = out.read_text()
     assert "sk-secret" not in text and "infra" not in text
-    assert json.loads(text)["config"]["headers"] == {"Authorization": "<redacted>", "X-Team": "<redacted>"}
+    doc = json.loads(text)
+    assert doc["provenance"]["target"]["headers"] == {"Authorization": "<redacted>", "X-Team": "<redacted>"}
+    assert "headers" not in doc["config"]  # how the server was reached does not define the workload
 
     standin.calls.clear()
     monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
@@ -278,3 +297,23 @@ def test_the_table_says_where_output_tokens_came_from(standin, prompts_jsonl):
                  "--num-prompts", 4, "--warmup", 0)
     assert res.exit_code == 0, res.output
     assert "from usage in 4 of 4 requests" in " ".join(res.stdout.split())
+
+
+def test_the_result_carries_every_key_vllm_bench_serve_writes_with_its_type(standin, prompts_jsonl, tmp_path):
+    out = tmp_path / "r.json"
+    res = invoke("--base-url", standin.url, "--endpoint", "chat", "--dataset", "jsonl", "--dataset-path",
+                 prompts_jsonl, "--num-prompts", 6, "--concurrency", 3, "--warmup", 0, "--result-json", out)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    missing = sorted(set(VLLM_RESULT_TYPES) - set(doc))
+    assert not missing
+    wrong = {k: type(doc[k]).__name__ for k, kinds in VLLM_RESULT_TYPES.items() if not isinstance(doc[k], kinds)}
+    assert not wrong
+    assert doc["request_rate"] == "inf" and doc["max_concurrency"] == 3 and doc["burstiness"] == 1.0
+    assert (doc["backend"], doc["endpoint_type"], doc["model_id"], doc["num_prompts"]) == (
+        "openai-chat", "openai-chat", "stand-in", 6)
+    assert re.fullmatch(r"\d{8}-\d{6}", doc["date"])
+    # vLLM's definitions over one-second buckets: the whole run fits in the first, so every request was active
+    # in it and every output event (one token each here) fell in it
+    assert doc["max_concurrent_requests"] == 6
+    assert doc["max_output_tokens_per_s"] == doc["total_output_tokens"]

@@ -85,3 +85,14 @@ def test_flagged_token_counts_become_warnings_that_say_what_they_mean():
         "(see --requests-jsonl)"]
     record.token_checks = {"output_token_disagreements": 0, "input_token_mismatches": 2}
     assert record.warnings == ["2 request(s) with input token mismatches (see --requests-jsonl)"]
+
+
+def test_peak_per_second_buckets_as_vllm_bench_serve():
+    from infertrace.load.metrics import peak_per_second
+
+    a = RequestResult(0, scheduled=0.0, t0=0.0, end=2.5, ttft=0.5, e2el=2.5, itl=[0.4, 0.4, 1.2])  # 0.5 .9 1.3 2.5
+    b = RequestResult(1, scheduled=0.0, t0=1.2, end=1.9, ttft=0.3, e2el=0.7, itl=[0.2, 0.2])  # 1.5 1.7 1.9
+    failed = RequestResult(2, scheduled=0.0, t0=0.0, end=1.0, error="HTTP 500: x")
+    # buckets [0,1): 2 events, [1,2): 1 + 3, [2,3): 1; a is active in 0..2, b in 1..1
+    assert peak_per_second([a, b, failed]) == (4.0, 2)
+    assert peak_per_second([failed]) == (0.0, 0)
