@@ -51,6 +51,9 @@ class EngineConfig:
     offload_host_gb: float = 4.0  # pinned host pool for offloaded KV
     offload_chunk_tokens: int = 4096  # long mode: tokens per GPU ring slot, the unit KV is streamed in
     offload_ring_slots: int = 4  # long mode: GPU slots the chunks stream through (one loads while another is used)
+    # tensor parallelism: one process per rank (rank r on cuda:r; gloo on CPU), rank 0 schedules and samples;
+    # above 1: no async scheduling, no KV offload, and no skinny_gemm (its split-K sums skip the all-reduce)
+    tensor_parallel_size: int = 1
     # numerics and placement
     dtype: str = "auto"  # "auto": the checkpoint's dtype (float16 becomes float32 on CPU)
     device: str = "auto"  # "auto": cuda when available, else cpu
@@ -99,6 +102,22 @@ class EngineConfig:
             raise ValueError(f"offload={self.offload!r} is a tier of the prefix cache and needs prefix_caching=true")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}")
+        if tp == 1:
+            return
+        if self.offload != "off":
+            raise ValueError(f"offload={self.offload!r} is not supported with tensor_parallel_size={tp}")
+        if self.async_scheduling == "on":
+            # the other ranks would need the tokens rank 0 samples on its device before they reach the host
+            raise ValueError(f"async_scheduling='on' is not supported with tensor_parallel_size={tp}")
+        if self.device.startswith("cuda:"):
+            raise ValueError(f"with tensor_parallel_size={tp} rank r runs on cuda:r; use device='cuda' or 'auto', "
+                             f"and CUDA_VISIBLE_DEVICES to pick the GPUs (got device={self.device!r})")
 
     @property
     def offload_prefix(self) -> bool:

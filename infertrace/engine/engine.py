@@ -4,12 +4,16 @@ A step is planned (a pure decision), then runs inside one profiler range named a
 `step[PREFILL bs=.. toks=..]` / `step[DECODE bs=..]` / `step[MIXED bs=.. toks=..]`, holding `schedule` (the plan
 applied: preemptions, admissions, KV slots), `prepare_inputs`, `forward` and `sample`; with KV offload also
 `offload.load` (host-tier hits copied back before the forward) and `offload.store` (newly full blocks copied out).
+
+With tensor_parallel_size > 1 this process is rank 0: it schedules and samples, and the other ranks (worker.py) run
+each step's forward on their shards of the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from pathlib import Path
 
 from infertrace.engine.annotate import annotate, step_range_name
@@ -29,6 +33,7 @@ from infertrace.engine.offload.kv_offload import COUNTER_NAMES as OFFLOAD_COUNTE
 from infertrace.engine.offload.kv_offload import KVOffload
 from infertrace.engine.offload.long_context import ring_budget_tokens
 from infertrace.engine.outputs import RequestOutput, StepStats
+from infertrace.engine.parallel import SINGLE, TensorParallel, check_divisible
 from infertrace.engine.sampling_params import SamplingParams
 from infertrace.engine.scheduler import Scheduler, StepPlan
 from infertrace.engine.sequence import Sequence
@@ -59,7 +64,23 @@ class Engine:
         hf_config = read_json(self.model_dir / "config.json")
         host_blocks, runner_config = _offload_budgets(config, hf_config)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.runner = ModelRunner(runner_config, self.model_dir, hf_config)
+        self.other_ranks = None
+        tp = SINGLE
+        if config.tensor_parallel_size > 1:
+            _check_tensor_parallel(Qwen3Spec.from_hf_config(hf_config), config.tensor_parallel_size)
+            from infertrace.engine.worker import OtherRanks
+
+            self.other_ranks = OtherRanks(config, self.model_dir, hf_config)
+            # the ranks stop with the engine: on shutdown(), when it is collected, or when the interpreter exits
+            self._finalizer = weakref.finalize(self, self.other_ranks.shutdown)
+            tp = TensorParallel(0, config.tensor_parallel_size)
+        try:
+            self.runner = ModelRunner(runner_config, self.model_dir, hf_config, tp, self.other_ranks)
+            if self.other_ranks is not None:
+                self.other_ranks.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
         spec = self.runner.spec
 
         if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
@@ -105,8 +126,41 @@ class Engine:
         # async scheduling: the step queued on the device whose tokens the host has not seen yet
         self._async = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.runner.device.type == "cuda")
-        self._async = self._async and config.offload == "off"
+        # the other tensor-parallel ranks read their inputs from the host, where a queued step's tokens are not yet
+        self._async = self._async and config.offload == "off" and config.tensor_parallel_size == 1
         self._inflight: _Step | None = None
+        self._profiler = None
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one rank); the engine cannot step afterwards."""
+        if self.other_ranks is not None:
+            self._finalizer()
+
+    # ----- profiling -----
+    def start_profile(self, out_dir: str | Path, activities: tuple[str, ...] = ("CPU", "GPU"),
+                      record_shapes: bool = False, with_stack: bool = False, label: str = "infertrace") -> None:
+        """Start torch.profiler on every rank; call from the thread that runs the steps (AsyncEngine.call)."""
+        from infertrace.engine.rank_profiler import RankProfiler
+
+        if self._profiler is not None:
+            raise RuntimeError("a profile is already being captured")
+        out_dir, stem, activities = str(out_dir), f"{label}.{time.time_ns()}", tuple(activities)
+        profiler = RankProfiler(out_dir, stem, 0, activities, record_shapes, with_stack)
+        if self.other_ranks is not None:
+            self.other_ranks.call("start_profile", out_dir, stem, activities, record_shapes, with_stack)
+        profiler.start()
+        self._profiler = profiler
+
+    def stop_profile(self) -> list[Path]:
+        """Stop every rank's profiler; the traces written, one per rank in rank order
+        (`{label}.{ns}.rank{r}.pt.trace.json.gz`)."""
+        if self._profiler is None:
+            raise RuntimeError("no profile is being captured")
+        profiler, self._profiler = self._profiler, None
+        paths = [profiler.stop()]
+        if self.other_ranks is not None:
+            paths += self.other_ranks.call("stop_profile")
+        return [Path(p) for p in paths]
 
     # ----- state -----
     @property
@@ -221,7 +275,12 @@ class Engine:
                     inputs.append(end - 1)
                     sources.append(rows[s.seq])
             feed = (ahead.launched.tokens, inputs, sources) if inputs else None
-        step.launched = self.runner.launch(plan, feed)
+        try:
+            step.launched = self.runner.launch(plan, feed)
+        except RuntimeError as exc:
+            if self.other_ranks is not None:
+                self.other_ranks.explain(exc)  # a rank that died mid-step: name it
+            raise
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -396,6 +455,13 @@ def _offload_budgets(config: EngineConfig, hf_config: dict) -> tuple[int, Engine
             "offload_ring_slots"
         )
     return host_blocks, dataclasses.replace(config, kv_cache_tokens=left)
+
+
+def _check_tensor_parallel(spec: Qwen3Spec, size: int) -> None:
+    """A ValueError, before any rank starts, when the model's heads or MLP features do not split over `size`."""
+    check_divisible("attention heads", spec.num_attention_heads, size)
+    check_divisible("KV heads", spec.num_key_value_heads, size)
+    check_divisible("intermediate size", spec.intermediate_size, size)
 
 
 def _eos_token_ids(model_dir: Path, hf_config: dict, tokenizer) -> frozenset[int]:

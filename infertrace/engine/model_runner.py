@@ -1,17 +1,23 @@
-"""Runs the model for a planned step: weights and KV cache on the device, input preparation, forward, sampling."""
+"""Runs the model for a planned step: weights and KV cache on the device, input preparation, forward, sampling.
+
+With tensor parallelism every rank has a runner over its shard of the model; rank 0's turns each plan into host
+inputs (`StepInputs`), hands them to the other ranks, and runs the same forward with them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from infertrace.engine.annotate import annotate
+from infertrace.engine.annotate import annotate, step_range_name
 from infertrace.engine.attention import AttentionMetadata, make_attention_backend
 from infertrace.engine.config import EngineConfig
 from infertrace.engine.models.loader import load_weights
 from infertrace.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
+from infertrace.engine.parallel import SINGLE, TensorParallel
 from infertrace.engine.sampler import Sampler
 from infertrace.engine.scheduler import StepKind, StepPlan
 from infertrace.engine.step_buffers import StepBuffers
@@ -40,6 +46,32 @@ def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dty
 
 
 @dataclass(slots=True)
+class StepInputs:
+    """A step's inputs as host values: what every rank needs to run the step's forward."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    query_lens: list[int]
+    logits_indices: list[int]  # the last token of each request that samples
+    block_tables: list[list[int]]
+    decode: bool  # a decode step (one new token per request): may replay a CUDA graph
+    name: str = ""  # the step's profiler range, which the other ranks open around it
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+
+class OtherRanks(Protocol):
+    """The tensor-parallel ranks after rank 0, which run every step rank 0 hands them."""
+
+    def step(self, inputs: StepInputs) -> None: ...
+
+
+@dataclass(slots=True)
 class LaunchedStep:
     """A step whose kernels are queued: its sampled tokens on the device and a host copy that lands when it ends."""
 
@@ -63,16 +95,23 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: Path, hf_config: dict):
+    def __init__(self, config: EngineConfig, model_dir: Path, hf_config: dict, tp: TensorParallel = SINGLE,
+                 other_ranks: OtherRanks | None = None):
         self.config = config
+        self.tp = tp
+        self.other_ranks = other_ranks
         self.device = resolve_device(config.device)
+        if tp.size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", tp.rank)
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.spec = Qwen3Spec.from_hf_config(hf_config)
+        self.num_kv_heads = self.spec.num_key_value_heads // tp.size  # this rank's
         self.block_size = config.block_size
         self.attention = make_attention_backend(config, self.device)
 
         with torch.device("meta"):
-            model = Qwen3ForCausalLM(self.spec, self.dtype)
+            model = Qwen3ForCausalLM(self.spec, self.dtype, tp)
         model = model.to_empty(device=self.device)
         load_weights(model, model_dir)
         model.eval()
@@ -87,7 +126,7 @@ class ModelRunner:
 
         self.num_blocks = self._num_kv_blocks()
         slots = self.num_blocks * self.block_size
-        shape = (2, self.spec.num_hidden_layers, slots, self.spec.num_key_value_heads, self.spec.head_dim)
+        shape = (2, self.spec.num_hidden_layers, slots, self.num_kv_heads, self.spec.head_dim)
         # zeroed: padded positions of the batched path read slots nobody wrote, and must read finite values
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         model.bind_kv_cache(list(self.kv_cache[0]), list(self.kv_cache[1]))
@@ -116,7 +155,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         s = self.spec
-        return 2 * s.num_hidden_layers * s.num_key_value_heads * s.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * s.num_hidden_layers * self.num_kv_heads * s.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -130,6 +169,12 @@ class ModelRunner:
         else:
             budget = cfg.cpu_kv_cache_gb * 1024**3
         blocks = int(budget // block_bytes)
+        if self.tp.size > 1:  # every rank holds the same blocks: as many as the fullest rank can
+            import torch.distributed as dist
+
+            fewest = torch.tensor([blocks], device=self.device)
+            dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+            blocks = int(fewest.item())
         if blocks < 1:
             raise ValueError(
                 f"no memory left for the KV cache on {self.device} (one block needs {block_bytes} bytes); "
@@ -143,7 +188,7 @@ class ModelRunner:
         n = min(self.config.max_num_batched_tokens, self.max_positions)
         blocks = -(-n // self.block_size)
         s = self.spec
-        cache = torch.zeros((2, s.num_hidden_layers, blocks * self.block_size, s.num_key_value_heads, s.head_dim),
+        cache = torch.zeros((2, s.num_hidden_layers, blocks * self.block_size, self.num_kv_heads, s.head_dim),
                             dtype=self.dtype, device=self.device)
         self.model.bind_kv_cache(list(cache[0]), list(cache[1]))
         long = dict(dtype=torch.long, device=self.device)
@@ -176,20 +221,14 @@ class ModelRunner:
         tensor of an earlier step that may still be running (its host copy of those tokens is a placeholder).
         """
         with annotate("prepare_inputs"):
-            if self.buffers is not None:
-                self.buffers.next_step()
-            input_ids, positions, meta, logits_indices = self.prepare_inputs(plan)
-            if self.buffers is not None:
-                self.buffers.staged()
+            inputs = self.host_inputs(plan)
+            if self.other_ranks is not None:
+                inputs.name = step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens)
+                self.other_ranks.step(inputs)
+            input_ids, positions, meta, logits_indices = self.prepare_inputs(inputs)
             if feed is not None:
                 self._feed_tokens(input_ids, *feed)
-            self.attention.prepare(meta)
-        with annotate("forward"):
-            if self._graph_step(plan):
-                logits = self.graphs.replay(plan.batch_size).float()
-            else:
-                hidden = self.model(input_ids, positions, meta)
-                logits = self.model.compute_logits(hidden[logits_indices]).float() if logits_indices.numel() else None
+        logits = self.forward(inputs, input_ids, positions, meta, logits_indices)
         with annotate("sample"):
             samples = [s.samples for s in plan.scheduled]
             sampling = [s for s, sampled in zip(plan.scheduled, samples) if sampled]
@@ -204,6 +243,22 @@ class ModelRunner:
             event.record()
             return LaunchedStep(plan, samples, tokens, host, event)
 
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> None:
+        """Run a step rank 0 planned (on the other ranks): inputs and forward, no sampling."""
+        with annotate("prepare_inputs"):
+            prepared = self.prepare_inputs(inputs)
+        self.forward(inputs, *prepared)
+
+    def forward(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """Logits [requests that sample, vocab] in float32 (None when none samples); every rank runs this."""
+        with annotate("forward"):
+            if self._graph_step(inputs):
+                return self.graphs.replay(inputs.batch_size).float()
+            hidden = self.model(input_ids, positions, meta)
+            return self.model.compute_logits(hidden[logits_indices]).float() if logits_indices.numel() else None
+
     def _feed_tokens(self, input_ids: torch.Tensor, tokens: torch.Tensor, rows: list[int], sources: list[int]) -> None:
         n = len(rows)
         if rows == sources == list(range(n)):
@@ -212,7 +267,7 @@ class ModelRunner:
         index = torch.tensor([rows, sources], dtype=torch.long).to(self.device, non_blocking=True)
         input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
 
-    def prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def host_inputs(self, plan: StepPlan) -> StepInputs:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -232,15 +287,31 @@ class ModelRunner:
             seq_lens.append(end)
             if s.samples:
                 logits_indices.append(query_start_loc[-1] - 1)
-        max_blocks = max(len(s.seq.block_table) for s in plan.scheduled)
-        tables = [s.seq.block_table for s in plan.scheduled]
+        return StepInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, query_lens, logits_indices,
+                          [s.seq.block_table for s in plan.scheduled], plan.kind is StepKind.DECODE)
+
+    def prepare_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The step's device tensors and attention metadata, prepared for the attention backend."""
         buffers = self.buffers
         if buffers is not None:
-            graph = self._graph_step(plan)
+            buffers.next_step()
+        prepared = self._device_inputs(inputs)
+        if buffers is not None:
+            buffers.staged()
+        self.attention.prepare(prepared[2])
+        return prepared
+
+    def _device_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        query_lens, seq_lens, tables = inputs.query_lens, inputs.seq_lens, inputs.block_tables
+        max_blocks = max(len(t) for t in tables)
+        buffers = self.buffers
+        if buffers is not None:
+            graph = self._graph_step(inputs)
             meta = AttentionMetadata(
-                slot_mapping=buffers.fill("slot_mapping", slot_mapping),
+                slot_mapping=buffers.fill("slot_mapping", inputs.slot_mapping),
                 query_start_loc=buffers.decode_query_start_loc[: len(seq_lens) + 1] if graph
-                else buffers.fill("query_start_loc", query_start_loc),
+                else buffers.fill("query_start_loc", inputs.query_start_loc),
                 seq_lens=buffers.fill("seq_lens", seq_lens),
                 block_tables=buffers.fill_block_tables(tables, max_blocks),
                 query_lens_list=query_lens,
@@ -249,16 +320,16 @@ class ModelRunner:
                 max_seq_len=max(seq_lens),
                 block_size=bs,
             )
-            return (buffers.fill("input_ids", input_ids), buffers.fill("positions", positions), meta,
-                    buffers.fill("logits_indices", logits_indices))
+            return (buffers.fill("input_ids", inputs.input_ids), buffers.fill("positions", inputs.positions), meta,
+                    buffers.fill("logits_indices", inputs.logits_indices))
 
         def tensor(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
         block_tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         meta = AttentionMetadata(
-            slot_mapping=tensor(slot_mapping),
-            query_start_loc=tensor(query_start_loc),
+            slot_mapping=tensor(inputs.slot_mapping),
+            query_start_loc=tensor(inputs.query_start_loc),
             seq_lens=tensor(seq_lens),
             block_tables=tensor(block_tables),
             query_lens_list=query_lens,
@@ -267,8 +338,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             block_size=bs,
         )
-        return tensor(input_ids), tensor(positions), meta, tensor(logits_indices)
+        return tensor(inputs.input_ids), tensor(inputs.positions), meta, tensor(inputs.logits_indices)
 
-    def _graph_step(self, plan: StepPlan) -> bool:
-        return (self.graphs is not None and plan.kind is StepKind.DECODE
-                and self.graphs.bucket_for(plan.batch_size) is not None)
+    def _graph_step(self, inputs: StepInputs) -> bool:
+        return self.graphs is not None and inputs.decode and self.graphs.bucket_for(inputs.batch_size) is not None

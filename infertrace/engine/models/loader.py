@@ -44,7 +44,11 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into `model`, packing q/k/v and gate/up; fail on anything missing or unknown."""
+    """Copy every checkpoint tensor into `model`, packing q/k/v and gate/up; fail on anything missing or unknown.
+
+    A layer with a `weight_loader` (the parallel layers) picks the destination rows and this rank's shard of the
+    tensor; the others take the tensor whole.
+    """
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -57,29 +61,34 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
                 for name in f.keys():
                     if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                         continue
-                    target, rows = _target(model, name, packed)
+                    target, part = _target(name, packed)
                     if target not in params:
                         raise ValueError(f"{file.name}: weight {name!r} has no place in {type(model).__name__}")
                     param = params[target]
-                    start, end = rows if rows else (0, param.shape[0])
                     tensor = f.get_tensor(name)
-                    dest = param.data[start:end]
-                    if tuple(tensor.shape) != tuple(dest.shape):
+                    loader = getattr(model.get_submodule(target.rpartition(".")[0]), "weight_loader", None)
+                    try:
+                        dest, src = loader(param.data, tensor, part) if loader else (param.data, tensor)
+                        if tuple(src.shape) != tuple(dest.shape):
+                            raise ValueError(f"expected {tuple(dest.shape)}")
+                    except ValueError as exc:
                         raise ValueError(
-                            f"{file.name}: weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-                        )
-                    dest.copy_(tensor)
-                    rows_left[target] -= end - start
+                            f"{file.name}: weight {name!r} has shape {tuple(tensor.shape)}, which does not fit "
+                            f"{target} of shape {tuple(param.shape)}: {exc}"
+                        ) from None
+                    dest.copy_(src)
+                    rows_left[target] -= dest.shape[0]
     missing = sorted(name for name, left in rows_left.items() if left)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint in {model_dir} lacks weights for {shown}")
 
 
-def _target(model, name: str, packed: dict) -> tuple[str, tuple[int, int] | None]:
+def _target(name: str, packed: dict) -> tuple[str, int | None]:
+    """The parameter a checkpoint tensor goes to, and its part index there when several tensors are packed into it."""
     for part, (packed_name, index) in packed.items():
         needle = f".{part}."
         if needle in name:
-            target = name.replace(needle, f".{packed_name}.")
-            return target, model.packed_slice(target, index)
+            return name.replace(needle, f".{packed_name}."), index
     return name, None
+

@@ -1,7 +1,8 @@
 """Qwen3 for causal LM over a flat token batch, with packed q/k/v and gate/up projections.
 
 The numerics follow the Hugging Face implementation (RMSNorm in float32, q/k norm before RoPE, RoPE tables in
-float32), so that greedy tokens match it exactly.
+float32), so that greedy tokens match it exactly. With tensor parallelism each rank holds its share of the heads
+and of the MLP's features (see parallel.py); with one rank the parallel layers are plain linears.
 """
 
 from __future__ import annotations
@@ -14,6 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from infertrace.engine.attention import AttentionMetadata, TorchAttention
+from infertrace.engine.parallel import (
+    SINGLE,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    check_divisible,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,16 +129,18 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | Non
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype):
+    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads = spec.num_attention_heads
-        self.num_kv_heads = spec.num_key_value_heads
+        self.num_heads = check_divisible("attention heads", spec.num_attention_heads, tp.size)  # this rank's
+        self.num_kv_heads = check_divisible("KV heads", spec.num_key_value_heads, tp.size)
         self.head_dim = spec.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.attention_bias, dtype=dtype)
+        self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_attention_heads,
+                                          spec.num_key_value_heads, spec.attention_bias, dtype, tp)
+        self.o_proj = RowParallelLinear(spec.num_attention_heads * spec.head_dim, spec.hidden_size,
+                                        spec.attention_bias, dtype, tp)
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, dtype)
         self.k_cache: torch.Tensor | None = None  # [num_slots, Hkv, D], bound by the model runner
@@ -161,11 +174,11 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype):
+    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype)
+        self.intermediate_size = check_divisible("intermediate size", spec.intermediate_size, tp.size)  # this rank's
+        self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [spec.intermediate_size] * 2, False, dtype, tp)
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, False, dtype, tp)
 
     def forward(self, x: torch.Tensor, fused: bool = False, acc: torch.Tensor | None = None,
                 skinny: bool = False) -> torch.Tensor:
@@ -180,12 +193,12 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype):
+    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype, tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.self_attn = Qwen3Attention(spec, dtype)
+        self.self_attn = Qwen3Attention(spec, dtype, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.mlp = Qwen3MLP(spec, dtype)
+        self.mlp = Qwen3MLP(spec, dtype, tp)
 
     def forward(self, x, positions, rope, attn, meta):
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn, meta)
@@ -193,10 +206,10 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype):
+    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(spec, dtype) for _ in range(spec.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(spec, dtype, tp) for _ in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
 
@@ -210,12 +223,13 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype):
+    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype, tp: TensorParallel = SINGLE):
         super().__init__()
         self.spec = spec
-        self.model = Qwen3Model(spec, dtype)
+        self.tp = tp
+        self.model = Qwen3Model(spec, dtype, tp)
         # tied: logits use the embedding matrix itself
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = None if spec.tie_word_embeddings else ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype, tp)
         self.rope: RotaryEmbedding | None = None
         self.attn: TorchAttention | None = None
         self.fused_norm = False
@@ -227,12 +241,14 @@ class Qwen3ForCausalLM(nn.Module):
 
         `fused_norm` (CUDA only) runs residual add + RMSNorm, q/k RMSNorm + RoPE (with the K/V cache write when the
         backend allows) and SiLU-and-multiply as one Triton kernel each. `skinny_gemm` (CUDA, 16-bit weights, with
-        `fused_norm`) runs the projections of steps of at most 16 tokens as weight-streaming Triton GEMMs.
+        `fused_norm`) runs the projections of steps of at most 16 tokens as weight-streaming Triton GEMMs; it is off
+        with tensor parallelism, whose row-parallel partial sums must be all-reduced before the residual add reads
+        them, which the split-K accumulator it adds into bypasses.
         """
         self.attn = attn
         self.rope = RotaryEmbedding(self.spec.head_dim, self.spec.rope_theta, max_positions, device)
         self.fused_norm = fused_norm
-        self.skinny_gemm = skinny_gemm and fused_norm and not self.spec.attention_bias
+        self.skinny_gemm = skinny_gemm and fused_norm and not self.spec.attention_bias and self.tp.size == 1
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
@@ -265,16 +281,8 @@ class Qwen3ForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """Logits over the whole vocabulary (gathered from every rank's shard with tensor parallelism)."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         if self.skinny_gemm and hidden.shape[0] <= SKINNY_MAX_ROWS:
-            return decode_linear(hidden.contiguous(), weight)
-        return F.linear(hidden, weight)
-
-    def packed_slice(self, param_name: str, index: int) -> tuple[int, int]:
-        """Rows of packed parameter `param_name` (e.g. 'model.layers.0.self_attn.qkv_proj.weight') holding part `index`."""
-        spec = self.spec
-        if ".qkv_proj." in param_name:
-            q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
-            return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][index]
-        inter = spec.intermediate_size
-        return [(0, inter), (inter, 2 * inter)][index]
+            return decode_linear(hidden.contiguous(), head.weight)
+        return head.logits(hidden)

@@ -1,0 +1,267 @@
+"""The tensor-parallel ranks after rank 0: one spawned process each, running the steps rank 0 plans.
+
+Rank 0 (the engine's own process) schedules and samples; it sends every step's host inputs down one pipe per rank,
+pickled once, and each rank runs the same forward, meeting rank 0 in the layers' collectives (NCCL on CUDA, gloo on
+CPU). The same pipes carry calls (profiler start/stop) and their replies. Start-up is a handshake per rank with the
+process watched, so a rank that fails to start is an error naming it rather than a hang; a rank that dies later is
+seen before the next step is sent (and by gloo, whose collectives fail when a peer's connection closes). A rank
+exits when told to, when its pipe closes, or when rank 0's process is gone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import socket
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from infertrace.engine.config import EngineConfig
+
+START_TIMEOUT_S = 300.0  # a rank's start: torch import, weight load, CUDA-graph capture
+CALL_TIMEOUT_S = 120.0  # a call's reply (a profiler stop writes a trace)
+# one collective may wait this long for a peer: a first step compiles Triton kernels on every rank, unevenly
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank exited or failed; the engine cannot run more steps."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(config: EngineConfig) -> str:
+    from infertrace.engine.model_runner import resolve_device
+
+    return "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
+
+
+class OtherRanks:
+    """Rank 0's handle on ranks 1..N-1: started together with the process group, stopped by `shutdown()`."""
+
+    def __init__(self, config: EngineConfig, model_dir: Path, hf_config: dict):
+        import torch
+        import torch.distributed as dist
+
+        size = config.tensor_parallel_size
+        self.backend = backend_for(config)
+        if self.backend == "nccl" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} visible")
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialised in this process (another tensor-parallel "
+                               "engine?); shut it down first")
+        port = free_port()
+        init = f"tcp://127.0.0.1:{port}"
+        ctx = multiprocessing.get_context("spawn")
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.conns: list[multiprocessing.connection.Connection] = []
+        self._closed = False
+        try:
+            for rank in range(1, size):
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(target=rank_main, args=(config, model_dir, hf_config, rank, init, theirs),
+                                   name=f"infertrace-tp-rank{rank}", daemon=True)
+                proc.start()
+                theirs.close()  # only the rank holds its end now: its death closes the pipe for us
+                self.procs.append(proc)
+                self.conns.append(ours)
+            self._wait_all("hello")
+            dist.init_process_group(self.backend, init_method=init, rank=0, world_size=size,
+                                    timeout=COLLECTIVE_TIMEOUT)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def wait_ready(self) -> None:
+        """Block until every rank has its model and KV cache (built alongside rank 0's, through collectives)."""
+        try:
+            self._wait_all("ready")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def step(self, inputs) -> None:
+        self._check_alive()
+        data = pickle.dumps(("step", inputs), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except OSError:
+            self._check_alive()
+            raise
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """Call `runner-side method(*args)` on every other rank (see `_Rank.call`); their results, rank order."""
+        self._check_alive()
+        data = pickle.dumps(("call", method, args))
+        for conn in self.conns:
+            conn.send_bytes(data)
+        return self._wait_all("result", CALL_TIMEOUT_S)
+
+    def _wait_all(self, expected: str, timeout: float = START_TIMEOUT_S) -> list[Any]:
+        results: dict[int, Any] = {}
+        pending = dict(enumerate(self.conns))
+        while pending:
+            sentinels = {self.procs[i].sentinel: i for i in pending}
+            ready = multiprocessing.connection.wait([*pending.values(), *sentinels], timeout)
+            if not ready:
+                raise RankFailedError(f"tensor-parallel rank(s) {sorted(i + 1 for i in pending)} sent no "
+                                      f"{expected!r} within {timeout:.0f} s")
+            for i, conn in list(pending.items()):
+                if conn not in ready and self.procs[i].sentinel not in ready:
+                    continue
+                try:
+                    kind, value = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    self.procs[i].join(5)
+                    raise RankFailedError(self._death(i)) from None
+                if kind == "error":
+                    raise RankFailedError(f"tensor-parallel rank {i + 1} failed:\n{value}")
+                assert kind == expected, (kind, expected)
+                results[i] = value
+                del pending[i]
+        return [results[i] for i in range(len(self.conns))]
+
+    def _death(self, i: int) -> str:
+        proc = self.procs[i]
+        proc.join(1)
+        code = "" if proc.exitcode is None else f" with code {proc.exitcode}"  # None: reaped by someone else
+        return f"tensor-parallel rank {i + 1} (pid {proc.pid}) exited{code}"
+
+    def _check_alive(self, wait_s: float = 0.0) -> None:
+        """RankFailedError when a rank has exited (within `wait_s`). The processes' sentinels tell, not waitpid,
+        which fails once something else in the process (a SIGCHLD handler) has reaped the child."""
+        if self._closed:
+            raise RankFailedError("the tensor-parallel ranks were shut down")
+        dead = multiprocessing.connection.wait([p.sentinel for p in self.procs], wait_s)
+        if dead:
+            i = next(i for i, p in enumerate(self.procs) if p.sentinel in dead)
+            raise RankFailedError(self._death(i))
+
+    def explain(self, exc: BaseException) -> None:
+        """Raise RankFailedError from `exc` (a failed collective) when a rank has exited or is exiting."""
+        self._check_alive(wait_s=5.0)
+
+    def shutdown(self) -> None:
+        """Stop every rank (politely, then by force) and leave the process group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self.conns:
+            try:
+                conn.send_bytes(pickle.dumps(("exit",)))
+            except OSError:
+                pass
+        running = {p.sentinel: p for p in self.procs}
+        deadline = time.monotonic() + 10.0
+        while running and time.monotonic() < deadline:
+            for sentinel in multiprocessing.connection.wait(list(running), deadline - time.monotonic()):
+                del running[sentinel]
+        for proc in running.values():
+            proc.kill()
+        for proc in self.procs:
+            proc.join(5)
+        for conn in self.conns:
+            conn.close()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def rank_main(config: EngineConfig, model_dir: Path, hf_config: dict, rank: int, init: str,
+              conn: multiprocessing.connection.Connection) -> None:
+    """A rank's process: join the group, build the model shard and KV cache, then run what rank 0 sends."""
+    _exit_with_parent()
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from infertrace.engine.model_runner import ModelRunner
+        from infertrace.engine.parallel import TensorParallel
+
+        torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
+        conn.send_bytes(pickle.dumps(("hello", None)))
+        size = config.tensor_parallel_size
+        dist.init_process_group(backend_for(config), init_method=init, rank=rank, world_size=size,
+                                timeout=COLLECTIVE_TIMEOUT)
+        runner = ModelRunner(config, model_dir, hf_config, TensorParallel(rank, size))
+        conn.send_bytes(pickle.dumps(("ready", None)))
+    except BaseException:
+        _send_error(conn)
+        os._exit(1)
+    _Rank(runner, conn).loop()
+    dist.destroy_process_group()
+
+
+class _Rank:
+    def __init__(self, runner, conn: multiprocessing.connection.Connection):
+        self.runner = runner
+        self.conn = conn
+        self.profiler = None
+
+    def loop(self) -> None:
+        from infertrace.engine.annotate import annotate
+
+        while True:
+            try:
+                message = pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                return  # rank 0 is gone
+            kind = message[0]
+            if kind == "exit":
+                return
+            if kind == "step":
+                inputs = message[1]
+                with annotate(inputs.name):
+                    self.runner.execute(inputs)
+                continue
+            try:
+                result = self.call(message[1], *message[2])
+            except BaseException:
+                _send_error(self.conn)
+                continue
+            self.conn.send_bytes(pickle.dumps(("result", result)))
+
+    def call(self, method: str, *args: Any) -> Any:
+        from infertrace.engine.rank_profiler import RankProfiler
+
+        if method == "start_profile":
+            out_dir, stem, *options = args
+            self.profiler = RankProfiler(out_dir, stem, self.runner.tp.rank, *options)
+            self.profiler.start()
+            return None
+        if method == "stop_profile":
+            profiler, self.profiler = self.profiler, None
+            return None if profiler is None else profiler.stop()
+        raise ValueError(f"unknown rank call {method!r}")
+
+
+def _send_error(conn) -> None:
+    try:
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+    except OSError:
+        pass
+
+
+def _exit_with_parent() -> None:
+    """End this process when rank 0's process ends, even inside a collective that would otherwise wait for it."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

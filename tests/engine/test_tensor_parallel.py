@@ -1,0 +1,256 @@
+"""Tensor parallelism on CPU with gloo: the same greedy tokens as one rank, the scheduler's paths across ranks,
+clear errors for bad sizes and dead ranks, no processes left behind, and one profiler trace per rank."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from infertrace.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
+from infertrace.engine.models.loader import load_weights
+from infertrace.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
+from infertrace.engine.parallel import TensorParallel, VocabParallelEmbedding
+from infertrace.engine.worker import RankFailedError
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def tokens_of(make_engine, run_engine, prompts, params=GREEDY, **config):
+    engine = make_engine(**config)
+    try:
+        tokens, _ = run_engine(engine, prompts, params)
+        return tokens, dict(engine.counters)
+    finally:
+        engine.shutdown()
+
+
+def rank_pids(engine) -> list[int]:
+    return [p.pid for p in engine.other_ranks.procs]
+
+
+def gone(pid: int, within_s: float = 20.0) -> bool:
+    """Whether process `pid` has ended (or is a zombie nobody reaped yet) within `within_s`."""
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_tiny_preset_splits_over_two_ranks(tiny_model_dir):
+    spec = Qwen3Spec.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
+    assert spec.num_attention_heads % 2 == 0 and spec.num_key_value_heads % 2 == 0
+    assert spec.intermediate_size % 2 == 0
+
+
+def test_two_ranks_give_the_tokens_of_one(make_engine, run_engine, make_prompts):
+    prompts = make_prompts([1, 40, 17, 90, 5], seed=3)
+    one, _ = tokens_of(make_engine, run_engine, prompts, kv_cache_tokens=2048)
+    two, _ = tokens_of(make_engine, run_engine, prompts, kv_cache_tokens=2048, tensor_parallel_size=2)
+    assert two == one
+    assert len({t for seq in one for t in seq}) > len(prompts)  # not one repeated token per prompt
+
+
+def test_prefix_caching_chunked_prefill_and_preemption_across_ranks(make_engine, run_engine, make_prompts):
+    shared = make_prompts([48], seed=5)[0]
+    prompts = [shared + tail for tail in make_prompts([7, 30, 12, 21], seed=6)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    # 4 requests of up to 102 tokens in 128 KV slots must preempt; 32-token steps chunk every prefill
+    config = dict(kv_cache_tokens=128, block_size=8, max_num_batched_tokens=32)
+    one, counters_one = tokens_of(make_engine, run_engine, prompts, params, **config)
+    two, counters_two = tokens_of(make_engine, run_engine, prompts, params, tensor_parallel_size=2, **config)
+    assert two == one
+    assert counters_two == counters_one
+    assert counters_two["prefix_cache_hits"] > 0 and counters_two["preemptions"] > 0
+    assert counters_two["steps"] > sum(len(p) for p in prompts) // 32  # prefills took several steps each
+
+
+@pytest.mark.parametrize(("size", "message"), [
+    (3, r"tensor_parallel_size=3 does not divide the model's attention heads \(4\)"),
+    (4, r"tensor_parallel_size=4 does not divide the model's KV heads \(2\)"),
+])
+def test_a_size_that_does_not_split_the_heads_is_a_value_error(make_engine, size, message):
+    import multiprocessing
+
+    with pytest.raises(ValueError, match=message):
+        make_engine(kv_cache_tokens=256, tensor_parallel_size=size)
+    assert not multiprocessing.active_children()  # refused before any rank was started
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be at least 1"),
+    ({"tensor_parallel_size": 2, "offload": "prefix"}, "offload='prefix' is not supported"),
+    ({"tensor_parallel_size": 2, "async_scheduling": "on"}, "async_scheduling='on' is not supported"),
+    ({"tensor_parallel_size": 2, "device": "cuda:1"}, "rank r runs on cuda:r"),
+])
+def test_config_refuses_what_tensor_parallelism_cannot_run(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_overrides(overrides)
+
+
+def test_config_reads_the_size_from_a_command_line():
+    assert EngineConfig.from_overrides({"tensor_parallel_size": "2"}).tensor_parallel_size == 2
+
+
+def test_checkpoint_tensors_are_sharded_per_rank(tiny_model_dir):
+    from safetensors.torch import load_file
+
+    hf = json.loads((tiny_model_dir / "config.json").read_text())
+    spec = Qwen3Spec.from_hf_config(hf)
+    model = Qwen3ForCausalLM(spec, torch.float32, TensorParallel(rank=1, size=2))
+    load_weights(model, tiny_model_dir)  # no process group needed: loading only slices
+    ckpt = {}
+    for f in sorted(tiny_model_dir.glob("*.safetensors")):
+        ckpt |= load_file(f)
+    p = "model.layers.0."
+    q, k, v = (ckpt[f"{p}self_attn.{n}_proj.weight"] for n in "qkv")
+    second_half = [t[t.shape[0] // 2:] for t in (q, k, v)]
+    assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight, torch.cat(second_half))
+    o = ckpt[f"{p}self_attn.o_proj.weight"]
+    assert torch.equal(model.model.layers[0].self_attn.o_proj.weight, o[:, o.shape[1] // 2:])
+    gate, up = ckpt[f"{p}mlp.gate_proj.weight"], ckpt[f"{p}mlp.up_proj.weight"]
+    assert torch.equal(model.model.layers[0].mlp.gate_up_proj.weight,
+                       torch.cat([gate[gate.shape[0] // 2:], up[up.shape[0] // 2:]]))
+    embed = ckpt["model.embed_tokens.weight"]
+    assert torch.equal(model.model.embed_tokens.weight, embed[embed.shape[0] // 2:])
+
+
+def test_an_uneven_vocabulary_pads_the_last_shard():
+    layer = VocabParallelEmbedding(5, 3, torch.float32, TensorParallel(rank=1, size=2))
+    loaded = torch.arange(15, dtype=torch.float32).view(5, 3)
+    dest, src = layer.weight_loader(layer.weight.data, loaded, None)
+    assert torch.equal(src, torch.cat([loaded[3:], torch.zeros(1, 3)]))
+    with pytest.raises(ValueError, match="4 rows for a vocabulary of 5"):
+        layer.weight_loader(layer.weight.data, loaded[:4], None)
+
+
+def test_shutdown_and_garbage_collection_end_the_ranks(make_engine):
+    import gc
+
+    engine = make_engine(kv_cache_tokens=256, tensor_parallel_size=2)
+    pids = rank_pids(engine)
+    assert pids and all(not gone(pid, 0.0) for pid in pids)
+    engine.shutdown()
+    assert all(gone(pid) for pid in pids)
+    with pytest.raises(RankFailedError, match="shut down"):
+        engine.add_request("r", [1, 2, 3], GREEDY)
+        engine.step()
+    engine.shutdown()  # idempotent
+
+    engine = make_engine(kv_cache_tokens=256, tensor_parallel_size=2)
+    pids = rank_pids(engine)
+    del engine
+    gc.collect()
+    assert all(gone(pid) for pid in pids)
+
+
+def test_a_dead_rank_is_an_error_not_a_hang(make_engine):
+    engine = make_engine(kv_cache_tokens=256, tensor_parallel_size=2)
+    try:
+        (pid,) = rank_pids(engine)
+        os.kill(pid, signal.SIGKILL)
+        assert gone(pid)
+        engine.add_request("r", [1, 2, 3], GREEDY)
+        with pytest.raises(RankFailedError, match=rf"rank 1 \(pid {pid}\) exited"):
+            engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_a_rank_dying_inside_a_step_is_named(make_engine, monkeypatch):
+    from infertrace.engine.worker import OtherRanks
+
+    engine = make_engine(kv_cache_tokens=256, tensor_parallel_size=2)
+    (pid,) = rank_pids(engine)
+    send = OtherRanks.step
+
+    def send_then_die(self, inputs):
+        send(self, inputs)
+        os.kill(pid, signal.SIGKILL)  # rank 0 then waits for it in the step's first all-reduce
+
+    monkeypatch.setattr(OtherRanks, "step", send_then_die)
+    try:
+        engine.add_request("r", [1, 2, 3], GREEDY)
+        with pytest.raises(RankFailedError, match=rf"rank 1 \(pid {pid}\) exited"):
+            engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_the_ranks_exit_when_the_engine_process_dies(tiny_model_dir, tmp_path):
+    script = textwrap.dedent(f"""
+        import os, sys
+        from infertrace.engine import Engine, EngineConfig
+        if __name__ == "__main__":
+            engine = Engine({str(tiny_model_dir)!r}, EngineConfig(kv_cache_tokens=256, tensor_parallel_size=2))
+            print(engine.other_ranks.procs[0].pid, flush=True)
+            os._exit(0)  # no shutdown, no finalizers: as if the process were killed
+    """)
+    (tmp_path / "die.py").write_text(script)
+    out = subprocess.run([sys.executable, str(tmp_path / "die.py")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert gone(int(out.stdout.split()[0]))
+
+
+async def test_async_engine_runs_two_ranks(tiny_model_dir, make_prompts):
+    prompts = make_prompts([9, 30], seed=8)
+    one = Engine(tiny_model_dir, EngineConfig(kv_cache_tokens=1024))
+    want = [[t for o in outs for t in o] for outs in _offline(one, prompts)]
+    aeng = AsyncEngine.from_model(tiny_model_dir, EngineConfig(kv_cache_tokens=1024, tensor_parallel_size=2))
+    try:
+        got = []
+        for i, p in enumerate(prompts):
+            got.append([t async for out in aeng.generate(f"a{i}", p, GREEDY) for t in out.new_token_ids])
+        assert got == want and all(len(g) == GREEDY.max_tokens for g in got)
+    finally:
+        await aeng.shutdown()
+        aeng.engine.shutdown()
+
+
+def _offline(engine, prompts):
+    outs = []
+    for i, p in enumerate(prompts):
+        engine.add_request(f"o{i}", p, GREEDY)
+        tokens = []
+        while engine.has_unfinished():
+            tokens += [o.new_token_ids for o in engine.step()]
+        outs.append(tokens)
+    return outs
+
+
+def test_profile_writes_one_trace_per_rank_with_its_steps(make_engine, run_engine, make_prompts, tmp_path):
+    engine = make_engine(kv_cache_tokens=512, tensor_parallel_size=2)
+    try:
+        engine.start_profile(tmp_path, activities=("CPU",), label="tp")
+        _, steps = run_engine(engine, make_prompts([6, 20], seed=9), SamplingParams(max_tokens=3, ignore_eos=True))
+        paths = engine.stop_profile()
+    finally:
+        engine.shutdown()
+    assert [p.name.split(".")[2] for p in paths] == ["rank0", "rank1"]
+    assert all(p.name.startswith("tp.") and p.name.endswith(".pt.trace.json.gz") for p in paths)
+    for rank, path in enumerate(paths):
+        trace = json.loads(gzip.decompress(path.read_bytes()))
+        info = trace["distributedInfo"]
+        assert (info["rank"], info["world_size"], info["backend"]) == (rank, 2, "gloo")
+        names = [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"]
+        assert [n for n in names if n.startswith("step[")] == [
+            f"step[{s.kind.upper()} bs={s.batch_size} toks={s.num_tokens}]" if s.kind != "decode"
+            else f"step[DECODE bs={s.batch_size}]" for s in steps
+        ]
+        assert {"prepare_inputs", "forward"} <= set(names)
+        assert any("allreduce" in n.lower() or "all_reduce" in n.lower() for n in names)
