@@ -96,6 +96,8 @@ class EmbeddedTarget:
 
         params = SamplingParams(max_tokens=spec.output_len, temperature=self.temperature, ignore_eos=self.ignore_eos)
         prompt = spec.prompt_ids if spec.prompt_ids is not None else spec.prompt
+        if spec.messages is not None:  # a session's turn: the whole history through the model's chat template
+            prompt = self.tokenizer.apply_chat_template(spec.messages, tokenize=False, add_generation_prompt=True)
         try:
             async for out in self.aengine.generate(f"bench-{next(self._ids)}", prompt, params):
                 if out.finished and out.finish_reason == "abort":

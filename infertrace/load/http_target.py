@@ -246,7 +246,7 @@ class HttpTarget:
         body: dict[str, Any] = {"model": self.model, "max_tokens": spec.output_len, "temperature": self.temperature,
                                 "stream": True, "stream_options": stream_options}
         if self.endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": spec.prompt}]
+            body["messages"] = spec.messages or [{"role": "user", "content": spec.prompt}]
         else:
             body["prompt"] = spec.prompt
         if self.ignore_eos:

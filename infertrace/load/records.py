@@ -23,6 +23,9 @@ class RequestSpec:
     output_len: int
     prompt_ids: list[int] | None = None
     prompt_len: int | None = None
+    messages: list[dict[str, str]] | None = None  # chat history ending with this turn (multi-turn sessions)
+    session: int | None = None
+    turn: int | None = None
 
 
 @dataclass(slots=True)
@@ -61,6 +64,8 @@ class RequestResult:
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
+    session: int | None = None  # multi-turn sessions: which session, and which turn of it
+    turn: int | None = None
 
     @property
     def success(self) -> bool:
@@ -101,4 +106,5 @@ class RequestResult:
             "output_tokens": self.output_tokens,
             "output_source": self.output_source.value if self.output_source else None,
             "tokenizer_output_tokens": self.tokenizer_output_tokens, "finish_reason": self.finish_reason,
+            **({"session": self.session, "turn": self.turn} if self.session is not None else {}),
         }

@@ -39,8 +39,17 @@ class Runner:
             return None
         return self._cpu_last[0] - self._cpu_first[0], self._cpu_last[1] - self._cpu_first[1]
 
+    async def send(self, spec: RequestSpec, scheduled: float, slot_wait: float = 0.0) -> RequestResult:
+        """Measure one request (kept with every other outcome) and return its result."""
+        result = RequestResult(spec.index, scheduled=scheduled, t0=scheduled, end=scheduled, slot_wait=slot_wait,
+                               session=spec.session, turn=spec.turn)
+        await self._measure(result, spec)
+        return result
+
     async def _one(self, spec: RequestSpec, scheduled: float, slot_wait: float = 0.0) -> None:
-        result = RequestResult(spec.index, scheduled=scheduled, t0=scheduled, end=scheduled, slot_wait=slot_wait)
+        await self.send(spec, scheduled, slot_wait)
+
+    async def _measure(self, result: RequestResult, spec: RequestSpec) -> None:
         if self._cpu_first is None:
             self._cpu_first = self.cpu_clock()
         try:
@@ -119,6 +128,36 @@ class Runner:
                 task = self._spawn(self._one(spec, due, wait))
                 if slots is not None:
                     task.add_done_callback(lambda _: slots.release())
+        except asyncio.CancelledError:
+            await self._cancel_inflight()
+            raise
+        await self._settle()
+
+    async def closed_sessions(self, sessions: Iterable, users: int, play: Callable,
+                              deadline: float | None = None) -> None:
+        """`users` simulated users, each playing its next session as soon as its previous one ends; with a
+        deadline, no session starts after it."""
+        queue = iter(sessions)
+
+        async def user() -> None:
+            while deadline is None or self.clock.now() < deadline:
+                session = next(queue, None)
+                if session is None:
+                    return
+                await play(session, self.clock.now())
+
+        for _ in range(users):
+            self._spawn(user())
+        await self._settle()
+
+    async def open_sessions(self, sessions: Iterable, offsets: list[float], play: Callable) -> None:
+        """Session i starts at start + offsets[i]; its turns then follow one another."""
+        start = self.clock.now()
+        try:
+            for session, offset in zip(sessions, offsets):
+                due = start + offset
+                await self.clock.sleep_until(due)
+                self._spawn(play(session, due))
         except asyncio.CancelledError:
             await self._cancel_inflight()
             raise

@@ -1,0 +1,135 @@
+"""Multi-turn sessions: each turn goes over chat with the whole history, the assistant turns being the server's
+own replies, so every turn's prompt grows by the previous reply and the next question, as a user's does.
+
+Sessions come from ShareGPT multi-turn files (the human turns, in order; each reply's length as that turn's
+max_tokens) or are synthetic (`--turns N`, `--turn-input-len L`). A session's turns are strictly in order; a turn
+that fails ends its session (counted), never the run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from infertrace.load.clock import Clock
+from infertrace.load.dataset import DatasetError, PromptMaker, length_range
+from infertrace.load.records import RequestResult, RequestSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    user: str  # the user's message
+    output_len: int  # max_tokens for the reply
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    index: int
+    turns: tuple[Turn, ...]
+
+
+def synthetic_sessions(maker: PromptMaker, n: int, turns: int, turn_input_len: int, output_len: int,
+                       range_ratio: float = 0.0) -> list[Session]:
+    """`n` sessions of `turns` user messages of about `turn_input_len` tokens each (exact in the tokenizer)."""
+    if turns < 1:
+        raise DatasetError(f"--turns must be at least 1, got {turns}")
+    rng = maker.rng
+    in_lo, in_hi = length_range(turn_input_len, range_ratio)
+    out_lo, out_hi = length_range(output_len, range_ratio)
+    sessions = []
+    for s in range(n):
+        in_lens = rng.integers(in_lo, in_hi + 1, turns)
+        out_lens = rng.integers(out_lo, out_hi + 1, turns)
+        sessions.append(Session(s, tuple(Turn(maker.exact(int(i))[0], int(o)) for i, o in zip(in_lens, out_lens))))
+    return sessions
+
+
+def sharegpt_sessions(path: str | Path, n: int, rng: np.random.Generator, tokenizer, output_len: int | None,
+                      default_output_len: int, max_turns: int | None = None) -> list[Session]:
+    """Conversations with at least one human turn answered; shuffled with the seed, cycled when fewer than `n`."""
+    try:
+        records = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise DatasetError(f"cannot read ShareGPT file {path}: {e}") from None
+    if not isinstance(records, list):
+        raise DatasetError(f"{path}: a ShareGPT file holds a JSON list of conversations")
+    conversations: list[tuple[Turn, ...]] = []
+    for rec in records:
+        messages = rec.get("conversations") if isinstance(rec, dict) else None
+        if not isinstance(messages, list):
+            continue
+        turns = []
+        for ask, reply in zip(messages[::2], messages[1::2]):
+            if not (isinstance(ask, dict) and isinstance(reply, dict)):
+                break
+            if ask.get("from") not in ("human", "user") or not isinstance(ask.get("value"), str) or \
+                    not ask["value"] or not isinstance(reply.get("value"), str):
+                break
+            out = output_len
+            if out is None:
+                out = max(1, len(tokenizer.encode(reply["value"], add_special_tokens=False))) if tokenizer else \
+                    default_output_len
+            turns.append(Turn(ask["value"], out))
+            if max_turns is not None and len(turns) == max_turns:
+                break
+        if turns:
+            conversations.append(tuple(turns))
+    if not conversations:
+        raise DatasetError(f"{path}: no conversation with a human turn followed by a reply")
+    order = rng.permutation(len(conversations))
+    return [Session(i, conversations[order[i % len(order)]]) for i in range(n)]
+
+
+@dataclass(slots=True)
+class SessionOutcome:
+    index: int
+    turns_done: int = 0
+    failed_turn: int | None = None  # the turn whose failure ended the session
+    results: list[RequestResult] = field(default_factory=list)
+
+
+Send = Callable[[RequestSpec, float], Awaitable[RequestResult]]
+
+
+class SessionDriver:
+    """Plays sessions through `send(spec, scheduled)` (the runner's one measuring path); numbers requests
+    across sessions in the order they are sent."""
+
+    def __init__(self, send: Send, clock: Clock, think_time_s: float = 0.0) -> None:
+        self.send = send
+        self.clock = clock
+        self.think_time_s = think_time_s
+        self.outcomes: list[SessionOutcome] = []
+        self._next_index = 0
+
+    async def play(self, session: Session, scheduled: float | None = None) -> SessionOutcome:
+        outcome = SessionOutcome(session.index)
+        self.outcomes.append(outcome)
+        history: list[dict[str, str]] = []
+        ready = self.clock.now() if scheduled is None else scheduled
+        for k, turn in enumerate(session.turns):
+            history.append({"role": "user", "content": turn.user})
+            spec = RequestSpec(self._next_index, turn.user, turn.output_len, messages=list(history),
+                               session=session.index, turn=k)
+            self._next_index += 1
+            result = await self.send(spec, ready)
+            outcome.results.append(result)
+            if result.error is not None:
+                outcome.failed_turn = k
+                return outcome
+            outcome.turns_done += 1
+            history.append({"role": "assistant", "content": result.text or ""})
+            ready = self.clock.now() + self.think_time_s
+            if k + 1 < len(session.turns) and self.think_time_s > 0:
+                await self.clock.sleep_until(ready)
+        return outcome
+
+    def summary(self) -> dict:
+        ended = [o for o in self.outcomes if o.failed_turn is not None]
+        return {"sessions": len(self.outcomes), "sessions_completed": len(self.outcomes) - len(ended),
+                "sessions_ended_by_failure": len(ended),
+                "turns_sent": sum(len(o.results) for o in self.outcomes)}
