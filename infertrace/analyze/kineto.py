@@ -1,7 +1,9 @@
 """Streaming reader of Kineto (torch.profiler) JSON traces, plain or gzipped, into columns with exact times.
 
 The file is decoded about a megabyte of events at a time, so peak memory follows the size of the kept columns
-rather than the size of the JSON, and a truncated file still yields every event before the cut. Timestamps are
+rather than the size of the JSON, and a truncated file still yields every event before the cut. Everything held
+undecoded is bounded: METADATA_LIMIT before (and after) the event array, EVENT_LIMIT for one event, so a file
+of any size, a gzip bomb included, is read in time linear in its size and bounded memory. Timestamps are
 kept as integer nanoseconds: a float64 cannot hold `1712195495519689.047` us to the nanosecond, so traces with
 such large times have their `ts` digits read from the text itself.
 """
@@ -18,9 +20,13 @@ from pathlib import Path
 import numpy as np
 
 BLOCK = 1 << 20  # bytes decoded at once: small enough to stay in cache, large enough to amortise each call
+METADATA_LIMIT = 16 << 20  # bytes of JSON read before the traceEvents array, and after it
+EVENT_LIMIT = 16 << 20  # the largest single event (or run of whitespace inside the array) read
 SKIPPED_CATS = frozenset({"python_function", "Trace"})  # Python stacks and the whole-profile span
 _FLOAT_EXACT_US = 2.0**43  # below this a float64 in us keeps every nanosecond, so rint(ts * 1000) is exact
 _WS = b" \t\r\n"
+_KEY = b'"traceEvents"'
+_COLON = re.compile(rb"[ \t\r\n]*(:?)[ \t\r\n]*")
 _TS_RE = re.compile(rb'"ts"\s*:\s*(-?)(\d+)(?:\.(\d*))?([eE][-+]?\d+)?')
 
 
@@ -58,20 +64,26 @@ def read_kineto(path: str | Path, keep_python: bool = False, typed: bool = True)
     here needs them). `typed=False` decodes through plain dicts even where msgspec is installed."""
     sink = _ColumnSink(keep_python)
     decoder = _StreamDecoder(sink, _typed_decoder() if typed else None)
-    problem = None
+    problem = late = None
+    over_limit = False
     try:
         for block in _blocks(Path(path)):
-            decoder.feed(block)
+            if not decoder.feed(block):
+                break  # the rest of the file holds nothing that is read
     except EOFError:
         problem = "the compressed stream ends early (truncated file)"
     except (OSError, zlib.error) as exc:
         problem = f"unreadable after {sink.count:,} events ({exc})"
-    try:
-        late = decoder.finish()
-    except TraceError as exc:
-        if problem is None or sink.count == 0:
-            raise TraceError(problem or str(exc)) from None
-        late = None
+    except TraceError as exc:  # past a size limit: what is still buffered cannot be decoded
+        if sink.count == 0:
+            raise
+        problem, over_limit = str(exc), True
+    if not over_limit:
+        try:
+            late = decoder.finish()
+        except TraceError as exc:
+            if problem is None or sink.count == 0:
+                raise TraceError(problem or str(exc)) from None
     problem = problem or late
     columns = sink.columns(decoder.metadata())
     if problem is not None and not len(columns):
@@ -131,22 +143,27 @@ class _StreamDecoder:
         self.sink = sink
         self.typed = typed
         self.state = _HEADER
-        self.header = b""  # bytes before the "traceEvents" key
+        self.header = bytearray()  # bytes before the "traceEvents" key, leading whitespace dropped
         self.buf = bytearray()
-        self.trailer = b""  # bytes after the array
-        self._searched = 0
+        self.trailer = bytearray()  # bytes after the array
+        self._searched = 0  # where the next look for the key starts
+        self._header_structure = None  # (length scanned, _structure of the header), reused per block
         self._scan_at = BLOCK  # buffer size at which the next structural scan is worth its cost
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes) -> bool:
+        """Take the next bytes; False once the rest of the file is not needed. Raises TraceError past a limit."""
         if self.state == _HEADER:
-            self.header += data
+            self.header += data.lstrip(_WS) if not self.header else data
             self._find_array()
+            if self.state == _HEADER and len(self.header) > METADATA_LIMIT:
+                raise TraceError(f'no "traceEvents" array in the first {_mb(METADATA_LIMIT)} of JSON')
         elif self.state == _EVENTS:
-            self.buf += data
+            self.buf += data.lstrip(_WS) if len(self.buf) == 1 else data  # whitespace between events
         else:
             self.trailer += data
         if self.state == _EVENTS and len(self.buf) > BLOCK:
             self._drain(final=False)
+        return not (self.state == _TRAILER and len(self.trailer) > METADATA_LIMIT)
 
     def finish(self) -> str | None:
         """Decode what is left at end of file; returns a problem line when the array was never closed."""
@@ -160,14 +177,17 @@ class _StreamDecoder:
             self._drain(final=True)
         if self.state == _EVENTS:
             return "the JSON ends inside the traceEvents array (truncated file)"
+        if len(self.trailer) > METADATA_LIMIT:
+            return f"more than {_mb(METADATA_LIMIT)} of JSON after the traceEvents array; it was not read"
         return None
 
     def metadata(self) -> dict:
         """Everything outside traceEvents, parsed as one object (empty when it cannot be)."""
         if not self.header.strip():
             return {}
-        head = self.header + b'"traceEvents": []'
-        for tail in (self.trailer, b"}"):
+        head = bytes(self.header) + b'"traceEvents": []'
+        tails = (bytes(self.trailer), b"}") if len(self.trailer) <= METADATA_LIMIT else (b"}",)
+        for tail in tails:
             try:
                 meta = json.loads(head + tail)
                 return meta if isinstance(meta, dict) else {}
@@ -176,33 +196,37 @@ class _StreamDecoder:
         return {}
 
     def _find_array(self) -> None:
-        start = self.header.lstrip(_WS)
-        if start[:1] == b"[":  # the bare-array form of the Chrome trace format
-            self._start_events(start[1:])
-            self.header = b""
+        """Start the events at the `[` of a top-level `"traceEvents": [`; every other occurrence of the key (a
+        nested one, a string value, one whose value is not an array) is passed over exactly once."""
+        header = self.header
+        if header[:1] == b"[":  # the bare-array form of the Chrome trace format
+            self._start_events(header[1:])
+            self.header = bytearray()
             return
-        while True:
-            key = self.header.find(b'"traceEvents"', max(0, self._searched - 16))
-            if key < 0:
-                self._searched = len(self.header)
-                return
-            self._searched = key + 1
-            if _depth_at(self.header, key) != 1:
-                continue
-            rest = self.header[key + len(b'"traceEvents"'):].lstrip(_WS)
-            if rest[:1] == b":":
-                rest = rest[1:].lstrip(_WS)
-            if not rest:  # the rest of the key has not arrived yet
+        while (key := header.find(_KEY, self._searched)) >= 0:
+            colon = _COLON.match(header, key + len(_KEY))
+            if colon.end() == len(header):  # the rest of the key has not arrived yet
                 self._searched = key
                 return
-            if rest[:1] != b"[":
-                continue
-            self._start_events(rest[1:])
-            self.header = self.header[:key]
-            return
+            self._searched = key + 1
+            if colon.group(1) and header[colon.end()] == 0x5B and self._depth_at(key) == 1:
+                self._start_events(header[colon.end() + 1:])
+                del self.header[key:]
+                return
+        self._searched = max(self._searched, len(header) - len(_KEY) + 1)
+
+    def _depth_at(self, pos: int) -> int:
+        """Nesting depth of the header just before `pos`, or -1 inside a string; one scan per block."""
+        if self._header_structure is None or self._header_structure[0] != len(self.header):
+            self._header_structure = (len(self.header), _structure(bytes(self.header)))
+        brackets, _, depth, quotes = self._header_structure[1]
+        if int(np.searchsorted(quotes, pos)) % 2:
+            return -1
+        before = int(np.searchsorted(brackets, pos))
+        return int(depth[before - 1]) if before else 0
 
     def _start_events(self, rest: bytes) -> None:
-        self.buf = bytearray(b" ") + rest
+        self.buf = bytearray(b" ") + rest.lstrip(_WS)
         self.state = _EVENTS
 
     def _drain(self, final: bool) -> None:
@@ -213,7 +237,10 @@ class _StreamDecoder:
             if not final and len(self.buf) < self._scan_at:
                 return  # an event larger than a block: wait for more of it before scanning again
             if not self._drain_exact(final):
-                self._scan_at = 2 * len(self.buf)  # rescanning every block would be quadratic
+                if len(self.buf) > EVENT_LIMIT:
+                    raise TraceError(f"an event larger than {_mb(EVENT_LIMIT)} after {self.sink.count:,} events")
+                # rescanning every block would be quadratic; the last scan falls just past the limit
+                self._scan_at = min(2 * len(self.buf), EVENT_LIMIT + 1)
                 return
             self._scan_at = BLOCK
 
@@ -286,9 +313,9 @@ def _last_event_end(buf: bytearray) -> int | None:
         end = i
 
 
-def _structure(buf: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def _structure(buf: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Positions of brackets outside strings, the bracket bytes, the nesting depth after each, and the
-    number of string-delimiting quotes in `buf` (odd when `buf` ends inside a string)."""
+    positions of the string-delimiting quotes in `buf` (an odd count when `buf` ends inside a string)."""
     a = np.frombuffer(buf, dtype=np.uint8)
     quotes = np.flatnonzero(a == 0x22)
     if quotes.size:
@@ -305,7 +332,7 @@ def _structure(buf: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     brackets = brackets[(np.searchsorted(quotes, brackets) & 1) == 0]
     chars = a[brackets]
     depth = np.cumsum(np.where((chars == 0x7B) | (chars == 0x5B), 1, -1))
-    return brackets, chars, depth, int(quotes.size)
+    return brackets, chars, depth, quotes
 
 
 def _top_level_ends(buf: bytes) -> tuple[np.ndarray, int | None]:
@@ -319,12 +346,8 @@ def _top_level_ends(buf: bytes) -> tuple[np.ndarray, int | None]:
     return ends, close
 
 
-def _depth_at(buf: bytes, pos: int) -> int:
-    """Nesting depth just before `pos`, or -1 when `pos` lies inside a string."""
-    _, _, depth, quotes = _structure(buf[:pos])
-    if quotes % 2:
-        return -1
-    return int(depth[-1]) if depth.size else 0
+def _mb(limit: int) -> str:
+    return f"{limit / (1 << 20):g} MB"
 
 
 class _ColumnSink:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,3 +127,19 @@ def make_trace():
 def make_events():
     """`make_events([(cat, name, ts_us, dur_us, tid, args), ...])` builds complete events."""
     return kineto_events
+
+
+@pytest.fixture()
+def run_python():
+    """`run_python(args, timeout)`: run_with_deadline."""
+    return run_with_deadline
+
+
+def run_with_deadline(args: list[str], timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """Run `python args...` in a child process, so that a reader that loops forever fails the test instead of
+    hanging the suite."""
+    try:
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "COLUMNS": "200"})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`python {' '.join(args)}` did not finish within {timeout:g} s")

@@ -160,3 +160,17 @@ def test_diff(engine_trace, tmp_path, make_trace, make_events):
 def test_diff_of_missing_path_exits_2(engine_trace, tmp_path):
     result = invoke("diff", engine_trace.parent, tmp_path / "nope")
     assert result.exit_code == 2 and "does not exist" in result.stderr
+
+
+def test_trace_events_that_never_open_an_array_beside_good_files(engine_trace, tmp_path, run_python):
+    # each of these once sent the reader into an endless loop, hanging the whole run and `analyze diff`
+    (engine_trace.parent / "null.json").write_text('{"traceEvents": null}')
+    (engine_trace.parent / "nested.json").write_text('{"meta": {"traceEvents": []}}')
+    done = run_python(["-m", "infertrace", "analyze", str(engine_trace.parent), "--quiet"])
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
+    assert 'warning: null.json: not a Kineto trace (no "traceEvents" array); skipped' in warnings
+    assert 'warning: nested.json: not a Kineto trace (no "traceEvents" array); skipped' in warnings
+    done = run_python(["-m", "infertrace", "analyze", "diff", str(engine_trace.parent), str(engine_trace.parent)])
+    assert done.returncode == 0, done.stderr
+    assert "Step types: A -> B" in done.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import decimal
 import gzip
 import json
+import zlib
 
 import numpy as np
 import pytest
@@ -158,3 +159,80 @@ def test_an_event_larger_than_many_blocks(tmp_path, monkeypatch):
     path.write_text(json.dumps({"traceEvents": [small, big, small, big, small]}))
     cols = read_kineto(path)
     assert [cols.names[i] for i in cols.name] == ["small", "big", "small", "big", "small"]
+
+
+_READ_IN_CHILD = """
+import json, re, sys
+from infertrace.analyze.kineto import TraceError, read_kineto
+try:
+    cols = read_kineto(sys.argv[1])
+    out = {"events": len(cols), "problem": cols.problem, "metadata": cols.metadata}
+except TraceError as exc:
+    out = {"error": str(exc)}
+status = open("/proc/self/status").read()  # VmHWM: this process's peak (ru_maxrss counts the forking parent)
+out["peak_mb"] = int(re.search(r"VmHWM:\\s*(\\d+)", status).group(1)) / 1024
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture()
+def read_in_child(run_python):
+    """Read a trace in a child process with a deadline: returns its events, problem and metadata, or its error,
+    and the child's peak memory."""
+    def read(path, timeout: float = 60.0) -> dict:
+        done = run_python(["-c", _READ_IN_CHILD, str(path)], timeout)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+    return read
+
+
+EVENT = {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 1, "dur": 2}
+
+
+@pytest.mark.parametrize("text", [
+    '{"traceEvents": null}', '{"traceEvents": 5}', '{"traceEvents": "x"}', "5", '{"meta": {"traceEvents": [1]}}',
+    '{"name": "traceEvents", "n": 1}',
+])
+def test_trace_events_that_are_not_a_top_level_array(tmp_path, read_in_child, text):
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    assert read_in_child(path)["error"] == 'not a Kineto trace (no "traceEvents" array)'
+
+
+def test_nested_trace_events_keys_before_the_real_one(tmp_path, read_in_child):
+    doc = ('{"meta": {"traceEvents": []}, "name": "traceEvents", "other": {"traceEvents": null}, '
+           f'"traceEvents": [{json.dumps(EVENT)}], "after": 1}}')
+    path = tmp_path / "t.json"
+    path.write_text(doc)
+    out = read_in_child(path)
+    assert out["events"] == 1 and out["problem"] is None
+    assert out["metadata"]["meta"] == {"traceEvents": []} and out["metadata"]["after"] == 1
+
+
+BOMB_MB = 128  # of whitespace, about 130 KB gzipped
+
+
+@pytest.mark.parametrize("before, after, expect", [
+    ("", "", {"error": "not a JSON trace (the file is not valid JSON)"}),
+    ("", '{"traceEvents": [EV]}', {"events": 1, "problem": None}),
+    ('{"traceEvents": [', "EV]}", {"events": 1, "problem": None}),
+    ('{"traceEvents": [EV,', "EV]}", {"events": 2, "problem": None}),
+    ('{"pad": "', '", "traceEvents": [EV]}', {"error": 'no "traceEvents" array in the first 16 MB of JSON'}),
+    ('{"traceEvents": [EV, {"name": "', '"}]}', {"events": 1,
+                                                 "problem": "an event larger than 16 MB after 1 events; "
+                                                            "kept the 1 complete events before it"}),
+    ('{"traceEvents": [EV]', ', "x": 1}', {"events": 1}),
+], ids=["only-whitespace", "before-object", "inside-array", "between-events", "metadata", "inside-event",
+        "after-array"])
+def test_gzip_bomb_of_whitespace_reads_in_bounded_memory(tmp_path, read_in_child, before, after, expect):
+    ev = json.dumps(EVENT)
+    packer = zlib.compressobj(1, zlib.DEFLATED, 31)  # wbits 31: a gzip stream
+    block = b" " * (1 << 20)
+    parts = [packer.compress(before.replace("EV", ev).encode())]
+    parts += [packer.compress(block) for _ in range(BOMB_MB)]
+    parts += [packer.compress(after.replace("EV", ev).encode()), packer.flush()]
+    path = tmp_path / "bomb.json.gz"
+    path.write_bytes(b"".join(parts))
+    out = read_in_child(path)
+    assert {k: out.get(k) for k in expect} == expect
+    assert out["peak_mb"] < 250  # the columns, one event's worth of buffer and the libraries; not the 128 MB
