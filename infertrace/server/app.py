@@ -1,7 +1,9 @@
 """The aiohttp application: OpenAI routes, health and info, Prometheus metrics, profiler endpoints.
 
-Requests are validated and tokenized on the event loop; generation runs on the engine thread behind `AsyncEngine`.
-Every error leaves as an OpenAI-style JSON body, never a traceback.
+Requests are validated on the event loop against cheap bounds, then rendered and tokenized on a small thread pool;
+generation runs on the engine thread behind `AsyncEngine`. Every error leaves as an OpenAI-style JSON body, never a
+traceback. Bodies must be declared JSON and side effects take POST only, so a web page cannot trigger them with a
+form or a plain-text fetch.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from infertrace import __version__
 from infertrace.server import metrics
 from infertrace.server.openai_stream import SSE_DONE, ResponseBuilder, new_request_id, sse, usage
 from infertrace.server.profiler import parse_profile_request
-from infertrace.server.protocol import ApiError, Endpoint, bad_request, parse_generate_request, parse_json_body
+from infertrace.server.protocol import (
+    ApiError,
+    Endpoint,
+    bad_request,
+    brief,
+    parse_generate_request,
+    parse_json_body,
+)
 from infertrace.server.settings import ServerSettings
 from infertrace.server.state import ServerState
 
@@ -41,10 +50,36 @@ def build_app(aeng: Any, engine: Any, settings: ServerSettings, engine_config: d
     app.router.add_get("/version", _version)
     app.router.add_get("/server_info", _server_info)
     app.router.add_get("/metrics", _metrics)
-    for path, handler in (("/start_profile", _start_profile), ("/stop_profile", _stop_profile)):
-        app.router.add_post(path, handler)
-        app.router.add_get(path, handler)
+    app.router.add_post("/start_profile", _start_profile)
+    app.router.add_post("/stop_profile", _stop_profile)
+    app.on_cleanup.append(_close_tokenize_pool)
     return app
+
+
+async def _close_tokenize_pool(app: web.Application) -> None:
+    app[STATE].tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+
+# What a web page may POST cross-origin without asking first (CORS "simple" requests): never taken as a body.
+FORM_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+
+
+async def _json_body(request: web.Request, *, bare_ok: bool = False) -> dict | None:
+    """The body as a JSON object; 415 unless it is declared JSON (`application/json`, any charset, or a `+json`
+    type). With `bare_ok`, an empty body is None (vLLM's bare profiler POST), unless it came as a form."""
+    declared = request.headers.get("Content-Type")
+    media = request.content_type  # without parameters, lower-cased
+    is_json = declared is not None and (media == "application/json" or media.endswith("+json"))
+    if (declared is not None and media in FORM_TYPES) or not (is_json or bare_ok):
+        raise ApiError(415, f"the request body must be JSON: send Content-Type: application/json, not "
+                            f"{brief(declared or 'none')}", code="unsupported_media_type")
+    raw = await request.read()
+    if bare_ok and not raw.strip():
+        return None
+    if not is_json:
+        raise ApiError(415, f"the request body must be JSON: send Content-Type: application/json, not "
+                            f"{brief(declared or 'none')}", code="unsupported_media_type")
+    return parse_json_body(raw)
 
 
 @web.middleware
@@ -76,13 +111,13 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     state = request.app[STATE]
-    req = parse_generate_request(parse_json_body(await request.read()), endpoint, state.sampling_defaults)
+    req = parse_generate_request(await _json_body(request), endpoint, state.sampling_defaults, state.limits)
     model = state.check_model(req.model)
-    prompt_ids = state.prompt_ids(req)
-    params = state.sampling_params(req, len(prompt_ids))
     request_id = new_request_id(endpoint)
     builder = ResponseBuilder(endpoint, model, request_id, req.stream_options)
-    with state.admitted(request_id):
+    with state.admitted(request_id):  # from here on it counts against --max-queue, tokenizing included
+        prompt_ids = await state.prompt_ids(req)
+        params = state.sampling_params(req, len(prompt_ids))
         outputs = state.aeng.generate(request_id, prompt_ids, params)
         async with contextlib.aclosing(outputs):  # closing it early (client gone, error) aborts the request
             try:
@@ -208,10 +243,10 @@ async def _metrics(request: web.Request) -> web.Response:
 
 # ----- profiler -----
 async def _start_profile(request: web.Request) -> web.Response:
-    raw = await request.read()
-    body = parse_json_body(raw) if raw.strip() else None
+    body = await _json_body(request, bare_ok=True)
     return web.json_response(await request.app[STATE].profiler.start(parse_profile_request(body)))
 
 
 async def _stop_profile(request: web.Request) -> web.Response:
+    await _json_body(request, bare_ok=True)  # a body, if any, is ignored, but only a JSON one is taken
     return web.json_response(await request.app[STATE].profiler.stop())

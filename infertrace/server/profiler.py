@@ -7,6 +7,8 @@ started it), through `AsyncEngine.call` and the step callback.
 from __future__ import annotations
 
 import datetime as dt
+import logging
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any
 
 from infertrace.server.protocol import ApiError, bad_request
 
+log = logging.getLogger("infertrace.server")
 DEFAULT_ACTIVITIES = ("CPU", "GPU")
 LABEL = "infertrace-serve"
 
@@ -34,6 +37,8 @@ def parse_profile_request(body: dict | None) -> ProfileRequest:
     output_dir = body.get("output_dir")
     if output_dir is not None and (not isinstance(output_dir, str) or not output_dir):
         raise bad_request("output_dir must be a non-empty string", "output_dir")
+    if output_dir is not None and "\x00" in output_dir:
+        raise bad_request("output_dir must not contain a NUL character", "output_dir")
     num_steps = body.get("num_steps")
     if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1):
         raise bad_request(f"num_steps must be a positive integer, got {num_steps!r}", "num_steps")
@@ -54,7 +59,8 @@ def parse_profile_request(body: dict | None) -> ProfileRequest:
 
 def resolve_output_dir(profile_dir: Path, output_dir: str | None) -> Path:
     """Where a capture writes: `output_dir` (relative to `profile_dir`, or absolute inside it) or a fresh
-    timestamped folder. Paths that leave `profile_dir`, through `..` or a symlink, are refused with 400."""
+    timestamped folder. Paths that leave `profile_dir` through `..` or a symlink are refused with 400, and so are
+    paths through a symlink inside it (one could be re-pointed before the capture writes)."""
     root = profile_dir.resolve()
     if output_dir is None:
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
@@ -63,12 +69,47 @@ def resolve_output_dir(profile_dir: Path, output_dir: str | None) -> Path:
     if not target.is_relative_to(root):
         raise bad_request(f"output_dir {output_dir!r} is outside the server's profile directory {root}",
                           "output_dir", code="output_dir_outside_profile_dir")
+    lexical = Path(os.path.normpath(root / output_dir))
+    if lexical.is_relative_to(root):
+        for part in _below(root, lexical):
+            if part.is_symlink():
+                raise bad_request(f"output_dir {output_dir!r} goes through the symlink {part}; symlinks inside the "
+                                  "profile directory are not followed", "output_dir", code="output_dir_symlink")
     return target
 
 
+def _below(root: Path, path: Path) -> list[Path]:
+    """root/a, root/a/b, ... path: the folders a write to `path` goes through, below root."""
+    parts = path.relative_to(root).parts
+    return [root.joinpath(*parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _identity(root: Path, out_dir: Path) -> tuple[int, int] | None:
+    """(device, inode) of `out_dir`; None when it is gone or a folder between root and it is a symlink."""
+    try:
+        if any(part.is_symlink() for part in _below(root, out_dir)):
+            return None
+        st = os.stat(out_dir, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _remove_created(root: Path, created: list[Path]) -> None:
+    """Remove the folders a failed start created, deepest first, if they are still empty."""
+    for folder in reversed(created):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
 class Profiler:
-    """At most one capture at a time. Files of a capture that stopped by itself after `num_steps` are handed
-    out by the next /stop_profile."""
+    """At most one capture at a time, from its start until its files are written. Files of a capture that stopped
+    by itself after `num_steps` are handed out by the next /stop_profile.
+
+    The output folder is resolved once, at start; at stop the files go to that same folder (same inode, no symlink
+    on the way) or nowhere."""
 
     def __init__(self, aeng: Any, profile_dir: Path | None) -> None:
         self.aeng = aeng
@@ -76,6 +117,7 @@ class Profiler:
         self._lock = threading.Lock()  # the session is touched by the engine thread and the event loop
         self._session: Any = None
         self._out_dir: Path | None = None
+        self._dir_id: tuple[int, int] | None = None  # (device, inode) of the output folder once it exists
         self._finished: dict | None = None  # the result of a capture that stopped by itself
 
     def _require_enabled(self) -> Path:
@@ -87,7 +129,8 @@ class Profiler:
     async def start(self, req: ProfileRequest) -> dict:
         from infertrace.capture.torch_capture import CaptureSession
 
-        out_dir = resolve_output_dir(self._require_enabled(), req.output_dir)
+        root = self._require_enabled().resolve()
+        out_dir = resolve_output_dir(root, req.output_dir)
         try:
             session = CaptureSession(out_dir, activities=req.activities, record_shapes=req.record_shapes,
                                      with_stack=req.with_stack, num_steps=req.num_steps, label=LABEL)
@@ -97,21 +140,31 @@ class Profiler:
             if self._session is not None:
                 raise ApiError(409, f"a capture is already running into {self._out_dir}; POST /stop_profile first",
                                code="capture_running")
-            self._session, self._out_dir, self._finished = session, out_dir, None
+            self._session, self._out_dir, self._dir_id, self._finished = session, out_dir, None, None
+        created = [p for p in _below(root, out_dir) if not p.exists()]
+
+        def start_in_engine() -> None:
+            session.start()
+            self._dir_id = _identity(root, out_dir)
+
         try:
-            await self.aeng.call(session.start)
-        except (ValueError, RuntimeError) as e:
+            await self.aeng.call(start_in_engine)
+        except (ValueError, RuntimeError, OSError) as e:
             with self._lock:
                 self._session = None
+            _remove_created(root, created)
             raise bad_request(f"cannot start the capture: {e}") from None
         return {"status": "started", "output_dir": str(out_dir), "num_steps": req.num_steps,
                 "activities": list(req.activities)}
 
     async def stop(self) -> dict:
         self._require_enabled()
-        result = await self.aeng.call(self._stop_in_engine)
+        result = await self.aeng.call(lambda: self._stop_in_engine(by_itself=False))
         if result is None:
             raise bad_request("no capture is running; POST /start_profile first", code="no_capture")
+        if result["status"] == "failed":
+            raise ApiError(500, f"the capture into {result['output_dir']} failed: {result['error']}",
+                           code="capture_failed")
         return result
 
     def on_step(self, stats: Any) -> None:
@@ -119,14 +172,37 @@ class Profiler:
         with self._lock:
             session = self._session
         if session is not None and session.on_step(stats):
-            self._finished = self._stop_in_engine()
+            self._stop_in_engine(by_itself=True)
 
-    def _stop_in_engine(self) -> dict | None:
+    def _stop_in_engine(self, by_itself: bool) -> dict | None:
+        """Close the running capture and write its files (engine thread). The session stays in place until they
+        are written, so that no other capture can start into the meantime; a capture that stopped by itself is
+        kept for the next /stop_profile, a failure included."""
         with self._lock:
-            session, out_dir, finished = self._session, self._out_dir, self._finished
-            self._session, self._finished = None, None
-        if session is None:
-            return finished
-        paths = [str(p) for p in session.stop()]
-        return {"status": "stopped", "output_dir": str(out_dir), "files": paths,
-                "trace_files": [p for p in paths if ".pt.trace.json" in p]}
+            session, out_dir, dir_id = self._session, self._out_dir, self._dir_id
+            if session is None or not session.active:  # nothing running, or a start that did not get going
+                finished, self._finished = self._finished, None
+                return None if by_itself else finished
+        root = self.profile_dir.resolve()
+        note = None
+        try:
+            if dir_id is None or _identity(root, out_dir) != dir_id:
+                # the folder was swapped (for a symlink, say) since the start: write to a fresh one instead
+                moved = resolve_output_dir(root, None)
+                moved.mkdir()
+                note = f"{out_dir} was replaced after the capture started; the files went to {moved} instead"
+                log.warning("%s", note)
+                session.out_dir = out_dir = moved
+            paths = [str(p) for p in session.stop()]
+            result = {"status": "stopped", "output_dir": str(out_dir), "files": paths,
+                      "trace_files": [p for p in paths if ".pt.trace.json" in p]}
+            if note:
+                result["note"] = note
+        except (ValueError, RuntimeError, OSError) as e:  # the session is closed either way (stop's own finally)
+            log.warning("capture into %s failed: %s", out_dir, e)
+            result = {"status": "failed", "output_dir": str(out_dir), "error": str(e)}
+        with self._lock:
+            self._session = None
+            if by_itself:
+                self._finished = result
+        return result

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import enum
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from infertrace.engine.sampling_params import SamplingParams, SamplingParamsError
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -17,6 +21,7 @@ ERROR_TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
@@ -25,6 +30,17 @@ ERROR_TYPES = {
 
 # Sampling fields a model's generation_config.json may carry; they become the request defaults, as in vLLM.
 GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k")
+
+# ----- request limits: what one request may ask of the engine thread; past them, 400 (README "Limits") -----
+MAX_STOP_STRINGS = 64  # each is searched for after every generated token
+MAX_STOP_STRING_CHARS = 1024  # the longest stop string is also how much streamed text is held back
+MAX_STOP_TOKEN_IDS = 1024  # each is compared with every generated token
+# The only chat_template_kwargs a request may pass: a request never supplies a template of its own (the template
+# comes from the model directory), and nothing it passes reaches the renderer unchecked.
+CHAT_TEMPLATE_KWARGS = {"enable_thinking": bool, "add_generation_prompt": bool}
+# A JSON string escape for a UTF-16 surrogate; only when one is present can a parsed string hold a lone surrogate
+# (raw UTF-8 cannot carry one: the decoder refuses it).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class ApiError(Exception):
@@ -51,6 +67,15 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 class Endpoint(enum.Enum):
     COMPLETIONS = "completions"
     CHAT = "chat"
+
+
+@dataclass(frozen=True, slots=True)
+class ContextLimits:
+    """Bounds a prompt must meet before any tokenization: more tokens than the context cannot be served, and a
+    text longer than `max_chars` cannot tokenize into fewer (see `ServerState`)."""
+
+    max_model_len: int
+    max_chars: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +110,41 @@ def parse_json_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):
+        _refuse_lone_surrogates(body)
     return body
+
+
+def _refuse_lone_surrogates(body: dict) -> None:
+    """400 naming the first string (or key) that holds a lone UTF-16 surrogate: no tokenizer, path or log line can
+    take one. json.loads joins escaped pairs, so any surrogate left is a lone one."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else key
+                if not _is_unicode(key):
+                    raise bad_request(f"a field name in {path or 'the body'} is not valid Unicode (lone surrogate)",
+                                      path or None, code="invalid_unicode")
+                stack.append((where, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value) if isinstance(item, (str, list, dict)))
+        elif isinstance(value, str) and not _is_unicode(value):
+            raise bad_request(f"{path} is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)",
+                              path.split(".")[0].split("[")[0], code="invalid_unicode")
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def load_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
@@ -100,16 +157,18 @@ def load_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
     return {k: config[k] for k in GENERATION_CONFIG_FIELDS if isinstance(config.get(k), (int, float))}
 
 
-def parse_generate_request(body: dict, endpoint: Endpoint, defaults: dict[str, Any] | None = None) -> GenerateRequest:
-    """Validate an OpenAI body; ApiError(400) names the first bad field."""
+def parse_generate_request(body: dict, endpoint: Endpoint, defaults: dict[str, Any] | None = None,
+                           limits: ContextLimits | None = None) -> GenerateRequest:
+    """Validate an OpenAI body; ApiError(400) names the first bad field. With `limits`, a prompt that cannot fit
+    the context is refused here, before it is tokenized."""
     model = _optional(body, "model", str)
     if endpoint is Endpoint.CHAT:
-        prompt, messages = None, _messages(body)
+        prompt, messages = None, _messages(body, limits)
         max_tokens = _max_tokens(body, "max_completion_tokens")
         if max_tokens is None:
             max_tokens = _max_tokens(body, "max_tokens")
     else:
-        prompt, messages = _prompt(body), None
+        prompt, messages = _prompt(body, limits), None
         max_tokens = _max_tokens(body, "max_tokens")
     _reject_unsupported(body, endpoint)
     stream = _optional(body, "stream", bool) or False
@@ -119,36 +178,59 @@ def parse_generate_request(body: dict, endpoint: Endpoint, defaults: dict[str, A
         continuous_usage_stats=bool(
             _optional(options, "continuous_usage_stats", bool, "stream_options.continuous_usage_stats")),
     )
-    template_kwargs = _optional(body, "chat_template_kwargs", dict) or {}
+    sampling = _sampling(body, defaults or {})
+    try:  # value ranges are the engine's to define: check them once, there, before any work is done
+        SamplingParams(max_tokens=max_tokens or 1, **sampling)
+    except SamplingParamsError as e:
+        raise bad_request(str(e), e.field) from None
     return GenerateRequest(endpoint=endpoint, model=model, prompt=prompt, messages=messages, max_tokens=max_tokens,
-                           sampling=_sampling(body, defaults or {}), stream=stream, stream_options=stream_options,
-                           chat_template_kwargs=template_kwargs)
+                           sampling=sampling, stream=stream, stream_options=stream_options,
+                           chat_template_kwargs=_chat_template_kwargs(body))
+
+
+def _chat_template_kwargs(body: dict) -> dict[str, Any]:
+    kwargs = _optional(body, "chat_template_kwargs", dict) or {}
+    for name, value in kwargs.items():
+        kind = CHAT_TEMPLATE_KWARGS.get(name)
+        if kind is None:
+            raise bad_request(f"chat_template_kwargs.{brief(name)} is not accepted; this server takes only "
+                              f"{', '.join(CHAT_TEMPLATE_KWARGS)} (the chat template is the model's own)",
+                              "chat_template_kwargs")
+        if not isinstance(value, kind):
+            raise bad_request(f"chat_template_kwargs.{name} must be a {kind.__name__}, got {brief(value)}",
+                              "chat_template_kwargs")
+    return kwargs
 
 
 def _sampling(body: dict, defaults: dict[str, Any]) -> dict[str, Any]:
-    temperature = _optional(body, "temperature", (int, float))
-    temperature = defaults.get("temperature", 1.0) if temperature is None else temperature
-    if temperature < 0:
-        raise bad_request(f"temperature must be >= 0, got {temperature}", "temperature")
-    top_p = _optional(body, "top_p", (int, float))
-    top_p = defaults.get("top_p", 1.0) if top_p is None else top_p
-    if not 0 < top_p <= 1:
-        raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    """SamplingParams keyword arguments, type-checked; SamplingParams itself checks their ranges."""
+    temperature = _optional(body, "temperature", float)
+    top_p = _optional(body, "top_p", float)
     top_k = _optional(body, "top_k", int)
-    top_k = defaults.get("top_k") if top_k is None else top_k
-    if top_k is not None and top_k < -1:
-        raise bad_request(f"top_k must be -1 (off), 0 (off) or a positive integer, got {top_k}", "top_k")
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+    if stop is not None and not isinstance(stop, list):
         raise bad_request("stop must be a non-empty string or a list of non-empty strings", "stop")
+    if stop is not None and len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are accepted", "stop")
+    if stop is not None and not all(isinstance(s, str) and s for s in stop):
+        raise bad_request("stop must be a non-empty string or a list of non-empty strings", "stop")
+    if stop and max(map(len, stop)) > MAX_STOP_STRING_CHARS:
+        raise bad_request(f"a stop string has {max(map(len, stop))} characters; at most {MAX_STOP_STRING_CHARS} "
+                          "are accepted", "stop")
     stop_token_ids = body.get("stop_token_ids")
+    if isinstance(stop_token_ids, list) and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"stop_token_ids has {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are accepted",
+                          "stop_token_ids")
     if stop_token_ids is not None and not _is_int_list(stop_token_ids, allow_empty=True):
         raise bad_request("stop_token_ids must be a list of integers", "stop_token_ids")
+    if top_k is not None and top_k < -1:
+        raise bad_request(f"top_k must be -1 (off), 0 (off) or a positive integer, got {top_k}", "top_k")
+    top_k = defaults.get("top_k") if top_k is None else top_k
     return {
-        "temperature": float(temperature),
-        "top_p": float(top_p),
+        "temperature": float(defaults.get("temperature", 1.0) if temperature is None else temperature),
+        "top_p": float(defaults.get("top_p", 1.0) if top_p is None else top_p),
         "top_k": top_k if top_k and top_k > 0 else None,
         "seed": _optional(body, "seed", int),
         "ignore_eos": bool(_optional(body, "ignore_eos", bool)),
@@ -164,7 +246,7 @@ def _max_tokens(body: dict, name: str) -> int | None:
     return value
 
 
-def _prompt(body: dict) -> str | list[int]:
+def _prompt(body: dict, limits: ContextLimits | None) -> str | list[int]:
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("prompt is required", "prompt")
     prompt = body["prompt"]
@@ -173,7 +255,10 @@ def _prompt(body: dict) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
+        _check_chars(len(prompt), limits, "prompt")
         return prompt
+    if isinstance(prompt, list) and limits is not None and len(prompt) >= limits.max_model_len:
+        raise context_exceeded(len(prompt), limits.max_model_len, "prompt")  # before looking at a single id
     if _is_int_list(prompt, allow_empty=False):
         if min(prompt) < 0:
             raise bad_request("prompt token ids must be non-negative", "prompt")
@@ -183,22 +268,45 @@ def _prompt(body: dict) -> str | list[int]:
     raise bad_request("prompt must be a non-empty string or a list of token ids", "prompt")
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def context_exceeded(num_prompt_tokens: int, max_model_len: int, param: str) -> ApiError:
+    return bad_request(f"the prompt has {num_prompt_tokens} tokens; the maximum context is {max_model_len} tokens "
+                       "(prompt plus at least one generated token)", param, code="context_length_exceeded")
+
+
+def _check_chars(num_chars: int, limits: ContextLimits | None, param: str) -> None:
+    if limits is not None and num_chars > limits.max_chars:
+        raise bad_request(f"the prompt has {num_chars} characters, more than can fit the maximum context of "
+                          f"{limits.max_model_len} tokens (at most {limits.max_chars} characters)", param,
+                          code="context_length_exceeded")
+
+
+def _messages(body: dict, limits: ContextLimits | None) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
-    out = []
+    # every message and every content part costs template work: no more of them than tokens in the context
+    most = None if limits is None else limits.max_model_len
+    if most is not None and len(messages) > most:
+        raise bad_request(f"messages has {len(messages)} messages, more than the {most} tokens of the context",
+                          "messages", code="context_length_exceeded")
+    out, num_chars = [], 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
-        out.append({"role": message["role"], "content": _content_text(message.get("content"), i)})
+        content = _content_text(message.get("content"), i, most)
+        num_chars += len(message["role"]) + len(content)
+        _check_chars(num_chars, limits, "messages")
+        out.append({"role": message["role"], "content": content})
     return out
 
 
-def _content_text(content: Any, i: int) -> str:
+def _content_text(content: Any, i: int, most_parts: int | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
+        if most_parts is not None and len(content) > most_parts:
+            raise bad_request(f"messages[{i}].content has {len(content)} parts, more than the {most_parts} tokens "
+                              "of the context", "messages", code="context_length_exceeded")
         parts = []
         for part in content:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
@@ -223,7 +331,7 @@ def _reject_unsupported(body: dict, endpoint: Endpoint) -> None:
             continue
         if name == "n" and isinstance(value, int) and not isinstance(value, bool) and value < 1:
             raise bad_request(f"n must be 1, got {value}", "n")
-        raise bad_request(f"{name}={value!r} is not supported by this server", name, code="unsupported")
+        raise bad_request(f"{name}={brief(value)} is not supported by this server", name, code="unsupported")
     logprobs = body.get("logprobs")
     if logprobs not in (None, False) or body.get("top_logprobs") not in (None, 0):
         raise bad_request("logprobs are not supported by this server", "logprobs", code="unsupported")
@@ -233,11 +341,14 @@ def _reject_unsupported(body: dict, endpoint: Endpoint) -> None:
 
 
 def _optional(body: dict, name: str, kind: type | tuple[type, ...], param: str | None = None) -> Any:
-    """body[name] when present and not null, checked against `kind` (a bool is not a number here)."""
+    """body[name] when present and not null, checked against `kind` (a bool is not a number here; `float` takes
+    any finite number and returns a float)."""
     value = body.get(name)
     if value is None:
         return None
     kinds = kind if isinstance(kind, tuple) else (kind,)
+    if float in kinds:
+        kinds = (*kinds, int)
     if isinstance(value, bool) and bool not in kinds:
         ok = False
     else:
@@ -245,8 +356,23 @@ def _optional(body: dict, name: str, kind: type | tuple[type, ...], param: str |
     if not ok:
         described = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", dict: "an object"}
         names = "a number" if float in kinds else " or ".join(described[k] for k in kinds)
-        raise bad_request(f"{param or name} must be {names}, got {json.dumps(value)[:80]}", param or name)
+        raise bad_request(f"{param or name} must be {names}, got {brief(value)}", param or name)
+    if float in kinds and not isinstance(value, bool):
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value):
+            raise bad_request(f"{param or name} must be a finite number, got {brief(body.get(name))}", param or name)
     return value
+
+
+def brief(value: Any) -> str:
+    """A value for an error message, never more than a line however large the value."""
+    if isinstance(value, (list, dict)) and len(value) > 8:
+        return f"a {'list' if isinstance(value, list) else 'object'} of {len(value)} items"
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _is_int_list(value: Any, allow_empty: bool) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -14,14 +15,19 @@ from infertrace.server import metrics
 from infertrace.server.profiler import Profiler
 from infertrace.server.protocol import (
     ApiError,
+    ContextLimits,
     Endpoint,
     GenerateRequest,
     bad_request,
+    context_exceeded,
     load_sampling_defaults,
 )
 from infertrace.server.settings import ServerSettings
 
 log = logging.getLogger("infertrace.server")
+# Chat-template rendering and tokenization run on these threads, never on the event loop: the Rust tokenizer
+# releases the GIL in encode_batch, and jinja yields it at the interpreter's switch interval.
+TOKENIZER_WORKERS = 2
 
 
 class ServerState:
@@ -31,6 +37,9 @@ class ServerState:
         self.aeng = aeng
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
+        self.limits = ContextLimits(self.max_model_len, self.max_model_len * longest_token_chars(self.tokenizer))
+        self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_WORKERS,
+                                                                   thread_name_prefix="infertrace-tokenize")
         self.settings = settings
         self.engine_config = engine_config
         # chosen once at start-up: reported by /server_info so a run records what it measured
@@ -107,30 +116,36 @@ class ServerState:
                            param="model", code="model_not_found")
         return name
 
-    def prompt_ids(self, req: GenerateRequest) -> list[int]:
+    async def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        """The prompt's token ids: rendered and tokenized on the tokenizer threads."""
+        if isinstance(req.prompt, list):
+            return req.prompt
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenize_pool, self._render_and_encode, req)
+
+    def _render_and_encode(self, req: GenerateRequest) -> list[int]:
         if req.endpoint is Endpoint.CHAT:
+            # the template is the model directory's own; request kwargs were allow-listed by the protocol
+            kwargs = {"add_generation_prompt": True, **req.chat_template_kwargs}
             try:
-                text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
-                                                          **req.chat_template_kwargs)
+                text = self.tokenizer.apply_chat_template(req.messages, tokenize=False, **kwargs)
             except Exception as e:  # a template error is the request's fault (roles, kwargs)
                 raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
             return self._encode(text, add_special_tokens=False)  # the template carries any BOS itself
-        if isinstance(req.prompt, list):
-            return req.prompt
         return self._encode(req.prompt, add_special_tokens=True)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        # The Rust tokenizer directly: its encode only reads state, so it is safe beside the engine thread.
-        return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # The Rust tokenizer directly: its encode only reads state, so it is safe beside the engine thread, and
+        # its batch entry point is the one that releases the GIL while it works.
+        [encoding] = self.tokenizer.backend_tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
 
     def sampling_params(self, req: GenerateRequest, num_prompt_tokens: int) -> Any:
-        from infertrace.engine import SamplingParams
+        from infertrace.engine.sampling_params import SamplingParams, SamplingParamsError
 
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
-            raise bad_request(f"the prompt has {num_prompt_tokens} tokens; the maximum context is {limit} tokens "
-                              f"(prompt plus at least one generated token)", req.prompt_param,
-                              code="context_length_exceeded")
+            raise context_exceeded(num_prompt_tokens, limit, req.prompt_param)
         max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = limit - num_prompt_tokens
@@ -140,8 +155,8 @@ class ServerState:
                               "tokens", "max_tokens", code="context_length_exceeded")
         try:
             return SamplingParams(max_tokens=max_tokens, **req.sampling)
-        except ValueError as e:
-            raise bad_request(str(e)) from None
+        except SamplingParamsError as e:
+            raise bad_request(str(e), e.field) from None
 
     def server_info(self) -> dict:
         from infertrace.capture.manifest import device_info, runtime_versions
@@ -157,3 +172,11 @@ class ServerState:
                 "sampling_defaults": self.sampling_defaults, "server": settings, "versions": versions,
                 "device": device_info(), "platform": platform.platform(),
                 **self.decode_path}
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most prompt characters one token can cover: the longest vocabulary entry. For a byte-level BPE an entry
+    has one character per byte and a prompt character is at least one byte, so a prompt of more than
+    max_model_len times this many characters cannot fit, whatever it holds."""
+    vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)
+    return max(map(len, vocab), default=1) or 1

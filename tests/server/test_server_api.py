@@ -246,6 +246,7 @@ async def test_unknown_route_method_and_big_body_get_json_errors(serve_tiny):
         assert resp.status == 405
         _check_error_body(await resp.json(), "invalid_request_error")
 
-        resp = await client.post("/v1/completions", data=b"x" * (2 * 1024 * 1024))
+        resp = await client.post("/v1/completions", data=b"x" * (2 * 1024 * 1024),
+                                 headers={"Content-Type": "application/json"})
         assert resp.status == 413
         assert "too large" in _check_error_body(await resp.json(), "invalid_request_error")["message"]

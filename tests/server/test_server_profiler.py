@@ -54,7 +54,7 @@ def _load_trace(path: str) -> dict:
 
 async def test_profiling_without_profile_dir_is_404(serve_tiny):
     async with serve_tiny() as client:
-        for method, path in (("POST", "/start_profile"), ("GET", "/start_profile"), ("POST", "/stop_profile")):
+        for method, path in (("POST", "/start_profile"), ("POST", "/stop_profile")):
             resp = await client.request(method, path)
             assert resp.status == 404
             error = (await resp.json())["error"]
@@ -89,7 +89,7 @@ async def test_vllm_style_start_stop_writes_a_loadable_trace(serve_tiny, tmp_pat
 
 async def test_sglang_style_num_steps_stops_by_itself(serve_tiny, tmp_path):
     async with serve_tiny(profile_dir=tmp_path) as client:
-        resp = await client.get("/start_profile", json={
+        resp = await client.post("/start_profile", json={
             "output_dir": "sglang-run", "num_steps": 2, "activities": ["CPU"], "record_shapes": True})
         assert resp.status == 200, await resp.text()
         assert (await client.post("/v1/completions", json={"prompt": "a few steps", "max_tokens": 6})).status == 200
@@ -124,7 +124,7 @@ async def test_output_dir_escaping_the_profile_dir_is_400(serve_tiny, tmp_path):
             assert error["param"] == "output_dir" and error["code"] == "output_dir_outside_profile_dir"
         resp = await client.post("/start_profile", json={"activities": ["TPU"]})
         assert resp.status == 400 and "TPU" in (await resp.json())["error"]["message"]
-        resp = await client.post("/start_profile", data=b"{not json")
+        resp = await client.post("/start_profile", data=b"{not json", headers={"Content-Type": "application/json"})
         assert resp.status == 400
     assert list(outside.iterdir()) == []
     assert list(root.iterdir()) == [root / "sneaky"]
