@@ -1,0 +1,260 @@
+"""The server's own view during a load run: its Prometheus `/metrics`, scraped on the run's clock.
+
+Gauges are kept as time series and counters as cumulative values (rates and run deltas are derived from them).
+Known names of vLLM, SGLang and infertrace map to common fields; every other metric is kept by its own name.
+Scraping runs on its own aiohttp session with a timeout shorter than its interval, so it never holds up the
+load; a server without `/metrics` costs one note, never an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+DEFAULT_SCRAPE_INTERVAL_S = 1.0
+TIMEOUT_SHARE = 0.8  # of the interval: a scrape never outlives its slot
+MAX_TIMEOUT_S = 5.0
+
+# Common field -> metric family names (as the parser names them: a counter's family has no `_total`).
+# vLLM 0.33.0: vllm/v1/metrics/loggers.py (PrometheusStatLogger; labels model_name, engine).
+# SGLang 0.5.23: sglang/srt/observability/metrics_collector.py (SchedulerMetricsCollector for the gauges and
+#   retractions, labels model_name, engine_type, tp_rank, pp_rank, moe_ep_rank; TokenizerMetricsCollector for
+#   the token counters, labels model_name, engine_type, is_streaming). SGLang's preemption is a retraction.
+# infertrace: infertrace/server/metrics.py (PREFIX "infertrace:", label model_name).
+GAUGE_FIELDS: dict[str, tuple[str, ...]] = {
+    "running": ("vllm:num_requests_running", "sglang:num_running_reqs", "infertrace:num_requests_running"),
+    "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "infertrace:num_requests_waiting"),
+    "kv_usage": ("vllm:kv_cache_usage_perc", "sglang:token_usage", "infertrace:kv_cache_usage_perc"),  # 0..1
+    "prefix_cache_hit_rate": ("sglang:cache_hit_rate", "infertrace:prefix_cache_hit_rate"),
+}
+COUNTER_FIELDS: dict[str, tuple[str, ...]] = {
+    "preemptions": ("vllm:num_preemptions", "sglang:num_retracted_requests", "infertrace:preemptions"),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries", "infertrace:prefix_cache_queries"),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits", "infertrace:prefix_cache_hits"),
+    "prompt_tokens": ("vllm:prompt_tokens", "sglang:prompt_tokens", "infertrace:prompt_tokens"),
+    "generation_tokens": ("vllm:generation_tokens", "sglang:generation_tokens", "infertrace:generation_tokens"),
+}
+_FIELD_OF = {name: f for table in (GAUGE_FIELDS, COUNTER_FIELDS) for f, names in table.items() for name in names}
+_MEAN_FIELDS = {"kv_usage", "prefix_cache_hit_rate"}  # shares: averaged over engines/ranks, not added
+_SERVERS = {"vllm:": "vllm", "sglang:": "sglang", "infertrace:": "infertrace"}
+
+
+class NotPrometheus(ValueError):
+    """The body is not Prometheus text exposition."""
+
+
+def parse_exposition(text: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(gauges, counters) of one scrape. Known metrics under their common field (summed over label sets, shares
+    averaged); others under `name{labels}`. Histogram and summary families keep `_sum` and `_count` as counters."""
+    gauges: dict[str, list[float]] = {}
+    counters: dict[str, list[float]] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, IndexError, TypeError) as e:
+        raise NotPrometheus(str(e) or "unparseable") from None
+    if not families:
+        raise NotPrometheus("no metrics in the body")
+    for family in families:
+        common = _FIELD_OF.get(family.name)
+        for s in family.samples:
+            if s.name.endswith(("_created", "_bucket")) or not math.isfinite(s.value):
+                continue
+            if common is not None:
+                key = common
+            else:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                key = f"{s.name}{{{labels}}}" if labels else s.name
+            cumulative = common in COUNTER_FIELDS if common is not None \
+                else family.type in ("counter", "histogram", "summary")
+            (counters if cumulative else gauges).setdefault(key, []).append(s.value)
+    return ({k: _combine(k, v) for k, v in gauges.items()}, {k: sum(v) for k, v in counters.items()})
+
+
+def _combine(key: str, values: list[float]) -> float:
+    return sum(values) / len(values) if key in _MEAN_FIELDS else sum(values)
+
+
+def server_kind(text: str) -> str | None:
+    """vllm, sglang or infertrace, by the prefix of the metric names; None for any other server."""
+    for prefix, kind in _SERVERS.items():
+        if f"\n{prefix}" in f"\n{text}":
+            return kind
+    return None
+
+
+@dataclass(slots=True)
+class ScrapeSeries:
+    """What the scrapes saw. `times` are clock seconds; a metric absent from a scrape is None at that index."""
+
+    url: str
+    interval_s: float
+    times: list[float] = field(default_factory=list)
+    gauges: dict[str, list[float | None]] = field(default_factory=dict)
+    counters: dict[str, list[float | None]] = field(default_factory=dict)
+    server: str | None = None
+    scrapes: int = 0
+    failures: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, t: float, gauges: dict[str, float], counters: dict[str, float]) -> None:
+        n = len(self.times)
+        for store, values in ((self.gauges, gauges), (self.counters, counters)):
+            for key, value in values.items():
+                store.setdefault(key, [None] * n).append(value)
+            for key, column in store.items():
+                if len(column) == n:
+                    column.append(None)
+        self.times.append(t)
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def rate(self, key: str) -> list[float | None]:
+        """Per-second rate of a counter between each scrape and the one before (None first, across gaps and
+        resets)."""
+        values = self.counters.get(key, [])
+        out: list[float | None] = [None] * len(values)
+        for i in range(1, len(values)):
+            a, b, dt = values[i - 1], values[i], self.times[i] - self.times[i - 1]
+            if a is not None and b is not None and b >= a and dt > 0:
+                out[i] = (b - a) / dt
+        return out
+
+    def increase(self, key: str, start: float | None = None, end: float | None = None) -> float | None:
+        """How much a counter grew between the scrapes inside [start, end] (a reset counts its new value, as
+        Prometheus' `increase` does); None with fewer than two samples of it."""
+        pts = [(t, v) for t, v in zip(self.times, self.counters.get(key, []))
+               if v is not None and (start is None or t >= start) and (end is None or t <= end)]
+        if len(pts) < 2:
+            return None
+        return sum(b - a if b >= a else b for (_, a), (_, b) in zip(pts, pts[1:]))
+
+    def deltas(self, start: float | None = None, end: float | None = None) -> dict[str, float | None]:
+        """The run's figures by the server's count: preemptions, prefix-cache hit rate (delta hits / delta
+        queries), prompt and generation tokens."""
+        hits, queries = self.increase("prefix_cache_hits", start, end), self.increase("prefix_cache_queries",
+                                                                                       start, end)
+        return {
+            "preemptions": self.increase("preemptions", start, end),
+            "prefix_cache_hits": hits, "prefix_cache_queries": queries,
+            "prefix_cache_hit_rate": hits / queries if hits is not None and queries else None,
+            "prompt_tokens": self.increase("prompt_tokens", start, end),
+            "generation_tokens": self.increase("generation_tokens", start, end),
+        }
+
+    def to_json(self, origin: float = 0.0, start: float | None = None, end: float | None = None) -> dict:
+        """Times in seconds after `origin`; gauges as sampled, counters as per-second rates; the run's deltas
+        over [start, end] (clock seconds; the whole series when not given)."""
+        return {
+            "url": self.url, "interval_s": self.interval_s, "server": self.server,
+            "scrapes": self.scrapes, "failures": self.failures, "notes": list(self.notes),
+            "times_s": [t - origin for t in self.times],
+            "gauges": {k: list(v) for k, v in self.gauges.items()},
+            "counter_rates_per_s": {k: self.rate(k) for k in self.counters},
+            "deltas": self.deltas(start, end),
+        }
+
+
+def metrics_url(base_url: str) -> str:
+    """Where a server's metrics live by default: `/metrics` at the root of its base URL."""
+    return base_url.rstrip("/").removesuffix("/v1") + "/metrics"
+
+
+class Scraper:
+    """Scrapes `url` every `interval_s` seconds of `clock` until stopped; `series` holds what it saw.
+
+    Use as `async with Scraper(url, 1.0, clock.now) as s: ...` around the measured load."""
+
+    def __init__(self, url: str, interval_s: float = DEFAULT_SCRAPE_INTERVAL_S,
+                 clock: Callable[[], float] = time.perf_counter, headers: dict[str, str] | None = None) -> None:
+        if not (interval_s > 0 and math.isfinite(interval_s)):
+            raise ValueError(f"scrape interval must be a positive number of seconds, not {interval_s}")
+        self.url = url
+        self.interval_s = interval_s
+        self.clock = clock
+        self.headers = dict(headers or {})
+        self.timeout_s = min(TIMEOUT_SHARE * interval_s, MAX_TIMEOUT_S)
+        self.series = ScrapeSeries(url, interval_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task | None = None
+        self._gave_up = False  # the server has no metrics endpoint: asking again would only cost requests
+
+    async def __aenter__(self) -> Scraper:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                              headers=self.headers)
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> ScrapeSeries:
+        """Ends the scraping (after one last scrape, so the run's deltas reach its end) and closes the session."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+            if self.series.scrapes and not self._gave_up:
+                await self.scrape_once()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        return self.series
+
+    async def _loop(self) -> None:
+        next_t = time.perf_counter()
+        while not self._gave_up:
+            await self.scrape_once()
+            next_t += self.interval_s
+            await asyncio.sleep(max(0.0, next_t - time.perf_counter()))
+
+    async def scrape_once(self) -> bool:
+        """One scrape, recorded at the midpoint of its request on `clock`; a failure is counted and noted once,
+        and a server that has no metrics endpoint (404, not Prometheus text) is not asked again."""
+        assert self._session is not None, "scrape_once outside start/stop"
+        sent = self.clock()
+        try:
+            async with self._session.get(self.url) as response:
+                body = await response.text()
+                status = response.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return self._failed(f"{self.url} did not answer ({_reason(e)}): server-side series may have gaps")
+        received = self.clock()
+        if status != 200:
+            return self._failed(f"{self.url} answered HTTP {status}: no server-side series", give_up=True)
+        try:
+            gauges, counters = parse_exposition(body)
+        except NotPrometheus as e:
+            return self._failed(f"{self.url} is not Prometheus text ({str(e).splitlines()[0][:80]}): "
+                                "no server-side series", give_up=True)
+        if self.series.server is None:
+            self.series.server = server_kind(body)
+        self.series.add((sent + received) / 2, gauges, counters)
+        self.series.scrapes += 1
+        return True
+
+    def _failed(self, note: str, give_up: bool = False) -> bool:
+        self.series.failures += 1
+        self.series.note(note)
+        if give_up and not self.series.scrapes:
+            self._gave_up = True
+        return False
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, asyncio.TimeoutError):
+        return "timed out"
+    return type(e).__name__ + (f": {e}" if str(e) else "")

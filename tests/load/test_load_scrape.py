@@ -1,0 +1,277 @@
+"""Scraping /metrics: recorded expositions of each server through Prometheus' parser, and a live stand-in."""
+
+import asyncio
+import socket
+
+import pytest
+from aiohttp import web
+
+from infertrace.load.clock import ScriptedClock
+from infertrace.load.scrape import (
+    NotPrometheus,
+    Scraper,
+    ScrapeSeries,
+    metrics_url,
+    parse_exposition,
+    server_kind,
+)
+from infertrace.server.metrics import ServerMetrics, render
+
+# Shaped like vLLM 0.33.0's PrometheusStatLogger output (vllm/v1/metrics/loggers.py): labels model_name and
+# engine, counters written with `_total` and a `_created` sample by prometheus_client, two data-parallel engines.
+VLLM_033 = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-8B"} 7.0
+vllm:num_requests_running{engine="1",model_name="Qwen/Qwen3-8B"} 5.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="Qwen/Qwen3-8B"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="Qwen/Qwen3-8B"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-8B"} 0.9
+vllm:kv_cache_usage_perc{engine="1",model_name="Qwen/Qwen3-8B"} 0.5
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="Qwen/Qwen3-8B"} 1000.0
+vllm:prefix_cache_queries_total{engine="1",model_name="Qwen/Qwen3-8B"} 1000.0
+# HELP vllm:prefix_cache_queries_created Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_created gauge
+vllm:prefix_cache_queries_created{engine="0",model_name="Qwen/Qwen3-8B"} 1.7e9
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="Qwen/Qwen3-8B"} 400.0
+vllm:prefix_cache_hits_total{engine="1",model_name="Qwen/Qwen3-8B"} 100.0
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="Qwen/Qwen3-8B"} 2.0
+vllm:num_preemptions_total{engine="1",model_name="Qwen/Qwen3-8B"} 1.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="Qwen/Qwen3-8B"} 5000.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="Qwen/Qwen3-8B"} 800.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="Qwen/Qwen3-8B"} 3.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="Qwen/Qwen3-8B"} 4.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="Qwen/Qwen3-8B"} 4.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="Qwen/Qwen3-8B"} 0.7
+"""
+
+# Shaped like SGLang 0.5.23 (sglang/srt/observability/metrics_collector.py): the scheduler's gauges carry
+# model_name, engine_type, tp_rank, pp_rank, moe_ep_rank; the tokenizer's counters carry is_streaming.
+SGLANG_0523 = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 12.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 4.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 0.97
+# HELP sglang:cache_hit_rate The prefix cache hit rate.
+# TYPE sglang:cache_hit_rate gauge
+sglang:cache_hit_rate{engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 0.25
+# HELP sglang:num_retracted_requests_total Total number of retracted requests.
+# TYPE sglang:num_retracted_requests_total counter
+sglang:num_retracted_requests_total{engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 6.0
+# HELP sglang:prompt_tokens_total Number of prefill tokens processed.
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{engine_type="unified",is_streaming="true",model_name="qwen"} 300.0
+sglang:prompt_tokens_total{engine_type="unified",is_streaming="false",model_name="qwen"} 200.0
+# HELP sglang:generation_tokens_total Number of generation tokens processed.
+# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{engine_type="unified",is_streaming="true",model_name="qwen"} 90.0
+# HELP sglang:gen_throughput The generation throughput (token/s).
+# TYPE sglang:gen_throughput gauge
+sglang:gen_throughput{engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 1234.5
+"""
+
+
+def test_vllm_names_map_to_common_fields_summed_over_engines():
+    gauges, counters = parse_exposition(VLLM_033)
+    assert gauges["running"] == 12 and gauges["waiting"] == 3
+    assert gauges["kv_usage"] == pytest.approx(0.7)  # a share: averaged over the engines, not added
+    assert counters["preemptions"] == 3 and counters["prefix_cache_queries"] == 2000
+    assert counters["prefix_cache_hits"] == 500
+    assert counters["prompt_tokens"] == 5000 and counters["generation_tokens"] == 800
+    # an unknown metric is kept by its own name and labels; buckets and _created samples are dropped
+    assert counters['vllm:time_to_first_token_seconds_count{engine="0",model_name="Qwen/Qwen3-8B"}'] == 4
+    assert not any("_bucket" in k or "_created" in k for k in [*gauges, *counters])
+    assert server_kind(VLLM_033) == "vllm"
+
+
+def test_sglang_names_map_to_common_fields():
+    gauges, counters = parse_exposition(SGLANG_0523)
+    assert (gauges["running"], gauges["waiting"], gauges["kv_usage"]) == (12, 4, 0.97)
+    assert gauges["prefix_cache_hit_rate"] == 0.25
+    assert counters["preemptions"] == 6  # a retraction is SGLang's preemption
+    assert counters["prompt_tokens"] == 500 and counters["generation_tokens"] == 90
+    assert any(k.startswith("sglang:gen_throughput{") for k in gauges)
+    assert server_kind(SGLANG_0523) == "sglang"
+
+
+def test_infertrace_server_exposition_through_the_real_renderer():
+    stats = {"running": 3, "waiting": 1, "kv_blocks_used": 30, "kv_blocks_total": 40,
+             "counters": {"prefix_cache_queries": 200, "prefix_cache_hits": 50, "preemptions": 4,
+                          "prompt_tokens": 900, "generation_tokens": 120}}
+    text = render("tiny", stats, ServerMetrics(), in_flight=4)
+    gauges, counters = parse_exposition(text)
+    assert (gauges["running"], gauges["waiting"], gauges["kv_usage"]) == (3, 1, 0.75)
+    assert gauges["prefix_cache_hit_rate"] == 0.25
+    assert (counters["preemptions"], counters["prefix_cache_hits"], counters["prefix_cache_queries"]) == (4, 50, 200)
+    assert (counters["prompt_tokens"], counters["generation_tokens"]) == (900, 120)
+    assert server_kind(text) == "infertrace"
+
+
+@pytest.mark.parametrize("body", ["<html><body>Not Found</body></html>", '{"detail": "x"}', ""])
+def test_bodies_that_are_not_prometheus_text(body):
+    with pytest.raises(NotPrometheus):
+        parse_exposition(body)
+
+
+def test_rates_deltas_and_counter_reset():
+    s = ScrapeSeries("u", 1.0)
+    for t, (hits, queries, pre) in enumerate([(0, 0, 5), (10, 100, 5), (40, 200, 7), (5, 10, 1)]):
+        s.add(10.0 + t, {"waiting": float(t)}, {"prefix_cache_hits": hits, "prefix_cache_queries": queries,
+                                                 "preemptions": pre})
+    assert s.rate("prefix_cache_queries") == [None, 100.0, 100.0, None]  # None across the reset
+    d = s.deltas()
+    # reset: the new value counts, as Prometheus' increase() does
+    assert d["prefix_cache_hits"] == 10 + 30 + 5 and d["prefix_cache_queries"] == 100 + 100 + 10
+    assert d["prefix_cache_hit_rate"] == pytest.approx(45 / 210)
+    assert s.deltas(start=10.5, end=12.0)["preemptions"] == 2
+    doc = s.to_json(origin=10.0)
+    assert doc["times_s"] == [0.0, 1.0, 2.0, 3.0] and doc["gauges"]["waiting"] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_metric_that_appears_late_is_none_before():
+    s = ScrapeSeries("u", 1.0)
+    s.add(0.0, {"running": 1.0}, {})
+    s.add(1.0, {"running": 2.0, "waiting": 3.0}, {})
+    s.add(2.0, {"running": 2.0}, {})
+    assert s.gauges["waiting"] == [None, 3.0, None] and s.gauges["running"] == [1.0, 2.0, 2.0]
+
+
+def test_metrics_url_from_base_url():
+    assert metrics_url("http://h:8000/v1/") == "http://h:8000/metrics"
+    assert metrics_url("http://h:8000") == "http://h:8000/metrics"
+
+
+def test_interval_must_be_positive():
+    with pytest.raises(ValueError):
+        Scraper("http://x/metrics", 0)
+
+
+async def _serve(handler) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}/metrics"
+
+
+async def test_live_stand_in_changes_over_time_on_the_run_clock():
+    state = {"n": 0}
+
+    async def metrics(request):
+        state["n"] += 1
+        n = state["n"]
+        text = (f'# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{engine="0",model_name="m"}} {n}\n'
+                f'# TYPE vllm:generation_tokens_total counter\n'
+                f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {100 * n}\n')
+        return web.Response(text=text, content_type="text/plain")
+
+    runner, url = await _serve(metrics)
+    clock = ScriptedClock(start=500.0)
+    try:
+        scraper = Scraper(url, 0.05, clock.now, headers={"Authorization": "Bearer k"})
+        async with scraper:
+            for _ in range(6):
+                await asyncio.sleep(0.05)
+                clock.advance(1.0)
+        series = scraper.series
+    finally:
+        await runner.cleanup()
+    assert series.scrapes >= 4 and series.failures == 0 and series.server == "vllm"
+    waiting = series.gauges["waiting"]
+    assert waiting == sorted(waiting) and waiting[-1] > waiting[0]  # the server's changing state, in order
+    assert all(500.0 <= t <= 506.0 for t in series.times)  # on the run's clock, not the wall clock
+    assert series.deltas()["generation_tokens"] == 100 * (waiting[-1] - waiting[0])
+
+
+async def test_404_gets_one_note_and_no_more_requests():
+    calls = []
+
+    async def missing(request):
+        calls.append(1)
+        raise web.HTTPNotFound()
+
+    runner, url = await _serve(missing)
+    try:
+        scraper = Scraper(url, 0.02)
+        async with scraper:
+            await asyncio.sleep(0.15)
+    finally:
+        await runner.cleanup()
+    assert len(calls) == 1 and scraper.series.failures == 1
+    assert scraper.series.notes == [f"{url} answered HTTP 404: no server-side series"]
+
+
+async def test_not_prometheus_text_gets_one_note():
+    async def html(request):
+        return web.Response(text="<html>dashboard</html>", content_type="text/html")
+
+    runner, url = await _serve(html)
+    try:
+        scraper = Scraper(url, 0.02)
+        async with scraper:
+            await asyncio.sleep(0.1)
+    finally:
+        await runner.cleanup()
+    assert scraper.series.scrapes == 0 and len(scraper.series.notes) == 1
+    assert "is not Prometheus text" in scraper.series.notes[0]
+
+
+async def test_connection_refused_is_counted_and_noted_once():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens on this port now
+    scraper = Scraper(f"http://127.0.0.1:{port}/metrics", 0.02)
+    async with scraper:
+        await asyncio.sleep(0.12)
+    assert scraper.series.failures >= 2 and len(scraper.series.notes) == 1
+    assert "did not answer" in scraper.series.notes[0]
+
+
+async def test_a_hanging_server_times_out_within_the_interval_and_never_blocks_the_loop():
+    release = asyncio.Event()
+
+    async def hang(request):
+        await release.wait()
+        return web.Response(text="x 1\n")
+
+    runner, url = await _serve(hang)
+    try:
+        scraper = Scraper(url, 0.1)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        async with scraper:
+            ticks = 0
+            while loop.time() - start < 0.35:  # the load's own work keeps its pace meanwhile
+                await asyncio.sleep(0.01)
+                ticks += 1
+        elapsed = loop.time() - start
+    finally:
+        release.set()
+        await runner.cleanup()
+    assert ticks >= 20 and elapsed < 0.6
+    assert scraper.series.failures >= 2 and "timed out" in scraper.series.notes[0]
