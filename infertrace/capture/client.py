@@ -39,7 +39,8 @@ class StartResult:
 @dataclass(slots=True)
 class StopResult:
     message: str
-    traces: list[str] = field(default_factory=list)  # listed by the server (infertrace does)
+    traces: list[str] = field(default_factory=list)  # trace files listed by the server (infertrace does)
+    files: list[str] = field(default_factory=list)  # everything it wrote, manifests included
     already_stopped: bool = False  # the capture had ended by itself (SGLang after num_steps)
 
 
@@ -61,9 +62,11 @@ class ProfilerClient:
     `headers` (an API key's Authorization among them) go with every call, flavour detection included."""
 
     def __init__(self, base_url: str, flavour: Flavour | str | None = None, timeout_s: float = 600.0,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, fallback: Flavour | None = None):
         self.base_url = base_url.rstrip("/")
         self._flavour = Flavour(flavour) if flavour else None
+        self.fallback = fallback  # taken, with a note, when detection finds no known flavour
+        self.notes: list[str] = []
         self.timeout_s = timeout_s
         self.headers = dict(headers or {})
         self.server_version: str | None = None
@@ -124,8 +127,9 @@ class ProfilerClient:
             return StopResult(message=likely_cause(flavour, "/stop_profile", 500, "", True), already_stopped=True)
         self._raise_for(reply, "/stop_profile")
         data = reply.json()
-        traces = _trace_list(data) if isinstance(data, dict) else []
-        return StopResult(message=_message(reply) or "profiling stopped", traces=traces)
+        traces = _listed(data, ("trace_files", "traces", "paths")) if isinstance(data, dict) else []
+        files = _listed(data, ("files",)) if isinstance(data, dict) else []
+        return StopResult(message=_message(reply) or "profiling stopped", traces=traces, files=files or traces)
 
     async def _sglang_safe(self, options: ProfileOptions) -> ProfileOptions:
         """Refuse what takes an SGLang server down (its scheduler raises and the process exits)."""
@@ -174,6 +178,10 @@ class ProfilerClient:
             return Flavour.SGLANG
         if await self._version() is not None:
             return Flavour.VLLM
+        if self.fallback is not None:
+            self.notes.append(f"no known server flavour at {self.base_url}; profiler calls shaped as "
+                              f"{self.fallback.value}'s")
+            return self.fallback
         raise ProfilerError(f"cannot tell which server runs at {self.base_url} (no usable /server_info, "
                             "/get_server_info or /version); pass --server vllm|sglang|infertrace")
 
@@ -249,8 +257,8 @@ def _is_infertrace(info: dict) -> bool:
     return info.get("engine") == "infertrace" or info.get("name") == "infertrace" or "engine_config" in info
 
 
-def _trace_list(data: dict) -> list[str]:
-    for key in ("traces", "files", "trace_files", "paths"):  # infertrace's "files" holds the manifests too
+def _listed(data: dict, keys: tuple[str, ...]) -> list[str]:
+    for key in keys:
         value = data.get(key)
         if isinstance(value, list):
             return [str(v) for v in value]

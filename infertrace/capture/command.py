@@ -166,7 +166,7 @@ async def _report_stop(client, url, capture):
     result = await client.stop(self_stopping=bool(capture and capture.num_steps))
     kind = (await client.flavour()).value
     _say(f"{kind} profiler stopped at {url}: {result.message}")
-    files = list(result.traces)
+    files = list(result.files)
     if capture is not None:
         capture.stopped_at = time.time()
         if not files:

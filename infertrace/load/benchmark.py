@@ -191,6 +191,8 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
         answer = await target.start_profile(cfg.profile_steps)
         profile = {"num_steps": cfg.profile_steps, "seconds": cfg.profile_seconds, "start_response": answer}
         hooks.on_info(f"profiler started{f' for {cfg.profile_steps} steps' if cfg.profile_steps else ''}")
+        for note in (answer.get("notes") or []) if isinstance(answer, dict) else []:
+            hooks.on_info(f"note: {note}")
 
     # --profile-seconds bounds the sending window like --duration, so the profiler's stop (which writes the
     # trace and stalls the server) happens after the last measured request, never inside the measured window.
@@ -217,7 +219,9 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
         except TargetError as e:  # the measured figures stand; say why there are no trace files
             status, answer = None, str(e)
         profile.update(stop_status=status, stop_response=answer, trace_files=trace_files(answer))
-        hooks.on_info(f"profiler stopped: {len(profile['trace_files'])} trace file(s)")
+        where = answer.get("writes_to") if isinstance(answer, dict) else None
+        hooks.on_info(f"profiler stopped: {len(profile['trace_files'])} trace file(s)"
+                      + (f" (the server writes to {where})" if where and not profile["trace_files"] else ""))
 
     results = runner.results
     resolve_output_tokens(results, tokenizer, check_usage=target.kind == "http")

@@ -216,6 +216,8 @@ class HttpTarget:
         self.extra_body = extra_body or {}
         self.tokenizer = tokenizer
         self.server_info: dict | None = None
+        self._profiler = None  # the ProfilerClient of a capture in progress
+        self._capture = None
 
     async def open(self) -> None:
         await self.transport.open()
@@ -276,14 +278,55 @@ class HttpTarget:
             yield [StreamEvent(error=f"disconnect: {type(e).__name__}: {e}")]
 
     async def start_profile(self, num_steps: int | None) -> Any:
-        status, answer = await self.transport.request_json(
-            "POST", "/start_profile", {"num_steps": num_steps} if num_steps else None, PROFILE_TIMEOUT_S)
-        if status != 200:
-            raise TargetError(f"{self.base_url}/start_profile answered {status}: {str(answer)[:200]}")
-        return answer
+        """Start the server's profiler the way its flavour takes it (capture/client.py): vLLM 0.33 gets
+        max_iterations, SGLang and infertrace num_steps; a server of no known flavour gets SGLang's body."""
+        from infertrace.capture.client import ProfilerClient, ProfilerError
+        from infertrace.capture.peers import Flavour, ProfileOptions, default_capture_name
+        from infertrace.capture.session import ServerCapture
+
+        headers = getattr(self.transport, "headers", None) or {}
+        client = ProfilerClient(self.base_url, None, PROFILE_TIMEOUT_S, headers, fallback=Flavour.INFERTRACE)
+        await client.__aenter__()
+        try:
+            flavour = await client.flavour()
+            started = await client.start(ProfileOptions(name=default_capture_name(), num_steps=num_steps))
+        except ProfilerError as e:
+            await client.__aexit__(None, None, None)
+            raise TargetError(str(e)) from None
+        except BaseException:
+            await client.__aexit__(None, None, None)
+            raise
+        self._profiler = client
+        sent = started.body or {}
+        limited = sent.get("max_iterations") or sent.get("num_steps")
+        self._capture = ServerCapture.begin(self.base_url, flavour, sent.get("profile_prefix") or sent.get("profile_id"),
+                                            started.options.output_dir, client.local, num_steps if limited else None,
+                                            started.body)
+        return {"flavour": flavour.value, "sent": started.body, "message": started.message,
+                "notes": client.notes + started.notes, "writes_to": self._capture.where()}
 
     async def stop_profile(self) -> tuple[int, Any]:
-        return await self.transport.request_json("POST", "/stop_profile", None, PROFILE_TIMEOUT_S)
+        """(200, what the stop said and which files were written); a capture that already ended by itself
+        after its step limit (SGLang) is the normal end, and its files are awaited when the server is local."""
+        from infertrace.capture.client import ProfilerError
+
+        client, capture = self._profiler, self._capture
+        if client is None:
+            return None, "the profiler was not started"
+        try:
+            result = await client.stop(self_stopping=capture.num_steps is not None)
+        except ProfilerError as e:
+            return None, str(e)
+        finally:
+            await client.__aexit__(None, None, None)
+            self._profiler = None
+        files = list(result.traces)
+        if not files:
+            files = await asyncio.to_thread(capture.written)
+            capture.files = files
+            await asyncio.to_thread(capture.write_manifest)
+        return 200, {"message": result.message, "already_stopped": result.already_stopped,
+                     "trace_files": files, "writes_to": capture.where()}
 
     def describe(self) -> dict:
         headers = getattr(self.transport, "headers", None) or {}
