@@ -105,3 +105,57 @@ def test_nsys_nvtx_ranges_hold_the_kernels(qwen3_dir, tmp_path):
     assert sum(launched.values()) > 0 and inside == sum(launched.values())
     manifest = json.loads(next(tmp_path.glob("qwen3.*.manifest.json")).read_text())
     assert manifest["activities"] == ["CUDA_PROFILER"] and manifest["trace"] is None
+
+
+def _post(url: str, body: dict | None = None) -> bytes:
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else b""
+    request = urllib.request.Request(url, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"} if body is not None else {})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return response.read()
+
+
+@pytest.mark.skipif(nsys.find_nsys() is None, reason="needs nsys (set NSYS or put it on PATH)")
+def test_serve_under_nsys_gives_one_report_per_window(qwen3_dir, tmp_path):
+    """`infertrace serve` launched as `profile --nsys --server infertrace` prints, driven by `profile --start
+    --activities CUDA_PROFILER`: two windows of one server run land in two reports (--capture-range-end=repeat)."""
+    import os
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    url = f"http://127.0.0.1:{port}"
+    serve = [sys.executable, "-m", "infertrace", "serve", "--model", str(qwen3_dir), "--port", str(port),
+             "--profile-dir", str(tmp_path / "profiles"), "--kv-cache-tokens", "8192", "--max-model-len", "2048"]
+    line = nsys.server_nsys_line("infertrace", tmp_path / "serve", serve, nsys.find_nsys())
+    server = subprocess.Popen(line, shell=True, start_new_session=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, server.stdout.read()[-3000:]
+                time.sleep(1)
+        for window in range(2):
+            started = CliRunner().invoke(main, ["profile", "--url", url, "--start", "--activities", "CUDA_PROFILER",
+                                                "--name", f"w{window}"])
+            assert started.exit_code == 0, started.output
+            for _ in range(2):
+                _post(url + "/v1/completions", {"prompt": "hello " * 40, "max_tokens": 16, "ignore_eos": True})
+            stopped = CliRunner().invoke(main, ["profile", "--url", url, "--stop"])
+            assert stopped.exit_code == 0, stopped.output
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        output = server.communicate(timeout=240)[0]
+    reports = sorted(tmp_path.glob("serve*.nsys-rep"))
+    assert len(reports) == 2, (reports, output[-3000:])
