@@ -21,6 +21,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if any (they also stop when the LLM is collected)."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -139,13 +139,16 @@ def test_an_uneven_vocabulary_pads_the_last_shard():
         layer.weight_loader(layer.weight.data, loaded[:4], None)
 
 
-def test_shutdown_and_garbage_collection_end_the_ranks(make_engine):
+def test_shutdown_and_garbage_collection_end_the_ranks(make_engine, tiny_model_dir):
     import gc
 
-    engine = make_engine(kv_cache_tokens=256, tensor_parallel_size=2)
+    from infertrace.engine import LLM
+
+    llm = LLM(tiny_model_dir, kv_cache_tokens=256, tensor_parallel_size=2)
+    engine = llm.engine
     pids = rank_pids(engine)
     assert pids and all(not gone(pid, 0.0) for pid in pids)
-    engine.shutdown()
+    llm.shutdown()
     assert all(gone(pid) for pid in pids)
     with pytest.raises(RankFailedError, match="shut down"):
         engine.add_request("r", [1, 2, 3], GREEDY)
@@ -254,3 +257,17 @@ def test_profile_writes_one_trace_per_rank_with_its_steps(make_engine, run_engin
         ]
         assert {"prepare_inputs", "forward"} <= set(names)
         assert any("allreduce" in n.lower() or "all_reduce" in n.lower() for n in names)
+
+
+def test_profile_with_one_rank_writes_one_trace(make_engine, run_engine, make_prompts, tmp_path):
+    engine = make_engine(kv_cache_tokens=512)
+    engine.start_profile(tmp_path / "traces", activities=("CPU",))
+    with pytest.raises(RuntimeError, match="already being captured"):
+        engine.start_profile(tmp_path / "traces")
+    run_engine(engine, make_prompts([6], seed=9), SamplingParams(max_tokens=2, ignore_eos=True))
+    (path,) = engine.stop_profile()
+    assert path.parent == tmp_path / "traces" and ".rank0.pt.trace.json.gz" in path.name
+    names = {e["name"] for e in json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]}
+    assert "step[DECODE bs=1]" in names
+    with pytest.raises(RuntimeError, match="no profile"):
+        engine.stop_profile()
