@@ -48,11 +48,20 @@ def prepare(options: AblateOptions) -> Recipe:
 
 def check_recipe(options: AblateOptions) -> int:
     """--check: the recipe and every phase's overrides; the first problem is the one line printed."""
+    from infertrace.ablate.models import check_model_dir
+    from infertrace.ablate.recipe import check_dataset
+
     recipe = prepare(options)
     planned = recipe.plan()
     problems = [p.error for p in planned if p.error]
     if problems:
         fail(problems[0] + (f" (and {len(problems) - 1} more phase(s) with problems)" if len(problems) > 1 else ""))
+    try:
+        if recipe.model is not None:
+            check_model_dir(recipe)
+        check_dataset(recipe)
+    except RecipeError as exc:
+        fail(str(exc), 2)
     out_console.print(f"{recipe.path}: usable, {len(planned)} phase(s)", highlight=False)
     return 0
 

@@ -23,7 +23,15 @@ def recipe_model_dir(recipe: Recipe, on_build: Callable[[Path], None] | None = N
     """The directory the recipe's phases load. RecipeError when a named directory is not a model."""
     if recipe.model is None:
         return preset_model_dir(recipe.preset, on_build)
+    return check_model_dir(recipe)
+
+
+def check_model_dir(recipe: Recipe) -> Path:
+    """The recipe's named model directory, checked without loading it; RecipeError when it is not one. A preset
+    always has one (written on first use)."""
     path = Path(recipe.model)
+    if not path.is_dir():
+        raise RecipeError(f"model {path} is not a model directory (it does not exist)")
     if not (path / "config.json").is_file():
         raise RecipeError(f"model {path} is not a model directory (no config.json)")
     return path

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 RECIPE_KEYS = ("name", "description", "model", "preset", "engine", "workload", "profile", "phases")
 # the workload's keys are fields of the load generator's BenchConfig, with its defaults except WORKLOAD_DEFAULTS
 _WORKLOAD_TYPES = {"dataset": str, "dataset_path": str, "num_prompts": int, "input_len": int, "output_len": int,
@@ -214,16 +216,17 @@ def load_recipe(path: str | Path) -> Recipe:
 def read_yaml(path: Path) -> tuple[Any, dict[tuple, int]]:
     """The document and the 1-based line of every mapping key and list item, by key path. Duplicate keys are an
     error (YAML would silently keep the last one)."""
-    import yaml
-
     try:
         text = path.read_text()
     except OSError as exc:
         raise RecipeError(f"cannot read recipe {path}: {exc.strerror or exc}") from None
-    loader = yaml.SafeLoader(text)
+    loader = _RecipeLoader(text)
     try:
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
+    except _AnchorRefused as exc:
+        raise RecipeError(f"{path}:{exc.mark.line + 1}: YAML anchors and aliases (&name, *name) are not "
+                          "allowed in a recipe; write the values out") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -238,6 +241,43 @@ def read_yaml(path: Path) -> tuple[Any, dict[tuple, int]]:
     return data, lines
 
 
+class _AnchorRefused(yaml.YAMLError):
+    def __init__(self, mark):
+        super().__init__()
+        self.mark = mark
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses anchors and aliases before composing them: each alias is expanded in place, so
+    a kilobyte of nested aliases ("billion laughs") would build billions of nodes. A recipe never needs one."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise _AnchorRefused(event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def check_dataset(recipe: Recipe) -> None:
+    """Read the workload's dataset file (sharegpt, jsonl) the way a run will, without a tokenizer. RecipeError
+    with the reader's one line when it is not a readable dataset of that kind."""
+    from infertrace.load.benchmark import build_specs
+    from infertrace.load.dataset import DatasetError
+
+    cfg = recipe.bench_config()
+    if cfg.dataset not in ("sharegpt", "jsonl"):
+        return
+    where = recipe.where("workload", "dataset_path")
+    path = Path(cfg.dataset_path)
+    if not path.is_file():  # a directory, a device (/dev/zero) or a pipe is never a dataset
+        problem = "does not exist" if not path.exists() else "is not a regular file"
+        raise RecipeError(f"{where}: dataset_path {path} {problem}")
+    try:
+        build_specs(cfg, None, cfg.num_prompts, "check")
+    except DatasetError as exc:
+        raise RecipeError(f"{where}: {cfg.dataset} dataset: {exc}") from None
+
+
 def located(path: Path, lines: dict[tuple, int], key: tuple) -> str:
     """`file:line` of a key path (its nearest parent that has a line, else the file alone)."""
     while key and key not in lines:
@@ -246,8 +286,6 @@ def located(path: Path, lines: dict[tuple, int], key: tuple) -> str:
 
 
 def _walk(node, key: tuple, lines: dict[tuple, int], path: Path) -> None:
-    import yaml
-
     if isinstance(node, yaml.MappingNode):
         seen: set = set()
         for k, v in node.value:

@@ -147,3 +147,46 @@ def test_an_unwritable_output_is_refused_before_any_phase(write_recipe, tmp_path
     (tmp_path / "file").write_text("")
     res = invoke(recipe, "--json", tmp_path / "file" / "r.json")
     assert res.exit_code == 2 and "cannot write" in res.stderr and "phase" not in res.stderr
+
+
+def test_check_finds_a_missing_model_directory(write_recipe, tmp_path):
+    recipe = write_recipe("model: no_such_model\nphases: [{name: a}]\n")
+    res = invoke(recipe, "--check")
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.strip() == f"error: model {tmp_path / 'no_such_model'} is not a model directory (it does not " \
+                                 "exist)"
+    (tmp_path / "empty_model").mkdir()
+    res = invoke(write_recipe("phases: [{name: a}]\n"), "--model", tmp_path / "empty_model", "--check")
+    assert res.exit_code == 2 and "is not a model directory (no config.json)" in res.stderr
+
+
+@pytest.mark.parametrize("dataset, make, words", [
+    ("jsonl", lambda p: None, "dataset_path {p} does not exist"),
+    ("jsonl", lambda p: p.mkdir(), "dataset_path {p} is not a regular file"),
+    ("jsonl", lambda p: p.write_text("not json\n"), "jsonl dataset: {p}:1: not JSON"),
+    ("jsonl", lambda p: p.write_text('{"text": "no prompt field"}\n'), "each line needs a string field 'prompt'"),
+    ("sharegpt", lambda p: p.write_text('{"a": 1}'), "a ShareGPT file holds a JSON list of conversations"),
+    ("sharegpt", lambda p: p.write_text("[{]"), "cannot read ShareGPT file"),
+])
+def test_check_reads_the_dataset(write_recipe, tmp_path, dataset, make, words):
+    data = tmp_path / "data.file"
+    make(data)
+    recipe = write_recipe(f"phases: [{{name: a}}]\nworkload:\n  dataset: {dataset}\n  dataset_path: data.file\n")
+    res = invoke(recipe, "--check")
+    assert res.exit_code == 2 and res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {recipe}:4: ") and words.format(p=data) in lines[0]
+
+
+def test_check_refuses_a_device_as_dataset(write_recipe):
+    # /dev/zero never ends: reading it as a dataset would take all memory
+    recipe = write_recipe("phases: [{name: a}]\nworkload:\n  dataset: jsonl\n  dataset_path: /dev/zero\n")
+    res = invoke(recipe, "--check")
+    assert res.exit_code == 2 and "dataset_path /dev/zero is not a regular file" in res.stderr
+
+
+def test_check_accepts_a_readable_dataset(write_recipe, tmp_path):
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hello"}\n{"prompt": "world", "max_tokens": 3}\n')
+    recipe = write_recipe("phases: [{name: a}]\nworkload:\n  dataset: jsonl\n  dataset_path: prompts.jsonl\n")
+    res = invoke(recipe, "--check")
+    assert res.exit_code == 0 and "usable, 1 phase(s)" in res.stdout

@@ -1,5 +1,7 @@
 """Recipes: the format, its checks (one line naming file and line), cumulative phases, command-line changes."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -190,3 +192,54 @@ def test_a_bad_value_is_pinned_to_its_own_line_not_a_field_with_a_longer_name(wr
               offload_host_gb: -1
         """)
     assert load_recipe(path).plan()[0].error.startswith(f"{path}:5: offload_host_gb must be positive")
+
+
+
+BILLION_LAUGHS = """\
+a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+phases: [{name: x, overrides: {lol: *i}}]
+"""
+
+# the recipe is loaded in a child with 1 GB of address space and a deadline, so that expanding 9**9 "lol"s
+# fails this test instead of taking the machine's memory
+_LOAD_IN_CHILD = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from infertrace.ablate.recipe import RecipeError, load_recipe
+try:
+    load_recipe(sys.argv[1])
+except RecipeError as exc:
+    print(exc)
+"""
+
+
+def test_a_billion_laughs_recipe_is_refused_at_its_first_anchor(write_recipe):
+    path = write_recipe(BILLION_LAUGHS)
+    try:
+        done = subprocess.run([sys.executable, "-c", _LOAD_IN_CHILD, str(path)], capture_output=True, text=True,
+                              timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("loading a billion-laughs recipe did not finish within 60 s")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == (f"{path}:1: YAML anchors and aliases (&name, *name) are not allowed in a "
+                                   "recipe; write the values out")
+
+
+@pytest.mark.parametrize("text, line", [
+    ("engine: &base {max_num_seqs: 4}\nphases: [{name: a, overrides: *base}]\n", 1),
+    ("base: {max_num_seqs: 4}\nphases:\n  - name: a\n    overrides: {<<: *base, block_size: 16}\n", 4),
+])
+def test_yaml_anchors_and_aliases_are_refused(write_recipe, text, line):
+    path = write_recipe(text)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    assert str(info.value) == (f"{path}:{line}: YAML anchors and aliases (&name, *name) are not allowed in a "
+                               "recipe; write the values out")
