@@ -124,7 +124,8 @@ def top_kernels(gpu_by_rank: dict[int, pd.DataFrame], num_kernels: int = 10,
         return pd.DataFrame(columns=["name", "short_name", "count", "sum (us)", "max (us)", "min (us)", "stddev",
                                      "mean (us)", "kernel_type", "category", "rank"])
     out = pd.concat(parts, ignore_index=True)
-    out["short_name"] = [n if n == "others" else short_name(n) for n in out["name"]]
+    # whole: a terminal table caps the column itself, a CI log and the HTML show every character
+    out["short_name"] = [n if n == "others" else short_name(n, width=None) for n in out["name"]]
     out = out.sort_values(["kernel_type", "name", "rank"], ignore_index=True)
     return out[["name", "short_name", "count", "sum (us)", "max (us)", "min (us)", "stddev", "mean (us)",
                 "kernel_type", "category", "rank"]]

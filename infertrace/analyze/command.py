@@ -77,7 +77,7 @@ def run(trace_dir: Path, json_path: Path | None, csv_dir: Path | None, html_path
     for note in report.notes:
         err_console.print(f"[dim]note: {note}[/]", highlight=False, soft_wrap=True)
     if not quiet:
-        out_console.print(render(report))
+        out_console.print(render(report, fit=out_console.is_terminal))
     _write_outputs(report, json_path, csv_dir, html_path)
 
 
@@ -102,7 +102,7 @@ def diff(before: Path, after: Path, json_path: Path | None) -> None:
 
     reports = [_report_of(path) for path in (before, after)]
     tables = diff_reports(*reports)
-    out_console.print(render_diff(tables, str(before), str(after)))
+    out_console.print(render_diff(tables, str(before), str(after), fit=out_console.is_terminal))
     if json_path is not None:
         doc = {"before": str(before), "after": str(after),
                "tables": {name: table_records(table) for name, table in tables.items()}}

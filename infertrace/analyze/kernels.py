@@ -96,8 +96,9 @@ _TYPE_WORDS = {"float", "double", "unsigned", "signed", "short", "BFloat16", "Ha
                "__half", "Float8_e4m3fn", "anonymous", "namespace", "detail", "native", "cutlass", "ck_tile"}
 
 
-def short_name(name: str, width: int = 72) -> str:
-    """A readable kernel name: demangled head, no return type or parameters, the functor kept.
+def short_name(name: str, width: int | None = 72) -> str:
+    """A readable kernel name: demangled head, no return type or parameters, the functor kept; cut to `width`
+    characters with `…` unless `width` is None.
 
     `void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<c10::BFloat16>, ...>(int, ...)`
     becomes `vectorized_elementwise_kernel<FillFunctor>`."""
@@ -123,7 +124,7 @@ def short_name(name: str, width: int = 72) -> str:
 
 
 def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
+    return text if width is None or len(text) <= width else text[: width - 1] + "…"
 
 
 def _strip_groups(text: str, open_: str, close: str) -> str:

@@ -26,7 +26,9 @@ TITLES = {
 }
 
 
-def render(report: Report) -> RenderableType:
+def render(report: Report, fit: bool = True) -> RenderableType:
+    """The report's tables. `fit` caps label columns (kernel names at 56 characters, others at 24, cut with `…`)
+    to suit a terminal; without it (a CI log, a pipe) every label is shown whole."""
     parts: list[RenderableType] = [_ranks(report)]
     for name, build in _BUILDERS.items():
         table = report.tables.get(name)
@@ -36,6 +38,14 @@ def render(report: Report) -> RenderableType:
         lines = [f"  {name}: {why}" for name, why in report.skipped.items() if name in TITLES]
         if lines:
             parts.append(Text("Not shown:\n" + "\n".join(lines), style="dim"))
+    return _group(parts, fit)
+
+
+def _group(parts: list[RenderableType], fit: bool) -> Group:
+    if not fit:
+        for part in parts:
+            for column in getattr(part, "columns", ()):
+                column.max_width = None
     return Group(*parts)
 
 
@@ -188,8 +198,8 @@ _BUILDERS = {
 }
 
 
-def render_diff(tables: dict[str, pd.DataFrame], a: str, b: str) -> RenderableType:
-    """Diff tables (from `diff.diff_reports`) with A's and B's figures and B's change."""
+def render_diff(tables: dict[str, pd.DataFrame], a: str, b: str, fit: bool = True) -> RenderableType:
+    """Diff tables (from `diff.diff_reports`) with A's and B's figures and B's change; `fit` as in `render`."""
     parts: list[RenderableType] = [Text(f"A: {a}\nB: {b}", style="bold")]
     if (df := tables.get("phases")) is not None:
         table = _new("Step types: A -> B", "step type", "steps", "mean (ms)", "change", "p99 (ms)", "change",
@@ -218,7 +228,7 @@ def render_diff(tables: dict[str, pd.DataFrame], a: str, b: str) -> RenderableTy
         parts.append(table)
     if len(parts) == 1:
         parts.append(Text("Neither capture has step annotations or GPU kernels to compare.", style="dim"))
-    return Group(*parts)
+    return _group(parts, fit)
 
 
 def _missing(value) -> bool:

@@ -5,9 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from rich.console import Console
-from rich.measure import Measurement
-from rich.table import Table
 
 from infertrace.console import err_console, fail, out_console
 from infertrace.gate.bounds import Bound, Kind, higher_is_better, parse_bounds
@@ -122,20 +119,11 @@ def gate(
         if summary is not None:
             _append(summary, failure_markdown(str(exc)))
         fail(str(exc), code=2)
-    _print_table(table(report))
+    out_console.print(table(report))
     if summary is not None:
         _append(summary, markdown(report))
     if report.regressed:
         raise SystemExit(1)
-
-
-def _print_table(grid: Table) -> None:
-    """Off a terminal (a CI log, which does not wrap) the table keeps its natural width instead of 80 columns."""
-    if out_console.is_terminal:
-        out_console.print(grid)
-        return
-    natural = Measurement.get(out_console, out_console.options.update(width=10_000), grid).maximum
-    Console(file=out_console.file, width=max(natural, out_console.width)).print(grid)
 
 
 def _load_all(paths: tuple[Path, ...]) -> list[Run]:
