@@ -26,7 +26,8 @@ from infertrace.load.dataset import (
 from infertrace.load.metrics import Metrics, Stats, compute_metrics, token_count_checks
 from infertrace.load.records import RequestResult, RequestSpec
 from infertrace.load.runner import Runner
-from infertrace.load.schedule import arrival_offsets
+from infertrace.load.schedule import arrival_offsets, ramp_up_offsets
+from infertrace.load.steady import SteadyState, steady_state
 from infertrace.load.timing import TargetError, resolve_output_tokens
 
 CLIENT_CPU_WARN = 0.8  # share of one core used by the load generator's event-loop thread
@@ -41,12 +42,23 @@ class Interrupted(Exception):
     """The user stopped the run (Ctrl-C); what was measured so far is kept."""
 
 
+class PhaseStopped(Exception):
+    """The running phase was ended early on purpose (a --find-max point found saturated); the run goes on."""
+
+
 class Interrupter:
     """Cancels whatever phase is running when triggered (from a SIGINT handler), once."""
 
     def __init__(self) -> None:
         self.requested = False
+        self._stop_phase = False
         self._task: asyncio.Future | None = None
+
+    def stop_phase(self) -> None:
+        """End the running phase early without ending the run: `run` raises PhaseStopped."""
+        self._stop_phase = True
+        if self._task is not None:
+            self._task.cancel()
 
     def trigger(self) -> None:
         self.requested = True
@@ -73,12 +85,15 @@ class Interrupter:
         if self.requested:
             coro.close()
             raise Interrupted
+        self._stop_phase = False
         self._task = asyncio.ensure_future(coro)
         try:
             await self._task
         except asyncio.CancelledError:
             if self.requested:
                 raise Interrupted from None
+            if self._stop_phase:
+                raise PhaseStopped from None
             raise
         finally:
             self._task = None
@@ -98,6 +113,8 @@ class PointRecord:
     client_lag: Stats  # schedule lag minus slot wait: lateness that is the client's own
     interrupted: bool = False
     profile: dict | None = None
+    stopped_early: bool = False  # a --find-max point ended once its queue was seen growing without bound
+    steady: SteadyState | None = None
 
     @property
     def warnings(self) -> list[str]:
@@ -176,7 +193,7 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
     tokenizer = target.tokenizer
     specs = build_specs(cfg, tokenizer, cfg.num_prompts, "measure", point, max_len)
     concurrency = cfg.effective_concurrency
-    interrupted = False
+    interrupted = stopped_early = False
     warm = Runner(target, clock, hooks.on_result)
     if cfg.warmup:
         warm_specs = build_specs(cfg, tokenizer, cfg.warmup, "warmup", point, max_len)
@@ -200,7 +217,11 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
     runner = Runner(target, clock, hooks.on_result)
     if not interrupted:
         hooks.on_phase("measure", None if cfg.duration_s else cfg.num_prompts, window)
-        if cfg.open_loop:
+        if cfg.ramp_up_strategy is not None:
+            offsets = ramp_up_offsets(cfg.ramp_up_strategy, cfg.ramp_up_start_rps, cfg.ramp_up_end_rps,
+                                      cfg.burstiness, seeded_rng(cfg.seed, "arrivals", point), cfg.num_prompts)
+            phase = runner.open_loop(specs, offsets, cfg.concurrency)
+        elif cfg.open_loop:
             rate = cfg.request_rate
             count = cfg.num_prompts if cfg.duration_s is None or math.isinf(rate) else None
             offsets = arrival_offsets(rate, cfg.burstiness, seeded_rng(cfg.seed, "arrivals", point), count, window)
@@ -212,6 +233,8 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
             await interrupter.run(phase)
         except Interrupted:
             interrupted = True
+        except PhaseStopped:
+            stopped_early = True
 
     if profile is not None:
         try:
@@ -226,7 +249,7 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
     results = runner.results
     resolve_output_tokens(results, tokenizer, check_usage=target.kind == "http")
     resolve_output_tokens(warm.results, tokenizer)
-    metrics = compute_metrics(results, cfg.slo)
+    metrics = compute_metrics(results, cfg.request_slo)
     duration = metrics.duration
     cpu = runner.cpu_window  # over the same window as the duration
     compare_prompts = target.kind == "http" and cfg.endpoint == "completions"
@@ -236,7 +259,8 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
         client_cpu=cpu[0] / duration if cpu and duration > 0 else None,
         process_cpu=cpu[1] / duration if cpu and duration > 0 else None,
         client_lag=Stats.of([max(0.0, r.schedule_lag - r.slot_wait) for r in results]),
-        interrupted=interrupted, profile=profile)
+        interrupted=interrupted, profile=profile, stopped_early=stopped_early,
+        steady=steady_state(results, None if cfg.open_loop else cfg.effective_concurrency))
 
 
 async def run_benchmark(cfg: BenchConfig, target, clock: Clock, interrupter: Interrupter,

@@ -13,6 +13,8 @@ from infertrace.load.config import (
     DEFAULT_CONCURRENCY,
     DEFAULT_OUTPUT_LEN,
     ENDPOINTS,
+    FIND_MAX_PARAMS,
+    RAMP_UP_STRATEGIES,
     BenchConfig,
     parse_slo,
     parse_sweep,
@@ -94,14 +96,29 @@ def _json_object(text: str) -> dict:
               "(inf sends them all at once).")
 @click.option("--burstiness", type=float, help="Open loop: shape of the gamma-distributed gaps; 1 is Poisson, "
               f"lower is burstier. {_d('burstiness')}")
+@click.option("--ramp-up-strategy", type=click.Choice(RAMP_UP_STRATEGIES),
+              help="Open loop whose rate ramps over the --num-prompts requests, as vllm bench serve does: request i "
+              "is due at the rate for progress i/(N-1), linear or by a constant ratio (exponential); replaces "
+              "--request-rate.")
+@click.option("--ramp-up-start-rps", type=float, help="With --ramp-up-strategy: the rate of the first request.")
+@click.option("--ramp-up-end-rps", type=float, help="With --ramp-up-strategy: the rate of the last request.")
 @click.option("--warmup", type=int, help=f"Requests sent before measuring, excluded from the figures. "
               f"{_d('warmup')}")
 @click.option("--sweep", "sweep", callback=_parsed(parse_sweep), metavar="PARAM=V1,V2,...",
               help="Run once per value, e.g. concurrency=1,2,4,8 or request-rate=1,2,4; prints one table and "
               "writes a PNG plot.")
 @click.option("--slo", callback=_parsed(parse_slo), metavar="ttft_ms=..,tpot_ms=..,e2el_ms=..",
-              help="Service-level objectives for goodput: requests per second meeting every bound (failed "
-              "requests count as misses).")
+              help="Service-level objectives. ttft_ms, tpot_ms, e2el_ms bound each request, for goodput: requests "
+              "per second meeting every bound (failed requests count as misses). median_, p90_, p95_ or p99_ "
+              "before ttft_ms, tpot_ms, itl_ms, e2el_ms bounds a whole run, for --find-max.")
+@click.option("--find-max", type=click.Choice(list(FIND_MAX_PARAMS)), callback=lambda c, p, v: FIND_MAX_PARAMS.get(v),
+              help="Search the highest concurrency (closed loop) or request rate meeting every run-level --slo "
+              "bound: doubling from --find-max-start, then bisecting; prints every load tried and writes a PNG.")
+@click.option("--find-max-start", type=float, help=f"The first load tried. {_d('find_max_start')}")
+@click.option("--find-max-limit", type=float, help=f"The highest load tried. {_d('find_max_limit')}")
+@click.option("--find-max-points", type=int, help=f"The most loads tried. {_d('find_max_points')}")
+@click.option("--find-max-repeats", type=int, help="The most runs at one load whose bootstrap interval "
+              f"straddles a bound. {_d('find_max_repeats')}")
 @click.option("--ignore-eos", is_flag=True, default=None, help="Ask the target to generate max_tokens even past "
               "end-of-sequence.")
 @click.option("--temperature", type=float, help=f"Sampling temperature sent with each request. "

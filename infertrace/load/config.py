@@ -8,7 +8,11 @@ from pathlib import Path
 
 ENDPOINTS = ("completions", "chat")
 DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl")
-SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
+SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")  # per-request bounds: goodput
+SLO_STATS = {"median": 50, "p90": 90, "p95": 95, "p99": 99}  # run-level bounds, e.g. p99_ttft_ms: --find-max
+SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
+RAMP_UP_STRATEGIES = ("linear", "exponential")
+FIND_MAX_PARAMS = {"concurrency": "concurrency", "request-rate": "request_rate"}
 SWEEP_PARAMS = {"concurrency": "concurrency", "request-rate": "request_rate"}
 DEFAULT_OUTPUT_LEN = 64  # --output-len for random prompts and files that name no length
 DEFAULT_CONCURRENCY = 8  # closed loop when neither --concurrency nor --request-rate is given
@@ -53,9 +57,17 @@ class BenchConfig:
     concurrency: int | None = None
     request_rate: float | None = None  # None: closed loop; math.inf: everything at once
     burstiness: float = 1.0
+    ramp_up_strategy: str | None = None  # an open loop whose rate ramps from start to end over the requests
+    ramp_up_start_rps: float | None = None
+    ramp_up_end_rps: float | None = None
     warmup: int = 2
     sweep_param: str | None = None  # "concurrency" or "request_rate"
     sweep_values: tuple = ()
+    find_max: str | None = None  # "concurrency" or "request_rate": the highest load meeting every --slo bound
+    find_max_start: float = 1.0  # the first load tried, doubled until a bound is missed
+    find_max_limit: float = 1024.0  # the highest load tried
+    find_max_points: int = 12  # the most loads tried
+    find_max_repeats: int = 3  # the most runs at one load whose verdict the first run leaves uncertain
     # request body
     ignore_eos: bool = False
     temperature: float = 0.0
@@ -104,10 +116,13 @@ class BenchConfig:
             if key in self.extra_body:
                 raise ValueError(f"--extra-body may not set {key!r}: {why}")
         for key, value in self.slo.items():
-            if key not in SLO_KEYS:
-                raise ValueError(f"unknown SLO {key!r}; use {', '.join(SLO_KEYS)}")
+            if key not in SLO_KEYS and percentile_slo(key) is None:
+                raise ValueError(f"unknown SLO {key!r}; use {', '.join(SLO_KEYS)} (goodput) or "
+                                 f"{'|'.join(SLO_STATS)}_{'|'.join(SLO_METRICS)}_ms (--find-max), e.g. p99_ttft_ms")
             if not (value > 0 and math.isfinite(value)):  # the result file is strict JSON: no infinity
                 raise ValueError(f"SLO {key} must be a positive number, got {value}")
+        self._check_ramp_up()
+        self._check_find_max()
         if self.sweep_param is not None:
             if self.sweep_param not in SWEEP_PARAMS.values() or not self.sweep_values:
                 raise ValueError(f"a sweep needs one of {', '.join(SWEEP_PARAMS)} and at least one value")
@@ -122,9 +137,74 @@ class BenchConfig:
         if self.profile and self.base_url is None:
             raise ValueError("--profile starts a server's profiler; it needs --base-url")
 
+    def _check_ramp_up(self) -> None:
+        if self.ramp_up_strategy is None:
+            for name in ("ramp_up_start_rps", "ramp_up_end_rps"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name.replace('_', '-')} needs --ramp-up-strategy linear|exponential")
+            return
+        if self.ramp_up_strategy not in RAMP_UP_STRATEGIES:
+            raise ValueError(f"ramp_up_strategy must be one of {', '.join(RAMP_UP_STRATEGIES)}, "
+                             f"got {self.ramp_up_strategy!r}")
+        if self.ramp_up_start_rps is None or self.ramp_up_end_rps is None:
+            raise ValueError("--ramp-up-strategy needs both --ramp-up-start-rps and --ramp-up-end-rps")
+        _finite_positive("ramp_up_start_rps", self.ramp_up_start_rps, " of requests per second")
+        _finite_positive("ramp_up_end_rps", self.ramp_up_end_rps, " of requests per second")
+        if self.ramp_up_start_rps > self.ramp_up_end_rps:
+            raise ValueError(f"ramp-up goes up: --ramp-up-start-rps {self.ramp_up_start_rps:g} is above "
+                             f"--ramp-up-end-rps {self.ramp_up_end_rps:g}")
+        if self.request_rate is not None:
+            raise ValueError("--ramp-up-strategy sets the request rate itself; drop --request-rate")
+        if self.duration_s is not None:
+            raise ValueError("a ramp runs over --num-prompts requests; it cannot be combined with --duration")
+
+    def _check_find_max(self) -> None:
+        percentiles = [k for k in self.slo if k not in SLO_KEYS]
+        if self.find_max is None:
+            if percentiles:
+                raise ValueError(f"SLO {percentiles[0]} bounds a whole run and is used by --find-max; for "
+                                 "goodput use ttft_ms, tpot_ms, e2el_ms")
+            return
+        if self.find_max not in FIND_MAX_PARAMS.values():
+            raise ValueError(f"find_max must be one of {', '.join(FIND_MAX_PARAMS)}, got {self.find_max!r}")
+        if not percentiles:
+            raise ValueError("--find-max needs --slo with run-level bounds, e.g. --slo p99_ttft_ms=500,p99_tpot_ms=50")
+        if self.sweep_param is not None:
+            raise ValueError("--find-max chooses its own loads; it cannot be combined with --sweep")
+        if self.profile:
+            raise ValueError("--profile profiles one run; it cannot be combined with --find-max")
+        if self.ramp_up_strategy is not None:
+            raise ValueError("--find-max holds each load steady; it cannot be combined with --ramp-up-strategy")
+        if self.find_max == "request_rate" and self.request_rate is not None:
+            raise ValueError("--find-max request-rate chooses the request rate; drop --request-rate")
+        if self.find_max == "concurrency" and self.request_rate is not None:
+            raise ValueError("--find-max concurrency runs closed loops; drop --request-rate")
+        _finite_positive("find_max_start", self.find_max_start)
+        _finite_positive("find_max_limit", self.find_max_limit)
+        if self.find_max == "concurrency" and not (self.find_max_start == int(self.find_max_start)
+                                                   and self.find_max_limit == int(self.find_max_limit)):
+            raise ValueError("--find-max concurrency needs whole numbers for --find-max-start and --find-max-limit")
+        if self.find_max_start > self.find_max_limit:
+            raise ValueError(f"--find-max-start {self.find_max_start:g} is above --find-max-limit "
+                             f"{self.find_max_limit:g}")
+        if self.find_max_points < 1:
+            raise ValueError(f"find_max_points must be at least 1, got {self.find_max_points}")
+        if self.find_max_repeats < 1:
+            raise ValueError(f"find_max_repeats must be at least 1, got {self.find_max_repeats}")
+
     @property
     def open_loop(self) -> bool:
-        return self.request_rate is not None
+        return self.request_rate is not None or self.ramp_up_strategy is not None
+
+    @property
+    def request_slo(self) -> dict[str, float]:
+        """The per-request bounds (goodput)."""
+        return {k: v for k, v in self.slo.items() if k in SLO_KEYS}
+
+    @property
+    def run_slo(self) -> dict[str, float]:
+        """The run-level bounds (--find-max): p99_ttft_ms and the like."""
+        return {k: v for k, v in self.slo.items() if k not in SLO_KEYS}
 
     @property
     def effective_concurrency(self) -> int | None:
@@ -181,6 +261,15 @@ def parse_slo(text: str) -> dict[str, float]:
         except ValueError:
             raise ValueError(f"{key.strip()}: {value!r} is not a number") from None
     return out
+
+
+def percentile_slo(key: str) -> tuple[int, str] | None:
+    """`p99_ttft_ms` -> (99, "ttft"); None for anything that is not STAT_METRIC_ms."""
+    stat, _, rest = key.partition("_")
+    metric, _, unit = rest.partition("_")
+    if stat in SLO_STATS and metric in SLO_METRICS and unit == "ms":
+        return SLO_STATS[stat], metric
+    return None
 
 
 def parse_sweep(text: str) -> tuple[str, tuple]:

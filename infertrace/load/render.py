@@ -57,6 +57,14 @@ def token_sources(sources: dict[str, int], requests: int) -> str:
     return f"from {parts} of {requests} requests"
 
 
+def _steady(record: PointRecord) -> str:
+    s = record.steady
+    if s is None or s.output_throughput is None:
+        return "-"
+    origin = min(r.t0 for r in record.results)
+    return f"{s.output_throughput:.2f}  (in flight >= {s.in_flight}, {s.start - origin:.2f}-{s.end - origin:.2f} s)"
+
+
 def summary_table(record: PointRecord) -> Table:
     """The figures of one run, in the order `vllm bench serve` prints them, plus the client's headroom."""
     m, cfg = record.metrics, record.config
@@ -64,7 +72,9 @@ def summary_table(record: PointRecord) -> Table:
               show_header=False, title_justify="left")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    shape = (f"open loop, {cfg.request_rate:g} req/s, burstiness {cfg.burstiness:g}"
+    rate = f"{cfg.ramp_up_strategy} ramp {cfg.ramp_up_start_rps:g} -> {cfg.ramp_up_end_rps:g} req/s" \
+        if cfg.ramp_up_strategy is not None else f"{cfg.request_rate or 0:g} req/s"
+    shape = (f"open loop, {rate}, burstiness {cfg.burstiness:g}"
              + (f", cap {cfg.concurrency}" if cfg.concurrency else "")) if cfg.open_loop \
         else f"closed loop, concurrency {cfg.effective_concurrency}"
     rows = [
@@ -77,6 +87,7 @@ def summary_table(record: PointRecord) -> Table:
         ("total output tokens", f"{m.total_output_tokens}  ({token_sources(m.output_token_sources, m.completed)})"),
         ("request throughput (req/s)", _num(m.request_throughput)),
         ("output token throughput (tok/s)", _num(m.output_throughput)),
+        ("steady output throughput (tok/s)", _steady(record)),
         ("total token throughput (tok/s)", _num(m.total_token_throughput)),
     ]
     if m.goodput is not None:

@@ -56,9 +56,19 @@ def point_result(record: PointRecord) -> dict:
     out.update({  # as vLLM writes them: a closed loop is an infinite rate capped by max_concurrency
         "num_prompts": cfg.num_prompts,
         "max_concurrency": cfg.effective_concurrency,
-        "request_rate": _finite(cfg.request_rate) if cfg.open_loop else "inf",
+        "request_rate": _finite(cfg.request_rate) if cfg.request_rate is not None else "inf",
         "burstiness": cfg.burstiness,
         "good_requests": m.good_requests, "slo": cfg.slo,
+    })
+    if cfg.ramp_up_strategy is not None:  # as vLLM adds them; its request_rate stays "inf"
+        out.update(ramp_up_strategy=cfg.ramp_up_strategy, ramp_up_start_rps=cfg.ramp_up_start_rps,
+                   ramp_up_end_rps=cfg.ramp_up_end_rps)
+    steady, origin = record.steady, min((r.t0 for r in record.results), default=0.0)
+    out.update({  # docs/bench.md, "Steady state"
+        "steady_output_throughput": steady.output_throughput if steady else None,
+        "steady_state_window_s": [steady.start - origin, steady.end - origin] if steady else None,
+        "steady_state_in_flight": steady.in_flight if steady else None,
+        "stopped_early": record.stopped_early,
     })
     for stat in ("mean", "median", "std", "p90", "p95", "p99"):
         out[f"{stat}_itl_per_token_ms"] = getattr(m.itl_per_token, stat)
