@@ -1,0 +1,139 @@
+"""One self-contained HTML page for a run: plotly's JavaScript inlined once, so the file opens offline.
+
+`report_document` gathers the run into one JSON-able dict; `render_html` draws the page from that dict alone,
+so what `--report` shows and what the JSON holds cannot differ."""
+
+from __future__ import annotations
+
+import json
+import math
+from html import escape
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.offline import get_plotlyjs
+
+from infertrace.load.findings import Finding
+from infertrace.load.records import RequestResult
+from infertrace.load.scrape import ScrapeSeries
+from infertrace.load.telemetry import TelemetrySeries
+from infertrace.report.figures import latency_data, latency_figure, timeline_data, timeline_figure
+
+REPORT_VERSION = 1
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:1.5rem auto;max-width:1320px;color:#222;
+padding:0 1rem}
+h1{font-size:1.4rem;margin-bottom:.2rem}h2{font-size:1.1rem;margin-top:1.8rem;border-bottom:1px solid #ddd;
+padding-bottom:.2rem}
+table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0}
+th,td{padding:.25rem .6rem;border-bottom:1px solid #eee;text-align:left;vertical-align:top}
+th{background:#f6f6f6}td.n{text-align:right;font-variant-numeric:tabular-nums}
+.findings td:first-child{font-weight:600}.rule{color:#666;font-family:monospace}
+.note{color:#555;font-size:.85rem}.none{color:#2a7a2a}
+"""
+
+
+def report_document(results: list[RequestResult], origin: float, *, scrape: ScrapeSeries | None = None,
+                    telemetry: TelemetrySeries | None = None, findings: list[Finding] = (),
+                    profile_window: tuple[float, float] | None = None, result: dict | None = None,
+                    phases: pd.DataFrame | None = None, title: str = "infertrace run report") -> dict:
+    """The report as JSON-able data. `origin` is the run's start on the records' clock; `result` is the run's
+    result (as `--result-json` writes it); `phases` is the profiler window's `analyze` phase summary."""
+    return {
+        "report_version": REPORT_VERSION, "title": title,
+        "findings": [f.to_json() for f in findings],
+        "timeline": timeline_data(results, origin, scrape, telemetry, profile_window),
+        "latency": latency_data(results),
+        "phases": None if phases is None else _records(phases),
+        "result": result,
+        "notes": [*(scrape.notes if scrape else []), *(telemetry.notes if telemetry else [])],
+    }
+
+
+def _records(frame: pd.DataFrame) -> list[dict]:
+    return [{k: _json_value(v) for k, v in row.items()} for row in frame.to_dict("records")]
+
+
+def _json_value(v):
+    if v is None or v is pd.NA:
+        return None
+    if hasattr(v, "item"):  # numpy scalars
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def render_html(doc: dict) -> str:
+    """The page: findings, the timeline, the profiler window's phases, latency distributions, the result."""
+    timeline = timeline_figure(doc["timeline"])
+    latency = latency_figure(doc["latency"])
+    parts = [f"<h1>{escape(doc['title'])}</h1>"]
+    parts.append("<h2>Findings</h2>" + _findings_html(doc["findings"]))
+    if doc["notes"]:
+        parts.append("".join(f'<p class="note">{escape(n)}</p>' for n in doc["notes"]))
+    parts.append("<h2>Timeline</h2>" + _figure_html(timeline, "timeline"))
+    if doc.get("phases"):
+        parts.append("<h2>Profiler window: inference phases</h2>" + _table_html(doc["phases"]))
+    parts.append("<h2>Latency distributions</h2>" + _figure_html(latency, "latency"))
+    if doc.get("result"):
+        rows = [{"figure": k, "value": v} for k, v in doc["result"].items() if _scalar(v)]
+        parts.append("<h2>Result</h2>" + _table_html(rows))
+    parts.append(f'<script type="application/json" id="findings-data">{_script_json(doc["findings"])}</script>')
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(doc["title"])}</title>'
+            f"<style>{_CSS}</style><script>{get_plotlyjs()}</script></head><body>"
+            + "\n".join(parts) + "</body></html>\n")
+
+
+def write_report(path: str | Path, doc: dict) -> Path:
+    """Writes the HTML page (creating its folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_html(doc), encoding="utf-8")
+    return path
+
+
+def _figure_html(fig: go.Figure, div_id: str) -> str:
+    return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
+                       config={"displaylogo": False, "responsive": True})
+
+
+def _findings_html(findings: list[dict]) -> str:
+    if not findings:
+        return '<p class="none">No rule fired: no queueing, KV pressure, clock fall or client bottleneck seen.</p>'
+    rows = "".join(
+        f"<tr><td>{escape(f['what'])}</td><td class='n'>{_when(f['when_s'])}</td>"
+        f"<td>{escape(f['evidence'])}</td><td class='rule'>{escape(f['rule'])}</td></tr>" for f in findings)
+    return ('<table class="findings"><tr><th>finding</th><th>from (s)</th><th>evidence</th><th>rule</th></tr>'
+            f"{rows}</table>")
+
+
+def _when(when_s: float | None) -> str:
+    return "-" if when_s is None else f"{when_s:.1f}"
+
+
+def _table_html(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    columns = list(rows[0])
+    head = "".join(f"<th>{escape(str(c))}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(_cell(r.get(c)) for c in columns) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"<td class='n'>{v:.4g}</td>" if abs(v) < 1e4 else f"<td class='n'>{v:,.0f}</td>"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"<td class='n'>{v}</td>"
+    return f"<td>{'-' if v is None else escape(str(v))}</td>"
+
+
+def _scalar(v) -> bool:
+    return v is None or isinstance(v, (str, int, float, bool))
+
+
+def _script_json(doc) -> str:
+    # inside <script>, "</" would end the element early
+    return json.dumps(doc, allow_nan=False).replace("</", "<\\/")

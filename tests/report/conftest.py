@@ -1,0 +1,73 @@
+"""A realistic synthetic run: records, server scrapes and GPU telemetry that show queueing, KV pressure and a
+power-capped clock, on one clock."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from infertrace.load.records import RequestResult, TokenSource
+from infertrace.load.scrape import ScrapeSeries
+from infertrace.load.telemetry import GpuSeries, TelemetrySeries
+
+ORIGIN = 5000.0  # perf_counter seconds at the run's start
+DURATION_S = 180
+
+
+def synthetic_run(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    waiting_at = lambda t: 0.0 if t < 60 else min(40.0, (t - 60) * 0.6)  # noqa: E731
+    results = []
+    t = 0.0
+    i = 0
+    while t < DURATION_S - 15:
+        t += rng.exponential(1 / 4.0)
+        ttft = 0.08 + rng.gamma(2.0, 0.02) + 0.25 * waiting_at(t)
+        out = int(rng.integers(64, 256))
+        itl = list(rng.gamma(8.0, 0.0035 if t < 120 else 0.0043, size=out - 1))
+        start = ORIGIN + t
+        e2el = ttft + sum(itl)
+        results.append(RequestResult(
+            index=i, scheduled=start, t0=start, end=start + e2el, ttft=ttft, e2el=e2el, itl=itl,
+            chunk_tokens=[1] * out, output_tokens=out, output_source=TokenSource.USAGE, prompt_tokens=512))
+        i += 1
+    scrape = ScrapeSeries("http://127.0.0.1:8000/metrics", 1.0, server="vllm", scrapes=DURATION_S)
+    preempt = 0.0
+    for s in range(DURATION_S):
+        kv = min(0.99, 0.35 + s * 0.0065)
+        if kv >= 0.95 and rng.random() < 0.5:
+            preempt += 1
+        running = float(sum(1 for r in results if r.t0 <= ORIGIN + s < r.end))
+        scrape.add(ORIGIN + s + 0.5, {"running": running, "waiting": waiting_at(s), "kv_usage": kv},
+                   {"preemptions": preempt, "prefix_cache_hits": 200.0 * s, "prefix_cache_queries": 1000.0 * s,
+                    "generation_tokens": 3000.0 * s, "prompt_tokens": 2000.0 * s})
+    gpu = GpuSeries(0, "NVIDIA H100 80GB HBM3")
+    times = []
+    for k in range(DURATION_S * 2):
+        s = k / 2
+        times.append(ORIGIN + s)
+        capped = s >= 120
+        gpu.sm_util_pct.append(float(min(100, 80 + rng.normal(10, 4))))
+        gpu.mem_used_gib.append(71.5 + 0.01 * s)
+        gpu.power_w.append(float(700 if capped else 560 + s) + rng.normal(0, 5))
+        gpu.sm_clock_mhz.append(float((1620 if capped else 1980) + rng.normal(0, 8)))
+        gpu.throttle.append(["power cap"] if capped else [])
+    telemetry = TelemetrySeries(times=times, gpus=[gpu])
+    phases = pd.DataFrame([
+        {"type": "DECODE", "steps": 412, "bs": 38.2, "toks": float("nan"), "step_mean (ms)": 21.4,
+         "step_p50 (ms)": 20.9, "step_p99 (ms)": 27.3, "cpu_mean (ms)": 6.1, "spacing_p50 (ms)": 21.0,
+         "gpu_busy_share": 0.91, "host_wait_share": 0.03, "kernels_per_step": 310.0, "verdict": "GPU-bound"},
+        {"type": "MIXED", "steps": 57, "bs": 35.0, "toks": 2210.0, "step_mean (ms)": 64.2, "step_p50 (ms)": 61.0,
+         "step_p99 (ms)": 88.5, "cpu_mean (ms)": 9.3, "spacing_p50 (ms)": 63.8, "gpu_busy_share": 0.95,
+         "host_wait_share": 0.01, "kernels_per_step": 402.0, "verdict": "GPU-bound"},
+    ])
+    result = {"completed": len(results), "failed": 0, "duration": 165.2, "request_throughput": 4.02,
+              "output_throughput": 640.3, "mean_ttft_ms": 1650.2, "p99_ttft_ms": 9800.5, "mean_tpot_ms": 28.1,
+              "client_cpu_percent": 21.5, "client_lag_p99_ms": 0.8, "headroom_warnings": []}
+    return {"results": results, "origin": ORIGIN, "scrape": scrape, "telemetry": telemetry,
+            "profile_window": (ORIGIN + 30.0, ORIGIN + 40.0), "phases": phases, "result": result,
+            "client_cpu": 0.215, "client_lag_p99_ms": 0.8}
+
+
+@pytest.fixture
+def run() -> dict:
+    return synthetic_run()

@@ -1,0 +1,94 @@
+"""The page: self-contained, plotly inlined once, the same findings as the JSON, and drawn by a real browser."""
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from infertrace.load.findings import find_all
+from infertrace.report import render_html, report_document, write_report
+
+
+def _doc(run, **overrides):
+    findings = find_all(run["results"], run["origin"], run["scrape"], run["telemetry"], run["client_cpu"],
+                        run["client_lag_p99_ms"])
+    kwargs = dict(scrape=run["scrape"], telemetry=run["telemetry"], findings=findings,
+                  profile_window=run["profile_window"], result=run["result"], phases=run["phases"])
+    kwargs.update(overrides)
+    return report_document(run["results"], run["origin"], **kwargs)
+
+
+def test_document_is_json_and_holds_the_findings(run):
+    doc = _doc(run)
+    text = json.dumps(doc, allow_nan=False)  # NaN in the phases table becomes null
+    assert [f["rule"] for f in doc["findings"]] == ["queueing", "kv_pressure", "clock_drop"]
+    assert doc["phases"][0]["toks"] is None and doc["timeline"]["server"]["deltas"]["preemptions"] > 0
+    assert json.loads(text)["findings"] == doc["findings"]
+
+
+def test_page_is_self_contained_with_plotly_inlined_once(run, tmp_path):
+    doc = _doc(run)
+    path = write_report(tmp_path / "out" / "run.html", doc)
+    html = path.read_text()
+    assert html.count("plotly.js v") == 1  # the library, inlined once
+    assert not re.search(r"<script[^>]+src=", html) and "cdn.plot.ly" not in html
+    assert html.count('class="plotly-graph-div"') == 2
+    embedded = re.search(r'<script type="application/json" id="findings-data">(.*?)</script>', html, re.S)
+    assert json.loads(embedded.group(1)) == doc["findings"]  # the HTML's findings are the JSON's
+    for f in doc["findings"]:
+        assert f["what"].replace(">", "&gt;") in html and f["rule"] in html
+    assert "Profiler window: inference phases" in html and "GPU-bound" in html
+
+
+def test_page_without_server_gpu_or_findings(run):
+    html = render_html(_doc(run, scrape=None, telemetry=None, findings=[], phases=None, result=None,
+                            profile_window=None))
+    assert "No rule fired" in html and "inference phases" not in html and "server: running" not in html
+
+
+def test_titles_and_notes_are_escaped(run):
+    run["scrape"].note("<b>x</b> answered HTTP 404")
+    html = render_html(_doc(run, title="</script><i>t"))
+    assert "<i>t" not in html and "&lt;b&gt;x&lt;/b&gt; answered HTTP 404" in html
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# a probe run first in the page: records uncaught errors and console errors into the DOM for --dump-dom
+_PROBE = ("<script>window.__errors=[];window.addEventListener('error',e=>__errors.push(String(e.message)));"
+          "const __ce=console.error;console.error=(...a)=>{__errors.push(a.join(' '));__ce(...a)};"
+          "window.addEventListener('load',()=>setTimeout(()=>{const p=document.createElement('pre');"
+          "p.id='probe';p.textContent=JSON.stringify({errors:__errors,svgs:[...document.querySelectorAll("
+          "'.js-plotly-plot svg.main-svg')].filter(s=>s.querySelector('path,rect')).length});"
+          "document.body.appendChild(p)},500));</script>")
+
+
+def _chromium(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+                           "--v=0", "--virtual-time-budget=5000", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+def test_charts_draw_in_headless_chromium_without_errors(run, tmp_path):
+    html = render_html(_doc(run)).replace("<head>", "<head>" + _PROBE, 1)
+    path = tmp_path / "run.html"
+    path.write_text(html)
+    done = _chromium("--dump-dom", path.as_uri())
+    assert done.returncode == 0, done.stderr[-2000:]
+    probe = re.search(r'<pre id="probe">(.*?)</pre>', done.stdout, re.S)
+    assert probe, "the page never finished loading"
+    result = json.loads(probe.group(1).replace("&quot;", '"'))
+    assert result["errors"] == []
+    assert result["svgs"] >= 2 and done.stdout.count('class="main-svg"') >= 4  # both figures drew
+    assert "Uncaught" not in done.stderr and not re.search(r"CONSOLE.*(Error|error)", done.stderr)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+def test_the_probe_catches_a_broken_page(tmp_path):
+    path = tmp_path / "broken.html"
+    path.write_text(f"<html><head>{_PROBE}</head><body><script>undefinedFunction()</script></body></html>")
+    done = _chromium("--dump-dom", path.as_uri())
+    probe = re.search(r'<pre id="probe">(.*?)</pre>', done.stdout, re.S)
+    assert "undefinedFunction" in probe.group(1) and "Uncaught" in done.stderr
