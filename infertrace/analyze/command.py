@@ -12,7 +12,8 @@ EXIT_CODES = """\b
 Exit codes:
   0  the report was produced (files that could not be used are listed as warnings on stderr)
   1  an output file (--json, --csv, --html) could not be written
-  2  nothing to analyse: the path does not exist, holds no trace files, or none of them is readable"""
+  2  nothing to analyse: the path does not exist, holds no trace files, or none of them is readable; or a
+     report given to `diff` is cut short or not a report"""
 
 
 class _RunByDefault(click.Group):
@@ -111,11 +112,14 @@ def diff(before: Path, after: Path, json_path: Path | None) -> None:
 
 def _report_of(path: Path):
     from infertrace.analyze.capture import CaptureError, load_capture
-    from infertrace.analyze.persist import is_report_file, read_json
+    from infertrace.analyze.persist import ReportError, is_report_file, read_json
     from infertrace.analyze.report import build_report
 
     if is_report_file(path):
-        return read_json(path)
+        try:
+            return read_json(path)
+        except ReportError as exc:
+            fail(str(exc), code=2)
     try:
         capture = load_capture(path)
     except CaptureError as exc:

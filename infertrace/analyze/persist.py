@@ -54,11 +54,43 @@ def is_report_file(path: Path) -> bool:
     return head.replace(b" ", b"").replace(b"\n", b"").startswith(b'{"schema":"' + SCHEMA.encode())
 
 
+# the columns `analyze diff` joins each table on
+_KEY_COLUMNS = {"phases": ("type",), "categories": ("category",), "phase_categories": ("type", "category")}
+
+
+class ReportError(ValueError):
+    """A JSON report that cannot be read back (cut short, edited, or not a report); the message is one line."""
+
+
 def read_json(path: Path) -> Report:
-    data = json.loads(Path(path).read_text())
-    if data.get("schema") != SCHEMA:
-        raise ValueError(f"{path} is not an infertrace analyze report (schema {data.get('schema')!r})")
-    tables = {name: pd.DataFrame(rows) for name, rows in data.get("tables", {}).items() if name in TABLES}
+    """A report written by `write_json`. Raises ReportError when the file is not one, whole."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReportError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    except RecursionError:
+        raise ReportError(f"{path}: not an infertrace analyze report (JSON nested too deeply)") from None
+    except ValueError as exc:
+        raise ReportError(f"{path}: not a whole infertrace analyze report (invalid JSON: {exc}; cut short?)") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        schema = data.get("schema") if isinstance(data, dict) else None
+        raise ReportError(f"{path} is not an infertrace analyze report (schema {schema!r})")
+    raw_tables = data.get("tables", {})
+    shapes = {"tables": dict, "ranks": list, "problems": list, "notes": list, "skipped": dict}
+    for key, kind in shapes.items():
+        if not isinstance(data.get(key, kind()), kind):
+            raise ReportError(f"{path}: not an infertrace analyze report ({key!r} is not a {kind.__name__})")
+    tables = {}
+    for name, rows in raw_tables.items():
+        if name not in TABLES:
+            continue
+        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+            raise ReportError(f"{path}: table {name!r} is not a list of rows")
+        table = pd.DataFrame(rows)
+        missing = [col for col in _KEY_COLUMNS.get(name, ()) if rows and col not in table.columns]
+        if missing:
+            raise ReportError(f"{path}: table {name!r} has no {missing[0]!r} column")
+        tables[name] = table
     return Report(data.get("source", str(path)), pd.DataFrame(data.get("ranks", [])),
                   list(data.get("problems", [])), list(data.get("notes", [])), tables, dict(data.get("skipped", {})))
 

@@ -98,6 +98,7 @@ def gate(
     --allow-config-change. Record a baseline with `--update-baseline --baseline BASE.json`.
     """
     bounds = [*max_drop, *max_rise, *floor, *ceiling]
+    _check_outputs(summary, baseline if update_baseline else None)
     try:
         current = _load_all(results)
         _require_same_config(current, current, allow_config_change, ignore_config)
@@ -124,6 +125,26 @@ def gate(
         _append(summary, markdown(report))
     if report.regressed:
         raise SystemExit(1)
+
+
+def _check_outputs(summary: Path | None, new_baseline: Path | None) -> None:
+    """Output paths are tried before any work, so that a verdict never ends with nowhere to go (exit 2)."""
+    if summary is not None:
+        try:
+            with summary.open("a"):  # appending nothing leaves an existing summary as it was
+                pass
+        except OSError as exc:
+            fail(f"cannot write the summary {summary}: {exc.strerror or exc}", code=2)
+    if new_baseline is not None:
+        if new_baseline.is_dir():
+            fail(f"cannot write the baseline {new_baseline}: it is a directory", code=2)
+        probe = new_baseline.with_name(f".{new_baseline.name}.probe")
+        try:
+            new_baseline.parent.mkdir(parents=True, exist_ok=True)
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            fail(f"cannot write the baseline {new_baseline}: {exc.strerror or exc}", code=2)
 
 
 def _load_all(paths: tuple[Path, ...]) -> list[Run]:
@@ -159,7 +180,10 @@ def _write_baseline(runs: list[Run], bounds: list[Bound], baseline: Path | None)
     for bound in bounds:  # a baseline the next gate cannot use is caught now, not in the next build
         for run in runs:
             run.metric(bound.metric)
-    write_baseline(runs, baseline)
+    try:
+        write_baseline(runs, baseline)
+    except OSError as exc:
+        fail(f"cannot write the baseline {baseline}: {exc.strerror or exc}", code=2)
     err_console.print(f"wrote a baseline of {len(runs)} run{'s' if len(runs) != 1 else ''} to {baseline}")
 
 
@@ -183,5 +207,8 @@ def _warn(message: str) -> None:
 
 
 def _append(path: Path, text: str) -> None:
-    with path.open("a") as out:
-        out.write(text + "\n")
+    try:
+        with path.open("a") as out:
+            out.write(text + "\n")
+    except OSError as exc:
+        fail(f"cannot write the summary {path}: {exc.strerror or exc}", code=2)

@@ -10,6 +10,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 BASELINE_KIND = "infertrace-gate-baseline"
+MAX_DEPTH = 64  # nesting a result may have; results nest a few levels, and deeper ones would exhaust recursion
 
 # Top-level keys of a vLLM result that say which model and workload were run; anything else there is either a
 # metric, a per-request list, or free metadata (a commit id, a label) that must not make two runs incomparable.
@@ -95,6 +96,8 @@ def load_runs(path: Path) -> list[Run]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ResultError(f"{path}: cannot read ({exc})") from None
     objects = _parse_json_objects(path, text)
+    if not objects:
+        raise ResultError(f"{path}: holds no benchmark results")
     if len(objects) == 1 and isinstance(objects[0], dict) and objects[0].get("kind") == BASELINE_KIND:
         objects = objects[0].get("runs")
         if not isinstance(objects, list) or not objects:
@@ -122,10 +125,32 @@ def baseline_document(runs: list[Run]) -> dict[str, Any]:
 
 
 def write_baseline(runs: list[Run], path: Path) -> None:
+    """Write the baseline (through a temporary file and a rename). ResultError when a run holds a figure that is
+    not finite: JSON has no NaN, and the next gate could not compare against it."""
+    document = baseline_document(runs)
+    for run, kept in zip(runs, document["runs"]):
+        if (found := _first_non_finite(kept)) is not None:
+            raise ResultError(f"{run.source}: '{found[0]}' is {json.dumps(found[1])}: a baseline records finite "
+                              "figures only")
+    text = json.dumps(document, indent=2, allow_nan=False) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(baseline_document(runs), indent=2) + "\n")
+    partial.write_text(text)
     partial.replace(path)
+
+
+def _first_non_finite(data: dict[str, Any]) -> tuple[str, float] | None:
+    """The dotted key and value of the first NaN or infinite number in `data` (nested dicts and lists included)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return key, value
+        if isinstance(value, dict):
+            stack.extend(reversed([(f"{key}.{k}" if key else str(k), v) for k, v in value.items()]))
+        elif isinstance(value, list):
+            stack.extend(reversed([(f"{key}[{i}]", v) for i, v in enumerate(value)]))
+    return None
 
 
 def config_differences(runs: list[Run], others: list[Run], ignore: tuple[str, ...] = ()) -> list[str]:
@@ -158,8 +183,32 @@ def _hardware(run: Run) -> dict[str, Any]:
 
 
 def _parse_json_objects(path: Path, text: str) -> list[Any]:
+    objects = _parse_json_text(path, text)
+    for obj in objects:
+        if _depth(obj) > MAX_DEPTH:
+            raise ResultError(f"{path}: JSON nested more than {MAX_DEPTH} levels deep; not a benchmark result")
+    return objects
+
+
+def _depth(value: Any) -> int:
+    """How deeply `value` nests (a scalar is 0), found without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_DEPTH:  # deeper is already too deep
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _parse_json_text(path: Path, text: str) -> list[Any]:
     try:
         parsed = json.loads(text)
+    except RecursionError:
+        raise ResultError(f"{path}: JSON nested more than {MAX_DEPTH} levels deep; not a benchmark result") from None
     except json.JSONDecodeError as whole_error:
         lines = [line for line in text.splitlines() if line.strip()]
         if len(lines) < 2:
@@ -170,6 +219,8 @@ def _parse_json_objects(path: Path, text: str) -> list[Any]:
                 continue
             try:
                 objects.append(json.loads(line))
+            except RecursionError:
+                raise ResultError(f"{path}: line {number}: JSON nested more than {MAX_DEPTH} levels deep") from None
             except json.JSONDecodeError as exc:
                 raise ResultError(f"{path}: not valid JSON or JSON lines (line {number}: {exc})") from None
         return objects

@@ -174,3 +174,27 @@ def test_trace_events_that_never_open_an_array_beside_good_files(engine_trace, t
     done = run_python(["-m", "infertrace", "analyze", "diff", str(engine_trace.parent), str(engine_trace.parent)])
     assert done.returncode == 0, done.stderr
     assert "Step types: A -> B" in done.stdout
+
+
+def _edited(edit):
+    def damage(text: str) -> str:
+        doc = json.loads(text)
+        edit(doc)
+        return json.dumps(doc)
+    return damage
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda text: text[: len(text) // 2], "not a whole infertrace analyze report (invalid JSON"),
+    (_edited(lambda doc: doc["tables"].update(phases=5)), "table 'phases' is not a list of rows"),
+    (_edited(lambda doc: [row.pop("type") for row in doc["tables"]["phases"]]), "table 'phases' has no 'type'"),
+    (_edited(lambda doc: doc.update(problems=5)), "'problems' is not a list"),
+])
+def test_diff_of_a_damaged_report_exits_2(engine_trace, tmp_path, damage, words):
+    report = tmp_path / "r.json"
+    assert invoke(engine_trace.parent, "--json", report, "--quiet").exit_code == 0
+    report.write_text(damage(report.read_text()))
+    result = invoke("diff", report, engine_trace.parent)
+    assert result.exit_code == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {report}") and words in lines[0]

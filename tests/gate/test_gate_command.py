@@ -177,3 +177,48 @@ def test_warns_when_the_baseline_ran_on_other_hardware(make_result, tmp_path):
     result = run_gate(current, "--baseline", base, "--max-drop", "output_throughput=5%")
     assert result.exit_code == 0
     assert 'the baseline ran on other hardware (gpu: (absent) in' in " ".join(result.output.split())
+
+
+def _one_error_line(result) -> str:
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("content, words", [
+    ("[]", "holds no benchmark results"),
+    ("[" * 100_000 + "]" * 100_000, "JSON nested more than 64 levels deep"),
+    ('{"output_throughput": 1, "config": ' + '{"a": ' * 200 + "1" + "}" * 200 + "}", "nested more than 64 levels"),
+])
+@pytest.mark.parametrize("role", ["results", "baseline"])
+def test_empty_or_deeply_nested_files_exit_2(make_result, tmp_path, content, words, role):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    good = make_result("good.json")
+    current, base = (bad, good) if role == "results" else (good, bad)
+    result = run_gate(current, "--baseline", base, "--max-drop", "output_throughput=5%")
+    assert result.exit_code == 2
+    assert words in _one_error_line(result)
+
+
+@pytest.mark.parametrize("option", ["--summary", "--baseline"])
+def test_an_unwritable_output_exits_2_before_any_work(make_result, tmp_path, option):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    args = [make_result("cur.json"), option, blocker / "out.md"]
+    args += ["--update-baseline"] if option == "--baseline" else ["--min", "output_throughput=1"]
+    result = run_gate(*args)
+    assert result.exit_code == 2
+    assert _one_error_line(result).startswith(f"error: cannot write the {option[2:]} {blocker / 'out.md'}: ")
+    # checked first: an unusable result behind an unwritable output still names the output
+    result = run_gate(tmp_path / "absent.json", *args[1:])
+    assert result.exit_code == 2 and "cannot write" in result.output
+
+
+def test_update_baseline_refuses_a_figure_that_is_not_finite(make_result, tmp_path):
+    current = make_result("cur.json", median_itl_ms=float("nan"))
+    base = tmp_path / "base.json"
+    result = run_gate(current, "--baseline", base, "--update-baseline")
+    assert result.exit_code == 2
+    assert _one_error_line(result) == f"error: {current}: 'median_itl_ms' is NaN: a baseline records finite figures only"
+    assert not base.exists()
