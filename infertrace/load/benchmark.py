@@ -14,6 +14,7 @@ from pathlib import Path
 
 from infertrace.load.clock import Clock
 from infertrace.load.config import DEFAULT_OUTPUT_LEN, BenchConfig
+from infertrace.load.conversation import ConversationLoad
 from infertrace.load.dataset import (
     DatasetError,
     PromptMaker,
@@ -25,9 +26,11 @@ from infertrace.load.dataset import (
 )
 from infertrace.load.metrics import Metrics, Stats, compute_metrics, token_count_checks
 from infertrace.load.records import RequestResult, RequestSpec
+from infertrace.load.replay import TraceReplay
 from infertrace.load.runner import Runner
 from infertrace.load.schedule import arrival_offsets, ramp_up_offsets
 from infertrace.load.steady import SteadyState, steady_state
+from infertrace.load.server_counters import read_prefix_cache, run_hit_rate
 from infertrace.load.timing import TargetError, resolve_output_tokens
 
 CLIENT_CPU_WARN = 0.8  # share of one core used by the load generator's event-loop thread
@@ -113,6 +116,7 @@ class PointRecord:
     client_lag: Stats  # schedule lag minus slot wait: lateness that is the client's own
     interrupted: bool = False
     profile: dict | None = None
+    workload: dict | None = None  # trace replay and sessions: their own figures (prefix reuse, per turn, ...)
     stopped_early: bool = False  # a --find-max point ended once its queue was seen growing without bound
     steady: SteadyState | None = None
 
@@ -163,6 +167,15 @@ def build_specs(cfg: BenchConfig, tokenizer, n: int, stream: str, point: int = 0
     return jsonl_specs(cfg.dataset_path, n, tokenizer, cfg.output_len, DEFAULT_OUTPUT_LEN)
 
 
+def shaped_load(cfg: BenchConfig, tokenizer, point: int = 0) -> TraceReplay | ConversationLoad | None:
+    """Trace replay or multi-turn sessions, built (and so checked) before any load; None for the other datasets."""
+    if cfg.dataset == "trace":
+        return TraceReplay(cfg, tokenizer)
+    if cfg.dataset == "conversation":
+        return ConversationLoad(cfg, tokenizer, DEFAULT_OUTPUT_LEN, point)
+    return None
+
+
 def numbered_cycle(specs: list[RequestSpec]) -> Iterator[RequestSpec]:
     """The prompts over and over, each send with its own index (for --duration runs)."""
     for i, spec in enumerate(itertools.cycle(specs)):
@@ -191,15 +204,18 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
     """Warmup (excluded), profiler start, the measured load, profiler stop, then the figures."""
     max_len = getattr(target, "max_model_len", None)
     tokenizer = target.tokenizer
-    specs = build_specs(cfg, tokenizer, cfg.num_prompts, "measure", point, max_len)
+    load = shaped_load(cfg, tokenizer, point)
+    specs = build_specs(cfg, tokenizer, cfg.num_prompts, "measure", point, max_len) if load is None else []
+    cache_before = None
     concurrency = cfg.effective_concurrency
     interrupted = stopped_early = False
     warm = Runner(target, clock, hooks.on_result)
-    if cfg.warmup:
-        warm_specs = build_specs(cfg, tokenizer, cfg.warmup, "warmup", point, max_len)
-        hooks.on_phase("warmup", cfg.warmup, None)
+    if n_warm := cfg.effective_warmup:
+        warm_specs = load.warmup_specs(n_warm) if load is not None else \
+            build_specs(cfg, tokenizer, n_warm, "warmup", point, max_len)
+        hooks.on_phase("warmup", len(warm_specs), None)
         try:
-            await interrupter.run(warm.closed_loop(warm_specs, min(concurrency or cfg.warmup, cfg.warmup)))
+            await interrupter.run(warm.closed_loop(warm_specs, min(concurrency or n_warm, n_warm)))
         except Interrupted:
             interrupted = True
 
@@ -216,8 +232,12 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
     window = min((s for s in (cfg.duration_s, cfg.profile_seconds) if s), default=None)
     runner = Runner(target, clock, hooks.on_result)
     if not interrupted:
-        hooks.on_phase("measure", None if cfg.duration_s else cfg.num_prompts, window)
-        if cfg.ramp_up_strategy is not None:
+        total = load.total if load is not None else None if cfg.duration_s else cfg.num_prompts
+        hooks.on_phase("measure", total, window)
+        if load is not None:
+            cache_before = await read_prefix_cache(target)  # the server's counters now: the run's own hit rate
+            phase = load.phase(runner, clock, window)
+        elif cfg.ramp_up_strategy is not None:
             offsets = ramp_up_offsets(cfg.ramp_up_strategy, cfg.ramp_up_start_rps, cfg.ramp_up_end_rps,
                                       cfg.burstiness, seeded_rng(cfg.seed, "arrivals", point), cfg.num_prompts)
             phase = runner.open_loop(specs, offsets, cfg.concurrency)
@@ -247,6 +267,9 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
                       + (f" (the server writes to {where})" if where and not profile["trace_files"] else ""))
 
     results = runner.results
+    workload = None
+    if load is not None:
+        workload = {**load.figures(results, target), **run_hit_rate(cache_before, await read_prefix_cache(target))}
     resolve_output_tokens(results, tokenizer, check_usage=target.kind == "http")
     resolve_output_tokens(warm.results, tokenizer)
     metrics = compute_metrics(results, cfg.request_slo)
@@ -259,7 +282,7 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
         client_cpu=cpu[0] / duration if cpu and duration > 0 else None,
         process_cpu=cpu[1] / duration if cpu and duration > 0 else None,
         client_lag=Stats.of([max(0.0, r.schedule_lag - r.slot_wait) for r in results]),
-        interrupted=interrupted, profile=profile, stopped_early=stopped_early,
+        interrupted=interrupted, profile=profile, workload=workload, stopped_early=stopped_early,
         steady=steady_state(results, None if cfg.open_loop else cfg.effective_concurrency))
 
 

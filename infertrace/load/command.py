@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from fractions import Fraction
 
 import click
 
@@ -12,6 +13,7 @@ from infertrace.load.config import (
     DATASETS,
     DEFAULT_CONCURRENCY,
     DEFAULT_OUTPUT_LEN,
+    DEFAULT_WARMUP,
     ENDPOINTS,
     FIND_MAX_PARAMS,
     RAMP_UP_STRATEGIES,
@@ -48,6 +50,14 @@ def _parsed(parse):
     return callback
 
 
+def _fraction(text: str) -> float:
+    """`1/32` or `0.03125` -> 0.03125."""
+    try:
+        return float(Fraction(text.strip()))
+    except ZeroDivisionError:
+        raise ValueError(f"{text!r} divides by zero") from None
+
+
 def _json_object(text: str) -> dict:
     obj = json.loads(text)
     if not isinstance(obj, dict):
@@ -74,8 +84,20 @@ def _json_object(text: str) -> dict:
 @click.option("--dataset", type=click.Choice(DATASETS),
               help="random: prompts of exact token length; shared-prefix: --num-prefixes prefixes of "
               "--prefix-len tokens shared by the requests; sharegpt: a ShareGPT-format JSON file; jsonl: one "
-              f"{{\"prompt\": ..., \"max_tokens\": ...}} per line. {_d('dataset')}")
-@click.option("--dataset-path", type=click.Path(dir_okay=False), help="The file for --dataset sharegpt/jsonl.")
+              f"{{\"prompt\": ..., \"max_tokens\": ...}} per line; trace: replay a Mooncake JSONL, Azure or "
+              "BurstGPT CSV trace at its times; conversation: multi-turn sessions over chat (a ShareGPT file, "
+              f"else synthetic). {_d('dataset')}")
+@click.option("--dataset-path", type=click.Path(dir_okay=False), help="The file for --dataset sharegpt/jsonl/trace "
+              "(and conversation, optional).")
+@click.option("--time-scale", type=float, help="Trace: multiply every timestamp by this (0.5 replays twice as "
+              f"fast). {_d('time_scale')}")
+@click.option("--token-scale", callback=_parsed(_fraction), metavar="F", help="Trace: multiply input and output "
+              f"lengths and the 512-token hash block by F, e.g. 1/32 for 16-token blocks. {_d('token_scale')}")
+@click.option("--turns", type=int, help=f"Conversation without a file: turns of each session. {_d('turns')}")
+@click.option("--turn-input-len", type=int, help="Conversation without a file: tokens of each user message. "
+              f"{_d('turn_input_len')}")
+@click.option("--think-time", "think_time_s", type=float, metavar="SECONDS", help="Conversation: pause between a "
+              f"reply and the user's next turn. {_d('think_time_s')}")
 @click.option("--input-len", type=int, help=f"Prompt tokens of random prompts (the part after the prefix for "
               f"shared-prefix). {_d('input_len')}")
 @click.option("--output-len", type=int, help=f"max_tokens of each request [default: {DEFAULT_OUTPUT_LEN}, or "
@@ -102,8 +124,8 @@ def _json_object(text: str) -> dict:
               "--request-rate.")
 @click.option("--ramp-up-start-rps", type=float, help="With --ramp-up-strategy: the rate of the first request.")
 @click.option("--ramp-up-end-rps", type=float, help="With --ramp-up-strategy: the rate of the last request.")
-@click.option("--warmup", type=int, help=f"Requests sent before measuring, excluded from the figures. "
-              f"{_d('warmup')}")
+@click.option("--warmup", type=int, help="Requests sent before measuring, excluded from the figures [default: "
+              f"{DEFAULT_WARMUP}; none for trace replay, whose warmup, when asked, shares no block with the trace].")
 @click.option("--sweep", "sweep", callback=_parsed(parse_sweep), metavar="PARAM=V1,V2,...",
               help="Run once per value, e.g. concurrency=1,2,4,8 or request-rate=1,2,4; prints one table and "
               "writes a PNG plot.")
@@ -162,6 +184,8 @@ def bench(**options) -> None:
     if not options["engine_overrides"]:
         options.pop("engine_overrides")
     given = {k: v for k, v in options.items() if v is not None}
+    if given.get("dataset") == "conversation":
+        given.setdefault("endpoint", "chat")  # every turn goes with its history; completions has no messages
     try:
         cfg = BenchConfig(**given)
     except ValueError as e:

@@ -17,6 +17,7 @@ SWEEP_PARAMS = {"concurrency": "concurrency", "request-rate": "request_rate"}
 DEFAULT_OUTPUT_LEN = 64  # --output-len for random prompts and files that name no length
 DEFAULT_CONCURRENCY = 8  # closed loop when neither --concurrency nor --request-rate is given
 DEFAULT_SWEEP_PLOT = "bench-sweep.png"
+DEFAULT_CAPACITY_PLOT = "bench-capacity.png"
 MIN_REQUEST_RATE = 1 / 3600  # one request an hour; below it the first gaps outlast any benchmark
 RESERVED_BODY_KEYS = {  # request-body keys bench sets itself, and the option that sets each
     "stream": "bench always streams",
@@ -234,9 +235,10 @@ class BenchConfig:
     def output_paths(self) -> dict[str, str]:
         """Every file the run will write, by the option that names it (checked before any request)."""
         paths = {"--result-json": self.result_json, "--requests-jsonl": self.requests_jsonl}
-        if self.sweep_param is not None:
+        if self.sweep_param is not None or self.find_max is not None:
             paths["--plot"] = self.plot or (str(Path(self.result_json).with_suffix(".png")) if self.result_json
-                                            else DEFAULT_SWEEP_PLOT)
+                                            else DEFAULT_SWEEP_PLOT if self.find_max is None
+                                            else DEFAULT_CAPACITY_PLOT)
         return {flag: path for flag, path in paths.items() if path}
 
     def to_json(self) -> dict:

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from infertrace.load.clock import Clock
-from infertrace.load.dataset import DatasetError, PromptMaker, length_range
+from infertrace.load.dataset import DatasetError, PromptMaker, length_range, seeded_rng
 from infertrace.load.records import RequestResult, RequestSpec
+from infertrace.load.schedule import arrival_offsets
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,3 +134,71 @@ class SessionDriver:
         return {"sessions": len(self.outcomes), "sessions_completed": len(self.outcomes) - len(ended),
                 "sessions_ended_by_failure": len(ended),
                 "turns_sent": sum(len(o.results) for o in self.outcomes)}
+
+
+def per_turn(results: list[RequestResult]) -> list[dict]:
+    """TTFT and input tokens by turn index (input tokens: the target's count, else our tokenizer's)."""
+    from infertrace.load.metrics import Stats, input_tokens
+
+    by_turn: dict[int, list[RequestResult]] = {}
+    for r in results:
+        if r.turn is not None:
+            by_turn.setdefault(r.turn, []).append(r)
+    out = []
+    for k in sorted(by_turn):
+        rs = by_turn[k]
+        done = [r for r in rs if r.success]
+        ttft = Stats.of([r.ttft for r in done if r.ttft is not None])
+        counted = [input_tokens(r) for r in done if input_tokens(r)]
+        out.append({"turn": k, "requests": len(rs), "completed": len(done),
+                    "mean_ttft_ms": ttft.mean, "median_ttft_ms": ttft.median, "p99_ttft_ms": ttft.p99,
+                    "mean_input_tokens": sum(counted) / len(counted) if counted else None})
+    return out
+
+
+class ConversationLoad:
+    """`--dataset conversation`: --num-prompts sessions (from a ShareGPT multi-turn file, else synthetic), played
+    by --concurrency users in a closed loop, or started at --request-rate sessions per second in an open loop."""
+
+    def __init__(self, cfg, tokenizer, default_output_len: int, point: int = 0) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.default_output_len = default_output_len
+        self.point = point
+        self.sessions = self._sessions(seeded_rng(cfg.seed, "measure", point), cfg.num_prompts)
+        self.driver: SessionDriver | None = None
+
+    def _sessions(self, rng: np.random.Generator, n: int) -> list[Session]:
+        cfg, tokenizer, default_output_len = self.cfg, self.tokenizer, self.default_output_len
+        if cfg.dataset_path:
+            return sharegpt_sessions(cfg.dataset_path, n, rng, tokenizer, cfg.output_len, default_output_len)
+        if tokenizer is None:
+            raise DatasetError("synthetic sessions have user turns of exact token length and need the target's "
+                               "tokenizer: pass --tokenizer DIR (or --model DIR), or a ShareGPT file with "
+                               "--dataset-path")
+        return synthetic_sessions(PromptMaker(tokenizer, rng), n, cfg.turns, cfg.turn_input_len,
+                                  cfg.output_len or default_output_len, cfg.range_ratio)
+
+    @property
+    def total(self) -> int | None:
+        return None  # turns per session are known, but a failed turn ends its session early
+
+    def warmup_specs(self, n: int) -> list[RequestSpec]:
+        """The first turn of `n` sessions of their own, each a one-message chat."""
+        sessions = self._sessions(seeded_rng(self.cfg.seed, "warmup", self.point), n)
+        return [RequestSpec(i, s.turns[0].user, s.turns[0].output_len,
+                            messages=[{"role": "user", "content": s.turns[0].user}]) for i, s in enumerate(sessions)]
+
+    def phase(self, runner, clock: Clock, window: float | None):
+        cfg = self.cfg
+        self.driver = SessionDriver(runner.send, clock, cfg.think_time_s)
+        if cfg.request_rate is not None:
+            offsets = arrival_offsets(cfg.request_rate, cfg.burstiness, seeded_rng(cfg.seed, "arrivals", self.point),
+                                      len(self.sessions), None)
+            return runner.open_sessions(self.sessions, offsets, self.driver.play)
+        deadline = clock.now() + window if window else None
+        return runner.closed_sessions(self.sessions, self.cfg.effective_concurrency, self.driver.play, deadline)
+
+    def figures(self, results: list[RequestResult], target) -> dict:
+        summary = self.driver.summary() if self.driver is not None else {}
+        return {**summary, "per_turn": per_turn(results)}

@@ -44,7 +44,12 @@ async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
             target.tokenizer = await asyncio.to_thread(load_tokenizer, source)
         with interrupter.on_sigint(announce), LiveProgress(err_console) as progress:
             hooks = Hooks(progress.on_phase, progress.on_result, progress.on_info)
-            records = await run_benchmark(cfg, target, MonotonicClock(), interrupter, hooks)
+            if cfg.find_max is not None:
+                from infertrace.load.capacity import run_capacity
+
+                records = await run_capacity(cfg, target, MonotonicClock(), interrupter, hooks)
+            else:
+                records = await run_benchmark(cfg, target, MonotonicClock(), interrupter, hooks)
     finally:
         await target.close()
     return records, target
@@ -63,6 +68,8 @@ def execute(cfg: BenchConfig) -> int:
         fail(str(e), EXIT_BAD_INPUT)
     except KeyboardInterrupt:  # before the load started, or a second Ctrl-C: nothing is saved
         fail("interrupted; no result was saved", EXIT_INTERRUPTED)
+    if cfg.find_max is not None:
+        return finish_capacity(records, cfg, target)
     if cfg.sweep_param is None:
         out_console.print(summary_table(records[0]))
     else:
@@ -88,6 +95,30 @@ def execute(cfg: BenchConfig) -> int:
         err_console.print("[bold red]error:[/] every measured request failed (reasons under 'failed requests')",
                           highlight=False)
     return code
+
+
+def finish_capacity(capacity, cfg: BenchConfig, target) -> int:
+    """The search's table, warnings, result file and plot; the exit code of all its runs."""
+    from infertrace.load.plot import plot_capacity
+    from infertrace.load.render import capacity_table
+    from infertrace.load.result import capacity_document, write_json
+
+    out_console.print(capacity_table(capacity))
+    for record in capacity.records:
+        for warning in record.warnings:
+            err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    try:
+        if cfg.result_json:
+            _info(f"result: {write_json(cfg.result_json, capacity_document(capacity, cfg.to_json(), target))}")
+        if cfg.requests_jsonl:
+            from infertrace.load.result import write_requests_jsonl
+
+            _info(f"requests: {write_requests_jsonl(cfg.requests_jsonl, capacity.records)}")
+        if capacity.trials:
+            _info(f"plot: {plot_capacity(capacity, cfg.output_paths()['--plot'])}")
+    except OSError as e:
+        fail(f"cannot save the results: {e}", EXIT_BAD_INPUT)
+    return exit_code(capacity.records)
 
 
 def exit_code(records: list[PointRecord]) -> int:

@@ -45,3 +45,34 @@ def save_figure(fig, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_capacity(cap, path: str | Path) -> Path:
+    """One panel per run-level bound: its estimate and bootstrap interval at every load tried, the bound as a
+    line, passing loads filled and failing ones hollow."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(cap.slo)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for passed, style in ((True, {"color": "tab:green", "label": "pass"}),
+                              (False, {"color": "tab:red", "mfc": "none", "label": "fail"})):
+            pts = [(t.load, t.estimates[key]) for t in cap.trials if t.passed == passed and key in t.estimates
+                   and t.estimates[key].value_ms is not None and t.estimates[key].value_ms < float("inf")]
+            if pts:
+                ys = [e.value_ms for _, e in pts]
+                errs = [[e.value_ms - e.low_ms for _, e in pts],
+                        [min(e.high_ms, 10 * e.value_ms) - e.value_ms for _, e in pts]]
+                ax.errorbar([x for x, _ in pts], ys, yerr=errs, fmt="o", capsize=3, **style)
+        ax.axhline(cap.slo[key], color="gray", linestyle="--", label=f"bound {cap.slo[key]:g} ms")
+        if cap.max_load is not None:
+            ax.axvline(cap.max_load, color="tab:green", alpha=0.4, label=f"max {cap.max_load:g}")
+        ax.set_title(key)
+        ax.set_xlabel(cap.param.replace("_", "-"))
+        ax.set_ylabel("ms")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return save_figure(fig, path)

@@ -118,3 +118,25 @@ def sweep_table(records: list[PointRecord], param: str) -> Table:
                   _num(m.tpot.p99), _num(m.itl.median), _num(m.e2el.median),
                   _num(m.schedule_lag.p99, "{:.3f}"), _num(m.goodput))
     return t
+
+
+def capacity_table(cap) -> Table:
+    """Every load the --find-max search tried, in order, with each bound's estimate and interval, and the answer."""
+    name = cap.param.replace("_", "-")
+    best = "none (the first load already missed a bound)" if cap.max_load is None else f"{cap.max_load:g}"
+    above = "" if cap.first_failing_load is None else f", {cap.first_failing_load:g} fails"
+    t = Table(title=f"infertrace bench --find-max {name} {cap.slo}: max {name} {best}{above} (search ended: "
+                    f"{cap.stopped})", title_justify="left")
+    for col in (name, "verdict", "decided by", "runs", *(f"{k} [95% CI]" for k in cap.slo), "req/s", "out tok/s"):
+        t.add_column(col, justify="right")
+    for trial in cap.trials:
+        last = trial.records[-1].metrics if hasattr(trial.records[-1], "metrics") else None
+        cells = []
+        for key in cap.slo:
+            e = trial.estimates.get(key)
+            cells.append("-" if e is None or e.value_ms is None else
+                         f"{_num(e.value_ms, '{:.1f}')} [{_num(e.low_ms, '{:.1f}')}, {_num(e.high_ms, '{:.1f}')}]")
+        t.add_row(f"{trial.load:g}", "pass" if trial.passed else "fail", trial.decided_by, str(len(trial.records)),
+                  *cells, _num(last.request_throughput if last else None),
+                  _num(last.output_throughput if last else None, "{:.1f}"))
+    return t

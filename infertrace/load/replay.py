@@ -67,6 +67,27 @@ class Trace:
                 seen.add(h)
         return reused / total if total else None
 
+    def servable_prefix_reuse(self, cache_block_tokens: int) -> float | None:
+        """The implied reuse a paged prefix cache of `cache_block_tokens`-token blocks can serve: of each prompt's
+        leading tokens in blocks seen before, the whole cache blocks that end before its last token (the last
+        token is always computed: its logits give the first output token). None without block hashes."""
+        if self.block_tokens is None:
+            return None
+        seen: set[int] = set()
+        served = total = 0
+        for req in self.requests:
+            total += req.input_len
+            leading, covered = True, 0
+            for k, h in enumerate(req.hash_ids or ()):
+                size = min(self.block_tokens, req.input_len - k * self.block_tokens)
+                if size <= 0:
+                    break
+                leading = leading and h in seen
+                covered += size if leading else 0
+                seen.add(h)
+            served += min(covered, req.input_len - 1) // cache_block_tokens * cache_block_tokens
+        return served / total if total else None
+
 
 def read_trace(path: str | Path, time_scale: float = 1.0, token_scale: float = 1.0,
                limit: int | None = None) -> Trace:
@@ -290,3 +311,63 @@ def trace_specs(trace: Trace, tokenizer, seed: int = 0) -> tuple[list[RequestSpe
     prompts = BlockPrompts(tokenizer, trace.block_tokens, seed)
     specs = [prompts.spec(i, r) for i, r in enumerate(trace.requests)]
     return specs, [r.offset_s for r in trace.requests]
+
+
+def warmup_specs(trace: Trace, tokenizer, seed: int, n: int) -> list[RequestSpec]:
+    """`n` requests of the trace's first lengths made of fresh words, sharing no block with the replay, so a
+    warmup (only when asked) warms the server without seeding its prefix cache with the trace's blocks."""
+    vocab = word_vocab(tokenizer)
+    out = []
+    for i, req in enumerate(trace.requests[:n]):
+        ids = seeded_rng(seed, "trace-warmup", i).choice(vocab, req.input_len).tolist()
+        out.append(RequestSpec(i, tokenizer.decode(ids), req.output_len, ids, len(ids)))
+    return out
+
+
+# ----- the load -----
+DEFAULT_CACHE_BLOCK_TOKENS = 16  # vLLM's and the bundled engine's KV block, when the target does not say
+
+
+def cache_block_tokens(target) -> tuple[int, str]:
+    """The target's prefix-cache block in tokens, and where that figure comes from."""
+    config = getattr(getattr(target, "engine", None), "config", None)
+    if isinstance(getattr(config, "block_size", None), int):
+        return config.block_size, "engine config"
+    body = (getattr(target, "server_info", None) or {}).get("body")
+    block = (body.get("engine_config") or {}).get("block_size") if isinstance(body, dict) else None
+    if isinstance(block, int) and not isinstance(block, bool) and block > 0:
+        return block, "server_info"
+    return DEFAULT_CACHE_BLOCK_TOKENS, "assumed (vLLM's and infertrace's default)"
+
+
+class TraceReplay:
+    """`--dataset trace`: the first --num-prompts requests of the trace, each sent at its time × --time-scale (an
+    open loop on the trace's own schedule, capped by --concurrency when given)."""
+
+    def __init__(self, cfg, tokenizer) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.trace = read_trace(cfg.dataset_path, cfg.time_scale, cfg.token_scale, cfg.num_prompts)
+        self.specs, self.offsets = trace_specs(self.trace, tokenizer, cfg.seed)
+
+    @property
+    def total(self) -> int:
+        return len(self.specs)
+
+    def warmup_specs(self, n: int) -> list[RequestSpec]:
+        return warmup_specs(self.trace, self.tokenizer, self.cfg.seed, n)
+
+    def phase(self, runner, clock, window: float | None):
+        return runner.open_loop(self.specs, self.offsets, self.cfg.concurrency)
+
+    def figures(self, results, target) -> dict:
+        block, block_source = cache_block_tokens(target)
+        t = self.trace
+        return {
+            "trace": {"path": t.path, "format": t.format, "requests": len(t.requests),
+                      "span_s": t.requests[-1].offset_s if t.requests else 0.0, "block_tokens": t.block_tokens,
+                      "time_scale": self.cfg.time_scale, "token_scale": self.cfg.token_scale, "notes": t.notes},
+            "trace_implied_prefix_reuse": t.implied_prefix_reuse(),
+            "trace_servable_prefix_reuse": t.servable_prefix_reuse(block),
+            "cache_block_tokens": block, "cache_block_tokens_source": block_source,
+        }

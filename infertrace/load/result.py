@@ -121,6 +121,28 @@ def result_document(records: list[PointRecord], config: dict, target) -> dict:
             "interrupted": any(r.interrupted for r in records), **common}
 
 
+def capacity_document(cap, config: dict, target) -> dict:
+    """A --find-max search: the answer, then every load tried with its verdict, its bounds' estimates and
+    intervals, and the full result of each of its runs."""
+    def est(e) -> dict:
+        return {"estimate_ms": _finite(e.value_ms), "low_ms": _finite(e.low_ms), "high_ms": _finite(e.high_ms),
+                "samples": e.samples}
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "find_max": {
+            "param": cap.param, "slo": cap.slo, "max_load": cap.max_load,
+            "first_failing_load": cap.first_failing_load, "stopped": cap.stopped,
+            "points": [{"load": t.load, "passed": t.passed, "decided_by": t.decided_by, "runs": len(t.records),
+                        "bounds": {k: est(e) for k, e in t.estimates.items()},
+                        "results": [point_result(r) for r in t.records]} for t in cap.trials],
+        },
+        "interrupted": cap.stopped == "interrupted",
+        **run_keys(config, target, dt.datetime.now(dt.timezone.utc)), "config": config,
+        "provenance": provenance(target, config["seed"]),
+    }
+
+
 def write_json(path: str | Path, document: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
