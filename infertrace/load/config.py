@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ENDPOINTS = ("completions", "chat")
-DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl")
+DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl", "trace", "conversation")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")  # per-request bounds: goodput
 SLO_STATS = {"median": 50, "p90": 90, "p95": 95, "p99": 99}  # run-level bounds, e.g. p99_ttft_ms: --find-max
 SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -16,6 +16,7 @@ FIND_MAX_PARAMS = {"concurrency": "concurrency", "request-rate": "request_rate"}
 SWEEP_PARAMS = {"concurrency": "concurrency", "request-rate": "request_rate"}
 DEFAULT_OUTPUT_LEN = 64  # --output-len for random prompts and files that name no length
 DEFAULT_CONCURRENCY = 8  # closed loop when neither --concurrency nor --request-rate is given
+DEFAULT_WARMUP = 2  # warmup requests, except for trace replay (none: they would seed the prefix cache)
 DEFAULT_SWEEP_PLOT = "bench-sweep.png"
 DEFAULT_CAPACITY_PLOT = "bench-capacity.png"
 MIN_REQUEST_RATE = 1 / 3600  # one request an hour; below it the first gaps outlast any benchmark
@@ -52,6 +53,11 @@ class BenchConfig:
     prefix_len: int = 256
     num_prefixes: int = 4
     seed: int = 0
+    time_scale: float = 1.0  # trace: every timestamp multiplied by this (0.5 replays twice as fast)
+    token_scale: float = 1.0  # trace: lengths and the hash block multiplied by this (1/32: 16-token blocks)
+    turns: int = 3  # conversation without a file: turns of each synthetic session
+    turn_input_len: int = 128  # conversation without a file: tokens of each user message
+    think_time_s: float = 0.0  # conversation: pause between a reply and the next turn
     # load shape
     num_prompts: int = 32
     duration_s: float | None = None
@@ -61,7 +67,7 @@ class BenchConfig:
     ramp_up_strategy: str | None = None  # an open loop whose rate ramps from start to end over the requests
     ramp_up_start_rps: float | None = None
     ramp_up_end_rps: float | None = None
-    warmup: int = 2
+    warmup: int | None = None  # None: DEFAULT_WARMUP, or none for trace replay (see effective_warmup)
     sweep_param: str | None = None  # "concurrency" or "request_rate"
     sweep_values: tuple = ()
     find_max: str | None = None  # "concurrency" or "request_rate": the highest load meeting every --slo bound
@@ -93,6 +99,7 @@ class BenchConfig:
             raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
         if self.dataset in ("sharegpt", "jsonl") and not self.dataset_path:
             raise ValueError(f"--dataset {self.dataset} needs --dataset-path FILE")
+        self._check_trace_and_sessions()
         for name in ("input_len", "prefix_len", "num_prefixes", "num_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -108,7 +115,7 @@ class BenchConfig:
                              f"or inf, got {self.request_rate}")
         if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
             raise ValueError(f"burstiness must be a positive number, got {self.burstiness}")
-        if self.warmup < 0:
+        if self.warmup is not None and self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         _finite_positive("request_timeout", self.request_timeout_s, " of seconds")
         if not (0 <= self.temperature < math.inf):
@@ -206,6 +213,33 @@ class BenchConfig:
     def run_slo(self) -> dict[str, float]:
         """The run-level bounds (--find-max): p99_ttft_ms and the like."""
         return {k: v for k, v in self.slo.items() if k not in SLO_KEYS}
+
+    def _check_trace_and_sessions(self) -> None:
+        _finite_positive("time_scale", self.time_scale)
+        _finite_positive("token_scale", self.token_scale)
+        if self.dataset == "trace":
+            if self.request_rate is not None:
+                raise ValueError("trace replay sends each request at the trace's time (scale them with "
+                                 "--time-scale); drop --request-rate")
+            if self.duration_s is not None:
+                raise ValueError("trace replay sends --num-prompts requests of the trace; drop --duration")
+        for name in ("turns", "turn_input_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not (0 <= self.think_time_s < math.inf):
+            raise ValueError(f"think_time must be a finite number of seconds >= 0, got {self.think_time_s}")
+        if self.dataset == "conversation" and self.base_url is not None and self.endpoint != "chat":
+            raise ValueError("--dataset conversation sends each turn with its history over chat: use --endpoint chat")
+        if self.dataset == "conversation" and self.request_rate is not None and self.concurrency is not None:
+            raise ValueError("with --request-rate, sessions start on their own schedule and run to their end: "
+                             "drop --concurrency (or drop --request-rate for a closed loop of users)")
+
+    @property
+    def effective_warmup(self) -> int:
+        """--warmup, else DEFAULT_WARMUP; trace replay warms up only when asked."""
+        if self.warmup is not None:
+            return self.warmup
+        return 0 if self.dataset == "trace" else DEFAULT_WARMUP
 
     @property
     def effective_concurrency(self) -> int | None:

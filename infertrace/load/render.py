@@ -65,6 +65,35 @@ def _steady(record: PointRecord) -> str:
     return f"{s.output_throughput:.2f}  (in flight >= {s.in_flight}, {s.start - origin:.2f}-{s.end - origin:.2f} s)"
 
 
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def workload_rows(w: dict | None) -> list[tuple[str, str]]:
+    """Trace replay's prefix reuse (implied and measured) and sessions' outcomes and per-turn figures."""
+    if not w:
+        return []
+    rows = []
+    if "trace" in w:
+        t = w["trace"]
+        rows.append(("trace", f"{t['format']}, {t['requests']} requests over {t['span_s']:.2f} s "
+                              f"(time x{t['time_scale']:g}, tokens x{t['token_scale']:g})"))
+        rows.append(("prefix reuse implied by the trace", _share(w["trace_implied_prefix_reuse"])))
+        rows.append((f"  of it servable in {w['cache_block_tokens']}-token blocks",
+                     _share(w["trace_servable_prefix_reuse"])))
+    if "server_prefix_cache_hit_rate" in w:
+        source = w.get("server_prefix_cache_source")
+        rows.append(("server prefix-cache hit rate", _share(w["server_prefix_cache_hit_rate"])
+                     + (f"  ({source})" if source and source != "counters" else "")))
+    if "sessions" in w:
+        rows.append(("sessions", f"{w['sessions']} ({w['sessions_completed']} completed, "
+                                 f"{w['sessions_ended_by_failure']} ended by a failed turn; {w['turns_sent']} turns)"))
+    for turn in w.get("per_turn", []):
+        rows.append((f"  turn {turn['turn']}", f"TTFT median {_num(turn['median_ttft_ms'])} ms, "
+                     f"input {_num(turn['mean_input_tokens'], '{:.0f}')} tok, {turn['completed']}/{turn['requests']} ok"))
+    return rows
+
+
 def summary_table(record: PointRecord) -> Table:
     """The figures of one run, in the order `vllm bench serve` prints them, plus the client's headroom."""
     m, cfg = record.metrics, record.config
@@ -77,6 +106,10 @@ def summary_table(record: PointRecord) -> Table:
     shape = (f"open loop, {rate}, burstiness {cfg.burstiness:g}"
              + (f", cap {cfg.concurrency}" if cfg.concurrency else "")) if cfg.open_loop \
         else f"closed loop, concurrency {cfg.effective_concurrency}"
+    if cfg.dataset == "trace":
+        shape = "trace replay at the trace's times" + (f", cap {cfg.concurrency}" if cfg.concurrency else "")
+    elif cfg.dataset == "conversation":
+        shape = shape.replace("concurrency", "users").replace("req/s", "sessions/s")
     rows = [
         ("load", shape),
         ("successful requests", str(m.completed)),
@@ -92,6 +125,7 @@ def summary_table(record: PointRecord) -> Table:
     ]
     if m.goodput is not None:
         rows.append((f"goodput (req/s) {cfg.slo}", _num(m.goodput)))
+    rows += workload_rows(record.workload)
     for r in rows:
         t.add_row(*r)
     t.add_section()

@@ -86,6 +86,7 @@ def point_result(record: PointRecord) -> dict:
         "warmup_requests": len(record.warmup_results),
         "interrupted": record.interrupted,
         "profile": record.profile,
+        **(record.workload or {}),  # trace replay: prefix reuse implied and measured; sessions: per-turn figures
     })
     return out
 
