@@ -49,6 +49,16 @@ def test_implied_reuse_by_hand(tmp_path):
     assert read_trace(path).implied_prefix_reuse() == pytest.approx((512 + 512) / (1024 + 600 + 512))
 
 
+
+def test_servable_reuse_leaves_out_the_block_holding_the_last_token(tmp_path):
+    # as above; a paged cache of 16-token blocks serves request 2's 512 seen tokens (its last token lies beyond
+    # them), but of request 3, a prompt made only of block 7, only the 496 tokens before the block of its last token
+    path = write_jsonl(tmp_path / "t.jsonl", [mooncake(0, 1024, 10, [7, 8]), mooncake(1, 600, 3, [7, 9]),
+                                             mooncake(2, 512, 1, [7])])
+    assert read_trace(path).servable_prefix_reuse(16) == pytest.approx((512 + 496) / (1024 + 600 + 512))
+    assert read_trace(path).servable_prefix_reuse(500) == pytest.approx((500 + 500) / (1024 + 600 + 512))
+
+
 def test_equal_block_ids_give_identical_text_and_exact_counts(tokenizer):
     prompts = BlockPrompts(tokenizer, block_tokens=16, seed=3)
     a = prompts.spec(0, TraceRequest(1, 0.0, 40, 5, (1, 2, 3)))
