@@ -170,9 +170,31 @@ def _differences(reference: Run, others: list[Run], describe) -> list[str]:
         identity = describe(other)
         for key in sorted(ref_identity.keys() | identity.keys()):
             mine, theirs = ref_identity.get(key, _ABSENT), identity.get(key, _ABSENT)
-            if mine != theirs:
+            if mine != theirs and not _added_at_default(key, mine, theirs):
                 lines.append(f"{key}: {_show(mine)} in {reference.source}, {_show(theirs)} in {other.source}")
     return lines
+
+
+def _added_at_default(key: str, mine: Any, theirs: Any) -> bool:
+    """A bench setting one result lacks and the other holds at its default: a result written before the setting
+    existed, which ran as the default does."""
+    if (mine is _ABSENT) == (theirs is _ABSENT) or not key.startswith("config."):
+        return False
+    import dataclasses
+
+    from infertrace.load.config import BenchConfig
+
+    field = next((f for f in dataclasses.fields(BenchConfig) if f.name == key[len("config."):]), None)
+    if field is None:
+        return False
+    if field.default is not dataclasses.MISSING:
+        default = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        default = field.default_factory()
+    else:
+        return False
+    present = theirs if mine is _ABSENT else mine
+    return json.loads(json.dumps(default, default=str)) == present
 
 
 def _hardware(run: Run) -> dict[str, Any]:

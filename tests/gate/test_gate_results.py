@@ -136,3 +136,12 @@ def test_flavours_do_not_compare(make_result):
     vllm = load_runs(VLLM_SAMPLE)
     lines = config_differences(load_runs(make_result("a.json")), vllm)
     assert any(line.startswith('flavour: "infertrace"') for line in lines)
+
+
+def test_a_setting_added_since_the_baseline_compares_at_its_default(make_result):
+    """A baseline written before a bench setting existed ran as that setting's default does."""
+    older = load_runs(make_result("old.json"))  # the sample result predates prefix_len (default 256)
+    assert "prefix_len" not in older[0].data["config"]
+    assert config_differences(older, load_runs(make_result("same.json", config={"prefix_len": 256}))) == []
+    (line,) = config_differences(older, load_runs(make_result("other.json", config={"prefix_len": 512})))
+    assert line.startswith("config.prefix_len: (absent) in ") and "512 in" in line
