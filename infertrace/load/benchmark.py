@@ -25,6 +25,7 @@ from infertrace.load.dataset import (
     sharegpt_specs,
 )
 from infertrace.load.metrics import Metrics, Stats, compute_metrics, token_count_checks
+from infertrace.load.observe import Observed, Observer
 from infertrace.load.records import RequestResult, RequestSpec
 from infertrace.load.replay import TraceReplay
 from infertrace.load.runner import Runner
@@ -119,6 +120,7 @@ class PointRecord:
     workload: dict | None = None  # trace replay and sessions: their own figures (prefix reuse, per turn, ...)
     stopped_early: bool = False  # a --find-max point ended once its queue was seen growing without bound
     steady: SteadyState | None = None
+    observed: Observed | None = None  # the server's metrics and GPU telemetry over the measured window
 
     @property
     def warnings(self) -> list[str]:
@@ -219,8 +221,12 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
         except Interrupted:
             interrupted = True
 
+    observer = Observer(cfg.scrape_interval_s, cfg.metrics_url, cfg.base_url, cfg.headers, clock,
+                        telemetry=bool(cfg.report) or cfg.base_url is not None)
+    observed = await observer.start()
     profile = None
     if cfg.profile and not interrupted:
+        profile_started = clock.now()
         answer = await target.start_profile(cfg.profile_steps)
         profile = {"num_steps": cfg.profile_steps, "seconds": cfg.profile_seconds, "start_response": answer}
         hooks.on_info(f"profiler started{f' for {cfg.profile_steps} steps' if cfg.profile_steps else ''}")
@@ -262,10 +268,12 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
         except TargetError as e:  # the measured figures stand; say why there are no trace files
             status, answer = None, str(e)
         profile.update(stop_status=status, stop_response=answer, trace_files=trace_files(answer))
+        observed.profile_window = (profile_started, clock.now())
         where = answer.get("writes_to") if isinstance(answer, dict) else None
         hooks.on_info(f"profiler stopped: {len(profile['trace_files'])} trace file(s)"
                       + (f" (the server writes to {where})" if where and not profile["trace_files"] else ""))
 
+    await observer.stop()
     results = runner.results
     workload = None
     if load is not None:
@@ -282,7 +290,7 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
         client_cpu=cpu[0] / duration if cpu and duration > 0 else None,
         process_cpu=cpu[1] / duration if cpu and duration > 0 else None,
         client_lag=Stats.of([max(0.0, r.schedule_lag - r.slot_wait) for r in results]),
-        interrupted=interrupted, profile=profile, workload=workload, stopped_early=stopped_early,
+        interrupted=interrupted, profile=profile, workload=workload, stopped_early=stopped_early, observed=observed,
         steady=steady_state(results, None if cfg.open_loop else cfg.effective_concurrency))
 
 

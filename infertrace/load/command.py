@@ -165,6 +165,13 @@ def _json_object(text: str) -> dict:
               "failure reason, one JSON object per line.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Sweep plot PNG path [default: --result-json "
               "with .png, else bench-sweep.png].")
+@click.option("--report", type=click.Path(dir_okay=False), help="Write one self-contained HTML report of the run: "
+              "client latencies, the server's metrics and GPU telemetry on one time axis, the profiled window's "
+              "phases and what the run shows (docs/report.md).")
+@click.option("--scrape-interval", "scrape_interval_s", type=float, help="Seconds between scrapes of the server's "
+              f"Prometheus /metrics during the run; 0 turns scraping off. {_d('scrape_interval_s')}")
+@click.option("--metrics-url", metavar="URL", help="Where the server's Prometheus metrics live [default: the base "
+              "URL's /metrics].")
 @server_auth_options
 def bench(**options) -> None:
     """Load-test an OpenAI-compatible server or the bundled engine.

@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from infertrace.load.scrape import DEFAULT_SCRAPE_INTERVAL_S
+
 ENDPOINTS = ("completions", "chat")
 DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl", "trace", "conversation")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")  # per-request bounds: goodput
@@ -87,10 +89,14 @@ class BenchConfig:
     profile: bool = False
     profile_steps: int | None = None
     profile_seconds: float | None = None
+    # the server's side: /metrics scraped every this many seconds (0: off), from metrics_url or the base URL's
+    scrape_interval_s: float = DEFAULT_SCRAPE_INTERVAL_S
+    metrics_url: str | None = None
     # outputs
     result_json: str | None = None
     requests_jsonl: str | None = None
     plot: str | None = None
+    report: str | None = None  # the self-contained HTML run report
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -118,6 +124,11 @@ class BenchConfig:
         if self.warmup is not None and self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         _finite_positive("request_timeout", self.request_timeout_s, " of seconds")
+        if self.report and (self.sweep_param is not None or self.find_max is not None):
+            raise ValueError("--report explains one run; it cannot be combined with --sweep or --find-max")
+        if not (self.scrape_interval_s >= 0 and math.isfinite(self.scrape_interval_s)):
+            raise ValueError(f"scrape_interval must be 0 (off) or a positive number of seconds, "
+                             f"got {self.scrape_interval_s}")
         if not (0 <= self.temperature < math.inf):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         for key, why in RESERVED_BODY_KEYS.items():
@@ -268,7 +279,7 @@ class BenchConfig:
 
     def output_paths(self) -> dict[str, str]:
         """Every file the run will write, by the option that names it (checked before any request)."""
-        paths = {"--result-json": self.result_json, "--requests-jsonl": self.requests_jsonl}
+        paths = {"--result-json": self.result_json, "--requests-jsonl": self.requests_jsonl, "--report": self.report}
         if self.sweep_param is not None or self.find_max is not None:
             paths["--plot"] = self.plot or (str(Path(self.result_json).with_suffix(".png")) if self.result_json
                                             else DEFAULT_SWEEP_PLOT if self.find_max is None
@@ -278,6 +289,7 @@ class BenchConfig:
     def to_json(self) -> dict:
         d = asdict(self)
         del d["headers"]  # how to reach the server, not what was measured; provenance names them, redacted
+        d["warmup"] = self.effective_warmup  # what ran, so results of runs that differ only in spelling compare
         for key in ("request_rate",):
             if d[key] is not None and math.isinf(d[key]):
                 d[key] = "inf"

@@ -17,6 +17,8 @@ from infertrace.load.benchmark import (
 from infertrace.load.clock import MonotonicClock
 from infertrace.load.config import BenchConfig
 from infertrace.load.dataset import DatasetError
+from infertrace.load.findings import findings_table
+from infertrace.load.observe import run_findings
 from infertrace.load.outputs import OutputError, check_writable
 from infertrace.load.render import LiveProgress, summary_table, sweep_table
 from infertrace.load.timing import TargetError
@@ -77,6 +79,8 @@ def execute(cfg: BenchConfig) -> int:
     for record in records:
         for warning in record.warnings:
             err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    if cfg.report and records and (findings := run_findings(records[-1])):
+        err_console.print(findings_table(findings))
     paths = cfg.output_paths()
     try:
         if cfg.result_json:
@@ -88,6 +92,8 @@ def execute(cfg: BenchConfig) -> int:
             from infertrace.load.plot import plot_sweep
 
             _info(f"plot: {plot_sweep(records, cfg.sweep_param, paths['--plot'])}")
+        if cfg.report and records:
+            _info(f"report: {write_run_report(cfg.report, records[-1])}")
     except OSError as e:  # checked before the run; the disk can still fill up or vanish meanwhile
         fail(f"cannot save the results: {e}", EXIT_BAD_INPUT)
     code = exit_code(records)
@@ -95,6 +101,14 @@ def execute(cfg: BenchConfig) -> int:
         err_console.print("[bold red]error:[/] every measured request failed (reasons under 'failed requests')",
                           highlight=False)
     return code
+
+
+def write_run_report(path: str, record: PointRecord):
+    from infertrace.load.result import point_result
+    from infertrace.report import write_report
+    from infertrace.report.run import run_report_document
+
+    return write_report(path, run_report_document(record, point_result(record)))
 
 
 def finish_capacity(capacity, cfg: BenchConfig, target) -> int:

@@ -88,6 +88,12 @@ def point_result(record: PointRecord) -> dict:
         "profile": record.profile,
         **(record.workload or {}),  # trace replay: prefix reuse implied and measured; sessions: per-turn figures
     })
+    if record.observed is not None:  # the server's metrics and GPU telemetry on the run's time axis (docs/report.md)
+        from infertrace.load.observe import run_findings
+
+        # deltas over every scrape: the first is taken before the measured window opens, the last after it closes
+        out.update(record.observed.to_json())
+        out["findings"] = [f.to_json() for f in run_findings(record)]
     return out
 
 

@@ -18,7 +18,8 @@ from infertrace.load.findings import Finding
 from infertrace.load.records import RequestResult
 from infertrace.load.scrape import ScrapeSeries
 from infertrace.load.telemetry import TelemetrySeries
-from infertrace.report.figures import latency_data, latency_figure, timeline_data, timeline_figure
+from infertrace.report.figures import (latency_data, latency_figure, phases_data, phases_figure, timeline_data,
+                                       timeline_figure)
 
 REPORT_VERSION = 1
 _CSS = """
@@ -37,7 +38,8 @@ th{background:#f6f6f6}td.n{text-align:right;font-variant-numeric:tabular-nums}
 def report_document(results: list[RequestResult], origin: float, *, scrape: ScrapeSeries | None = None,
                     telemetry: TelemetrySeries | None = None, findings: list[Finding] = (),
                     profile_window: tuple[float, float] | None = None, result: dict | None = None,
-                    phases: pd.DataFrame | None = None, title: str = "infertrace run report") -> dict:
+                    phases: pd.DataFrame | None = None, steps: pd.DataFrame | None = None,
+                    title: str = "infertrace run report") -> dict:
     """The report as JSON-able data. `origin` is the run's start on the records' clock; `result` is the run's
     result (as `--result-json` writes it); `phases` is the profiler window's `analyze` phase summary."""
     return {
@@ -46,6 +48,7 @@ def report_document(results: list[RequestResult], origin: float, *, scrape: Scra
         "timeline": timeline_data(results, origin, scrape, telemetry, profile_window),
         "latency": latency_data(results),
         "phases": None if phases is None else _records(phases),
+        "steps": None if steps is None or steps.empty else phases_data(steps),
         "result": result,
         "notes": [*(scrape.notes if scrape else []), *(telemetry.notes if telemetry else [])],
     }
@@ -76,6 +79,8 @@ def render_html(doc: dict) -> str:
     parts.append("<h2>Timeline</h2>" + _figure_html(timeline, "timeline"))
     if doc.get("phases"):
         parts.append("<h2>Profiler window: inference phases</h2>" + _table_html(doc["phases"]))
+    if doc.get("steps"):
+        parts.append("<h2>Profiler window: each step</h2>" + _figure_html(phases_figure(doc["steps"]), "steps"))
     parts.append("<h2>Latency distributions</h2>" + _figure_html(latency, "latency"))
     if doc.get("result"):
         rows = [{"figure": k, "value": v} for k, v in doc["result"].items() if _scalar(v)]

@@ -26,6 +26,8 @@ class StandInServer:
         self.profile_calls: list[tuple[str, float, object]] = []
         self.usage_completion_tokens = 0
         self.calls: list[tuple[str, str | None, str | None]] = []  # (path, Authorization, X-Team) of every call
+        self.serve_metrics = False  # GET /metrics in vLLM 0.33's names (vllm/v1/metrics/loggers.py), else 404
+        self.active = 0
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -40,6 +42,13 @@ class StandInServer:
         chat = "messages" in body
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        self.active += 1
+        try:
+            return await self._stream(request, resp, body, chat, mode, arrived)
+        finally:
+            self.active -= 1
+
+    async def _stream(self, request, resp, body, chat, mode, arrived):
         n = body["max_tokens"]
         for k in range(n):
             if mode == "close" and k == n // 2:
@@ -58,6 +67,17 @@ class StandInServer:
         self.usage_completion_tokens += n
         self.streams.append((arrived, time.perf_counter()))
         return resp
+
+    async def metrics(self, request):
+        if not self.serve_metrics:
+            raise web.HTTPNotFound()
+        labels = 'engine="0",model_name="stand-in"'
+        text = (f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{labels}}} {self.active}\n"
+                f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{{labels}}} 0\n"
+                f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{{labels}}} {self.active / 100}\n"
+                f"# TYPE vllm:generation_tokens_total counter\n"  # as prometheus_client writes a counter
+                f"vllm:generation_tokens_total{{{labels}}} {self.usage_completion_tokens}\n")
+        return web.Response(text=text, content_type="text/plain")
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
@@ -86,6 +106,7 @@ class StandInServer:
         app.router.add_post("/v1/chat/completions", self.generate)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/server_info", self.server_info)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/start_profile", self.start_profile)
         app.router.add_post("/stop_profile", self.stop_profile)
         self._runner = web.AppRunner(app)

@@ -1,0 +1,72 @@
+"""bench beside the server: /metrics scraped on the run's clock, GPU telemetry noted where absent, and the HTML run
+report of the same run."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from infertrace.cli import main
+
+
+def bench(*args):
+    return CliRunner().invoke(main, ["bench", *map(str, args)])
+
+
+def test_server_metrics_are_scraped_into_the_result_and_the_report(standin, prompts_jsonl, tmp_path):
+    standin.serve_metrics = True
+    standin.token_delay = 0.01
+    out, report = tmp_path / "r.json", tmp_path / "run.html"
+    res = bench("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl, "--num-prompts", 24,
+                "--concurrency", 4, "--warmup", 0, "--scrape-interval", 0.05, "--result-json", out, "--report", report)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    series = doc["server_metrics"]
+    assert series["server"] == "vllm" and len(series["times_s"]) >= 3
+    assert max(v for v in series["gauges"]["running"] if v is not None) >= 1  # requests seen in flight
+    assert series["deltas"]["generation_tokens"] == doc["total_output_tokens"]  # the server's count over the run
+    assert doc["gpu_telemetry"]["notes"]  # no NVML here: one note, not an error
+    assert isinstance(doc["findings"], list)
+    page = report.read_text()
+    assert page.startswith("<!DOCTYPE html>") and 'id="timeline"' in page and "Plotly" in page
+
+
+def test_a_server_without_metrics_gets_one_note(standin, prompts_jsonl, tmp_path):
+    out = tmp_path / "r.json"
+    res = bench("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl, "--num-prompts", 4,
+                "--concurrency", 2, "--warmup", 0, "--result-json", out)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    notes = [n for n in doc["notes"] if "/metrics" in n]
+    assert len(notes) == 1 and "404" in notes[0]
+    assert doc["server_metrics"]["times_s"] == []
+    assert sum(1 for path, *_ in standin.calls if path == "/metrics") == 1  # not asked again
+
+
+def test_scraping_off_and_bad_intervals(standin, prompts_jsonl, tmp_path):
+    standin.serve_metrics = True
+    out = tmp_path / "r.json"
+    res = bench("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl, "--num-prompts", 4,
+                "--concurrency", 2, "--warmup", 0, "--scrape-interval", 0, "--result-json", out)
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["server_metrics"] is None
+    assert not any(path == "/metrics" for path, *_ in standin.calls)
+    for bad in ("-1", "nan", "inf"):
+        res = bench("--base-url", standin.url, "--scrape-interval", bad)
+        assert res.exit_code == 2 and "scrape_interval must be 0 (off) or a positive number" in res.output
+
+
+def test_report_refuses_sweeps_and_unwritable_paths(standin, tmp_path):
+    res = bench("--base-url", standin.url, "--sweep", "concurrency=1,2", "--report", tmp_path / "r.html")
+    assert res.exit_code == 2 and "--report explains one run" in res.output
+    res = bench("--base-url", standin.url, "--report", "/proc/nope/r.html")
+    assert res.exit_code == 2 and "--report" in res.output and not standin.streams
+
+
+def test_embedded_run_report(tmp_path):
+    report = tmp_path / "embedded.html"
+    res = bench("--num-prompts", 4, "--concurrency", 2, "--warmup", 0, "--output-len", 4, "--input-len", 8,
+                "--report", report)
+    assert res.exit_code == 0, res.output
+    assert 'id="latency"' in report.read_text()
