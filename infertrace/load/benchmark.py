@@ -19,6 +19,7 @@ from infertrace.load.dataset import (
     DatasetError,
     PromptMaker,
     jsonl_specs,
+    random_id_specs,
     random_specs,
     seeded_rng,
     shared_prefixes,
@@ -155,6 +156,11 @@ def build_specs(cfg: BenchConfig, tokenizer, n: int, stream: str, point: int = 0
                 max_model_len: int | None = None) -> list[RequestSpec]:
     """`n` requests from the configured dataset; the same (seed, stream, point) gives the same bytes."""
     rng = seeded_rng(cfg.seed, stream, point)
+    if cfg.dataset == "random" and tokenizer is None and cfg.base_url is not None:
+        if cfg.endpoint == "chat":
+            raise DatasetError("--dataset random without a tokenizer sends token ids, which only /v1/completions "
+                               "takes: pass --tokenizer DIR for chat")
+        return random_id_specs(rng, n, cfg.input_len, cfg.effective_output_len, cfg.range_ratio)
     if cfg.dataset in ("random", "shared-prefix"):
         if tokenizer is None:
             raise DatasetError(f"--dataset {cfg.dataset} builds prompts of exact token length and needs the "

@@ -91,6 +91,23 @@ def random_specs(maker: PromptMaker, n: int, input_len: int, output_len: int, ra
     return specs
 
 
+# Token ids drawn without the target's tokenizer: every vocabulary of 32k entries or more (Llama 2 and Mistral's
+# 32,000 up to Qwen's 151,936) holds them, and the lowest ids, where special and byte tokens sit, are left out.
+TOKEN_ID_RANGE = (1000, 32000)
+
+
+def random_id_specs(rng: np.random.Generator, n: int, input_len: int, output_len: int,
+                    range_ratio: float) -> list[RequestSpec]:
+    """`n` prompts of random token ids sent as ids (vLLM's way without a tokenizer): their length in tokens is
+    exact by construction, the server's usage confirms it, and no text exists to send over chat."""
+    in_lo, in_hi = length_range(input_len, range_ratio)
+    out_lo, out_hi = length_range(output_len, range_ratio)
+    in_lens = rng.integers(in_lo, in_hi + 1, n)
+    out_lens = rng.integers(out_lo, out_hi + 1, n)
+    return [RequestSpec(i, "", int(out_lens[i]), rng.integers(*TOKEN_ID_RANGE, int(in_lens[i])).tolist(), None)
+            for i in range(n)]
+
+
 def shared_prefixes(maker: PromptMaker, num_prefixes: int, prefix_len: int) -> list[list[int]]:
     return [maker.exact(prefix_len)[1] for _ in range(num_prefixes)]
 

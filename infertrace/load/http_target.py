@@ -249,8 +249,8 @@ class HttpTarget:
                                 "stream": True, "stream_options": stream_options}
         if self.endpoint == "chat":
             body["messages"] = spec.messages or [{"role": "user", "content": spec.prompt}]
-        else:
-            body["prompt"] = spec.prompt
+        else:  # a prompt built as token ids without a tokenizer goes as ids (no text was made)
+            body["prompt"] = spec.prompt if spec.prompt or spec.prompt_ids is None else spec.prompt_ids
         if self.ignore_eos:
             body["ignore_eos"] = True
         body.update(self.extra_body)

@@ -84,6 +84,8 @@ def point_result(record: PointRecord) -> dict:
         "output_token_sources": m.output_token_sources,
         **record.token_checks,
         "warmup_requests": len(record.warmup_results),
+        # where total_input_tokens came from: our tokenizer's count of each prompt, or the server's usage alone
+        "input_len_source": _input_len_source(record.results),
         "interrupted": record.interrupted,
         "profile": record.profile,
         **(record.workload or {}),  # trace replay: prefix reuse implied and measured; sessions: per-turn figures
@@ -95,6 +97,12 @@ def point_result(record: PointRecord) -> dict:
         out.update(record.observed.to_json())
         out["findings"] = [f.to_json() for f in run_findings(record)]
     return out
+
+
+def _input_len_source(results) -> str | None:
+    if any(r.expected_prompt_tokens is not None for r in results):
+        return "tokenizer"
+    return "usage" if any(r.prompt_tokens is not None for r in results) else None
 
 
 BACKENDS = {"completions": "openai", "chat": "openai-chat"}  # vLLM's --backend names for the two endpoints

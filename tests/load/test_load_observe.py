@@ -70,3 +70,24 @@ def test_embedded_run_report(tmp_path):
                 "--report", report)
     assert res.exit_code == 0, res.output
     assert 'id="latency"' in report.read_text()
+
+
+def test_random_without_a_tokenizer_sends_token_ids_and_counts_input_from_usage(standin, tmp_path):
+    import numpy as np
+
+    from infertrace.load.dataset import TOKEN_ID_RANGE, random_id_specs
+    from infertrace.load.http_target import HttpTarget
+
+    specs = random_id_specs(np.random.default_rng(0), 3, 12, 3, 0.0)
+    body = HttpTarget(standin.url, "completions", "m", transport=None).body(specs[0])
+    assert isinstance(body["prompt"], list) and len(body["prompt"]) == 12
+    assert all(TOKEN_ID_RANGE[0] <= i < TOKEN_ID_RANGE[1] for s in specs for i in s.prompt_ids)
+    out = tmp_path / "r.json"
+    res = bench("--base-url", standin.url, "--input-len", 12, "--output-len", 3, "--num-prompts", 5,
+                "--concurrency", 2, "--warmup", 0, "--result-json", out)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["completed"] == 5 and doc["input_len_source"] == "usage"
+    assert doc["total_input_tokens"] == 5 * 5  # the stand-in reports 5 prompt tokens a request
+    res = bench("--base-url", standin.url, "--endpoint", "chat", "--num-prompts", 2, "--warmup", 0)
+    assert res.exit_code == 2 and "only /v1/completions takes" in res.output
