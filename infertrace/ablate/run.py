@@ -189,7 +189,8 @@ async def capture_phase(target, cfg, profile: ProfileSpec, trace_dir: Path, inte
     full = min(cfg.effective_concurrency or cfg.num_prompts, target.engine.config.max_num_seqs)
     decode_steps = max(1, cfg.effective_output_len - 1)  # the first token comes from the prefill
     n = full * (math.ceil((profile.steps + 1) / decode_steps) + 1)
-    session = CaptureSession(trace_dir, activities=profile.activities, num_steps=profile.steps, label="ablate")
+    session = CaptureSession(trace_dir, activities=profile.activities, num_steps=profile.steps, label="ablate",
+                             engine=target.engine)
     loop = asyncio.get_running_loop()
     closed = asyncio.Event()
     window = StepWindow(session, full, on_close=lambda: loop.call_soon_threadsafe(closed.set))

@@ -39,6 +39,7 @@ class CaptureManifest:
     request_ids: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     nsys_output: str | None = None
+    traces: list[str] = field(default_factory=list)  # every rank's trace (one with one rank), rank order
     versions: dict[str, str | None] = field(default_factory=dict)
     device: dict[str, object] = field(default_factory=dict)
     host: str = field(default_factory=socket.gethostname)

@@ -21,10 +21,13 @@ MANIFEST_SUFFIX = ".manifest.json"
 
 
 class CaptureSession:
-    """One capture window over engine steps: `start()`, `on_step()` after each step, `stop()`."""
+    """One capture window over engine steps: `start()`, `on_step()` after each step, `stop()`.
+
+    With `engine` running on several tensor-parallel ranks, every rank records its own trace (the engine's
+    start_profile/stop_profile), named `{label}.{ns}.rank{r}.pt.trace.json.gz` and tagged with distributedInfo."""
 
     def __init__(self, out_dir: Path, activities=("CPU", "GPU"), record_shapes: bool = False,
-                 with_stack: bool = False, num_steps: int | None = None, label: str = "infertrace"):
+                 with_stack: bool = False, num_steps: int | None = None, label: str = "infertrace", engine=None):
         activities = tuple(a.upper() for a in activities)
         unknown = [a for a in activities if a not in ACTIVITIES]
         if unknown:
@@ -41,6 +44,7 @@ class CaptureSession:
         self.with_stack = with_stack
         self.num_steps = num_steps
         self.label = label
+        self.engine = engine if getattr(engine, "other_ranks", None) is not None else None  # only when TP > 1
         self._profiler = None
         self._cuda_profiler = False
         self._active = False
@@ -70,7 +74,15 @@ class CaptureSession:
             profiler_activities.append(torch.profiler.ProfilerActivity.CPU)
         if "GPU" in activities:
             profiler_activities.append(torch.profiler.ProfilerActivity.CUDA)
-        if profiler_activities:
+        if profiler_activities and self.engine is not None:
+            self._start_ns = time.time_ns()
+            kineto = tuple(a for a in activities if a in ("CPU", "GPU"))
+            self.engine.start_profile(self.out_dir, kineto, self.record_shapes, self.with_stack,
+                                      stem=f"{self.label}.{self._start_ns}")
+            self._profiler = self.engine
+            if "MEM" in activities:
+                self._notes.append("MEM is not recorded on tensor-parallel ranks")
+        elif profiler_activities:
             self._profiler = torch.profiler.profile(
                 activities=profiler_activities, record_shapes=self.record_shapes,
                 with_stack=self.with_stack, profile_memory="MEM" in activities)
@@ -85,7 +97,7 @@ class CaptureSession:
                 raise
             self._cuda_profiler = True
         # the window opens once the profiler is running (its first start takes about a second)
-        self._start_ns = time.time_ns()
+        self._start_ns = self._start_ns if self._profiler is self.engine and self.engine else time.time_ns()
         self._start_perf = time.perf_counter()
         self._activities = activities
         self._active = True
@@ -123,10 +135,12 @@ class CaptureSession:
                 torch.cuda.synchronize()  # kernels still in flight would be missing from the trace
             if self._cuda_profiler:
                 torch.cuda.profiler.stop()
-            if self._profiler is not None:
+            if self._profiler is self.engine and self.engine is not None:
+                paths.extend(Path(p) for p in self.engine.stop_profile())  # one trace per rank, rank order
+            elif self._profiler is not None:
                 self._profiler.stop()
             stopped_ns, duration_s = time.time_ns(), time.perf_counter() - self._start_perf
-            if self._profiler is not None:
+            if self._profiler is not None and self._profiler is not self.engine:
                 trace = self.out_dir / f"{stem}{TRACE_SUFFIX}"
                 self._profiler.export_chrome_trace(str(trace))  # a .gz name makes torch gzip it
                 paths.append(trace)
@@ -136,6 +150,7 @@ class CaptureSession:
         manifest = CaptureManifest(
             label=self.label,
             trace=paths[0].name if paths else None,
+            traces=[p.name for p in paths],
             activities_requested=list(self.activities_requested),
             activities=list(self._activities),
             record_shapes=self.record_shapes,

@@ -138,13 +138,14 @@ class Engine:
 
     # ----- profiling -----
     def start_profile(self, out_dir: str | Path, activities: tuple[str, ...] = ("CPU", "GPU"),
-                      record_shapes: bool = False, with_stack: bool = False, label: str = "infertrace") -> None:
+                      record_shapes: bool = False, with_stack: bool = False, label: str = "infertrace",
+                      stem: str | None = None) -> None:
         """Start torch.profiler on every rank; call from the thread that runs the steps (AsyncEngine.call)."""
         from infertrace.engine.rank_profiler import RankProfiler
 
         if self._profiler is not None:
             raise RuntimeError("a profile is already being captured")
-        out_dir, stem, activities = str(out_dir), f"{label}.{time.time_ns()}", tuple(activities)
+        out_dir, stem, activities = str(out_dir), stem or f"{label}.{time.time_ns()}", tuple(activities)
         profiler = RankProfiler(out_dir, stem, 0, activities, record_shapes, with_stack)
         if self.other_ranks is not None:
             self.other_ranks.call("start_profile", out_dir, stem, activities, record_shapes, with_stack)

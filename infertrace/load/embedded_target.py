@@ -83,6 +83,8 @@ class EmbeddedTarget:
         if self.aengine is not None:
             await self.aengine.shutdown(abort_running=True)
             self.aengine = None
+        if self.engine is not None:  # tensor-parallel ranks are processes of their own: stop them now
+            await asyncio.to_thread(self.engine.shutdown)
 
     async def preflight(self) -> None:
         return None

@@ -10,7 +10,8 @@ from infertrace.ablate import run as ablate_run
 from infertrace.ablate.command import ablate
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-SHIPPED = ("attention_batched_vs_looped", "decode_path", "prefix_cache", "chunked_prefill", "cpu_offload")
+SHIPPED = ("attention_batched_vs_looped", "decode_path", "prefix_cache", "chunked_prefill", "cpu_offload",
+           "tensor_parallel")
 
 
 def invoke(*args):
@@ -190,3 +191,23 @@ def test_check_accepts_a_readable_dataset(write_recipe, tmp_path):
     recipe = write_recipe("phases: [{name: a}]\nworkload:\n  dataset: jsonl\n  dataset_path: prompts.jsonl\n")
     res = invoke(recipe, "--check")
     assert res.exit_code == 0 and "usable, 1 phase(s)" in res.stdout
+
+
+def test_tensor_parallel_profile_writes_one_trace_per_rank(tiny_model_dir, tmp_path):
+    """Each rank records its own trace, tagged as a rank, and analyze reads them as two ranks."""
+    import gzip
+
+    out = tmp_path / "r.json"
+    res = invoke(RECIPES / "tensor_parallel.yaml", "--quick", "--model", tiny_model_dir, "--profile",
+                 "--trace-dir", tmp_path / "traces", "--json", out)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    two = next(p for p in doc["phases"] if p["name"] == "two ranks")
+    traces = sorted(Path(two["trace_dir"]).glob("*.pt.trace.json.gz"))
+    assert [t.name.split(".")[-5] for t in traces] == ["rank0", "rank1"]
+    for rank, trace in enumerate(traces):
+        with gzip.open(trace, "rt") as f:
+            info = json.load(f)["distributedInfo"]
+        assert info["rank"] == rank and info["world_size"] == 2
+    manifest = json.loads(next(Path(two["trace_dir"]).glob("*.manifest.json")).read_text())
+    assert manifest["traces"] == [t.name for t in traces]
