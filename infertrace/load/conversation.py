@@ -8,7 +8,6 @@ that fails ends its session (counted), never the run.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from infertrace.load.clock import Clock
-from infertrace.load.dataset import DatasetError, PromptMaker, length_range, seeded_rng
+from infertrace.load.dataset import DatasetError, PromptMaker, length_range, read_sharegpt, seeded_rng
 from infertrace.load.records import RequestResult, RequestSpec
 from infertrace.load.schedule import arrival_offsets
 
@@ -52,12 +51,7 @@ def synthetic_sessions(maker: PromptMaker, n: int, turns: int, turn_input_len: i
 def sharegpt_sessions(path: str | Path, n: int, rng: np.random.Generator, tokenizer, output_len: int | None,
                       default_output_len: int, max_turns: int | None = None) -> list[Session]:
     """Conversations with at least one human turn answered; shuffled with the seed, cycled when fewer than `n`."""
-    try:
-        records = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise DatasetError(f"cannot read ShareGPT file {path}: {e}") from None
-    if not isinstance(records, list):
-        raise DatasetError(f"{path}: a ShareGPT file holds a JSON list of conversations")
+    records = read_sharegpt(path)
     conversations: list[tuple[Turn, ...]] = []
     for rec in records:
         messages = rec.get("conversations") if isinstance(rec, dict) else None

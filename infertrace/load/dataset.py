@@ -119,18 +119,24 @@ def _measured(index: int, prompt: str, output_len: int, tokenizer) -> RequestSpe
     return RequestSpec(index, prompt, output_len, ids, len(ids))
 
 
-def sharegpt_specs(path: str | Path, n: int, rng: np.random.Generator, tokenizer, output_len: int | None,
-                   default_output_len: int, max_model_len: int | None = None) -> list[RequestSpec]:
-    """First human turn as the prompt; the reply's token length as max_tokens unless `output_len` is given.
-
-    Conversations are shuffled with the seed; ones without a reply, or too long for the target, are skipped.
-    """
+def read_sharegpt(path: str | Path) -> list:
+    """The conversations of a ShareGPT-format file (a JSON list), unvalidated."""
     try:
         records = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise DatasetError(f"cannot read ShareGPT file {path}: {e}") from None
     if not isinstance(records, list):
         raise DatasetError(f"{path}: a ShareGPT file holds a JSON list of conversations")
+    return records
+
+
+def sharegpt_specs(path: str | Path, n: int, rng: np.random.Generator, tokenizer, output_len: int | None,
+                   default_output_len: int, max_model_len: int | None = None) -> list[RequestSpec]:
+    """First human turn as the prompt; the reply's token length as max_tokens unless `output_len` is given.
+
+    Conversations are shuffled with the seed; ones without a reply, or too long for the target, are skipped.
+    """
+    records = read_sharegpt(path)
     pairs = []
     for rec in records:
         turns = rec.get("conversations") if isinstance(rec, dict) else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import shutil
@@ -66,7 +67,6 @@ class EmbeddedTarget:
         self._ids = itertools.count()
 
     async def open(self) -> None:
-        import asyncio
 
         from infertrace.engine import AsyncEngine, Engine, EngineConfig
 

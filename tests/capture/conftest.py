@@ -267,44 +267,35 @@ class SglangStandIn(StandIn):
         return True
 
 
-@pytest.fixture
-def vllm_server(tmp_path):
-    stand_in = VllmStandIn("vllm", trace_dir=tmp_path / "vllm-traces")
+def _served(stand_in):
     with serve_in_thread(stand_in.app()) as url:
         stand_in.url = url
         yield stand_in
+
+
+@pytest.fixture
+def vllm_server(tmp_path):
+    yield from _served(VllmStandIn("vllm", trace_dir=tmp_path / "vllm-traces"))
 
 
 @pytest.fixture
 def vllm_old_server():
-    stand_in = VllmStandIn("vllm", version="0.11.0")
-    with serve_in_thread(stand_in.app()) as url:
-        stand_in.url = url
-        yield stand_in
+    yield from _served(VllmStandIn("vllm", version="0.11.0"))
 
 
 @pytest.fixture
 def vllm_server_without_profiler():
-    stand_in = VllmStandIn("vllm", profiler_configured=False)
-    with serve_in_thread(stand_in.app()) as url:
-        stand_in.url = url
-        yield stand_in
+    yield from _served(VllmStandIn("vllm", profiler_configured=False))
 
 
 @pytest.fixture
 def sglang_server():
-    stand_in = SglangStandIn("sglang")
-    with serve_in_thread(stand_in.app()) as url:
-        stand_in.url = url
-        yield stand_in
+    yield from _served(SglangStandIn("sglang"))
 
 
 @pytest.fixture
 def sglang_server_with_key():
-    stand_in = SglangStandIn("sglang", api_key="sk-test")
-    with serve_in_thread(stand_in.app()) as url:
-        stand_in.url = url
-        yield stand_in
+    yield from _served(SglangStandIn("sglang", api_key="sk-test"))
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,6 @@ from click.testing import CliRunner
 from infertrace.load.clock import ScriptedClock
 from infertrace.load.command import bench
 from infertrace.load.config import BenchConfig
-from infertrace.load.conversation import ConversationLoad
 from infertrace.load.records import StreamEvent
 from infertrace.load.replay import TraceReplay
 from infertrace.load.runner import Runner
