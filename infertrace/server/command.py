@@ -19,7 +19,7 @@ _SERVER_FLAGS = {"model", "served-model-name", "host", "port", "max-queue", "pro
     "serve",
     epilog="The options from --engine-opt on configure the engine; an option not given keeps the engine's "
            "default. Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /version, "
-           "/server_info, /metrics, POST|GET /start_profile, POST|GET /stop_profile.",
+           "/server_info, /metrics, POST /start_profile, POST /stop_profile.",
 )
 @click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Hugging Face model directory (config.json, safetensors, tokenizer).")
@@ -49,9 +49,19 @@ def serve(model_dir: Path, served_model_name: str | None, host: str, port: int, 
         config = EngineConfig.from_overrides(engine_overrides(engine_params))
     except ValueError as e:
         fail(str(e))
-    if profile_dir is not None:
-        profile_dir.mkdir(parents=True, exist_ok=True)
+    if settings.profile_dir is not None:
+        _prepare_profile_dir(settings.profile_dir)
     _serve(settings, config)
+
+
+def _prepare_profile_dir(profile_dir: Path) -> None:
+    """Create --profile-dir and prove it writable now, not at the first capture."""
+    from infertrace.capture.torch_capture import check_writable
+
+    try:
+        check_writable(profile_dir)
+    except ValueError as e:
+        fail(f"--profile-dir: {e}")
 
 
 for _option in engine_config_options(reserved=_SERVER_FLAGS):

@@ -71,6 +71,14 @@ def test_bad_engine_or_server_values_are_one_line_usage_errors(tmp_path, args, m
     assert len(result.output.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("profile_dir", ["/proc/nope", "/dev/null/x"])
+def test_an_unusable_profile_dir_is_one_line_at_startup(tmp_path, profile_dir):
+    result = CliRunner().invoke(serve, ["--model", str(tmp_path), "--profile-dir", profile_dir])
+    assert result.exit_code == 2
+    assert "--profile-dir" in result.output and profile_dir in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
 def test_missing_model_is_a_usage_error():
     result = CliRunner().invoke(serve, [])
     assert result.exit_code == 2 and "--model" in result.output

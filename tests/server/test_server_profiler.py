@@ -6,6 +6,8 @@ import asyncio
 import gzip
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,75 @@ async def test_output_dir_escaping_the_profile_dir_is_400(serve_tiny, tmp_path):
         assert resp.status == 400
     assert list(outside.iterdir()) == []
     assert list(root.iterdir()) == [root / "sneaky"]
+
+
+async def test_a_folder_swapped_for_a_symlink_after_start_is_not_written_through(serve_tiny, tmp_path):
+    root, outside = tmp_path / "profiles", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    async with serve_tiny(profile_dir=root) as client:
+        started = await (await client.post("/start_profile", json={"output_dir": "run"})).json()
+        assert started["output_dir"] == str(root / "run")
+        assert (await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status == 200
+        os.rename(root / "run", tmp_path / "run-moved")
+        os.symlink(outside, root / "run")  # the checked folder now points outside the profile dir
+        resp = await client.post("/stop_profile")
+        assert resp.status == 200, await resp.text()
+        stopped = await resp.json()
+    assert list(outside.iterdir()) == [] and list((tmp_path / "run-moved").iterdir()) == []
+    assert Path(stopped["output_dir"]).parent == root and "replaced" in stopped["note"]
+    assert stopped["trace_files"] and all(Path(p).parent == Path(stopped["output_dir"]) for p in stopped["files"])
+
+
+async def test_a_symlink_inside_the_profile_dir_is_refused(serve_tiny, tmp_path):
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "alias")  # stays inside, but could be re-pointed later
+    async with serve_tiny(profile_dir=tmp_path) as client:
+        for output_dir in ("alias", "alias/deeper", str(tmp_path / "alias")):
+            error = (await (await client.post("/start_profile", json={"output_dir": output_dir})).json())["error"]
+            assert error["param"] == "output_dir" and error["code"] == "output_dir_symlink"
+    assert list((tmp_path / "real").iterdir()) == []
+
+
+async def test_a_failed_start_leaves_no_folder_behind(serve_tiny, tmp_path):
+    async with serve_tiny(profile_dir=tmp_path) as client:
+        for body in ({"activities": ["CUDA_PROFILER"]}, {"activities": ["CUDA_PROFILER"], "output_dir": "a/b/c"}):
+            resp = await client.post("/start_profile", json=body)
+            assert resp.status == 400 and "CUDA" in (await resp.json())["error"]["message"]
+        assert list(tmp_path.iterdir()) == []
+        assert (await client.post("/start_profile")).status == 200  # and the profiler is free again
+        assert (await client.post("/stop_profile")).status == 200
+
+
+async def test_a_start_while_a_finished_window_is_written_does_not_lose_it(serve_tiny, tmp_path, monkeypatch):
+    from infertrace.capture.torch_capture import CaptureSession
+
+    real_stop, writing = CaptureSession.stop, threading.Event()
+
+    def slow_stop(self):
+        writing.set()
+        time.sleep(0.5)  # a big trace takes a while to write
+        return real_stop(self)
+
+    monkeypatch.setattr(CaptureSession, "stop", slow_stop)
+    async with serve_tiny(profile_dir=tmp_path) as client:
+        resp = await client.post("/start_profile", json={"output_dir": "first", "num_steps": 1, "activities": ["CPU"]})
+        assert resp.status == 200
+        generating = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}))
+        for _ in range(200):  # the window has closed: its files are being written on the engine thread
+            if writing.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert writing.is_set()
+        second = await client.post("/start_profile", json={"output_dir": "second"})
+        assert second.status == 409
+        assert (await generating).status == 200
+        stopped = await client.post("/stop_profile")
+        assert stopped.status == 200, await stopped.text()
+        assert Path((await stopped.json())["output_dir"]) == tmp_path / "first"
+        statuses = []
+        for _ in range(3):  # start and stop racing each other: never a 500
+            start, stop = await asyncio.gather(client.post("/start_profile"), client.post("/stop_profile"))
+            statuses.append((start.status, stop.status))
+            await client.post("/stop_profile")
+        assert all(s in ((200, 200), (200, 400), (409, 200)) for s in statuses), statuses
