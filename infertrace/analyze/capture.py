@@ -1,9 +1,12 @@
 """A capture: the trace files of one profiling run (one per rank), loaded into event tables.
 
-Files are found by name (`.json`, `.json.gz`, `.sqlite`, `.nsys-rep`), read whatever their writer (Kineto from
-torch.profiler, vLLM, SGLang, nsys exports), and given a rank: the file's `distributedInfo.rank`, else a rank in
-its name (`-rank-3`, `rank_3`, SGLang's `-TP-3`), else the lowest free one. A file that cannot be used, or that
-claims a rank another file already has, is reported in one line instead of being silently dropped or replaced.
+Files are found by name (`.json`, `.json.gz`, `.sqlite`, `.nsys-rep`) at any depth and grouped into captures by
+their writers' own naming (catalog.py): the newest capture, or the one asked for, is read. Each file is read
+whatever its writer (Kineto from torch.profiler, vLLM, SGLang, nsys exports) and given a rank: the file's
+`distributedInfo.rank`, else a rank in its name (`-rank-3`, `rank_3`, SGLang's `-TP-3`), else the lowest free one.
+SGLang's EXTEND and DECODE files of one rank are read as one rank; vLLM's API-server trace is the frontend, kept
+apart. A file that cannot be used, or that claims a rank another file already has, is reported in one line instead
+of being silently dropped or replaced.
 """
 
 from __future__ import annotations
@@ -17,12 +20,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from infertrace.analyze.catalog import TRACE_SUFFIXES, CaptureGroup, TraceFile, catalog, select
 from infertrace.analyze.events import event_frame
 from infertrace.analyze.kineto import TraceColumns, TraceError, read_kineto
 from infertrace.analyze.nsys import read_nsys_report, read_nsys_sqlite
 
-TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite", ".nsys-rep")
-MANIFEST_SUFFIX = ".manifest.json"  # written beside each capture by `infertrace profile`; not a trace
 _RANK_IN_NAME = (
     re.compile(r"(?:^|[-_.])rank[-_]?(\d+)(?=[-_.]|$)", re.IGNORECASE),
     re.compile(r"-TP-(\d+)(?=[-_.]|$)"),
@@ -58,23 +60,17 @@ class Capture:
     ranks: list[RankTrace]
     problems: list[str] = field(default_factory=list)  # one line each: files skipped, cut short or renumbered
     origin_ns: int = 0  # the first event of the capture; every `ts` counts from here
+    name: str | None = None  # the capture's name (vLLM prefix, SGLang profile id, or its directory)
+    notes: list[str] = field(default_factory=list)  # which capture of several was read, and the like
+    frontend: list[RankTrace] = field(default_factory=list)  # vLLM's API-server CPU trace: not a rank
 
     def rank(self, rank: int) -> RankTrace:
         return next(r for r in self.ranks if r.rank == rank)
 
 
 def trace_files(path: Path) -> list[Path]:
-    """The trace files at `path` (a file, or the files directly inside a directory), in name order."""
-    if path.is_file():
-        return [path]
-    files = sorted(p for p in path.iterdir() if p.is_file() and _is_trace_name(p.name))
-    exported = {p.name[: -len(".sqlite")] for p in files if p.name.endswith(".sqlite")}
-    # a report exported beside itself is read once, from the faster .sqlite
-    return [p for p in files if not (p.name.endswith(".nsys-rep") and p.name[: -len(".nsys-rep")] in exported)]
-
-
-def _is_trace_name(name: str) -> bool:
-    return name.endswith(TRACE_SUFFIXES) and not name.endswith(MANIFEST_SUFFIX) and not name.startswith(".")
+    """Every trace file at `path` (a file, or a directory searched to any depth), in name order."""
+    return sorted(f.path for group in catalog(path) for f in group.files)
 
 
 def read_trace_file(path: Path, keep_python: bool = False) -> TraceColumns:
@@ -85,36 +81,77 @@ def read_trace_file(path: Path, keep_python: bool = False) -> TraceColumns:
     return read_kineto(path, keep_python=keep_python)
 
 
-def load_capture(path: str | Path, keep_python: bool = False) -> Capture:
-    """Load every trace at `path`. Raises CaptureError when not one file is usable."""
+def load_capture(path: str | Path, keep_python: bool = False, capture: str | None = None,
+                 rank: int | None = None) -> Capture:
+    """Load one capture at `path`: the newest there, or the one named `capture`, only `rank` when given.
+    Raises CaptureError when not one file is usable or the capture or rank asked for is not there."""
     path = Path(path)
     if not path.exists():
         raise CaptureError(f"{path} does not exist")
-    files = trace_files(path)
-    if not files:
+    groups = catalog(path)
+    if not groups:
         raise CaptureError(f"no trace files in {path} (looked for {', '.join('*' + s for s in TRACE_SUFFIXES)})")
+    try:
+        group, notes = select(groups, capture, rank)
+    except LookupError as exc:
+        raise CaptureError(str(exc)) from None
+    units = _rank_units(group)
+    files = [f.path for unit in units for f in unit] + [f.path for f in group.frontend()]
+    read = dict(zip(files, _read_all(files, keep_python)))
     problems: list[str] = []
-    loaded: list[tuple[Path, TraceColumns]] = []
-    for file, (cols, failure) in zip(files, _read_all(files, keep_python)):
-        if cols is None:
-            problems.append(f"{file.name}: {failure}; skipped")
-            continue
-        if cols.problem:
-            problems.append(f"{file.name}: {cols.problem}")
-        if not cols.exact_times:
-            problems.append(f"{file.name}: some timestamps could only be read at float precision")
-        loaded.append((file, cols))
+    loaded: list[tuple[Path, list[TraceColumns]]] = []
+    for unit in units:
+        parts = [cols for cols in (_usable(f.path, read[f.path], problems) for f in unit) if cols is not None]
+        if parts:
+            loaded.append((unit[0].path, parts))
+    frontend = [(f.path, cols) for f in group.frontend()
+                if (cols := _usable(f.path, read[f.path], problems)) is not None]
     if not loaded:
         raise CaptureError(f"no usable trace in {path}: " + "; ".join(problems))
-    ranks = _assign_ranks(loaded, problems)
-    non_empty = [cols.ts_ns.min() for _, cols in loaded if len(cols)]
+    ranks = _assign_ranks([(file, parts[0]) for file, parts in loaded], problems)
+    everything = [cols for _, parts in loaded for cols in parts] + [cols for _, cols in frontend]
+    non_empty = [cols.ts_ns.min() for cols in everything if len(cols)]
     origin = int(min(non_empty)) if non_empty else 0
-    traces = [RankTrace(rank, file, event_frame(cols, origin), cols.metadata, cols.exact_times, claimed)
-              for (file, cols), (rank, claimed) in zip(loaded, ranks)]
+    traces = [RankTrace(r, file, _events(parts, origin), parts[0].metadata, all(c.exact_times for c in parts),
+                        claimed)
+              for (file, parts), (r, claimed) in zip(loaded, ranks)]
     for trace in traces:
         if trace.events.empty:
             problems.append(f"{trace.path.name}: no complete events")
-    return Capture(path, sorted(traces, key=lambda t: t.rank), problems, origin)
+    for unit in units:
+        if len(unit) > 1:
+            notes.append(f"{' and '.join(f.path.name for f in unit)}: stages of one rank, read as one")
+    fronts = [RankTrace(-1, file, event_frame(cols, origin), cols.metadata, cols.exact_times, None)
+              for file, cols in frontend]
+    for front in fronts:
+        notes.append(f"{front.path.name}: the API server's CPU trace (the frontend), not a rank")
+    return Capture(path, sorted(traces, key=lambda t: t.rank), problems, origin, group.name, notes, fronts)
+
+
+def _rank_units(group: CaptureGroup) -> list[list[TraceFile]]:
+    """The capture's per-rank files; SGLang's stage files of one rank together, EXTEND before DECODE."""
+    units: dict[object, list[TraceFile]] = {}
+    for f in group.rank_files():
+        key = ("stage", f.rank) if f.stage is not None and f.rank is not None else f.path
+        units.setdefault(key, []).append(f)
+    return [sorted(unit, key=lambda f: (f.stage != "EXTEND", f.path.name)) for unit in units.values()]
+
+
+def _usable(path: Path, outcome: tuple[TraceColumns | None, str | None], problems: list[str]) -> TraceColumns | None:
+    cols, failure = outcome
+    if cols is None:
+        problems.append(f"{path.name}: {failure}; skipped")
+        return None
+    if cols.problem:
+        problems.append(f"{path.name}: {cols.problem}")
+    if not cols.exact_times:
+        problems.append(f"{path.name}: some timestamps could only be read at float precision")
+    return cols
+
+
+def _events(parts: list[TraceColumns], origin: int) -> pd.DataFrame:
+    frames = [event_frame(cols, origin) for cols in parts]
+    return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
 
 
 def _read_all(files: list[Path], keep_python: bool) -> list[tuple[TraceColumns | None, str | None]]:

@@ -32,7 +32,9 @@ class _RunByDefault(click.Group):
   infertrace analyze diff BEFORE AFTER
 
 TRACE_DIR holds one trace per rank: Kineto JSON (`.json`, `.json.gz`) from torch.profiler, vLLM or SGLang, or
-Nsight Systems exports (`.sqlite`; `.nsys-rep` is exported with `nsys` when it is on PATH).
+Nsight Systems exports (`.sqlite`; `.nsys-rep` is exported with `nsys` when it is on PATH). Subdirectories are
+searched; where captures accumulate, files are grouped by capture (vLLM's and SGLang's own file names, else by
+directory) and the newest is read unless --capture names another.
 
 {EXIT_CODES}
 """)
@@ -60,16 +62,20 @@ step, time by kernel category and a CPU-bound verdict. Timestamps are kept to th
 @click.option("--top", "top_kernels", type=click.IntRange(min=1), default=None,
               help="Kernels named per rank and kernel type before the rest are grouped as 'others' [default: 10, "
                    "as HTA].")
+@click.option("--capture", "capture_name", metavar="NAME",
+              help="Which capture to read where several lie under TRACE_DIR (its vLLM prefix, SGLang profile id or "
+                   "directory name) [default: the newest].")
+@click.option("--rank", type=click.IntRange(min=0), help="Read only this rank of the capture.")
 @click.option("--quiet", is_flag=True, help="Print no tables (only warnings and the files written).")
 def run(trace_dir: Path, json_path: Path | None, csv_dir: Path | None, html_path: Path | None,
-        top_kernels: int | None, quiet: bool) -> None:
+        top_kernels: int | None, capture_name: str | None, rank: int | None, quiet: bool) -> None:
     from infertrace.analyze.capture import CaptureError, load_capture
     from infertrace.analyze.render import render
     from infertrace.analyze.report import AnalyzeConfig, build_report
 
     config = AnalyzeConfig() if top_kernels is None else AnalyzeConfig(top_kernels=top_kernels)
     try:
-        capture = load_capture(trace_dir)
+        capture = load_capture(trace_dir, capture=capture_name, rank=rank)
     except CaptureError as exc:
         fail(str(exc), code=2)
     report = build_report(capture, config)

@@ -17,7 +17,7 @@ from infertrace.analyze.events import GPU_WORK
 SCHEMA = "infertrace.analyze/1"
 # Table names in display order.
 TABLES = ("temporal", "idle", "kernel_types", "top_kernels", "overlap", "launches", "categories", "phases",
-          "phase_categories", "steps")
+          "phase_categories", "steps", "frontend")
 
 
 @dataclass(slots=True)
@@ -47,7 +47,9 @@ class Report:
 
 def build_report(capture: Capture, config: AnalyzeConfig | None = None) -> Report:
     config = config or AnalyzeConfig()
-    report = Report(str(capture.source), _rank_table(capture), list(capture.problems))
+    report = Report(str(capture.source), _rank_table(capture), list(capture.problems), list(capture.notes))
+    if capture.frontend:
+        report.tables["frontend"] = frontend_ops(capture.frontend)
     events = {r.rank: r.events for r in capture.ranks}
     has_gpu = any(e["kind"].isin(GPU_WORK).any() for e in events.values())
     trim = len(breakdown.profiler_step_names(list(events.values()))) >= 2
@@ -96,6 +98,17 @@ def build_report(capture: Capture, config: AnalyzeConfig | None = None) -> Repor
         else:
             report.skipped["phase_categories"] = "no GPU kernels in the capture (a CPU-only trace)"
     return report
+
+
+def frontend_ops(fronts, top: int = 10) -> pd.DataFrame:
+    """The API server's CPU trace (vLLM's frontend): its busiest CPU operations over the window."""
+    frames = [f.events[(f.events["kind"] == "cpu_op").to_numpy()] for f in fronts]
+    ops = pd.concat(frames, ignore_index=True)
+    if ops.empty:
+        return pd.DataFrame(columns=["name", "count", "sum (us)", "max (us)"])
+    table = ops.assign(name=ops["name"].astype(str)).groupby("name")["dur"].agg(["count", "sum", "max"]).reset_index()
+    table = table.rename(columns={"sum": "sum (us)", "max": "max (us)"})
+    return table.sort_values("sum (us)", ascending=False).head(top).reset_index(drop=True)
 
 
 def _failure(exc: Exception) -> str:
