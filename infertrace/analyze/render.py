@@ -23,6 +23,7 @@ TITLES = {
     "categories": "GPU time by kernel category",
     "phases": "Inference phases by step type",
     "phase_categories": "GPU time per step by kernel category",
+    "frontend": "API server (frontend) CPU trace: busiest operations",
 }
 
 
@@ -191,10 +192,17 @@ def _phase_categories(df: pd.DataFrame) -> Table:
     return table
 
 
+def _frontend(df: pd.DataFrame) -> Table:
+    table = _new(TITLES["frontend"], "operation", "count", "total (ms)", "max (ms)", wide=0)
+    for r in df.to_dict("records"):
+        table.add_row(str(r["name"]), str(r["count"]), f"{r['sum (us)'] / 1000:.3f}", f"{r['max (us)'] / 1000:.3f}")
+    return table
+
+
 _BUILDERS = {
     "temporal": _temporal, "idle": _idle, "kernel_types": _kernel_types, "top_kernels": _top_kernels,
     "overlap": _overlap, "launches": _launches, "categories": _categories, "phases": _phases,
-    "phase_categories": _phase_categories,
+    "phase_categories": _phase_categories, "frontend": _frontend,
 }
 
 

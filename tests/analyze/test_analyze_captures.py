@@ -33,6 +33,12 @@ def test_vllm_ranks_and_frontend(tmp_path):
     assert report.table("frontend")["name"].tolist() == ["detokenize"]
     assert report.table("frontend")["sum (us)"].tolist() == [12.0]
     assert any("frontend" in n for n in report.notes)
+    from infertrace.analyze.render import render
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(render(report, fit=False))
+    assert "API server (frontend) CPU trace" in console.export_text() and "detokenize" in console.export_text()
 
 
 def test_sglang_stages_are_one_rank_and_merged_is_skipped(tmp_path):
