@@ -45,7 +45,7 @@ def html_report(report: Report) -> str:
     if report.notes:
         parts.append("<ul class='note'>" + "".join(f"<li>{escape(n)}</li>" for n in report.notes) + "</ul>")
     for name in ("phases", "phase_categories", "categories", "temporal", "idle", "kernel_types", "top_kernels",
-                 "overlap", "launches", "frontend"):
+                 "overlap", "launches", "rank_communication", "step_skew", "frontend"):
         table = report.tables.get(name)
         if table is None or table.empty:
             continue

@@ -24,6 +24,8 @@ TITLES = {
     "phases": "Inference phases by step type",
     "phase_categories": "GPU time per step by kernel category",
     "frontend": "API server (frontend) CPU trace: busiest operations",
+    "rank_communication": "Communication per rank and step type (all-reduce and other collectives)",
+    "step_skew": "Cross-rank skew of step ends (the straggler ends each step last)",
 }
 
 
@@ -199,10 +201,30 @@ def _frontend(df: pd.DataFrame) -> Table:
     return table
 
 
+def _rank_communication(df: pd.DataFrame) -> Table:
+    table = _new(TITLES["rank_communication"], "step type", "rank", "steps", "step mean (ms)",
+                 "communication (ms)", "share", "exposed (ms)", "exposed share")
+    for r in df.to_dict("records"):
+        table.add_row(str(r["type"]), str(r["rank"]), str(r["steps"]), f"{r['step mean (ms)']:.3f}",
+                      f"{r['all-reduce mean (ms)']:.3f}", _pct(r["all-reduce share"]),
+                      f"{r['exposed mean (ms)']:.3f}", _pct(r["exposed share"]))
+    return table
+
+
+def _step_skew(df: pd.DataFrame) -> Table:
+    table = _new(TITLES["step_skew"], "step type", "steps", "skew p50 (ms)", "skew p99 (ms)", "skew max (ms)",
+                 "straggler", "last in")
+    for r in df.to_dict("records"):
+        table.add_row(str(r["type"]), str(r["steps"]), f"{r['skew p50 (ms)']:.3f}", f"{r['skew p99 (ms)']:.3f}",
+                      f"{r['skew max (ms)']:.3f}", f"rank {r['straggler']}", _pct(r["straggler share"]))
+    return table
+
+
 _BUILDERS = {
     "temporal": _temporal, "idle": _idle, "kernel_types": _kernel_types, "top_kernels": _top_kernels,
     "overlap": _overlap, "launches": _launches, "categories": _categories, "phases": _phases,
-    "phase_categories": _phase_categories, "frontend": _frontend,
+    "phase_categories": _phase_categories, "frontend": _frontend, "rank_communication": _rank_communication,
+    "step_skew": _step_skew,
 }
 
 

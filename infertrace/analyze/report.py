@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from infertrace.analyze import breakdown, hta_bridge, launches, phases
+from infertrace.analyze import breakdown, hta_bridge, launches, phases, ranks
 from infertrace.analyze.capture import Capture, load_capture
 from infertrace.analyze.events import GPU_WORK
 
 SCHEMA = "infertrace.analyze/1"
 # Table names in display order.
 TABLES = ("temporal", "idle", "kernel_types", "top_kernels", "overlap", "launches", "categories", "phases",
-          "phase_categories", "steps", "frontend")
+          "phase_categories", "steps", "frontend", "rank_communication", "step_skew")
 
 
 @dataclass(slots=True)
@@ -93,6 +93,10 @@ def build_report(capture: Capture, config: AnalyzeConfig | None = None) -> Repor
                                     "ProfilerStep#..) in the capture")
     elif steps is not None:
         run("phases", lambda: phases.phase_summary(steps, has_gpu))
+        try:
+            report.tables.update(ranks.multi_rank_tables(events, steps))
+        except Exception as exc:  # noqa: BLE001 - one analysis failing must not take the others down
+            report.skipped["rank_communication"] = _failure(exc)
         if has_gpu:
             run("phase_categories", lambda: phases.phase_categories(steps))
         else:
