@@ -20,7 +20,9 @@ VLLM_WORKLOAD_KEYS = {
 }
 VLLM_WORKLOAD_PREFIXES = ("random_", "sharegpt_", "sonnet_", "prefix_", "hf_", "custom_", "ramp_up_")
 # Settings of `infertrace bench` that say where its outputs go, not what it measured.
-OUTPUT_SETTINGS = ("result_json", "requests_jsonl", "plot", "report", "scrape_interval_s", "metrics_url")
+# settings that change how a run is observed or sent, not what the server is asked to do
+OUTPUT_SETTINGS = ("result_json", "requests_jsonl", "plot", "report", "scrape_interval_s", "metrics_url", "workers",
+                   "ray_address")
 # Settings that may hold a local path: an absolute or ./ path is compared by its last part, so that checkouts in
 # different directories (a developer's machine, a CI runner) still compare.
 PATH_SETTINGS = ("model", "tokenizer", "dataset_path", "model_id", "tokenizer_id")

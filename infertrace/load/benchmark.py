@@ -25,7 +25,14 @@ from infertrace.load.dataset import (
     shared_prefixes,
     sharegpt_specs,
 )
-from infertrace.load.metrics import Metrics, Stats, compute_metrics, token_count_checks
+from infertrace.load.metrics import (
+    INTENDED_START_WARN,
+    Metrics,
+    Stats,
+    compute_metrics,
+    from_scheduled,
+    token_count_checks,
+)
 from infertrace.load.observe import Observed, Observer
 from infertrace.load.records import RequestResult, RequestSpec
 from infertrace.load.replay import TraceReplay
@@ -34,6 +41,7 @@ from infertrace.load.schedule import arrival_offsets, ramp_up_offsets
 from infertrace.load.steady import SteadyState, steady_state
 from infertrace.load.server_counters import read_prefix_cache, run_hit_rate
 from infertrace.load.timing import TargetError, resolve_output_tokens
+from infertrace.load.workers import Fleet
 
 CLIENT_CPU_WARN = 0.8  # share of one core used by the load generator's event-loop thread
 CLIENT_LAG_WARN_S = 0.010  # p99 of send lateness that is the client's own (slot waits excluded)
@@ -136,6 +144,12 @@ class PointRecord:
         if self.client_lag.p99 is not None and self.client_lag.p99 > CLIENT_LAG_WARN_S * 1000:
             out.append(f"requests left {self.client_lag.p99:.1f} ms late at p99: the client is falling behind "
                        "its schedule")
+        if self.config is not None and self.config.open_loop:
+            measured, intended = self.metrics.ttft.median, from_scheduled(self.results)[0].median
+            if measured and intended and intended > measured * (1 + INTENDED_START_WARN):
+                out.append(f"median TTFT is {intended:.1f} ms counted from each request's scheduled time against "
+                           f"{measured:.1f} ms from its send: requests waited for a free slot (see "
+                           "*_from_scheduled_ms)")
         return out
 
     @property
@@ -184,10 +198,19 @@ def shaped_load(cfg: BenchConfig, tokenizer, point: int = 0) -> TraceReplay | Co
     return None
 
 
-def numbered_cycle(specs: list[RequestSpec]) -> Iterator[RequestSpec]:
-    """The prompts over and over, each send with its own index (for --duration runs)."""
-    for i, spec in enumerate(itertools.cycle(specs)):
-        yield dataclasses.replace(spec, index=i)
+class numbered_cycle:  # noqa: N801 - used as the generator it replaces
+    """The prompts over and over, each send with its own index (for --duration runs); `base` is the list cycled,
+    for load workers that cycle their own share."""
+
+    def __init__(self, specs: list[RequestSpec]) -> None:
+        self.base = specs
+        self._it = (dataclasses.replace(spec, index=i) for i, spec in enumerate(itertools.cycle(specs)))
+
+    def __iter__(self) -> Iterator[RequestSpec]:
+        return self
+
+    def __next__(self) -> RequestSpec:
+        return next(self._it)
 
 
 def trace_files(answer) -> list[str]:
@@ -242,7 +265,8 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
     # --profile-seconds bounds the sending window like --duration, so the profiler's stop (which writes the
     # trace and stalls the server) happens after the last measured request, never inside the measured window.
     window = min((s for s in (cfg.duration_s, cfg.profile_seconds) if s), default=None)
-    runner = Runner(target, clock, hooks.on_result)
+    runner = Runner(target, clock, hooks.on_result) if cfg.workers == 1 and cfg.ray_address is None \
+        else Fleet(cfg, clock, hooks.on_result, cfg.ray_address)
     if not interrupted:
         total = load.total if load is not None else None if cfg.duration_s else cfg.num_prompts
         hooks.on_phase("measure", total, window)
@@ -281,9 +305,10 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
 
     await observer.stop()
     results = runner.results
-    workload = None
+    workload = runner.figures() if isinstance(runner, Fleet) else None
     if load is not None:
-        workload = {**load.figures(results, target), **run_hit_rate(cache_before, await read_prefix_cache(target))}
+        workload = {**(workload or {}), **load.figures(results, target),
+                    **run_hit_rate(cache_before, await read_prefix_cache(target))}
     resolve_output_tokens(results, tokenizer, check_usage=target.kind == "http")
     resolve_output_tokens(warm.results, tokenizer)
     metrics = compute_metrics(results, cfg.request_slo)

@@ -9,6 +9,7 @@ from fractions import Fraction
 import click
 
 from infertrace.load.auth import request_headers, server_auth_options
+from infertrace.load.workers import resolve_workers
 from infertrace.load.config import (
     DATASETS,
     DEFAULT_CONCURRENCY,
@@ -165,6 +166,12 @@ def _json_object(text: str) -> dict:
               "failure reason, one JSON object per line.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Sweep plot PNG path [default: --result-json "
               "with .png, else bench-sweep.png].")
+@click.option("--workers", callback=_parsed(lambda v: resolve_workers(v)), metavar="N|auto",
+              help="Load generator processes on this host (per node with --ray); auto: the cores less one. The "
+                   "schedule is made once and split between them; their records are merged. [default: 1]")
+@click.option("--ray", "ray_address", metavar="ADDRESS",
+              help="Place the load workers as Ray actors on the cluster at ADDRESS (auto: the one `ray start` "
+                   "made), --workers per node; needs the [distributed] extra.")
 @click.option("--report", type=click.Path(dir_okay=False), help="Write one self-contained HTML report of the run: "
               "client latencies, the server's metrics and GPU telemetry on one time axis, the profiled window's "
               "phases and what the run shows (docs/report.md).")

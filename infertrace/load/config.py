@@ -77,6 +77,9 @@ class BenchConfig:
     find_max_limit: float = 1024.0  # the highest load tried
     find_max_points: int = 12  # the most loads tried
     find_max_repeats: int = 3  # the most runs at one load whose verdict the first run leaves uncertain
+    # load generators: worker processes on this host (per node with Ray), and the Ray cluster to place them on
+    workers: int = 1
+    ray_address: str | None = None
     # request body
     ignore_eos: bool = False
     temperature: float = 0.0
@@ -124,6 +127,11 @@ class BenchConfig:
         if self.warmup is not None and self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         _finite_positive("request_timeout", self.request_timeout_s, " of seconds")
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if (self.workers > 1 or self.ray_address) and self.base_url is None:
+            raise ValueError("--workers and --ray send load to a server (--base-url); the bundled engine runs "
+                             "in this process")
         if self.report and (self.sweep_param is not None or self.find_max is not None):
             raise ValueError("--report explains one run; it cannot be combined with --sweep or --find-max")
         if not (self.scrape_interval_s >= 0 and math.isfinite(self.scrape_interval_s)):

@@ -123,6 +123,20 @@ class SessionDriver:
                 await self.clock.sleep_until(ready)
         return outcome
 
+    def record(self, results: list[RequestResult]) -> None:
+        """Outcomes rebuilt from the records of sessions another driver played (a worker process's)."""
+        by_session: dict[int, SessionOutcome] = {}
+        for r in sorted(results, key=lambda r: (r.session, r.turn)):
+            if r.session is None:
+                continue
+            outcome = by_session.setdefault(r.session, SessionOutcome(r.session))
+            outcome.results.append(r)
+            if r.error is not None and outcome.failed_turn is None:
+                outcome.failed_turn = r.turn
+            elif r.error is None:
+                outcome.turns_done += 1
+        self.outcomes = list(by_session.values())
+
     def summary(self) -> dict:
         ended = [o for o in self.outcomes if o.failed_turn is not None]
         return {"sessions": len(self.outcomes), "sessions_completed": len(self.outcomes) - len(ended),

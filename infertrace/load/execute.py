@@ -17,6 +17,7 @@ from infertrace.load.benchmark import (
 from infertrace.load.clock import MonotonicClock
 from infertrace.load.config import BenchConfig
 from infertrace.load.dataset import DatasetError
+from infertrace.load.fdlimit import OpenFileLimitError, ensure_open_files
 from infertrace.load.findings import findings_table
 from infertrace.load.observe import run_findings
 from infertrace.load.outputs import OutputError, check_writable
@@ -62,7 +63,10 @@ def execute(cfg: BenchConfig) -> int:
 
     try:
         check_writable(cfg.output_paths())
-    except OutputError as e:
+        streams = cfg.max_connections or (cfg.num_prompts if cfg.duration_s is None else 0)
+        if cfg.base_url is not None and streams:
+            ensure_open_files(-(-streams // (cfg.workers or 1)))  # each worker process opens its own share
+    except (OutputError, OpenFileLimitError) as e:
         fail(str(e), EXIT_BAD_INPUT)
     try:
         records, target = asyncio.run(_run(cfg))

@@ -54,6 +54,14 @@ class _AiohttpResponse:
     def chunks(self) -> AsyncIterator[bytes]:
         return self._resp.content.iter_any()  # whatever has arrived, without splitting into lines first
 
+    async def finish(self, timeout_s: float = 1.0) -> None:
+        """Read what is left of a finished stream (the end of its chunked body): an unread response cannot go
+        back to the connection pool, so the next request would open a new connection."""
+        try:
+            await asyncio.wait_for(self._resp.read(), timeout_s)
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
+            pass
+
 
 class AiohttpTransport:
     """One ClientSession for the whole run, its connection pool sized to the concurrency."""
@@ -264,12 +272,18 @@ class HttpTarget:
                     detail = " ".join((await resp.text()).split())[:200]
                     yield [StreamEvent(error=f"HTTP {resp.status}: {detail}")]
                     return
-                parser = SSEParser()
-                async for chunk in resp.chunks():
-                    if events := parser.feed(chunk):
+                parser, done = SSEParser(), False
+                try:
+                    async for chunk in resp.chunks():
+                        if events := parser.feed(chunk):
+                            batch = [decode_data(data) for data in events]
+                            done = done or any(ev.done for ev in batch)
+                            yield batch
+                    if events := parser.close():
                         yield [decode_data(data) for data in events]
-                if events := parser.close():
-                    yield [decode_data(data) for data in events]
+                finally:
+                    if done:  # read the body's last bytes, so the connection goes back to the pool for reuse
+                        await resp.finish()
         except SSELineTooLong as e:
             yield [StreamEvent(error=f"malformed stream: {e}")]
         except asyncio.TimeoutError:

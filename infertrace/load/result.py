@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 
 from infertrace.load.benchmark import PointRecord
-from infertrace.load.metrics import vllm_keys
+from infertrace.load.metrics import from_scheduled, vllm_keys
 
 SCHEMA_VERSION = 1
 
@@ -72,6 +72,9 @@ def point_result(record: PointRecord) -> dict:
     })
     for stat in ("mean", "median", "std", "p90", "p95", "p99"):
         out[f"{stat}_itl_per_token_ms"] = getattr(m.itl_per_token, stat)
+    for name, stats in zip(("ttft", "e2el"), from_scheduled(record.results)):  # from when each request was due
+        for stat in ("mean", "median", "p99"):
+            out[f"{stat}_{name}_from_scheduled_ms"] = getattr(stats, stat)
     out.update({
         "schedule_lag_p50_ms": m.schedule_lag.median, "schedule_lag_p99_ms": m.schedule_lag.p99,
         "slot_wait_p50_ms": m.slot_wait.median, "slot_wait_p99_ms": m.slot_wait.p99,

@@ -28,6 +28,7 @@ class StandInServer:
         self.calls: list[tuple[str, str | None, str | None]] = []  # (path, Authorization, X-Team) of every call
         self.serve_metrics = False  # GET /metrics in vLLM 0.33's names (vllm/v1/metrics/loggers.py), else 404
         self.active = 0
+        self.peers: set = set()  # client (host, port) of every generation request: one per connection used
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -36,6 +37,7 @@ class StandInServer:
         arrived = time.perf_counter()
         body = await request.json()
         i, self.count = self.count, self.count + 1
+        self.peers.add(request.transport.get_extra_info("peername"))
         mode = self.mode(i)
         if mode == "500":
             return web.json_response({"error": {"message": "overloaded"}}, status=500)

@@ -57,6 +57,9 @@ class ScriptedResponse:
         if self.raise_at_end is not None:
             raise self.raise_at_end
 
+    async def finish(self):
+        self.finished = True
+
 
 class ScriptedTransport:
     def __init__(self, response):
