@@ -9,6 +9,12 @@ of the server's writes would overstate it: loopback socket buffers hold megabyte
 
     python benchmarks/client_ceiling.py                       # infertrace bench, and guidellm if on PATH
     python benchmarks/client_ceiling.py --guidellm /path/to/guidellm --repeats 3
+    python benchmarks/client_ceiling.py --workers 1,4,8,15 --server-procs 0   # scale-out, on a many-core machine
+
+With --workers W1,W2,..., infertrace also runs with `--workers W` (W load processes, the requests scaled by W),
+pinned to W cores of their own; the server then runs as --server-procs processes on one port (SO_REUSEPORT, 0:
+one per remaining core) so that it does not become the limit, and the figure is the client's own count (its
+output tokens over its duration: requests/s and CPU microseconds per event come from the same result).
 
 guidellm is not a dependency of infertrace: install it apart (`pip install guidellm`, e.g. in a venv) and pass
 its executable with --guidellm. It needs a tokenizer directory for its synthetic prompts (--tokenizer; by
@@ -100,7 +106,7 @@ class InstantServer:
         return web.json_response(out)
 
 
-def serve(port: int, events_per_write: int) -> None:
+def serve(port: int, events_per_write: int, reuse_port: bool = False) -> None:
     from aiohttp import web
 
     server = InstantServer(events_per_write)
@@ -110,7 +116,7 @@ def serve(port: int, events_per_write: int) -> None:
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/health", server.health)
     app.router.add_route("*", "/stats", server.stats)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, reuse_port=reuse_port)
 
 
 def _stats(url: str, reset: bool, concurrency: int = 0) -> dict:
@@ -136,6 +142,24 @@ def run_infertrace(url: str, core: int, args, workdir: Path) -> dict:
     doc = json.loads(result.read_text())
     return {"self_reported_events_per_s": doc["total_output_tokens"] / doc["duration"],
             "client_cpu_percent": doc["client_cpu_percent"], "command": " ".join(cmd)}
+
+
+def run_workers(url: str, workers: int, first_core: int, args, workdir: Path) -> dict:
+    """infertrace bench with `workers` load processes pinned to cores first_core.. (the client's own count)."""
+    prompts = workdir / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a short prompt", "max_tokens": args.tokens}) + "\n")
+    result = workdir / f"workers{workers}.json"
+    cores = f"{first_core}-{first_core + workers - 1}"
+    pin = ["taskset", "-c", cores] if shutil.which("taskset") else []
+    cmd = pin + ["infertrace", "bench", "--base-url", url, "--dataset", "jsonl", "--dataset-path", str(prompts),
+                 "--num-prompts", str(args.requests * workers), "--concurrency", str(args.concurrency * workers),
+                 "--warmup", "0", "--workers", str(workers), "--scrape-interval", "0", "--result-json", str(result)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    doc = json.loads(result.read_text())
+    events, duration = doc["total_output_tokens"], doc["duration"]
+    cpu_s = (doc["process_cpu_percent"] or 0) / 100 * duration
+    return {"workers": workers, "events_per_s": events / duration, "requests_per_s": doc["completed"] / duration,
+            "cpu_us_per_event": 1e6 * cpu_s / events if events else None, "command": " ".join(cmd)}
 
 
 def run_guidellm(url: str, core: int, args, workdir: Path) -> dict:
@@ -165,10 +189,17 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18765)
     parser.add_argument("--guidellm", default=shutil.which("guidellm"), help="guidellm executable (optional)")
     parser.add_argument("--tokenizer", help="tokenizer directory for guidellm's synthetic prompts")
+    parser.add_argument("--workers", help="also run infertrace with these --workers counts, e.g. 1,4,8,15")
+    parser.add_argument("--server-procs", type=int, default=0,
+                        help="with --workers: server processes on one port (0: one per core the workers leave)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.port, args.events_per_write)
+        serve(args.port, args.events_per_write, args.reuse_port)
+        return
+    if args.workers:
+        scale_out(args)
         return
 
     url = f"http://127.0.0.1:{args.port}"
@@ -213,6 +244,40 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(10)
+
+
+def scale_out(args) -> None:
+    """infertrace with each --workers count against a many-process instant server; one table."""
+    counts = [int(w) for w in args.workers.split(",")]
+    cores = os.cpu_count() or 2
+    url = f"http://127.0.0.1:{args.port}"
+    procs = args.server_procs or max(1, cores - max(counts))
+    servers = [subprocess.Popen([sys.executable, __file__, "--serve", "--reuse-port", "--port", str(args.port),
+                                 "--events-per-write", str(args.events_per_write)]) for _ in range(procs)]
+    rows = []
+    try:
+        for _ in range(100):
+            try:
+                _stats(url, reset=True)
+                break
+            except OSError:
+                time.sleep(0.1)
+        with tempfile.TemporaryDirectory() as tmp:
+            for w in counts:
+                runs = [run_workers(url, w, 0, args, Path(tmp)) for _ in range(args.repeats)]
+                best = sorted(runs, key=lambda r: r["events_per_s"])[len(runs) // 2]  # the median run
+                rows.append(best)
+        base = rows[0]["events_per_s"]
+        print(f"{'workers':>8} {'events/s':>12} {'requests/s':>11} {'CPU us/event':>13} {'x first':>8}")
+        for r in rows:
+            print(f"{r['workers']:>8} {r['events_per_s']:>12,.0f} {r['requests_per_s']:>11,.1f} "
+                  f"{r['cpu_us_per_event'] or 0:>13.3f} {r['events_per_s'] / base:>8.2f}")
+        print(json.dumps({"cores": cores, "server_procs": procs, "setup": vars(args), "rows": rows}, indent=2))
+    finally:
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            server.wait(10)
 
 
 if __name__ == "__main__":
