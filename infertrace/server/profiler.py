@@ -30,6 +30,7 @@ class ProfileRequest:
     activities: tuple[str, ...] = DEFAULT_ACTIVITIES
     record_shapes: bool = False
     with_stack: bool = False
+    profile_id: str | None = None  # the capture's name (SGLang's field): its folder is capture-{profile_id}
 
 
 def parse_profile_request(body: dict | None) -> ProfileRequest:
@@ -47,6 +48,14 @@ def parse_profile_request(body: dict | None) -> ProfileRequest:
         activities = DEFAULT_ACTIVITIES
     elif not (isinstance(activities, list) and activities and all(isinstance(a, str) for a in activities)):
         raise bad_request("activities must be a non-empty list such as [\"CPU\", \"GPU\"]", "activities")
+    profile_id = body.get("profile_id")
+    if profile_id is not None:
+        from infertrace.capture.peers import check_name
+
+        try:
+            check_name(profile_id if isinstance(profile_id, str) else "")
+        except ValueError as e:
+            raise bad_request(f"profile_id: {e}", "profile_id") from None
     flags = {}
     for name in ("record_shapes", "with_stack"):
         value = body.get(name)
@@ -54,7 +63,7 @@ def parse_profile_request(body: dict | None) -> ProfileRequest:
             raise bad_request(f"{name} must be a boolean", name)
         flags[name] = bool(value)
     return ProfileRequest(output_dir=output_dir, num_steps=num_steps,
-                          activities=tuple(a.upper() for a in activities), **flags)
+                          activities=tuple(a.upper() for a in activities), profile_id=profile_id, **flags)
 
 
 def resolve_output_dir(profile_dir: Path, output_dir: str | None) -> Path:
@@ -130,10 +139,13 @@ class Profiler:
         from infertrace.capture.torch_capture import CaptureSession
 
         root = self._require_enabled().resolve()
-        out_dir = resolve_output_dir(root, req.output_dir)
+        named = req.output_dir or (f"capture-{req.profile_id}" if req.profile_id else None)
+        out_dir = resolve_output_dir(root, named)
         try:
+            # every tensor-parallel rank records its own trace (the engine's ranks are processes of their own)
             session = CaptureSession(out_dir, activities=req.activities, record_shapes=req.record_shapes,
-                                     with_stack=req.with_stack, num_steps=req.num_steps, label=LABEL)
+                                     with_stack=req.with_stack, num_steps=req.num_steps,
+                                     label=req.profile_id or LABEL, engine=getattr(self.aeng, "engine", None))
         except ValueError as e:
             raise bad_request(str(e)) from None
         with self._lock:

@@ -61,3 +61,4 @@ async def run_server(engine, settings: ServerSettings, engine_config: dict,
         return await serve_until_signal(app, settings.host, settings.port, on_listening, on_draining)
     finally:
         await aeng.shutdown(abort_running=True)
+        await asyncio.to_thread(engine.shutdown)  # tensor-parallel ranks are processes of their own

@@ -39,6 +39,7 @@ def serve_tiny(tiny_model_dir):
                 yield client
         finally:
             await aeng.shutdown(abort_running=True)
+            engine.shutdown()
 
     return start
 

@@ -202,3 +202,22 @@ async def test_a_start_while_a_finished_window_is_written_does_not_lose_it(serve
             statuses.append((start.status, stop.status))
             await client.post("/stop_profile")
         assert all(s in ((200, 200), (200, 400), (409, 200)) for s in statuses), statuses
+
+
+async def test_a_named_capture_on_two_tensor_parallel_ranks_writes_one_trace_per_rank(serve_tiny, tmp_path):
+    async with serve_tiny({"tensor_parallel_size": 2}, profile_dir=tmp_path) as client:
+        resp = await client.post("/start_profile", json={"profile_id": "tp-run.1", "activities": ["CPU"]})
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["output_dir"] == str(tmp_path / "capture-tp-run.1")
+        assert (await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})).status == 200
+        stopped = await (await client.post("/stop_profile")).json()
+        bad = await client.post("/start_profile", json={"profile_id": "../up"})
+        assert bad.status == 400 and (await bad.json())["error"]["param"] == "profile_id"
+    traces = sorted(Path(p) for p in stopped["trace_files"])
+    assert [t.name.split(".")[-5] for t in traces] == ["rank0", "rank1"]
+    assert all(t.name.startswith("tp-run.1.") and t.parent == tmp_path / "capture-tp-run.1" for t in traces)
+    for rank, trace in enumerate(traces):
+        with gzip.open(trace, "rt") as f:
+            doc = json.load(f)
+        assert doc["distributedInfo"]["rank"] == rank and doc["distributedInfo"]["world_size"] == 2
+        assert any(e.get("name", "").startswith("step[") for e in doc["traceEvents"])
