@@ -1,4 +1,5 @@
-"""Reports as one self-contained HTML page: inline CSS and SVG, no scripts, nothing fetched, opens offline."""
+"""Reports as one self-contained HTML page: inline CSS and SVG, and the run report's interactive per-step timeline
+(plotly, its script inlined once); nothing is fetched, the page opens offline."""
 
 from __future__ import annotations
 
@@ -54,18 +55,48 @@ def html_report(report: Report) -> str:
         if chart is not None:
             parts.append(chart(table))
         parts.append(_table(_display(name, table)))
+    steps = report.tables.get("steps")
+    if steps is not None and not steps.empty:
+        parts.insert(2, "<h2>Each step over the capture</h2>" + _steps_timeline(steps))
     if report.skipped:
         parts.append("<h2>Not shown</h2><ul class='note'>" + "".join(
             f"<li>{escape(n)}: {escape(w)}</li>" for n, w in report.skipped.items()) + "</ul>")
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
-            f"<title>infertrace analyze: {escape(Path(report.source).name)}</title><style>{_CSS}</style></head>"
+            f"<title>infertrace analyze: {escape(Path(report.source).name)}</title><style>{_CSS}</style>"
+            f"{_plotly_script(steps)}</head>"
             f"<body>{''.join(parts)}</body></html>\n")
 
 
 def _display(name: str, table: pd.DataFrame) -> pd.DataFrame:
+    """The table as a person reads it: shares as percentages, the kernel's readable name."""
     if name == "top_kernels":
-        return table.drop(columns=["name"]).rename(columns={"short_name": "kernel"})
-    return table
+        table = table.drop(columns=["name"]).rename(columns={"short_name": "kernel"})
+    out = table.copy()
+    for column in out.columns:
+        text = str(column)
+        if pd.api.types.is_numeric_dtype(out[column]) and ("share" in text or text.endswith("_pctg")):
+            scale = 1.0 if text.endswith("_pctg") else 100.0
+            out[column] = [None if v is None or pd.isna(v) else f"{scale * v:.1f}%" for v in out[column]]
+            out = out.rename(columns={column: text.replace("_pctg", "").replace("_", " ") + " (%)"})
+    return out
+
+
+def _steps_timeline(steps: pd.DataFrame) -> str:
+    """Each step's time by step type, and its GPU busy and host-wait time, over the capture (rank 0)."""
+    from infertrace.report.figures import phases_data, phases_figure
+
+    first = steps[steps["rank"] == steps["rank"].min()] if "rank" in steps else steps
+    figure = phases_figure(phases_data(first.sort_values("ts_ns")))
+    return figure.to_html(full_html=False, include_plotlyjs=False, div_id="steps",
+                          config={"displaylogo": False, "responsive": True})
+
+
+def _plotly_script(steps: pd.DataFrame | None) -> str:
+    if steps is None or steps.empty:
+        return ""
+    from plotly.offline import get_plotlyjs
+
+    return f"<script>{get_plotlyjs()}</script>"
 
 
 def _table(df: pd.DataFrame) -> str:

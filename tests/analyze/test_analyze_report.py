@@ -60,3 +60,21 @@ def test_without_htas_classifier_the_rest_still_runs(engine_trace, monkeypatch):
     report = analyze_path(engine_trace)
     assert report.skipped["temporal"] == "failed: ModuleNotFoundError: No module named 'psutil'"
     assert {"idle", "launches", "categories", "steps", "phases", "phase_categories"} <= set(report.tables)
+
+
+def test_html_report_of_a_real_trace_draws_in_chromium(traces, tmp_path, browse):
+    """analyze --html: the per-step timeline (the run report's figure) draws, shares read as percentages."""
+    from click.testing import CliRunner
+
+    from infertrace.cli import main
+
+    page = tmp_path / "sglang.html"
+    result = CliRunner().invoke(main, ["analyze", str(traces / "tracelens" / "sglang_prefill_decode_mi300x"),
+                                       "--html", str(page), "--quiet"])
+    assert result.exit_code == 0, result.output
+    text = page.read_text()
+    assert text.count("<script>") >= 1 and 'id="steps"' in text and "src=\"http" not in text
+    assert "gpu busy share (%)" in text and "%</td>" in text
+    probe, done = browse(page)
+    assert probe["errors"] == [] and probe["svgs"] >= 1
+    assert "Uncaught" not in done.stderr
