@@ -135,8 +135,8 @@ def run_infertrace(url: str, core: int, args, workdir: Path) -> dict:
     prompts = workdir / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "a short prompt", "max_tokens": args.tokens}) + "\n")
     result = workdir / "infertrace.json"
-    cmd = _pinned(core) + [sys.executable, "-m", "infertrace", "bench", "--base-url", url, "--dataset", "jsonl", "--dataset-path",
-                           str(prompts), "--num-prompts", str(args.requests), "--concurrency", str(args.concurrency),
+    cmd = _pinned(core) + [sys.executable, "-m", "infertrace", "bench", "--base-url", url, "--dataset", "jsonl",
+                           "--dataset-path", str(prompts), "--num-prompts", str(args.requests), "--concurrency", str(args.concurrency),
                            "--warmup", "0", "--result-json", str(result)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     doc = json.loads(result.read_text())
@@ -151,7 +151,8 @@ def run_workers(url: str, workers: int, first_core: int, args, workdir: Path) ->
     result = workdir / f"workers{workers}.json"
     cores = f"{first_core}-{first_core + workers - 1}"
     pin = ["taskset", "-c", cores] if shutil.which("taskset") else []
-    cmd = pin + [sys.executable, "-m", "infertrace", "bench", "--base-url", url, "--dataset", "jsonl", "--dataset-path", str(prompts),
+    cmd = pin + [sys.executable, "-m", "infertrace", "bench", "--base-url", url, "--dataset", "jsonl",
+                 "--dataset-path", str(prompts),
                  "--num-prompts", str(args.requests * workers), "--concurrency", str(args.concurrency * workers),
                  "--warmup", "0", "--workers", str(workers), "--scrape-interval", "0", "--result-json", str(result)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
