@@ -136,8 +136,8 @@ def run_infertrace(url: str, core: int, args, workdir: Path) -> dict:
     prompts.write_text(json.dumps({"prompt": "a short prompt", "max_tokens": args.tokens}) + "\n")
     result = workdir / "infertrace.json"
     cmd = _pinned(core) + [sys.executable, "-m", "infertrace", "bench", "--base-url", url, "--dataset", "jsonl",
-                           "--dataset-path", str(prompts), "--num-prompts", str(args.requests), "--concurrency", str(args.concurrency),
-                           "--warmup", "0", "--result-json", str(result)]
+                           "--dataset-path", str(prompts), "--num-prompts", str(args.requests),
+                           "--concurrency", str(args.concurrency), "--warmup", "0", "--result-json", str(result)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     doc = json.loads(result.read_text())
     return {"self_reported_events_per_s": doc["total_output_tokens"] / doc["duration"],
