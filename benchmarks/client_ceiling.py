@@ -127,6 +127,16 @@ def _stats(url: str, reset: bool, concurrency: int = 0) -> dict:
         return json.loads(resp.read())
 
 
+def _wait_ready(url: str) -> None:
+    """Until the server answers its /stats (10 s at most)."""
+    for _ in range(100):
+        try:
+            _stats(url, reset=True)
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
 def _pinned(core: int) -> list[str]:
     return ["taskset", "-c", str(core)] if shutil.which("taskset") else []
 
@@ -208,12 +218,7 @@ def main() -> None:
                                                              str(args.port), "--events-per-write",
                                                              str(args.events_per_write)])
     try:
-        for _ in range(100):
-            try:
-                _stats(url, reset=True)
-                break
-            except OSError:
-                time.sleep(0.1)
+        _wait_ready(url)
         clients = {"infertrace": run_infertrace}
         if args.guidellm:
             if args.tokenizer is None:
@@ -257,12 +262,7 @@ def scale_out(args) -> None:
                                  "--events-per-write", str(args.events_per_write)]) for _ in range(procs)]
     rows = []
     try:
-        for _ in range(100):
-            try:
-                _stats(url, reset=True)
-                break
-            except OSError:
-                time.sleep(0.1)
+        _wait_ready(url)
         with tempfile.TemporaryDirectory() as tmp:
             for w in counts:
                 runs = [run_workers(url, w, 0, args, Path(tmp)) for _ in range(args.repeats)]
