@@ -7,6 +7,8 @@ infertrace, so that a directory where captures accumulate is read capture by cap
 - SGLang (sglang/srt/managers/scheduler_components/profiler_manager.py): `[prefix-]{id}-TP-{t}[-DP-d][-PP-p][-EP-e]
   [-EXTEND|-DECODE].trace.json.gz`; the EXTEND and DECODE files are two stages of one rank; `merged-{id}.trace.json
   .gz` repeats the per-rank files and is read only when they are absent.
+- infertrace serve's front end (server/frontend_trace.py): `frontend{i}-{pid}.trace.json` beside the engine's
+  traces, the frontend, not a rank.
 - Anything else (torch.profiler, infertrace's `capture-*` directories, nsys exports): one capture per directory.
 """
 
@@ -28,6 +30,7 @@ _VLLM_FRONTEND = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<host>[^_]+)_(?P<pid>\d+)\
                             r"\.pt\.trace\.json(?:\.gz)?$")
 _SGLANG = re.compile(r"^(?P<capture>.+?)-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-PP-(?P<pp>\d+))?(?:-EP-(?P<ep>\d+))?"
                      r"(?:-(?P<stage>EXTEND|DECODE))?\.trace\.json\.gz$")
+_INFERTRACE_FRONTEND = re.compile(r"^frontend(?P<index>\d+)-(?P<pid>\d+)\.trace\.json$")  # server/frontend_trace.py
 _SGLANG_MERGED = re.compile(r"^merged-(?P<capture>.+)\.trace\.json\.gz$")
 
 
@@ -78,6 +81,8 @@ def classify(path: Path) -> TraceFile:
         return TraceFile(path, m["prefix"] or "", Role.RANK, int(m["rank"]), mtime=mtime, ms=int(m["ms"]))
     if m := _VLLM_FRONTEND.match(name):
         return TraceFile(path, m["prefix"] or "", Role.FRONTEND, mtime=mtime, ms=int(m["ms"]))
+    if _INFERTRACE_FRONTEND.match(name):
+        return TraceFile(path, "", Role.FRONTEND, mtime=mtime)
     if m := _SGLANG_MERGED.match(name):
         return TraceFile(path, m["capture"], Role.MERGED, mtime=mtime)
     if m := _SGLANG.match(name):

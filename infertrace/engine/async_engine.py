@@ -16,12 +16,10 @@ from typing import Any
 
 from infertrace.engine.config import EngineConfig
 from infertrace.engine.engine import Engine
-from infertrace.engine.outputs import RequestOutput, StepStats
+from infertrace.engine.outputs import EngineDeadError, RequestOutput, StepStats
 from infertrace.engine.sampling_params import SamplingParams
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an error; no more requests can run."""
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 class AsyncEngine:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error (or its process exited); no more requests can run."""
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str

@@ -1,7 +1,7 @@
 """The aiohttp application: OpenAI routes, health and info, Prometheus metrics, profiler endpoints.
 
 Requests are validated on the event loop against cheap bounds, then rendered and tokenized on a small thread pool;
-generation runs on the engine thread behind `AsyncEngine`. Every error leaves as an OpenAI-style JSON body, never a
+generation runs in the engine process (or thread) behind the handle in `engine_client`. Every error leaves as an OpenAI-style JSON body, never a
 traceback. Bodies must be declared JSON and side effects take POST only, so a web page cannot trigger them with a
 form or a plain-text fetch.
 """
@@ -12,12 +12,15 @@ import asyncio
 import contextlib
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from infertrace import __version__
+from infertrace.engine.outputs import EngineDeadError
 from infertrace.server import metrics
+from infertrace.server.frontend_trace import FrontendTrace
 from infertrace.server.openai_stream import SSE_DONE, ResponseBuilder, new_request_id, sse, usage
 from infertrace.server.profiler import parse_profile_request
 from infertrace.server.protocol import (
@@ -38,11 +41,12 @@ HEALTH_TIMEOUT_S = 10.0
 STATE = web.AppKey("state", ServerState)
 
 
-def build_app(aeng: Any, engine: Any, settings: ServerSettings, engine_config: dict[str, Any]) -> web.Application:
-    """The application for a started or startable `AsyncEngine` over `engine` (used for its tokenizer and
-    context length). The caller owns the engine's start and shutdown."""
+def build_app(engine: Any, tokenizer: Any, settings: ServerSettings,
+              frontend: dict[str, Any] | None = None) -> web.Application:
+    """The application over a connected engine handle (`ProcessEngine` or `ThreadEngine`) and the model's
+    tokenizer. The caller owns the engine's start and shutdown."""
     app = web.Application(middlewares=[_errors], client_max_size=settings.max_body_mb * 1024 * 1024)
-    app[STATE] = ServerState(aeng, engine, settings, engine_config)
+    app[STATE] = ServerState(engine, tokenizer, settings, frontend)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/v1/models", _models)
@@ -118,14 +122,14 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     with state.admitted(request_id):  # from here on it counts against --max-queue, tokenizing included
         prompt_ids = await state.prompt_ids(req)
         params = state.sampling_params(req, len(prompt_ids))
-        outputs = state.aeng.generate(request_id, prompt_ids, params)
+        outputs = state.engine.generate(request_id, prompt_ids, params)
         async with contextlib.aclosing(outputs):  # closing it early (client gone, error) aborts the request
             try:
                 first = await anext(outputs, None)
             except ValueError as e:  # the engine refused the request (token ids out of range, ...)
                 raise bad_request(str(e), req.prompt_param) from None
             except asyncio.CancelledError:
-                state.metrics.client_disconnects += 1
+                state.count(client_disconnects=1)
                 raise
             if req.stream:
                 return await _stream(request, state, builder, outputs, first, len(prompt_ids))
@@ -144,10 +148,10 @@ async def _complete(state: ServerState, builder: ResponseBuilder, outputs, first
                 break
             out = await anext(outputs, None)
     except asyncio.CancelledError:
-        state.metrics.client_disconnects += 1
+        state.count(client_disconnects=1)
         raise
     reason = last.finish_reason if last is not None and last.finished else "abort"
-    state.metrics.finished[reason] += 1
+    state.count(**{f"finished:{reason}": 1})
     final_usage = (usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens) if last
                    else usage(num_prompt_tokens, 0))
     return web.json_response(builder.full("".join(texts), reason, final_usage))
@@ -161,12 +165,12 @@ async def _stream(request: web.Request, state: ServerState, builder: ResponseBui
         await response.prepare(request)
         reason = await _write_events(response, builder, outputs, first, num_prompt_tokens)
     except ConnectionResetError:  # the client went away; leaving the `aclosing` block aborts the request
-        state.metrics.client_disconnects += 1
+        state.count(client_disconnects=1)
         return response
     except asyncio.CancelledError:  # the same, noticed by aiohttp's handler cancellation
-        state.metrics.client_disconnects += 1
+        state.count(client_disconnects=1)
         raise
-    state.metrics.finished[reason] += 1
+    state.count(**{f"finished:{reason}": 1})
     return response
 
 
@@ -213,12 +217,12 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    """200 when the engine thread answers between two steps; 503 when draining, dead or stuck."""
+    """200 when the engine answers between two steps; 503 when draining, dead or stuck."""
     state = request.app[STATE]
     if state.draining:
         raise ApiError(503, "the server is shutting down", code="shutting_down")
     try:
-        await asyncio.wait_for(state.aeng.call(lambda: None), HEALTH_TIMEOUT_S)
+        await asyncio.wait_for(state.engine.command("ping"), HEALTH_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise ApiError(503, f"the engine did not answer within {HEALTH_TIMEOUT_S:g}s", code="engine_stuck") from None
     except Exception as e:
@@ -237,16 +241,39 @@ async def _server_info(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = metrics.render(state.settings.served_model_name, state.aeng.stats(), state.metrics, len(state.in_flight))
+    try:
+        now = await asyncio.wait_for(state.engine.command("metrics"), HEALTH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ApiError(503, f"the engine did not answer within {HEALTH_TIMEOUT_S:g}s", code="engine_stuck") from None
+    except EngineDeadError as e:
+        raise ApiError(503, f"the engine is not running: {e}", code="engine_dead") from None
+    body = metrics.render(state.settings.served_model_name, now["stats"], now["server"])
     return web.Response(body=body.encode(), headers={"Content-Type": metrics.CONTENT_TYPE})
 
 
 # ----- profiler -----
 async def _start_profile(request: web.Request) -> web.Response:
-    body = await _json_body(request, bare_ok=True)
-    return web.json_response(await request.app[STATE].profiler.start(parse_profile_request(body)))
+    """The capture runs in the engine process; with "frontend": true this front end traces its own Python too."""
+    state = request.app[STATE]
+    req = parse_profile_request(await _json_body(request, bare_ok=True))
+    args = {f: getattr(req, f) for f in req.__dataclass_fields__ if f != "frontend"}
+    result = await state.engine.command("start_profile", args)
+    if req.frontend:
+        state.frontend_trace = FrontendTrace(state.frontend.get("index", 0))
+        state.frontend_trace.start()
+        result["frontend"] = True
+    return web.json_response(result)
 
 
 async def _stop_profile(request: web.Request) -> web.Response:
+    state = request.app[STATE]
     await _json_body(request, bare_ok=True)  # a body, if any, is ignored, but only a JSON one is taken
-    return web.json_response(await request.app[STATE].profiler.stop())
+    trace, state.frontend_trace = state.frontend_trace, None
+    if trace is not None:
+        trace.stop()
+    result = await state.engine.command("stop_profile")
+    if trace is not None:
+        path = await asyncio.to_thread(trace.write, Path(result["output_dir"]))
+        result["files"] = [*result["files"], str(path)]
+        result["frontend_trace"] = str(path)
+    return web.json_response(result)

@@ -12,13 +12,15 @@ from infertrace.server.engine_options import engine_config_options, engine_overr
 from infertrace.server.settings import ServerSettings
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerSettings) if f.default is not dataclasses.MISSING}
-_SERVER_FLAGS = {"model", "served-model-name", "host", "port", "max-queue", "profile-dir", "drain-timeout"}
+_SERVER_FLAGS = {"model", "served-model-name", "host", "port", "max-queue", "profile-dir", "drain-timeout",
+                 "api-server-count", "engine-in-process"}
 
 
 @click.command(
     "serve",
-    epilog="The options from --engine-opt on configure the engine; an option not given keeps the engine's "
-           "default. Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /version, "
+    epilog="The engine runs in a process of its own and the HTTP front end in this one (--api-server-count N: N "
+           "front-end processes on one port). The options from --engine-opt on configure the engine; an option not "
+           "given keeps the engine's default. Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /version, "
            "/server_info, /metrics, POST /start_profile, POST /stop_profile.",
 )
 @click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -37,8 +39,15 @@ _SERVER_FLAGS = {"model", "served-model-name", "host", "port", "max-queue", "pro
 @click.option("--drain-timeout", default=_DEFAULTS["drain_timeout_s"], show_default=True, type=float,
               help="On SIGTERM/SIGINT, seconds in-flight requests may finish before they are aborted "
                    "(a second signal aborts at once).")
+@click.option("--api-server-count", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="HTTP front-end processes sharing the port (SO_REUSEPORT), each with its own link to the one "
+                   "engine process: more when one front end's CPU is the limit.")
+@click.option("--engine-in-process", is_flag=True,
+              help="Run the engine on a thread of the HTTP process instead of a process of its own (the server "
+                   "before the split; for A/B measurement).")
 def serve(model_dir: Path, served_model_name: str | None, host: str, port: int, max_queue: int,
-          profile_dir: Path | None, drain_timeout: float, **engine_params) -> None:
+          profile_dir: Path | None, drain_timeout: float, api_server_count: int, engine_in_process: bool,
+          **engine_params) -> None:
     """Serve the bundled engine over an OpenAI-compatible HTTP API, with profiler endpoints."""
     from infertrace.engine.config import EngineConfig
 
@@ -51,7 +60,12 @@ def serve(model_dir: Path, served_model_name: str | None, host: str, port: int, 
         fail(str(e))
     if settings.profile_dir is not None:
         _prepare_profile_dir(settings.profile_dir)
-    _serve(settings, config)
+    if engine_in_process:
+        if api_server_count != 1:
+            fail("--api-server-count needs the engine in its own process: drop --engine-in-process")
+        _serve_in_process(settings, config)
+    else:
+        _serve(settings, config, api_server_count)
 
 
 def _prepare_profile_dir(profile_dir: Path) -> None:
@@ -68,11 +82,41 @@ for _option in engine_config_options(reserved=_SERVER_FLAGS):
     serve.params.append(_option)
 
 
-def _serve(settings: ServerSettings, config) -> None:
+def _serve(settings: ServerSettings, config, api_servers: int) -> None:
+    import asyncio
+
+    from infertrace.server.runner import EngineFailure, engine_spec, run_split
+
+    _say(f"loading {settings.model_dir} in the engine process ...")
+    described: dict = {}
+
+    def ready(info: dict) -> None:
+        described.update(info)
+
+    def listening(url: str) -> None:
+        front = f"{api_servers} front ends" if api_servers > 1 else "one front end"
+        _say(f"serving {settings.served_model_name!r} on {url} (max context {described['max_model_len']}, "
+             f"{described['kv_blocks_total']} KV blocks of {config.block_size} tokens; engine pid "
+             f"{described['engine_pid']}, {front})")
+
+    def draining(in_flight: int) -> None:
+        _say(f"shutting down: draining {in_flight} in-flight request(s) for up to {settings.drain_timeout_s:g}s")
+
+    try:
+        aborted = asyncio.run(run_split(settings, engine_spec(settings, config), api_servers, ready, listening,
+                                        draining))
+    except EngineFailure as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
+    _say(f"stopped ({aborted} request(s) aborted)")
+
+
+def _serve_in_process(settings: ServerSettings, config) -> None:
     import asyncio
 
     from infertrace.engine import Engine
-    from infertrace.server.runner import run_server
+    from infertrace.server.runner import run_in_process
 
     _say(f"loading {settings.model_dir} ...")
     try:
@@ -82,13 +126,13 @@ def _serve(settings: ServerSettings, config) -> None:
 
     def listening(url: str) -> None:
         _say(f"serving {settings.served_model_name!r} on {url} (max context {engine.max_model_len}, "
-             f"{engine.kv_blocks_total} KV blocks of {config.block_size} tokens)")
+             f"{engine.kv_blocks_total} KV blocks of {config.block_size} tokens; engine on a thread)")
 
     def draining(in_flight: int) -> None:
         _say(f"shutting down: draining {in_flight} in-flight request(s) for up to {settings.drain_timeout_s:g}s")
 
     try:
-        aborted = asyncio.run(run_server(engine, settings, dataclasses.asdict(config), listening, draining))
+        aborted = asyncio.run(run_in_process(engine, settings, dataclasses.asdict(config), listening, draining))
     except OSError as e:
         raise click.ClickException(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
     _say(f"stopped ({aborted} request(s) aborted)")

@@ -13,6 +13,7 @@ from typing import Any
 PREFIX = "infertrace:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STEP_TIME_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STEP_BOUNDS = (*STEP_TIME_BUCKETS_S, math.inf)  # the `le` labels of the step-time histograms
 
 _COUNTER_HELP = {
     "prompt_tokens": "Prompt tokens prefilled (prefix-cache hits excluded when the engine counts them apart).",
@@ -63,14 +64,18 @@ class Histogram:
 
 
 class ServerMetrics:
-    """What the server counts itself, plus per-kind step-time histograms fed by the engine's step callback."""
+    """What the server counts, kept where the engine runs so that every front end reports into one place: requests
+    by finish reason, rejections by reason, client disconnects, requests in flight (counter deltas sent by the
+    front ends), and per-kind step-time histograms fed by the engine's step callback."""
 
     def __init__(self) -> None:
-        self.finished: collections.Counter[str] = collections.Counter()  # by finish_reason
-        self.rejected: collections.Counter[str] = collections.Counter()  # by reason: queue_full, draining
-        self.client_disconnects = 0
+        self.counts: collections.Counter[str] = collections.Counter()  # "finished:stop", "rejected:queue_full", ...
         self._step_times: dict[str, Histogram] = {}
         self._lock = threading.Lock()
+
+    def count(self, deltas: dict[str, int]) -> None:
+        with self._lock:
+            self.counts.update(deltas)
 
     def observe_step(self, kind: str, duration_s: float) -> None:
         with self._lock:
@@ -79,46 +84,53 @@ class ServerMetrics:
                 histogram = self._step_times[kind] = Histogram()
         histogram.observe(duration_s)
 
-    def step_times(self) -> dict[str, Histogram]:
+    def snapshot(self) -> dict[str, Any]:
+        """Plain data for /metrics: {"counts": {...}, "step_times": {kind: [cumulative counts, sum, count]}}."""
         with self._lock:
-            return dict(self._step_times)
+            counts, histograms = dict(self.counts), dict(self._step_times)
+        return {"counts": counts, "step_times": {kind: list(h.snapshot()) for kind, h in histograms.items()}}
 
 
-def render(model_name: str, engine_stats: dict[str, Any], server: ServerMetrics, in_flight: int) -> str:
-    """The /metrics body."""
+def _labelled(counts: dict[str, int], family: str) -> dict[str, int]:
+    prefix = family + ":"
+    return {key[len(prefix):]: n for key, n in counts.items() if key.startswith(prefix)}
+
+
+def render(model_name: str, engine_stats: dict[str, Any], server: dict[str, Any]) -> str:
+    """The /metrics body from the engine's stats and a `ServerMetrics.snapshot()`."""
+    counts = server.get("counts", {})
     out = _Writer({"model_name": model_name})
     out.metric("num_requests_running", "gauge", "Requests in the engine's running batch.",
                engine_stats.get("running", 0))
     out.metric("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", engine_stats.get("waiting", 0))
     out.metric("num_requests_in_flight", "gauge", "HTTP generation requests accepted and not yet answered.",
-               in_flight)
+               counts.get("in_flight", 0))
     used, total = engine_stats.get("kv_blocks_used", 0), engine_stats.get("kv_blocks_total", 0)
     out.metric("kv_blocks_used", "gauge", "KV cache blocks in use.", used)
     out.metric("kv_blocks_total", "gauge", "KV cache blocks in the pool.", total)
     out.metric("kv_cache_usage_perc", "gauge", "KV cache usage, 1 means full.", used / total if total else 0.0)
 
-    counters = dict(engine_stats.get("counters") or {})
-    queries, hits = counters.get("prefix_cache_queries", 0), counters.get("prefix_cache_hits", 0)
+    engine_counters = dict(engine_stats.get("counters") or {})
+    queries, hits = engine_counters.get("prefix_cache_queries", 0), engine_counters.get("prefix_cache_hits", 0)
     out.metric("prefix_cache_hit_rate", "gauge", "Prefix-cache hits over queries, in tokens, since start.",
                hits / queries if queries else 0.0)
-    for key, value in sorted(counters.items()):
+    for key, value in sorted(engine_counters.items()):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             name = key if key.endswith("_total") else f"{key}_total"
             out.metric(name, "counter", _COUNTER_HELP.get(key, f"Engine counter {key}."), value)
 
     out.header("request_success_total", "counter", "Requests finished, by finish reason.")
-    for reason, n in sorted(server.finished.items()):
+    for reason, n in sorted(_labelled(counts, "finished").items()):
         out.sample("request_success_total", n, finished_reason=reason)
     out.header("requests_rejected_total", "counter", "Requests refused before reaching the engine, by reason.")
-    for reason, n in sorted(server.rejected.items()):
+    for reason, n in sorted(_labelled(counts, "rejected").items()):
         out.sample("requests_rejected_total", n, reason=reason)
     out.metric("client_disconnects_total", "counter", "Requests aborted because their client went away.",
-               server.client_disconnects)
+               counts.get("client_disconnects", 0))
 
     out.header("step_duration_seconds", "histogram", "Engine step wall time, by step kind.")
-    for kind, histogram in sorted(server.step_times().items()):
-        cumulative, total_s, count = histogram.snapshot()
-        for bound, n in zip(histogram.buckets, cumulative):
+    for kind, (cumulative, total_s, count) in sorted(server.get("step_times", {}).items()):
+        for bound, n in zip(STEP_BOUNDS, cumulative):
             out.sample("step_duration_seconds_bucket", n, kind=kind, le=_number(bound))
         out.sample("step_duration_seconds_sum", total_s, kind=kind)
         out.sample("step_duration_seconds_count", count, kind=kind)

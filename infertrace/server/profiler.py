@@ -1,7 +1,8 @@
 """The /start_profile and /stop_profile endpoints: a torch.profiler capture over engine steps, under --profile-dir.
 
-Capture sessions start, count steps and stop on the engine thread (torch.profiler records the thread that
-started it), through `AsyncEngine.call` and the step callback.
+`Profiler` lives where the engine runs (its process, or its thread with --engine-in-process): torch.profiler
+records the thread that started it, so capture sessions start, count steps and stop between two engine steps.
+The front end only parses the request and forwards it (`EngineServices.command`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ class ProfileRequest:
     record_shapes: bool = False
     with_stack: bool = False
     profile_id: str | None = None  # the capture's name (SGLang's field): its folder is capture-{profile_id}
+    frontend: bool = False  # also trace the HTTP front end's Python (infertrace's own field)
 
 
 def parse_profile_request(body: dict | None) -> ProfileRequest:
@@ -57,7 +58,7 @@ def parse_profile_request(body: dict | None) -> ProfileRequest:
         except ValueError as e:
             raise bad_request(f"profile_id: {e}", "profile_id") from None
     flags = {}
-    for name in ("record_shapes", "with_stack"):
+    for name in ("record_shapes", "with_stack", "frontend"):
         value = body.get(name)
         if value is not None and not isinstance(value, bool):
             raise bad_request(f"{name} must be a boolean", name)
@@ -115,15 +116,15 @@ def _remove_created(root: Path, created: list[Path]) -> None:
 
 class Profiler:
     """At most one capture at a time, from its start until its files are written. Files of a capture that stopped
-    by itself after `num_steps` are handed out by the next /stop_profile.
+    by itself after `num_steps` are handed out by the next /stop_profile. Every method runs between two engine
+    steps (the engine's thread), so no lock is needed.
 
     The output folder is resolved once, at start; at stop the files go to that same folder (same inode, no symlink
     on the way) or nowhere."""
 
-    def __init__(self, aeng: Any, profile_dir: Path | None) -> None:
-        self.aeng = aeng
+    def __init__(self, engine: Any, profile_dir: Path | None) -> None:
+        self.engine = engine
         self.profile_dir = profile_dir
-        self._lock = threading.Lock()  # the session is touched by the engine thread and the event loop
         self._session: Any = None
         self._out_dir: Path | None = None
         self._dir_id: tuple[int, int] | None = None  # (device, inode) of the output folder once it exists
@@ -135,7 +136,7 @@ class Profiler:
                            code="profiling_disabled")
         return self.profile_dir
 
-    async def start(self, req: ProfileRequest) -> dict:
+    def start(self, req: ProfileRequest) -> dict:
         from infertrace.capture.torch_capture import CaptureSession
 
         root = self._require_enabled().resolve()
@@ -145,33 +146,30 @@ class Profiler:
             # every tensor-parallel rank records its own trace (the engine's ranks are processes of their own)
             session = CaptureSession(out_dir, activities=req.activities, record_shapes=req.record_shapes,
                                      with_stack=req.with_stack, num_steps=req.num_steps,
-                                     label=req.profile_id or LABEL, engine=getattr(self.aeng, "engine", None))
+                                     label=req.profile_id or LABEL, engine=self.engine)
         except ValueError as e:
             raise bad_request(str(e)) from None
-        with self._lock:
-            if self._session is not None:
-                raise ApiError(409, f"a capture is already running into {self._out_dir}; POST /stop_profile first",
-                               code="capture_running")
-            self._session, self._out_dir, self._dir_id, self._finished = session, out_dir, None, None
+        if self._session is not None:
+            raise ApiError(409, f"a capture is already running into {self._out_dir}; POST /stop_profile first",
+                           code="capture_running")
         created = [p for p in _below(root, out_dir) if not p.exists()]
-
-        def start_in_engine() -> None:
-            session.start()
-            self._dir_id = _identity(root, out_dir)
-
         try:
-            await self.aeng.call(start_in_engine)
+            session.start()
         except (ValueError, RuntimeError, OSError) as e:
-            with self._lock:
-                self._session = None
             _remove_created(root, created)
             raise bad_request(f"cannot start the capture: {e}") from None
-        return {"status": "started", "output_dir": str(out_dir), "num_steps": req.num_steps,
-                "activities": list(req.activities)}
+        previous, self._finished = self._finished, None
+        self._session, self._out_dir = session, out_dir
+        self._dir_id = _identity(root, out_dir)
+        result = {"status": "started", "output_dir": str(out_dir), "num_steps": req.num_steps,
+                  "activities": list(req.activities)}
+        if previous is not None:  # a window that stopped by itself and was never collected: handed over here
+            result["previous"] = previous
+        return result
 
-    async def stop(self) -> dict:
+    def stop(self) -> dict:
         self._require_enabled()
-        result = await self.aeng.call(lambda: self._stop_in_engine(by_itself=False))
+        result = self._stop(by_itself=False)
         if result is None:
             raise bad_request("no capture is running; POST /start_profile first", code="no_capture")
         if result["status"] == "failed":
@@ -180,21 +178,17 @@ class Profiler:
         return result
 
     def on_step(self, stats: Any) -> None:
-        """Step callback (engine thread): count the step; stop when the window is full."""
-        with self._lock:
-            session = self._session
-        if session is not None and session.on_step(stats):
-            self._stop_in_engine(by_itself=True)
+        """After every engine step: count the step; stop when the window is full."""
+        if self._session is not None and self._session.on_step(stats):
+            self._stop(by_itself=True)
 
-    def _stop_in_engine(self, by_itself: bool) -> dict | None:
-        """Close the running capture and write its files (engine thread). The session stays in place until they
-        are written, so that no other capture can start into the meantime; a capture that stopped by itself is
-        kept for the next /stop_profile, a failure included."""
-        with self._lock:
-            session, out_dir, dir_id = self._session, self._out_dir, self._dir_id
-            if session is None or not session.active:  # nothing running, or a start that did not get going
-                finished, self._finished = self._finished, None
-                return None if by_itself else finished
+    def _stop(self, by_itself: bool) -> dict | None:
+        """Close the running capture and write its files. A capture that stopped by itself is kept for the next
+        /stop_profile, a failure included."""
+        session, out_dir, dir_id = self._session, self._out_dir, self._dir_id
+        if session is None or not session.active:  # nothing running
+            finished, self._finished = self._finished, None
+            return None if by_itself else finished
         root = self.profile_dir.resolve()
         note = None
         try:
@@ -213,8 +207,7 @@ class Profiler:
         except (ValueError, RuntimeError, OSError) as e:  # the session is closed either way (stop's own finally)
             log.warning("capture into %s failed: %s", out_dir, e)
             result = {"status": "failed", "output_dir": str(out_dir), "error": str(e)}
-        with self._lock:
-            self._session = None
-            if by_itself:
-                self._finished = result
+        self._session = None
+        if by_itself:
+            self._finished = result
         return result

@@ -1,4 +1,4 @@
-"""What the request handlers share: the engine, admission to it, counters, the profiler, and draining."""
+"""What the request handlers share: the engine handle, admission to it, and draining."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import os
 import platform
 import time
 from typing import Any
 
-from infertrace.server import metrics
-from infertrace.server.profiler import Profiler
 from infertrace.server.protocol import (
     ApiError,
     ContextLimits,
@@ -31,50 +30,57 @@ TOKENIZER_WORKERS = 2
 
 
 class ServerState:
-    """What the handlers share: the engine, the admission count, counters and the profiler."""
+    """What the handlers share: the engine handle (`ProcessEngine` or `ThreadEngine`), the tokenizer, the admission
+    count of this front end, and draining. `frontend` describes this front end for /server_info."""
 
-    def __init__(self, aeng: Any, engine: Any, settings: ServerSettings, engine_config: dict[str, Any]) -> None:
-        self.aeng = aeng
-        self.tokenizer = engine.tokenizer
-        self.max_model_len: int = engine.max_model_len
-        self.limits = ContextLimits(self.max_model_len, self.max_model_len * longest_token_chars(self.tokenizer))
+    def __init__(self, engine: Any, tokenizer: Any, settings: ServerSettings,
+                 frontend: dict[str, Any] | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_model_len: int = engine.info["max_model_len"]
+        self.limits = ContextLimits(self.max_model_len, self.max_model_len * longest_token_chars(tokenizer))
         self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_WORKERS,
                                                                    thread_name_prefix="infertrace-tokenize")
         self.settings = settings
-        self.engine_config = engine_config
-        # chosen once at start-up: reported by /server_info so a run records what it measured
-        self.decode_path = engine.decode_path()
+        self.frontend = frontend or {}
         self.sampling_defaults = load_sampling_defaults(settings.model_dir)
-        self.metrics = metrics.ServerMetrics()
-        self.profiler = Profiler(aeng, settings.profile_dir)
         self.started = int(time.time())
         self.in_flight: set[str] = set()
         self.draining = False
+        self.frontend_trace: Any = None  # a FrontendTrace while /start_profile asked for one
         self._idle = asyncio.Event()
         self._idle.set()
-        aeng.add_step_callback(self.on_step)
+
+    def count(self, **deltas: int) -> None:
+        """Add to the server counters behind /metrics ("finished:stop", "rejected:queue_full", ...)."""
+        try:
+            self.engine.count(deltas)
+        except Exception as e:  # a dead engine: nothing left to count for
+            log.debug("not counted (%s): %s", e, deltas)
 
     # ----- admission -----
     @contextlib.contextmanager
     def admitted(self, request_id: str):
         """Count a request in flight, or refuse it with 503 when draining or when the queue is full."""
         if self.draining:
-            self.metrics.rejected["draining"] += 1
+            self.count(**{"rejected:draining": 1})
             raise ApiError(503, "the server is shutting down", code="shutting_down",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         # Accepted requests not in the running batch: the engine's queue plus those on their way to it.
-        waiting = len(self.in_flight) - self.aeng.stats()["running"]
+        waiting = len(self.in_flight) - self.engine.stats()["running"]
         if waiting >= self.settings.max_queue:
-            self.metrics.rejected["queue_full"] += 1
+            self.count(**{"rejected:queue_full": 1})
             raise ApiError(503, f"the server is overloaded: {waiting} requests are waiting "
                                 f"(--max-queue {self.settings.max_queue}); retry later",
                            code="queue_full", headers={"Retry-After": str(self.settings.retry_after_s)})
         self.in_flight.add(request_id)
         self._idle.clear()
+        self.count(in_flight=1)
         try:
             yield
         finally:
             self.in_flight.discard(request_id)
+            self.count(in_flight=-1)
             if not self.in_flight:
                 self._idle.set()
 
@@ -91,22 +97,13 @@ class ServerState:
         leftover = list(self.in_flight)
         for request_id in leftover:
             try:
-                await self.aeng.abort(request_id)
+                await self.engine.abort(request_id)
             except Exception as e:  # a dead engine has nothing left to abort; shutting down must go on
                 log.warning("could not abort %s: %s", request_id, e)
         if leftover:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), timeout=5.0)  # handlers send their final chunks
         return len(leftover)
-
-    # ----- engine thread -----
-    def on_step(self, stats: Any) -> None:
-        try:
-            kind = getattr(stats.kind, "value", stats.kind)
-            self.metrics.observe_step(str(kind), stats.duration_s)
-            self.profiler.on_step(stats)
-        except Exception:  # a metrics or capture failure must never stop the engine loop
-            log.exception("step callback failed")
 
     # ----- requests -----
     def check_model(self, model: str | None) -> str:
@@ -135,10 +132,7 @@ class ServerState:
         return self._encode(req.prompt, add_special_tokens=True)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        # The Rust tokenizer directly: its encode only reads state, so it is safe beside the engine thread, and
-        # its batch entry point is the one that releases the GIL while it works.
-        [encoding] = self.tokenizer.backend_tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)
-        return encoding.ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def sampling_params(self, req: GenerateRequest, num_prompt_tokens: int) -> Any:
         from infertrace.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -159,24 +153,24 @@ class ServerState:
             raise bad_request(str(e), e.field) from None
 
     def server_info(self) -> dict:
-        from infertrace.capture.manifest import device_info, runtime_versions
-
-        versions = runtime_versions()
-        for name in ("transformers", "aiohttp"):
+        info = self.engine.info
+        versions = dict(info.get("versions") or {})
+        for name in ("aiohttp", "tokenizers", "msgspec"):
             with contextlib.suppress(ImportError):
                 versions[name] = __import__(name).__version__
         settings = dataclasses.asdict(self.settings)
         settings["profile_dir"] = None if self.settings.profile_dir is None else str(self.settings.profile_dir)
         return {"model": self.settings.served_model_name, "model_dir": self.settings.model_dir,
-                "max_model_len": self.max_model_len, "engine_config": self.engine_config,
+                "max_model_len": self.max_model_len, "engine_config": info.get("engine_config"),
                 "sampling_defaults": self.sampling_defaults, "server": settings, "versions": versions,
-                "device": device_info(), "platform": platform.platform(),
-                **self.decode_path}
+                "device": info.get("device"), "platform": platform.platform(),
+                "engine_pid": info.get("engine_pid"), "frontend": {"pid": os.getpid(), **self.frontend},
+                **(info.get("decode_path") or {})}
 
 
 def longest_token_chars(tokenizer: Any) -> int:
     """The most prompt characters one token can cover: the longest vocabulary entry. For a byte-level BPE an entry
     has one character per byte and a prompt character is at least one byte, so a prompt of more than
     max_model_len times this many characters cannot fit, whatever it holds."""
-    vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)
+    vocab = tokenizer.get_vocab()
     return max(map(len, vocab), default=1) or 1

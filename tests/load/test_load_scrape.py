@@ -119,7 +119,9 @@ def test_infertrace_server_exposition_through_the_real_renderer():
     stats = {"running": 3, "waiting": 1, "kv_blocks_used": 30, "kv_blocks_total": 40,
              "counters": {"prefix_cache_queries": 200, "prefix_cache_hits": 50, "preemptions": 4,
                           "prompt_tokens": 900, "generation_tokens": 120}}
-    text = render("tiny", stats, ServerMetrics(), in_flight=4)
+    server = ServerMetrics()
+    server.count({"in_flight": 4})
+    text = render("tiny", stats, server.snapshot())
     gauges, counters = parse_exposition(text)
     assert (gauges["running"], gauges["waiting"], gauges["kv_usage"]) == (3, 1, 0.75)
     assert gauges["prefix_cache_hit_rate"] == 0.25

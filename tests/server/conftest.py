@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -16,30 +17,47 @@ MODEL_NAME = "tiny"
 
 @pytest.fixture
 def serve_tiny(tiny_model_dir):
-    """`async with serve_tiny(engine_overrides, **settings) as client:` a TestClient on a live server.
+    """`async with serve_tiny(engine_overrides, engine_process=False, **settings) as client:` a TestClient on a
+    live server over the tiny model: the engine on a thread (cheap to start), or with `engine_process=True` in a
+    process of its own, as `infertrace serve` runs it.
 
-    `client.state` is the app's ServerState, `client.engine` the engine under it.
+    `client.state` is the app's ServerState; `client.engine` the Engine on the thread (None with a process),
+    `client.engine_proc` the engine process (None on a thread).
     """
-    from infertrace.engine import AsyncEngine, Engine, EngineConfig
+    from infertrace.engine import Engine, EngineConfig
     from infertrace.server.app import STATE, build_app
+    from infertrace.server.engine_client import ProcessEngine, ThreadEngine
+    from infertrace.server.engine_process import EngineSpec, describe_exit, start_engine_process
+    from infertrace.server.frontend_tokenizer import FrontendTokenizer
+    from infertrace.server.runner import _reap
     from infertrace.server.settings import ServerSettings
 
     @contextlib.asynccontextmanager
-    async def start(engine_overrides: dict | None = None, **settings):
+    async def start(engine_overrides: dict | None = None, engine_process: bool = False, **settings):
         config = EngineConfig.from_overrides({**TEST_ENGINE, **(engine_overrides or {})})
-        engine = Engine(tiny_model_dir, config)
-        aeng = AsyncEngine(engine)
-        await aeng.start()
         server_settings = ServerSettings(model_dir=str(tiny_model_dir), served_model_name=MODEL_NAME, **settings)
-        app = build_app(aeng, engine, server_settings, {"kv_cache_tokens": config.kv_cache_tokens})
+        proc = engine = None
+        if engine_process:
+            spec = EngineSpec(str(tiny_model_dir), dataclasses.asdict(config),
+                              str(server_settings.profile_dir) if server_settings.profile_dir else None)
+            proc, [sock] = start_engine_process(spec)
+            handle = ProcessEngine(sock, describe_exit=lambda: describe_exit(proc))
+        else:
+            engine = Engine(tiny_model_dir, config)
+            handle = ThreadEngine(engine, server_settings.profile_dir, {"kv_cache_tokens": config.kv_cache_tokens})
         try:
+            await handle.connect()
+            app = build_app(handle, FrontendTokenizer(tiny_model_dir), server_settings,
+                            {"index": 0, "count": 1, "engine_in_process": not engine_process})
             async with TestClient(TestServer(app, host="127.0.0.1")) as client:
                 client.state = app[STATE]
                 client.engine = engine
+                client.engine_proc = proc
                 yield client
         finally:
-            await aeng.shutdown(abort_running=True)
-            engine.shutdown()
+            await handle.close()
+            if proc is not None:
+                await _reap(proc)
 
     return start
 

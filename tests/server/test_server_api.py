@@ -101,7 +101,7 @@ async def test_finish_reason_stop_on_stop_token(serve_tiny):
 
         # the first greedy token, asked of the engine itself (its text is empty on the tiny model)
 
-        outs = [o async for o in client.state.aeng.generate("probe", "hello world",
+        outs = [o async for o in client.state.engine.generate("probe", client.state.tokenizer.encode("hello world"),
                                                             SamplingParams(max_tokens=1))]
         token = outs[-1].new_token_ids[0]
         resp = await client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 20,

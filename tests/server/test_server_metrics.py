@@ -29,14 +29,13 @@ def _stats(**over):
 
 def test_render_reports_engine_and_server_state():
     server = ServerMetrics()
-    server.finished["length"] += 4
-    server.finished["stop"] += 1
-    server.rejected["queue_full"] += 2
-    server.client_disconnects = 3
+    server.count({"finished:length": 4, "finished:stop": 1, "rejected:queue_full": 2, "client_disconnects": 3})
+    server.count({"in_flight": 6})
+    server.count({"in_flight": -1})  # front ends send deltas
     server.observe_step("decode", 0.004)
     server.observe_step("decode", 0.2)
     server.observe_step("prefill", 0.03)
-    text = render('my "model"', _stats(), server, in_flight=5)
+    text = render('my "model"', _stats(), server.snapshot())
     lines = text.splitlines()
     label = 'model_name="my \\"model\\""'
     assert f"infertrace:num_requests_running{{{label}}} 3" in lines
@@ -59,7 +58,7 @@ def test_render_reports_engine_and_server_state():
 
 
 def test_render_with_an_idle_fresh_engine():
-    text = render("m", _stats(kv_blocks_total=0, kv_blocks_used=0, counters={}), ServerMetrics(), 0)
+    text = render("m", _stats(kv_blocks_total=0, kv_blocks_used=0, counters={}), ServerMetrics().snapshot())
     assert 'infertrace:kv_cache_usage_perc{model_name="m"} 0.0' in text
     assert 'infertrace:prefix_cache_hit_rate{model_name="m"} 0.0' in text
 
@@ -67,9 +66,9 @@ def test_render_with_an_idle_fresh_engine():
 def test_render_is_valid_prometheus_text():
     parser = pytest.importorskip("prometheus_client.parser")
     server = ServerMetrics()
-    server.finished["length"] += 1
+    server.count({"finished:length": 1})
     server.observe_step("mixed", 0.02)
-    families = {f.name: f for f in parser.text_string_to_metric_families(render("m", _stats(), server, 1))}
+    families = {f.name: f for f in parser.text_string_to_metric_families(render("m", _stats(), server.snapshot()))}
     assert families["infertrace:step_duration_seconds"].type == "histogram"
     assert families["infertrace:prompt_tokens"].type == "counter"
     assert families["infertrace:num_requests_running"].samples[0].value == 3

@@ -185,17 +185,21 @@ async def test_a_start_while_a_finished_window_is_written_does_not_lose_it(serve
         resp = await client.post("/start_profile", json={"output_dir": "first", "num_steps": 1, "activities": ["CPU"]})
         assert resp.status == 200
         generating = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}))
-        for _ in range(200):  # the window has closed: its files are being written on the engine thread
+        for _ in range(200):  # the window has closed: its files are being written between two engine steps
             if writing.is_set():
                 break
             await asyncio.sleep(0.01)
         assert writing.is_set()
+        # the start waits for the files, then hands over the finished window it replaces
         second = await client.post("/start_profile", json={"output_dir": "second"})
-        assert second.status == 409
+        assert second.status == 200, await second.text()
+        previous = (await second.json())["previous"]
+        assert previous["status"] == "stopped" and Path(previous["output_dir"]) == tmp_path / "first"
+        assert previous["trace_files"] and all(Path(p).is_file() for p in previous["trace_files"])
         assert (await generating).status == 200
         stopped = await client.post("/stop_profile")
         assert stopped.status == 200, await stopped.text()
-        assert Path((await stopped.json())["output_dir"]) == tmp_path / "first"
+        assert Path((await stopped.json())["output_dir"]) == tmp_path / "second"
         statuses = []
         for _ in range(3):  # start and stop racing each other: never a 500
             start, stop = await asyncio.gather(client.post("/start_profile"), client.post("/stop_profile"))

@@ -1,0 +1,235 @@
+"""The front end's handle on the engine: `ProcessEngine` talks to the engine process over its socket;
+`ThreadEngine` (--engine-in-process) runs the engine on a thread of the server's own process, for A/B measurement.
+
+Both answer the same calls, which is all the request handlers use: `generate`, `abort`, `stats`, `command` (an
+engine-side command: ping, metrics, start_profile, stop_profile), `count` (server counters), `info` (the engine's
+description), `error` (why it is dead, or None) and `on_death`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from infertrace.engine.outputs import EngineDeadError
+from infertrace.server.messages import (
+    FrameError,
+    FrameReader,
+    FromEngine,
+    ToEngine,
+    decode_from_engine,
+    frame,
+)
+from infertrace.server.protocol import ApiError
+
+log = logging.getLogger("infertrace.server")
+
+
+class EngineStartError(RuntimeError):
+    """The engine process ended before it was ready (the message says why)."""
+
+
+class ProcessEngine:
+    """The engine process, seen from one front end (one socket). Outputs of a step arrive in one message and are
+    handed to their requests' queues in one pass."""
+
+    def __init__(self, sock, describe_exit: Callable[[], str] | None = None) -> None:
+        self._sock = sock
+        self._describe_exit = describe_exit  # how the process ended, when this front end started it
+        self._transport: asyncio.Transport | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
+        self._ready: asyncio.Future | None = None
+        self._stats: dict[str, Any] = {"running": 0, "waiting": 0}
+        self._death_callbacks: list[Callable[[], None]] = []
+        self.info: dict[str, Any] = {}
+        self.error: EngineDeadError | None = None
+        self._closing = False
+
+    async def connect(self) -> None:
+        """Wait for the engine's handshake; EngineStartError if it ended instead."""
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        self._transport, _ = await loop.create_unix_connection(lambda: _Link(self), sock=self._sock)
+        try:
+            self.info = await self._ready
+        except EngineDeadError as e:
+            raise EngineStartError(str(e)) from None
+
+    def on_death(self, callback: Callable[[], None]) -> None:
+        """`callback()` once, on the event loop, if the engine process dies or its loop fails."""
+        self._death_callbacks.append(callback)
+
+    async def close(self) -> None:
+        """Tell the engine this front end is done (it aborts whatever of ours still runs)."""
+        self._closing = True
+        if self._transport is not None:
+            self._transport.close()
+
+    # ----- requests -----
+    async def generate(self, request_id: str, prompt: list[int], params: Any) -> AsyncIterator[Any]:
+        """Yield the request's outputs until one is finished; closing the generator early aborts the request."""
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            self._send(ToEngine("add", request_id=request_id, prompt=prompt, params=params))
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self.error is None:
+                self._send(ToEngine("abort", request_id=request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its KV blocks are free when this returns."""
+        await self._call(ToEngine("abort", request_id=request_id))
+
+    def stats(self) -> dict[str, Any]:
+        """The running and waiting counts after the latest step this front end heard of."""
+        return self._stats
+
+    async def command(self, name: str, args: dict[str, Any] | None = None) -> Any:
+        """An engine-side command (EngineServices.command); its ApiError is raised here."""
+        return await self._call(ToEngine("call", name=name, args=args or {}))
+
+    def count(self, deltas: dict[str, int]) -> None:
+        """Add to the server counters behind /metrics (kept in the engine process, shared by all front ends)."""
+        if self.error is None:
+            self._send(ToEngine("count", args=deltas))
+
+    # ----- plumbing -----
+    async def _call(self, message: ToEngine) -> Any:
+        future = asyncio.get_running_loop().create_future()
+        message.call_id = next(self._call_ids)
+        self._calls[message.call_id] = future
+        try:
+            self._send(message)
+            return await future
+        finally:
+            self._calls.pop(message.call_id, None)
+
+    def _send(self, message: ToEngine) -> None:
+        if self.error is not None:
+            raise self.error
+        self._transport.write(frame(message))
+
+    def _receive(self, msg: FromEngine) -> None:
+        kind = msg.kind
+        if kind == "step":
+            self._stats = msg.stats or self._stats
+            streams = self._streams
+            for delta in msg.outputs:
+                stream = streams.get(delta.request_id)
+                if stream is not None:
+                    stream.put_nowait(delta)
+        elif kind == "reply":
+            future = self._calls.get(msg.call_id)
+            if future is not None and not future.done():
+                if msg.error is not None:
+                    e = msg.error
+                    future.set_exception(ApiError(e.get("status", 500), e.get("message", ""), code=e.get("code"),
+                                                  param=e.get("param")))
+                else:
+                    future.set_result(msg.value)
+        elif kind == "refused":
+            stream = self._streams.get(msg.request_id)
+            if stream is not None:
+                stream.put_nowait(ValueError((msg.error or {}).get("message", "the engine refused the request")))
+        elif kind == "ready":
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(msg.value)
+        elif kind == "dead":
+            self._die(f"the engine loop failed: {(msg.error or {}).get('message', 'no reason given')}")
+
+    def _die(self, reason: str) -> None:
+        if self.error is not None:
+            return
+        if self._describe_exit is not None and "engine loop failed" not in reason:
+            reason = f"{reason} ({self._describe_exit()})"
+        self.error = EngineDeadError(reason)
+        log.error("%s", reason)
+        for stream in self._streams.values():
+            stream.put_nowait(self.error)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(self.error)
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(self.error)
+        for callback in self._death_callbacks:
+            callback()
+        if self._transport is not None:
+            self._transport.close()
+
+
+class _Link(asyncio.Protocol):
+    def __init__(self, engine: ProcessEngine) -> None:
+        self.engine = engine
+        self.reader = FrameReader()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            messages = [decode_from_engine(body) for body in self.reader.feed(data)]
+        except (FrameError, ValueError) as e:
+            self.engine._die(f"the engine sent a malformed message: {e}")
+            return
+        for msg in messages:
+            self.engine._receive(msg)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.engine._closing:
+            self.engine._die("the engine process is gone")
+
+
+class ThreadEngine:
+    """--engine-in-process: the engine loop on a thread of this process (the server as it was before the split)."""
+
+    def __init__(self, engine: Any, profile_dir: Path | None, engine_config: dict[str, Any]) -> None:
+        from infertrace.engine.async_engine import AsyncEngine
+        from infertrace.server.engine_services import EngineServices
+
+        self.engine = engine
+        self.aeng = AsyncEngine(engine)
+        self.services = EngineServices(engine, profile_dir, engine_config)
+        self.aeng.add_step_callback(self.services.on_step)
+        self.info = self.services.info()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.aeng._error
+
+    async def connect(self) -> None:
+        await self.aeng.start()
+
+    def on_death(self, callback: Callable[[], None]) -> None:
+        pass  # the thread's failure fails every request and /health; the process stays up, as it always did
+
+    async def close(self) -> None:
+        await self.aeng.shutdown(abort_running=True)
+        await asyncio.to_thread(self.engine.shutdown)  # tensor-parallel ranks are processes of their own
+
+    def generate(self, request_id: str, prompt: list[int], params: Any) -> AsyncIterator[Any]:
+        return self.aeng.generate(request_id, prompt, params)
+
+    async def abort(self, request_id: str) -> None:
+        await self.aeng.abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.aeng.stats()
+
+    async def command(self, name: str, args: dict[str, Any] | None = None) -> Any:
+        return await self.aeng.call(lambda: self.services.command(name, args or {}))
+
+    def count(self, deltas: dict[str, int]) -> None:
+        self.services.metrics.count(deltas)
