@@ -250,7 +250,8 @@ def _exit_with_parent() -> None:
 
 
 def describe_exit(proc: multiprocessing.Process) -> str:
-    """How the engine process ended, in words."""
+    """How the engine process ended, in words. Called when its socket closed: the exit itself follows at once."""
+    proc.join(timeout=2.0)
     code = proc.exitcode
     if code is None:
         return "the engine process is still running"
