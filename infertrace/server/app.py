@@ -181,8 +181,9 @@ async def _write_events(response: web.StreamResponse, builder: ResponseBuilder, 
         await response.write(sse(builder.role_chunk(usage(num_prompt_tokens, 0))))
     out, last = first, None
     try:
+        continuous = builder.stream_options.continuous_usage_stats
         while out is not None:
-            now = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+            now = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens) if continuous else None
             await response.write(sse(builder.chunk(out.new_text, out.finish_reason if out.finished else None, now)))
             last = out
             if out.finished:

@@ -6,18 +6,22 @@ nothing yet), so chunk arrival times are the engine's token times; the last chun
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
+
+import msgspec
 
 from infertrace.server.protocol import Endpoint, StreamOptions
 
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+_json = msgspec.json.Encoder()  # compact, UTF-8 as is: json.dumps(separators=(",", ":"), ensure_ascii=False)
+
+
 def sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _json.encode(payload) + b"\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
