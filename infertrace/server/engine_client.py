@@ -101,6 +101,13 @@ class ProcessEngine:
         """Abort a request; its KV blocks are free when this returns."""
         await self._call(ToEngine("abort", request_id=request_id))
 
+    def attach_sink(self, request_id: str, sink: Callable[[Any], bool] | None) -> None:
+        """While set, each output of the request goes first to `sink(output)`, called as the step's message is
+        read; an output it does not take (False) waits for `generate` as usual."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.sink = sink
+
     def stats(self) -> dict[str, Any]:
         """The running and waiting counts after the latest step this front end heard of."""
         return self._stats
@@ -182,13 +189,17 @@ class _Stream:
     """One request's outputs on their way to its handler: lighter than an asyncio.Queue, which matters at a
     few hundred streams times a token each per step."""
 
-    __slots__ = ("items", "waiter")
+    __slots__ = ("items", "waiter", "sink")
 
     def __init__(self) -> None:
         self.items: collections.deque = collections.deque()
         self.waiter: asyncio.Future | None = None
+        self.sink: Callable[[Any], bool] | None = None
 
     def put(self, item: Any) -> None:
+        sink = self.sink
+        if sink is not None and not self.items and not isinstance(item, BaseException) and sink(item):
+            return
         self.items.append(item)
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():

@@ -267,3 +267,48 @@ def test_two_front_ends_share_one_port(tiny_model_dir):
     assert code == 0, log
     assert "2 front ends" in log
     assert all(_gone(pid) for pid in pids | {served.engine_pid})
+
+
+def _events(body: str) -> list:
+    out = []
+    for line in body.splitlines():
+        if line.startswith("data: {"):
+            event = json.loads(line[6:])
+            event.pop("id", None), event.pop("created", None)
+            out.append(event)
+        elif line.startswith("data: "):
+            out.append(line)
+    return out
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hello world", "stream_options": {"include_usage": True,
+                                                                    "continuous_usage_stats": True}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+async def test_outputs_written_from_the_dispatch_equal_those_written_by_the_handler(serve_tiny, monkeypatch,
+                                                                                    path, body):
+    from infertrace.server import app
+
+    request = {**body, "max_tokens": 9, "ignore_eos": True, "stream": True}
+    async with serve_tiny(engine_process=True) as client:
+        direct = await (await client.post(path, json=request)).text()
+        monkeypatch.setattr(app._DirectWrites, "HIGH_WATER", -1)  # every output left to the handler
+        handler = await (await client.post(path, json=request)).text()
+    assert _events(direct) == _events(handler)
+    assert len([e for e in _events(direct) if isinstance(e, dict) and e.get("choices")]) >= 9
+
+
+async def test_a_stream_to_an_http_1_0_client_is_not_chunked(serve_tiny):
+    async with serve_tiny(engine_process=True) as client:
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        payload = json.dumps({"prompt": "hi", "max_tokens": 6, "ignore_eos": True, "stream": True}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload))
+        raw = (await asyncio.wait_for(reader.read(), 10)).decode()
+        writer.close()
+    head, _, body = raw.partition("\r\n\r\n")
+    assert "chunked" not in head.lower()
+    events = _events(body)
+    assert events[-1] == "data: [DONE]" and len(events) == 7
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
