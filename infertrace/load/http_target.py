@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import aiohttp
+import msgspec
 
 from infertrace.load.records import RequestSpec, StreamEvent
 from infertrace.load.sse import SSELineTooLong, SSEParser
@@ -108,6 +109,75 @@ class AiohttpTransport:
 _scan_json = json.JSONDecoder().scan_once  # the C scanner without json.loads' wrappers: this runs per event
 
 
+# The fast path: one msgspec decode straight into the few fields `_decode` reads, typed as `_decode` accepts them
+# (msgspec, like `_field`, takes no bool for an int). Anything it refuses or does not settle (a type error, a
+# negative count, an error object, JSON that only Python's parser takes) goes to the checked path below, which
+# gives the same answer for what both take and names the field for what it refuses.
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: Any = None
+    function_call: Any = None
+    role: Any = msgspec.UNSET  # only its presence counts (the opening chunk carries it)
+
+
+class _Choice(msgspec.Struct):
+    finish_reason: str | None = None
+    delta: _Delta | None | msgspec.UnsetType = msgspec.UNSET
+    text: str | None | msgspec.UnsetType = msgspec.UNSET
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+    object: Any = None
+
+
+_decode_chunk_fast = msgspec.json.Decoder(_Chunk).decode
+_DONE = "[DONE]"
+
+
+def _fast(data: str) -> StreamEvent | None:
+    """StreamEvent of a well-formed chunk, or None where the checked path must decide."""
+    try:
+        chunk = _decode_chunk_fast(data)
+    except msgspec.DecodeError:  # ValidationError included
+        return None
+    usage = chunk.usage
+    prompt_tokens = completion_tokens = None
+    if usage is not None:
+        prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens
+        if (prompt_tokens is not None and prompt_tokens < 0) or (completion_tokens is not None and completion_tokens < 0):
+            return None
+    choices = chunk.choices
+    if choices:
+        choice = choices[0]
+        delta = choice.delta
+        if delta is not msgspec.UNSET or choice.text is msgspec.UNSET:
+            if delta is None or delta is msgspec.UNSET:
+                return StreamEvent(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                   finish_reason=choice.finish_reason)
+            text = delta.content or ""
+            if reasoning := delta.reasoning_content or delta.reasoning:
+                text = reasoning + text
+            output = bool(text or delta.tool_calls or delta.function_call) or (
+                delta.content == "" and delta.role is msgspec.UNSET)
+            return StreamEvent(text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                               finish_reason=choice.finish_reason, output=output)
+        return StreamEvent(text=choice.text or "", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                           finish_reason=choice.finish_reason, output=True)
+    if chunk.error is not None or chunk.object == "error":
+        return None
+    return StreamEvent(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, usage_only=True)
+
+
 _JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "an integer"}
 
 
@@ -186,8 +256,10 @@ def _decode(obj: dict) -> StreamEvent:
 
 
 def decode_data(data: str) -> StreamEvent:
-    if data == "[DONE]":
+    if data == _DONE:
         return StreamEvent(done=True)
+    if (event := _fast(data)) is not None:
+        return event
     if data[:1].isspace():
         data = data.lstrip()
     try:
@@ -295,7 +367,11 @@ class HttpTarget:
         """Start the server's profiler the way its flavour takes it (capture/client.py): vLLM 0.33 gets
         max_iterations, SGLang and infertrace num_steps; a server of no known flavour gets SGLang's body."""
         from infertrace.capture.client import ProfilerClient, ProfilerError
-        from infertrace.capture.peers import Flavour, ProfileOptions, default_capture_name
+        from infertrace.capture.peers import (
+            Flavour,
+            ProfileOptions,
+            default_capture_name,
+        )
         from infertrace.capture.session import ServerCapture
 
         headers = getattr(self.transport, "headers", None) or {}

@@ -1,6 +1,6 @@
 import pytest
 
-from infertrace.load.http_target import decode_chunk, decode_data
+from infertrace.load.http_target import _fast, decode_chunk, decode_data
 from infertrace.load.sse import SSELineTooLong, SSEParser
 
 
@@ -100,3 +100,36 @@ def test_schema_breaks_are_malformed_streams_naming_the_field():
     }
     for data, want in cases.items():
         assert decode_data(data).error.startswith(want), (data, decode_data(data).error)
+
+
+def test_the_fast_decoder_agrees_with_the_checked_one():
+    # decode_data takes well-formed chunks through msgspec and leaves the rest to decode_chunk: on any JSON
+    # object, whichever path answers, the event must be the one decode_chunk makes of the parsed object
+    import json
+    import random
+
+    rng = random.Random(0)
+    values = [None, "", "x", 0, 3, -1, True, 1.5, [], {}, [1], {"a": 1}]
+
+    def some(keys: list[str], p: float) -> dict:
+        return {k: rng.choice(values) for k in keys if rng.random() < p}
+
+    def choice():
+        c = some(["text", "finish_reason"], 0.5)
+        if rng.random() < 0.5:
+            delta = some(["content", "reasoning_content", "reasoning", "tool_calls", "function_call", "role"], 0.4)
+            c["delta"] = delta if rng.random() < 0.8 else rng.choice(values)
+        return c if rng.random() < 0.9 else rng.choice(values)
+
+    for _ in range(20000):
+        obj = some(["error", "object", "message"], 0.1)
+        if rng.random() < 0.8:
+            obj["choices"] = [choice() for _ in range(rng.randint(0, 2))] if rng.random() < 0.9 else rng.choice(values)
+        if rng.random() < 0.5:
+            obj["usage"] = some(["prompt_tokens", "completion_tokens"], 0.7) if rng.random() < 0.8 else rng.choice(values)
+        data = json.dumps(obj)
+        assert decode_data(data) == decode_chunk(obj), data
+    for common in ('{"choices":[{"index":0,"text":" tok","finish_reason":null}],"usage":null}',
+                   '{"choices":[{"index":0,"delta":{"content":" tok"},"finish_reason":null}],"usage":null}',
+                   '{"choices":[],"usage":{"prompt_tokens":8,"completion_tokens":4,"total_tokens":12}}'):
+        assert _fast(common) is not None, common  # the streams one meets take the fast path
