@@ -1,46 +1,61 @@
-"""How many streamed events per second a load generator can take in on one CPU core.
+"""How many streamed events per second a load generator takes in: infertrace (one and N load processes) beside
+vLLM's `vllm bench serve`, guidellm and AIPerf, in one run against the same instant server.
 
-A local aiohttp server streams every response instantly (pre-built SSE events, one token each, written in
-batches) on its own core; the client under test runs pinned to another core in a closed loop. The server
-measures every client the same way, whatever the client reports itself: in a closed loop a request arrives only
-after the client has read a whole response, so past the first `concurrency` arrivals the arrival rate is the
-client's completion rate, and events/s = (arrivals counted) x tokens per response / their time span. (The end
-of the server's writes would overstate it: loopback socket buffers hold megabytes the client has not read.)
+The server (aiohttp, SO_REUSEPORT over one process per physical core it is given) streams every response at once
+from pre-built SSE events, one token each, written in batches. Every client is measured the same way, whatever
+it reports itself: in a closed loop a request arrives only after the client has read a whole response, so past
+the first `concurrency` arrivals the arrival rate is the client's completion rate, and
 
-    python benchmarks/client_ceiling.py                       # infertrace bench, and guidellm if on PATH
-    python benchmarks/client_ceiling.py --guidellm /path/to/guidellm --repeats 3
-    python benchmarks/client_ceiling.py --workers 1,4,8,15 --server-procs 0   # scale-out, on a many-core machine
+    events/s    = (arrivals counted - 1) x tokens per response / (last arrival - first counted arrival)
+    requests/s  = (arrivals counted - 1) / the same span
+    CPU us/event = CPU seconds of the client's whole process tree over that span / the events in it
 
-With --workers W1,W2,..., infertrace also runs with `--workers W` (W load processes, the requests scaled by W),
-pinned to W cores of their own; the server then runs as --server-procs processes on one port (SO_REUSEPORT, 0:
-one per remaining core) so that it does not become the limit, and the figure is the client's own count (its
-output tokens over its duration: requests/s and CPU microseconds per event come from the same result).
+(the end of the server's writes would overstate it: loopback socket buffers hold megabytes the client has not
+read). The client's CPU comes from /proc, sampled every few milliseconds, so start-up and tear-down are not charged.
 
-guidellm is not a dependency of infertrace: install it apart (`pip install guidellm`, e.g. in a venv) and pass
-its executable with --guidellm. It needs a tokenizer directory for its synthetic prompts (--tokenizer; by
-default the built-in tiny model is made under $INFERTRACE_CACHE).
+    python benchmarks/client_ceiling.py                         # infertrace on one core
+    python benchmarks/client_ceiling.py --repeats 3 --vllm /tmp/venvs/vllm/bin/vllm \
+        --guidellm /tmp/venvs/guidellm/bin/guidellm --aiperf /tmp/venvs/aiperf/bin/aiperf
+    python benchmarks/client_ceiling.py --workers 1,2,4,8 --repeats 3   # scale-out, on a many-core machine
+
+Placement reads the CPU topology (/sys/devices/system/cpu/cpu*/topology/thread_siblings_list): every client runs
+on whole physical cores of its own, one logical CPU of each (a hyperthread sibling is left idle), and the server
+takes the physical cores that the largest --workers count leaves. With --workers W, infertrace also runs
+`--workers W` on W physical cores for --duration seconds (every worker stops at the same moment, so a faster one
+does not leave a tail of fewer workers), with the concurrency scaled by W. A row that cannot have cores of its own
+(too few cores for it and the server) is still run and marked as sharing cores: not a scaling figure.
+
+Peers are not dependencies of infertrace: install each in its own venv and pass its executable. They need a
+tokenizer directory for their synthetic prompts (--tokenizer; by default the built-in tiny model, made under
+$INFERTRACE_CACHE on first use).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+SAMPLE_S = 0.01  # the CPU sampler's period (the kernel counts CPU time in ticks of 10 ms)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+SERVER_BUSY_WARN = 0.9  # past this share of its processes' time the server, not the client, may set the pace
 
 
 def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+# ----- the instant server -----
 class InstantServer:
-    """Streams `max_tokens` one-token events per request with no delay; counts what it sent."""
+    """Streams `max_tokens` one-token events per request with no delay; keeps every arrival time."""
 
     def __init__(self, events_per_write: int) -> None:
         self.events_per_write = events_per_write
@@ -71,7 +86,7 @@ class InstantServer:
     async def generate(self, request):
         from aiohttp import web
 
-        self.arrivals.append(time.perf_counter())
+        self.arrivals.append(time.perf_counter())  # CLOCK_MONOTONIC: the same clock in every process
         body = await request.json()
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 1024)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -93,20 +108,19 @@ class InstantServer:
         return web.Response(text="ok")
 
     async def stats(self, request):
+        """Arrival times and events since the last reset (POST resets)."""
         from aiohttp import web
 
-        skip = int(request.query.get("concurrency", 0))
-        counted = self.arrivals[skip:]
-        span = counted[-1] - counted[0] if len(counted) > 1 else None
-        tokens = self.events / len(self.arrivals) if self.arrivals else 0
-        out = {"events": self.events, "requests": len(self.arrivals), "span_s": span,
-               "events_per_s": (len(counted) - 1) * tokens / span if span else None}
+        out = {"events": self.events, "arrivals": self.arrivals}
         if request.method == "POST":
             self.reset()
         return web.json_response(out)
 
 
-def serve(port: int, events_per_write: int, reuse_port: bool = False) -> None:
+def serve(port: int, control_port: int, events_per_write: int) -> None:
+    """One server process: the shared port (SO_REUSEPORT) for clients, a port of its own for /stats."""
+    import asyncio
+
     from aiohttp import web
 
     server = InstantServer(events_per_write)
@@ -116,169 +130,329 @@ def serve(port: int, events_per_write: int, reuse_port: bool = False) -> None:
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/health", server.health)
     app.router.add_route("*", "/stats", server.stats)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, reuse_port=reuse_port)
+
+    async def main() -> None:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, reuse_port=True).start()
+        await web.TCPSite(runner, "127.0.0.1", control_port).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
 
 
-def _stats(url: str, reset: bool, concurrency: int = 0) -> dict:
+def _stats(control_url: str, reset: bool) -> dict:
     import urllib.request
 
-    req = urllib.request.Request(f"{url}/stats?concurrency={concurrency}", method="POST" if reset else "GET")
+    req = urllib.request.Request(f"{control_url}/stats", method="POST" if reset else "GET")
     with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read())
 
 
-def _wait_ready(url: str) -> None:
-    """Until the server answers its /stats (10 s at most)."""
-    for _ in range(100):
+def _wait_ready(control_urls: list[str]) -> None:
+    """Until every server process answers its /stats (20 s at most)."""
+    deadline = time.monotonic() + 20
+    for url in control_urls:
+        while True:
+            try:
+                _stats(url, reset=True)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the instant server at {url} did not start") from None
+                time.sleep(0.1)
+
+
+def server_window(control_urls: list[str], skip: int) -> dict:
+    """Every server process's arrivals merged; the counted window past the first `skip` (and reset)."""
+    arrivals, events = [], 0
+    for url in control_urls:
+        seen = _stats(url, reset=True)
+        arrivals += seen["arrivals"]
+        events += seen["events"]
+    arrivals.sort()
+    counted = arrivals[skip:]
+    if len(counted) < 2:
+        return {"requests": len(arrivals), "events": events, "span_s": None}
+    tokens = events / len(arrivals)
+    span = counted[-1] - counted[0]
+    return {"requests": len(arrivals), "events": events, "start": counted[0], "end": counted[-1], "span_s": span,
+            "window_events": (len(counted) - 1) * tokens, "window_requests": len(counted) - 1}
+
+
+# ----- CPU of a process tree, from /proc -----
+def _tree_pids(root: int) -> list[int]:
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        for children in glob.glob(f"/proc/{pid}/task/*/children"):
+            try:
+                todo += [int(c) for c in Path(children).read_text().split()]
+            except OSError:
+                pass
+    return pids
+
+
+def _tree_cpu_s(root: int) -> float:
+    """utime + stime of every live process of the tree, plus what its reaped children had (cutime, cstime)."""
+    total = 0
+    for pid in _tree_pids(root):
         try:
-            _stats(url, reset=True)
-            return
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
-            time.sleep(0.1)
+            continue
+        total += sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
+    return total / CLK_TCK
 
 
-def _pinned(core: int) -> list[str]:
-    return ["taskset", "-c", str(core)] if shutil.which("taskset") else []
+class CpuSampler:
+    """(monotonic time, tree CPU seconds) every SAMPLE_S in a thread, while the client runs."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(), _tree_cpu_s(self.pid)))
+            self._stop.wait(SAMPLE_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def at(self, t: float) -> float | None:
+        """The tree's CPU seconds at `t`, between the samples either side."""
+        for (t0, c0), (t1, c1) in zip(self.samples, self.samples[1:]):
+            if t0 <= t <= t1:
+                return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c0
+        return None
 
 
-def run_infertrace(url: str, core: int, args, workdir: Path) -> dict:
+# ----- placement -----
+def physical_cores() -> list[list[int]]:
+    """Logical CPUs grouped by physical core (hyperthread siblings together), in CPU order; only the CPUs this
+    process may use."""
+    allowed = os.sched_getaffinity(0)
+    cores: dict[tuple[int, ...], None] = {}
+    for path in sorted(glob.glob("/sys/devices/system/cpu/cpu[0-9]*/topology/thread_siblings_list"),
+                       key=lambda p: int(p.split("/cpu")[-1].split("/")[0])):
+        siblings = tuple(c for c in _cpu_list(Path(path).read_text()) if c in allowed)
+        if siblings:
+            cores[siblings] = None
+    return [list(c) for c in cores] or [[c] for c in sorted(allowed)]
+
+
+def _cpu_list(text: str) -> list[int]:
+    out = []
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def placement(cores: list[list[int]], max_workers: int, server_procs: int) -> dict:
+    """Client cores first, the server on the physical cores the largest client leaves (at least the last one)."""
+    server_cores = cores[max_workers:] or cores[-1:]
+    if server_procs:
+        server_cores = server_cores[:server_procs]
+    return {"client_cpus": [c[0] for c in cores], "server_cores": server_cores,
+            "server_cpus": sorted(c for core in server_cores for c in core)}
+
+
+def _pin(cpus: list[int]) -> list[str]:
+    return ["taskset", "-c", ",".join(map(str, cpus))] if shutil.which("taskset") else []
+
+
+# ----- the clients: each returns its command -----
+def infertrace_cmd(url: str, args, workdir: Path, workers: int | None = None) -> list[str]:
+    """`infertrace bench` over --requests requests, or with `workers` load processes for --duration seconds."""
     prompts = workdir / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "a short prompt", "max_tokens": args.tokens}) + "\n")
-    result = workdir / "infertrace.json"
-    cmd = _pinned(core) + [sys.executable, "-m", "infertrace", "bench", "--base-url", url, "--dataset", "jsonl",
-                           "--dataset-path", str(prompts), "--num-prompts", str(args.requests),
-                           "--concurrency", str(args.concurrency), "--warmup", "0", "--result-json", str(result)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    doc = json.loads(result.read_text())
-    return {"self_reported_events_per_s": doc["total_output_tokens"] / doc["duration"],
-            "client_cpu_percent": doc["client_cpu_percent"], "command": " ".join(cmd)}
+    cmd = [sys.executable, "-m", "infertrace", "bench", "--base-url", url, "--dataset", "jsonl",
+           "--dataset-path", str(prompts), "--concurrency", str(args.concurrency * (workers or 1)), "--warmup", "0",
+           "--ignore-eos", "--scrape-interval", "0", "--result-json", str(workdir / "infertrace.json")]
+    if workers is None:
+        return cmd + ["--num-prompts", str(args.requests)]
+    return cmd + ["--workers", str(workers), "--duration", str(args.duration),
+                  "--num-prompts", str(args.concurrency * workers)]
 
 
-def run_workers(url: str, workers: int, first_core: int, args, workdir: Path) -> dict:
-    """infertrace bench with `workers` load processes pinned to cores first_core.. (the client's own count)."""
-    prompts = workdir / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "a short prompt", "max_tokens": args.tokens}) + "\n")
-    result = workdir / f"workers{workers}.json"
-    cores = f"{first_core}-{first_core + workers - 1}"
-    pin = ["taskset", "-c", cores] if shutil.which("taskset") else []
-    cmd = pin + [sys.executable, "-m", "infertrace", "bench", "--base-url", url, "--dataset", "jsonl",
-                 "--dataset-path", str(prompts),
-                 "--num-prompts", str(args.requests * workers), "--concurrency", str(args.concurrency * workers),
-                 "--warmup", "0", "--workers", str(workers), "--scrape-interval", "0", "--result-json", str(result)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    doc = json.loads(result.read_text())
-    events, duration = doc["total_output_tokens"], doc["duration"]
-    cpu_s = (doc["process_cpu_percent"] or 0) / 100 * duration
-    return {"workers": workers, "events_per_s": events / duration, "requests_per_s": doc["completed"] / duration,
-            "cpu_us_per_event": 1e6 * cpu_s / events if events else None, "command": " ".join(cmd)}
+def vllm_cmd(url: str, args, workdir: Path) -> list[str]:
+    return [args.vllm, "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+            "--model", "ceiling", "--tokenizer", args.tokenizer, "--dataset-name", "random",
+            "--random-input-len", "8", "--random-output-len", str(args.tokens), "--random-range-ratio", "0",
+            "--num-prompts", str(args.requests), "--max-concurrency", str(args.concurrency), "--ignore-eos",
+            "--disable-tqdm"]
 
 
-def run_guidellm(url: str, core: int, args, workdir: Path) -> dict:
-    out = workdir / "guidellm.json"
-    cmd = _pinned(core) + [
-        args.guidellm, "run", "--backend", f"kind=openai_http,target={url}",
-        "--profile", f"kind=concurrent,streams={args.concurrency}",
-        "--data", f"kind=synthetic_text,prompt_tokens=8,output_tokens={args.tokens}",
-        "--tokenizer", f"kind=hf_auto,model={args.tokenizer}",
-        "--constraint", f"kind=max_requests,count={args.requests}",
-        "--output", f"kind=json,path={out}", "--disable-progress"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    bench = json.loads(out.read_text())["benchmarks"][0]
-    tokens = bench["metrics"]["text"]["tokens"]["output"]["successful"]["total_sum"]
-    return {"self_reported_events_per_s": tokens / bench["duration"], "command": " ".join(cmd)}
+def guidellm_cmd(url: str, args, workdir: Path) -> list[str]:
+    return [args.guidellm, "run", "--backend", f"kind=openai_http,target={url}",
+            "--profile", f"kind=concurrent,streams={args.concurrency}",
+            "--data", f"kind=synthetic_text,prompt_tokens=8,output_tokens={args.tokens}",
+            "--tokenizer", f"kind=hf_auto,model={args.tokenizer}",
+            "--constraint", f"kind=max_requests,count={args.requests}",
+            "--output", f"kind=json,path={workdir / 'guidellm.json'}", "--disable-progress"]
+
+
+def aiperf_cmd(url: str, args, workdir: Path) -> list[str]:
+    return [args.aiperf, "profile", "--model", "ceiling", "--url", url, "--endpoint-type", "completions",
+            "--streaming", "--tokenizer", args.tokenizer, "--concurrency", str(args.concurrency),
+            "--request-count", str(args.requests), "--prompt-input-tokens-mean", "8",
+            "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", str(args.tokens),
+            "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true", "--use-server-token-count",
+            "--ui", "none", "--output-artifact-dir", str(workdir / "aiperf")]
+
+
+def measure(name: str, cmd: list[str], cpus: list[int], concurrency: int, control_urls: list[str],
+            servers: list[subprocess.Popen], workdir: Path) -> dict:
+    """Run one client pinned to `cpus`; the server's window, and the client's and the server's CPU over it."""
+    for url in control_urls:
+        _stats(url, reset=True)
+    log = workdir / f"{name.replace(' ', '_')}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(_pin(cpus) + cmd, stdout=out, stderr=subprocess.STDOUT, cwd=workdir)
+        sampler = CpuSampler(proc.pid)
+        server_samplers = [CpuSampler(server.pid) for server in servers]
+        code = proc.wait()
+        for each in (sampler, *server_samplers):
+            each.stop()
+    seen = server_window(control_urls, skip=concurrency)
+    row = {"client": name, "cpus": cpus, "exit_code": code, "command": " ".join(_pin(cpus) + cmd), **seen}
+    if code != 0 or not seen["span_s"]:
+        row["error"] = log.read_text(errors="replace")[-2000:]
+        return row
+    span = seen["span_s"]
+    cpu0, cpu1 = sampler.at(seen["start"]), sampler.at(seen["end"])
+    server_cpu = [(s.at(seen["start"]), s.at(seen["end"])) for s in server_samplers]
+    if all(a is not None and b is not None for a, b in server_cpu):  # the share of the server's processes' time
+        row["server_busy"] = sum(b - a for a, b in server_cpu) / span / len(servers)
+    row.update(events_per_s=seen["window_events"] / span, requests_per_s=seen["window_requests"] / span,
+               cpu_us_per_event=None if cpu0 is None or cpu1 is None else 1e6 * (cpu1 - cpu0) / seen["window_events"],
+               cpu_cores=None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / span)
+    return row
+
+
+# ----- one run -----
+def clients(args, place: dict) -> list[tuple[str, object, list[int], int]]:
+    """(name, command maker, CPUs, requests in flight) of every client of this run, in the order they run."""
+    one = place["client_cpus"][:1]
+    out = [("infertrace", infertrace_cmd, one, args.concurrency)]
+    for flag in ("vllm", "guidellm", "aiperf"):
+        if getattr(args, flag):
+            out.append((flag, globals()[f"{flag}_cmd"], one, args.concurrency))
+    for w in args.worker_counts:
+        out.append((f"infertrace --workers {w}", lambda url, a, d, w=w: infertrace_cmd(url, a, d, w),
+                    place["client_cpus"][:w], args.concurrency * w))
+    return out
+
+
+def median_row(runs: list[dict]) -> dict:
+    good = [r for r in runs if "events_per_s" in r]
+    if not good:
+        return runs[-1]
+    return sorted(good, key=lambda r: r["events_per_s"])[(len(good) - 1) // 2]
+
+
+def render(rows: list[dict], shared: set[str]) -> str:
+    base = next((r["events_per_s"] for r in rows if r["client"] == "infertrace" and "events_per_s" in r), None)
+    one = next((r["events_per_s"] for r in rows if r["client"] == "infertrace --workers 1" and "events_per_s" in r),
+               base)
+    lines = [f"{'client':<26} {'cores':>5} {'events/s':>11} {'requests/s':>11} {'CPU us/event':>13} "
+             + f"{'x infertrace':>13} {'per worker':>11} {'server busy':>12}"]
+    for r in rows:
+        if "events_per_s" not in r:
+            lines.append(f"{r['client']:<26} {len(r['cpus']):>5}  failed (exit {r['exit_code']}); see the JSON")
+            continue
+        workers = int(r["client"].rsplit(" ", 1)[1]) if "--workers" in r["client"] else None
+        per = f"{r['events_per_s'] / one / workers:>11.2f}" if workers and one else f"{'':>11}"
+        cpu = f"{r['cpu_us_per_event']:>13.2f}" if r["cpu_us_per_event"] is not None else f"{'-':>13}"
+        ratio = f"{r['events_per_s'] / base:>13.2f}" if base else f"{'-':>13}"
+        busy = f"{100 * r['server_busy']:>11.0f}%" if r.get("server_busy") is not None else f"{'-':>12}"
+        note = "  (shares cores with the server)" if r["client"] in shared else ""
+        if r.get("server_busy", 0) > SERVER_BUSY_WARN:
+            note += "  (the server may be the limit)"
+        lines.append(f"{r['client']:<26} {len(r['cpus']):>5} {r['events_per_s']:>11,.0f} "
+                     f"{r['requests_per_s']:>11,.1f} {cpu} {ratio} {per} {busy}{note}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024, help="streamed tokens (events) per response")
-    parser.add_argument("--requests", type=int, default=512, help="requests per measurement")
-    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight")
-    parser.add_argument("--repeats", type=int, default=3, help="measurements per client; the median is reported")
+    parser.add_argument("--requests", type=int, default=512, help="requests per measurement of a one-core client")
+    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight per client core")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved measurements per client; the median")
     parser.add_argument("--events-per-write", type=int, default=16, help="SSE events per server write")
-    parser.add_argument("--client-core", type=int, default=0)
-    parser.add_argument("--server-core", type=int, default=1)
-    parser.add_argument("--port", type=int, default=18765)
-    parser.add_argument("--guidellm", default=shutil.which("guidellm"), help="guidellm executable (optional)")
-    parser.add_argument("--tokenizer", help="tokenizer directory for guidellm's synthetic prompts")
-    parser.add_argument("--workers", help="also run infertrace with these --workers counts, e.g. 1,4,8,15")
+    parser.add_argument("--port", type=int, default=18765, help="the server's port (its processes' own follow)")
+    parser.add_argument("--vllm", help="`vllm` executable (runs `vllm bench serve`)")
+    parser.add_argument("--guidellm", help="guidellm executable")
+    parser.add_argument("--aiperf", help="aiperf executable")
+    parser.add_argument("--tokenizer", help="tokenizer directory for the peers' synthetic prompts")
+    parser.add_argument("--workers", help="also run infertrace with these --workers counts, e.g. 1,2,4,8")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds of each --workers run")
     parser.add_argument("--server-procs", type=int, default=0,
-                        help="with --workers: server processes on one port (0: one per core the workers leave)")
+                        help="server processes (0: one per physical core the clients leave)")
+    parser.add_argument("--json", help="also write every run to this file")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--control-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.port, args.events_per_write, args.reuse_port)
+        serve(args.port, args.control_port, args.events_per_write)
         return
-    if args.workers:
-        scale_out(args)
-        return
+    args.worker_counts = [int(w) for w in args.workers.split(",")] if args.workers else []
+    if (args.vllm or args.guidellm or args.aiperf) and args.tokenizer is None:
+        from infertrace.load.embedded_target import default_model_dir
+
+        args.tokenizer = str(default_model_dir())
+
+    cores = physical_cores()
+    place = placement(cores, max([1, *args.worker_counts]), args.server_procs)
+    runs = clients(args, place)
+    shared = {name for name, _, cpus, _ in runs if set(cpus) & set(place["server_cpus"])}
+    print(f"topology: {len(cores)} physical cores {cores}; clients on {place['client_cpus']} (one CPU per core), "
+          f"server: {len(place['server_cores'])} processes on {place['server_cores']}", file=sys.stderr)
+    for name in sorted(shared):
+        print(f"warning: {name} shares cores with the server (too few cores): not a scaling figure", file=sys.stderr)
 
     url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen(_pinned(args.server_core) + [sys.executable, __file__, "--serve", "--port",
-                                                             str(args.port), "--events-per-write",
-                                                             str(args.events_per_write)])
+    control_urls = [f"http://127.0.0.1:{args.port + 1 + k}" for k in range(len(place["server_cores"]))]
+    servers = [subprocess.Popen(_pin(core) + [sys.executable, __file__, "--serve", "--port", str(args.port),
+                                              "--control-port", str(args.port + 1 + k),
+                                              "--events-per-write", str(args.events_per_write)])
+               for k, core in enumerate(place["server_cores"])]
+    results: dict[str, list[dict]] = {name: [] for name, *_ in runs}
     try:
-        _wait_ready(url)
-        clients = {"infertrace": run_infertrace}
-        if args.guidellm:
-            if args.tokenizer is None:
-                from infertrace.load.embedded_target import default_model_dir
-
-                args.tokenizer = str(default_model_dir())
-            clients["guidellm"] = run_guidellm
-        report = {"setup": {k: v for k, v in vars(args).items() if k != "serve"},
-                  "load_average_before": os.getloadavg(), "clients": {name: {"runs": []} for name in clients}}
+        _wait_ready(control_urls)
+        load_before = os.getloadavg()
         with tempfile.TemporaryDirectory() as tmp:
-            for _ in range(args.repeats):  # interleaved, so that a change in machine load hits every client
-                for name, run in clients.items():
-                    _stats(url, reset=True)
-                    own = run(url, args.client_core, args, Path(tmp))
-                    seen = _stats(url, reset=True, concurrency=args.concurrency)
-                    report["clients"][name]["runs"].append(
-                        {**own, "server_events_per_s": seen["events_per_s"], "events": seen["events"]})
-        report["load_average_after"] = os.getloadavg()
-        for name, entry in report["clients"].items():
-            entry["server_events_per_s_median"] = statistics.median(r["server_events_per_s"] for r in entry["runs"])
-            print(f"{name:>10}: {entry['server_events_per_s_median']:,.0f} events/s "
-                  f"(server-side, median of {args.repeats})", flush=True)
-        if "guidellm" in report["clients"]:
-            ours = report["clients"]["infertrace"]["server_events_per_s_median"]
-            theirs = report["clients"]["guidellm"]["server_events_per_s_median"]
-            report["ratio"] = ours / theirs
-            print(f"     ratio: {report['ratio']:.2f}x")
-        print(json.dumps(report, indent=2))
-    finally:
-        server.terminate()
-        server.wait(10)
-
-
-def scale_out(args) -> None:
-    """infertrace with each --workers count against a many-process instant server; one table."""
-    counts = [int(w) for w in args.workers.split(",")]
-    cores = os.cpu_count() or 2
-    url = f"http://127.0.0.1:{args.port}"
-    procs = args.server_procs or max(1, cores - max(counts))
-    servers = [subprocess.Popen([sys.executable, __file__, "--serve", "--reuse-port", "--port", str(args.port),
-                                 "--events-per-write", str(args.events_per_write)]) for _ in range(procs)]
-    rows = []
-    try:
-        _wait_ready(url)
-        with tempfile.TemporaryDirectory() as tmp:
-            for w in counts:
-                runs = [run_workers(url, w, 0, args, Path(tmp)) for _ in range(args.repeats)]
-                best = sorted(runs, key=lambda r: r["events_per_s"])[len(runs) // 2]  # the median run
-                rows.append(best)
-        base = rows[0]["events_per_s"]
-        print(f"{'workers':>8} {'events/s':>12} {'requests/s':>11} {'CPU us/event':>13} {'x first':>8}")
-        for r in rows:
-            print(f"{r['workers']:>8} {r['events_per_s']:>12,.0f} {r['requests_per_s']:>11,.1f} "
-                  f"{r['cpu_us_per_event'] or 0:>13.3f} {r['events_per_s'] / base:>8.2f}")
-        print(json.dumps({"cores": cores, "server_procs": procs, "setup": vars(args), "rows": rows}, indent=2))
+            for repeat in range(args.repeats):  # interleaved, so that a change in machine load hits every client
+                for name, make, cpus, concurrency in runs:
+                    workdir = Path(tmp)
+                    row = measure(name, make(url, args, workdir), cpus, concurrency, control_urls, servers,
+                                  workdir)
+                    results[name].append(row)
+                    shown = f"{row['events_per_s']:,.0f} events/s" if "events_per_s" in row else "failed"
+                    print(f"  [{repeat + 1}/{args.repeats}] {name}: {shown}", file=sys.stderr)
     finally:
         for server in servers:
             server.terminate()
         for server in servers:
             server.wait(10)
+    rows = [median_row(results[name]) for name, *_ in runs]
+    print(f"median of {args.repeats} interleaved runs; events counted by the server; {args.tokens} events per "
+          f"request, {args.concurrency} in flight per client core")
+    print(render(rows, shared))
+    doc = {"setup": {k: v for k, v in vars(args).items() if k not in ("serve", "control_port")},
+           "topology": cores, "placement": place, "load_average_before": load_before,
+           "load_average_after": os.getloadavg(), "median": rows, "runs": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2))
+        print(f"runs: {args.json}", file=sys.stderr)
 
 
 if __name__ == "__main__":
