@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -90,9 +89,8 @@ class StandInServices:
 
 
 def engine_main(step_s: float, socks) -> None:
-    from infertrace.server.engine_process import EngineLoop
+    from infertrace.server.engine_process import EngineLoop, _tell_all
     from infertrace.server.messages import FromEngine
-    from infertrace.server.engine_process import _tell_all
 
     info = {"max_model_len": 32768, "kv_blocks_total": 1, "engine_config": {}, "decode_path": {},
             "versions": {}, "device": {"type": "stand-in"}, "engine_pid": os.getpid()}
@@ -116,7 +114,6 @@ def main() -> None:
     import multiprocessing
     import socket
 
-    from infertrace.server.runner import run_split  # noqa: F401  (the module the server runs)
 
     model = args.model
     if model is None:
@@ -139,12 +136,13 @@ async def _serve_and_load(args, model: Path, socks) -> dict:
     import resource
     from dataclasses import replace
 
+    from aiohttp import web
+
     from infertrace.server.app import build_app
     from infertrace.server.engine_client import ProcessEngine
     from infertrace.server.frontend_tokenizer import FrontendTokenizer
     from infertrace.server.runner import _start_frontends
     from infertrace.server.settings import ServerSettings
-    from aiohttp import web
 
     settings = ServerSettings(model_dir=str(model), served_model_name="stand-in", port=args.port,
                               max_queue=100000)

@@ -112,8 +112,12 @@ class ProfilerClient:
                 reply = await self._request("POST", "/start_profile")
         else:
             if flavour is Flavour.SGLANG:
+                if options.frontend:
+                    raise ProfilerError("--frontend is infertrace serve's: SGLang has no front-end trace to ask for")
                 options = await self._sglang_safe(options)
             body = sglang_body(options)
+            if options.frontend:
+                body["frontend"] = True
             reply = await self._request("POST", "/start_profile", body=body)
         self._raise_for(reply, "/start_profile")
         return StartResult(_message(reply) or "profiling started", options, body, notes)

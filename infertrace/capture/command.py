@@ -44,6 +44,8 @@ ACTIVITY_NAMES = ", ".join(SERVER_ACTIVITIES)
                                                                    "omitted).")
 @click.option("--record-shapes/--no-record-shapes", default=None,
               help="Record operator input shapes (server default when omitted).")
+@click.option("--frontend", is_flag=True, default=None,
+              help="infertrace serve: also trace the HTTP front end's Python (frontend{i}-{pid}.trace.json).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds to wait for each server answer (a large trace can take minutes to flush).")
 @server_auth_options
@@ -51,7 +53,7 @@ ACTIVITY_NAMES = ", ".join(SERVER_ACTIVITIES)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def profile(ctx, url, flavour, start, stop, seconds, nsys, output_dir, name, num_steps, delay_steps, activities,
-            with_stack, record_shapes, timeout, api_key, header, dry_run, command):
+            with_stack, record_shapes, frontend, timeout, api_key, header, dry_run, command):
     """Start or stop profiler capture on a live server (vLLM, SGLang, infertrace), or run under nsys.
 
     \b
@@ -78,7 +80,8 @@ def profile(ctx, url, flavour, start, stop, seconds, nsys, output_dir, name, num
         raise click.UsageError("give either --seconds or --num-steps, not both")
     given = [flag for flag, value in (("--output-dir", output_dir), ("--name", name), ("--num-steps", num_steps),
                                       ("--delay-steps", delay_steps), ("--activities", activities),
-                                      ("--with-stack", with_stack), ("--record-shapes", record_shapes))
+                                      ("--with-stack", with_stack), ("--record-shapes", record_shapes),
+                                      ("--frontend", frontend))
              if value is not None]
     if stop and given:
         raise click.UsageError(f"{given[0]} applies when a capture starts, not to --stop")
@@ -87,7 +90,7 @@ def profile(ctx, url, flavour, start, stop, seconds, nsys, output_dir, name, num
     try:
         options = ProfileOptions(name=name or default_capture_name(), output_dir=output_dir, num_steps=num_steps,
                                  delay_steps=delay_steps, activities=_parse_activities(activities),
-                                 with_stack=with_stack, record_shapes=record_shapes)
+                                 with_stack=with_stack, record_shapes=record_shapes, frontend=frontend)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     headers = request_headers(api_key, header)

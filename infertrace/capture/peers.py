@@ -48,6 +48,7 @@ class ProfileOptions:
     activities: tuple[str, ...] | None = None
     with_stack: bool | None = None
     record_shapes: bool | None = None
+    frontend: bool | None = None  # infertrace serve only: the HTTP front end's own Python trace too
 
     def __post_init__(self):
         if self.num_steps is not None and self.num_steps < 1:
@@ -68,6 +69,9 @@ def vllm_body(options: ProfileOptions) -> dict:
     if options.activities is not None:
         raise ValueError("vLLM fixes the activities in its --profiler-config (profiler: torch, cuda or proton); "
                          "drop --activities")
+    if options.frontend:
+        raise ValueError("--frontend is infertrace serve's; vLLM traces its API server itself when its profiler is "
+                         "configured")
     body: dict = {}
     if options.name is not None:
         body["profile_prefix"] = options.name

@@ -182,7 +182,7 @@ class OtherRanks:
 def rank_main(config: EngineConfig, model_dir: Path, hf_config: dict, rank: int, init: str,
               conn: multiprocessing.connection.Connection) -> None:
     """A rank's process: join the group, build the model shard and KV cache, then run what rank 0 sends."""
-    _exit_with_parent()
+    exit_with_parent()
     try:
         import torch
         import torch.distributed as dist
@@ -254,8 +254,9 @@ def _send_error(conn) -> None:
         pass
 
 
-def _exit_with_parent() -> None:
-    """End this process when rank 0's process ends, even inside a collective that would otherwise wait for it."""
+def exit_with_parent() -> None:
+    """End this process at once when the process that started it ends (rank 0's, for a rank), even inside a
+    collective or a step that would otherwise wait for it."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return

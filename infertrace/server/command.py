@@ -99,12 +99,9 @@ def _serve(settings: ServerSettings, config, api_servers: int) -> None:
              f"{described['kv_blocks_total']} KV blocks of {config.block_size} tokens; engine pid "
              f"{described['engine_pid']}, {front})")
 
-    def draining(in_flight: int) -> None:
-        _say(f"shutting down: draining {in_flight} in-flight request(s) for up to {settings.drain_timeout_s:g}s")
-
     try:
         aborted = asyncio.run(run_split(settings, engine_spec(settings, config), api_servers, ready, listening,
-                                        draining))
+                                        _draining(settings)))
     except EngineFailure as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:
@@ -128,14 +125,19 @@ def _serve_in_process(settings: ServerSettings, config) -> None:
         _say(f"serving {settings.served_model_name!r} on {url} (max context {engine.max_model_len}, "
              f"{engine.kv_blocks_total} KV blocks of {config.block_size} tokens; engine on a thread)")
 
-    def draining(in_flight: int) -> None:
-        _say(f"shutting down: draining {in_flight} in-flight request(s) for up to {settings.drain_timeout_s:g}s")
-
     try:
-        aborted = asyncio.run(run_in_process(engine, settings, dataclasses.asdict(config), listening, draining))
+        aborted = asyncio.run(run_in_process(engine, settings, dataclasses.asdict(config), listening,
+                                            _draining(settings)))
     except OSError as e:
         raise click.ClickException(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
     _say(f"stopped ({aborted} request(s) aborted)")
+
+
+def _draining(settings: ServerSettings):
+    def draining(in_flight: int) -> None:
+        _say(f"shutting down: draining {in_flight} in-flight request(s) for up to {settings.drain_timeout_s:g}s")
+
+    return draining
 
 
 def _say(message: str) -> None:

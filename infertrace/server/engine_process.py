@@ -22,10 +22,10 @@ import multiprocessing.connection
 import os
 import signal
 import socket
-import threading
 from dataclasses import dataclass
 from typing import Any
 
+from infertrace.engine.worker import exit_with_parent
 from infertrace.server.messages import (
     Delta,
     FrameReader,
@@ -64,7 +64,7 @@ def engine_main(spec: EngineSpec, socks: list[socket.socket]) -> None:
     """The engine process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _exit_with_parent()
+    exit_with_parent()  # a SIGKILLed server must not leave an engine holding the GPU; TP ranks follow
     try:
         from pathlib import Path
 
@@ -233,20 +233,6 @@ def _tell_all(socks: list[socket.socket], message: FromEngine) -> None:
             sock.sendall(data)
         except OSError:
             pass
-
-
-def _exit_with_parent() -> None:
-    """End this process at once when the process that started it ends, whatever the loop is doing (a SIGKILLed
-    server must not leave an engine holding the GPU). Tensor-parallel ranks follow: they watch this process."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def describe_exit(proc: multiprocessing.Process) -> str:

@@ -42,20 +42,10 @@ class FrontendTrace:
             what = arg if event.startswith("c_") else frame.f_code
             events.append((clock(), ident(), opening, what))
 
-        setter = getattr(threading, "setprofile_all_threads", None)
-        if setter is not None:
-            setter(hook)
-        else:
-            threading.setprofile(hook)
-            sys.setprofile(hook)
+        _set_hook(hook)
 
     def stop(self) -> None:
-        setter = getattr(threading, "setprofile_all_threads", None)
-        if setter is not None:
-            setter(None)
-        else:
-            threading.setprofile(None)
-            sys.setprofile(None)
+        _set_hook(None)
 
     def write(self, out_dir: Path) -> Path:
         """The Chrome trace of what was recorded, as complete ("X") events nested per thread."""
@@ -78,6 +68,16 @@ class FrontendTrace:
         path.write_text(json.dumps(doc))
         self.events = []
         return path
+
+
+def _set_hook(hook) -> None:
+    """The profile hook on every thread (Python 3.12+), or on this one and threads started from now on."""
+    setter = getattr(threading, "setprofile_all_threads", None)
+    if setter is not None:
+        setter(hook)
+    else:
+        threading.setprofile(hook)
+        sys.setprofile(hook)
 
 
 def _name(what: object) -> str:

@@ -189,10 +189,10 @@ def frontend_main(settings: ServerSettings, sock: socket.socket, index: int, cou
     then drain. SIGINT is left to the first front end, which forwards it."""
     import sys
 
-    from infertrace.server.engine_process import _exit_with_parent
+    from infertrace.engine.worker import exit_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent()
+    exit_with_parent()
     sys.exit(asyncio.run(_frontend(settings, sock, index, count, conn)))
 
 

@@ -18,7 +18,7 @@ from infertrace.capture.torch_capture import CaptureSession
 from infertrace.cli import main
 
 try:
-    from infertrace.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
+    from infertrace.engine import Engine, EngineConfig, SamplingParams
 except ImportError:  # the engine is optional to these tests
     Engine = None
 try:
@@ -87,18 +87,27 @@ class ServerThread:
     async def _start(self, model_dir, profile_dir):
         from aiohttp import web
 
+        from infertrace.server.engine_client import ProcessEngine
+        from infertrace.server.engine_process import EngineSpec, start_engine_process
+        from infertrace.server.frontend_tokenizer import FrontendTokenizer
+
         config = EngineConfig(**ENGINE_CONFIG)
-        engine = Engine(model_dir, config)
-        self.aeng = AsyncEngine(engine)
-        await self.aeng.start()
+        # as `infertrace serve` runs it: the engine in a process of its own
+        self.proc, [sock] = start_engine_process(EngineSpec(str(model_dir), dataclasses.asdict(config),
+                                                            str(profile_dir)))
+        self.aeng = ProcessEngine(sock)
+        await self.aeng.connect()
         settings = ServerSettings(model_dir=str(model_dir), served_model_name="tiny", profile_dir=profile_dir)
-        self.runner = web.AppRunner(build_app(self.aeng, engine, settings, dataclasses.asdict(config)))
+        self.runner = web.AppRunner(build_app(self.aeng, FrontendTokenizer(model_dir), settings))
         await self.runner.setup()
         await web.SockSite(self.runner, self.sock).start()
 
     async def _stop(self):
+        from infertrace.server.runner import _reap
+
         await self.runner.cleanup()
-        await self.aeng.shutdown(abort_running=True)
+        await self.aeng.close()
+        await _reap(self.proc)
 
     def close(self):
         self._call(self._stop())
@@ -147,6 +156,22 @@ def test_serve_start_request_stop(served):
     assert "step[DECODE bs=1]" in names
     manifest = json.loads(next(p for p in files if p.name.endswith(".manifest.json")).read_text())
     assert manifest["trace"] == traces[0].name and len(manifest["steps"]) >= 4
+
+
+@needs_server
+def test_serve_frontend_trace_through_the_cli(served):
+    server, profile_dir = served
+    started = invoke("--url", server.url, "--start", "--frontend", "--output-dir", "run-fe", "--activities", "CPU")
+    assert started.exit_code == 0, started.output
+    server.complete()
+    stopped = invoke("--url", server.url, "--stop")
+    assert stopped.exit_code == 0, stopped.output
+    files = [Path(p) for p in stopped.stdout.split()]
+    [front] = [p for p in files if p.name.startswith("frontend0-")]
+    assert front.parent == (profile_dir / "run-fe").resolve()
+    assert json.loads(front.read_text())["traceEvents"]
+    refused = invoke("--url", server.url, "--server", "vllm", "--start", "--frontend")
+    assert refused.exit_code != 0 and "--frontend is infertrace serve's" in refused.output
 
 
 @needs_server
