@@ -194,43 +194,51 @@ def _tree_pids(root: int) -> list[int]:
     return pids
 
 
-def _tree_cpu_s(root: int) -> float:
-    """utime + stime of every live process of the tree, plus what its reaped children had (cutime, cstime)."""
-    total = 0
+def _tree_cpu_s(root: int) -> tuple[float, float]:
+    """CPU seconds of the tree (utime + stime of every live process, plus what its reaped children had: cutime,
+    cstime) and of the root process alone (utime + stime)."""
+    total = own = 0
     for pid in _tree_pids(root):
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
-    return total / CLK_TCK
+        total += sum(int(v) for v in fields[11:15])
+        if pid == root:
+            own = int(fields[11]) + int(fields[12])
+    return total / CLK_TCK, own / CLK_TCK
 
 
 class CpuSampler:
-    """(monotonic time, tree CPU seconds) every SAMPLE_S in a thread, while the client runs."""
+    """(monotonic time, tree CPU seconds, root CPU seconds) every SAMPLE_S in a thread, while the client runs."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.samples: list[tuple[float, float]] = []
+        self.samples: list[tuple[float, float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.perf_counter(), _tree_cpu_s(self.pid)))
+            self.samples.append((time.perf_counter(), *_tree_cpu_s(self.pid)))
             self._stop.wait(SAMPLE_S)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
-    def at(self, t: float) -> float | None:
-        """The tree's CPU seconds at `t`, between the samples either side."""
-        for (t0, c0), (t1, c1) in zip(self.samples, self.samples[1:]):
-            if t0 <= t <= t1:
-                return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c0
+    def at(self, t: float, column: int = 1) -> float | None:
+        """The tree's CPU seconds at `t` (column 2: the root's), between the samples either side."""
+        for a, b in zip(self.samples, self.samples[1:]):
+            if a[0] <= t <= b[0]:
+                return a[column] + (b[column] - a[column]) * (t - a[0]) / (b[0] - a[0]) if b[0] > a[0] else a[column]
         return None
+
+    def over(self, start: float, end: float, column: int = 1) -> float | None:
+        """CPU seconds from `start` to `end`."""
+        a, b = self.at(start, column), self.at(end, column)
+        return None if a is None or b is None else b - a
 
 
 # ----- placement -----
@@ -255,9 +263,11 @@ def _cpu_list(text: str) -> list[int]:
     return out
 
 
-def placement(cores: list[list[int]], max_workers: int, server_procs: int) -> dict:
-    """Client cores first, the server on the physical cores the largest client leaves (at least the last one)."""
-    server_cores = cores[max_workers:] or cores[-1:]
+def placement(cores: list[list[int]], worker_counts: list[int], server_procs: int) -> dict:
+    """Clients from the first physical core on; the server on the cores that the largest client still leaving one
+    free leaves (a larger client then shares the server's cores, and is marked so)."""
+    fits = [w for w in [1, *worker_counts] if w < len(cores)]
+    server_cores = cores[max(fits, default=len(cores) - 1):] or cores[-1:]
     if server_procs:
         server_cores = server_cores[:server_procs]
     return {"client_cpus": [c[0] for c in cores], "server_cores": server_cores,
@@ -326,14 +336,21 @@ def measure(name: str, cmd: list[str], cpus: list[int], concurrency: int, contro
     if code != 0 or not seen["span_s"]:
         row["error"] = log.read_text(errors="replace")[-2000:]
         return row
-    span = seen["span_s"]
-    cpu0, cpu1 = sampler.at(seen["start"]), sampler.at(seen["end"])
-    server_cpu = [(s.at(seen["start"]), s.at(seen["end"])) for s in server_samplers]
-    if all(a is not None and b is not None for a, b in server_cpu):  # the share of the server's processes' time
-        row["server_busy"] = sum(b - a for a, b in server_cpu) / span / len(servers)
+    span, start, end = seen["span_s"], seen["start"], seen["end"]
+    cpu, root_cpu = sampler.over(start, end), sampler.over(start, end, column=2)
+    server_cpu = [s.over(start, end) for s in server_samplers]
     row.update(events_per_s=seen["window_events"] / span, requests_per_s=seen["window_requests"] / span,
-               cpu_us_per_event=None if cpu0 is None or cpu1 is None else 1e6 * (cpu1 - cpu0) / seen["window_events"],
-               cpu_cores=None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / span)
+               cpu_us_per_event=None if cpu is None else 1e6 * cpu / seen["window_events"],
+               cpu_cores=None if cpu is None else cpu / span,
+               root_process_cpu_cores=None if root_cpu is None else root_cpu / span)
+    if None not in server_cpu:  # the share of the server processes' time they were busy
+        row["server_busy"] = sum(server_cpu) / span / len(servers)
+    if (own := workdir / "infertrace.json").exists() and name.startswith("infertrace"):
+        doc = json.loads(own.read_text())  # the client's own figures, beside the server's count
+        row.update(own_events_per_s=doc["total_output_tokens"] / doc["duration"],
+                   own_process_cpu_percent=doc.get("process_cpu_percent"),
+                   worker_start_skew_max_ms=doc.get("worker_start_skew_max_ms"))
+        own.unlink()
     return row
 
 
@@ -411,11 +428,13 @@ def main() -> None:
         args.tokenizer = str(default_model_dir())
 
     cores = physical_cores()
-    place = placement(cores, max([1, *args.worker_counts]), args.server_procs)
+    place = placement(cores, args.worker_counts, args.server_procs)
     runs = clients(args, place)
     shared = {name for name, _, cpus, _ in runs if set(cpus) & set(place["server_cpus"])}
     print(f"topology: {len(cores)} physical cores {cores}; clients on {place['client_cpus']} (one CPU per core), "
           f"server: {len(place['server_cores'])} processes on {place['server_cores']}", file=sys.stderr)
+    if not shutil.which("taskset"):
+        print("warning: no taskset here: nothing is pinned, so the placement above is not kept", file=sys.stderr)
     for name in sorted(shared):
         print(f"warning: {name} shares cores with the server (too few cores): not a scaling figure", file=sys.stderr)
 
