@@ -36,7 +36,7 @@ from infertrace.load.metrics import (
 from infertrace.load.observe import Observed, Observer
 from infertrace.load.records import RequestResult, RequestSpec
 from infertrace.load.replay import TraceReplay
-from infertrace.load.runner import Runner
+from infertrace.load.runner import Runner, measured_gc
 from infertrace.load.schedule import arrival_offsets, ramp_up_offsets
 from infertrace.load.steady import SteadyState, steady_state
 from infertrace.load.server_counters import read_prefix_cache, run_hit_rate
@@ -286,7 +286,8 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
             deadline = clock.now() + window if window else None
             phase = runner.closed_loop(numbered_cycle(specs) if cfg.duration_s else specs, concurrency, deadline)
         try:
-            await interrupter.run(phase)
+            with measured_gc():
+                await interrupter.run(phase)
         except Interrupted:
             interrupted = True
         except PhaseStopped:

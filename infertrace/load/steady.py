@@ -74,14 +74,17 @@ def steady_state(results: list[RequestResult], target: int | None) -> SteadyStat
     `target` is the closed loop's concurrency (capped at the number of requests); None for an open loop,
     whose target is the time-weighted median of the requests in flight while requests are being sent. The
     window runs from the first moment the requests in flight reach the target to the last moment they are
-    still at or above it. None when there are no requests.
+    still at or above it. None when there are no requests, or when the requests in flight never reach the
+    target (workers whose first requests did not overlap).
     """
     if not results:
         return None
     level = min(target, len(results)) if target is not None else median_in_flight(results)
     level = max(level, 1)
     steps = in_flight_steps(results)
-    start = next(t for t, count in steps if count >= level)
+    start = next((t for t, count in steps if count >= level), None)
+    if start is None:  # never reached (workers whose first requests did not overlap): no steady window
+        return None
     end = start
     for (t, count), (t_next, count_next) in zip(steps, steps[1:]):
         if count >= level and count_next < level:

@@ -3,7 +3,8 @@ starting it (local processes, Ray actors).
 
 The schedule is computed once, in the parent, and partitioned: an open loop's arrivals (and a trace's) go to
 workers in turn with their times unchanged, a closed loop's concurrency is split, sessions go whole. Every worker
-starts at one barrier, times its own requests on its own clock (as seconds since that barrier, so clocks of
+starts at one barrier (local workers: set once every one of them is ready, so a slow start-up costs no
+measured time), times its own requests on its own clock (as seconds since that barrier, so clocks of
 different hosts are never compared), and streams its records back in batches; the parent merges them into the
 records a single-process run keeps, and the metrics come from the code that exists.
 """
@@ -16,7 +17,7 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -26,7 +27,8 @@ from infertrace.load.conversation import Session, SessionDriver
 from infertrace.load.records import RequestResult, RequestSpec
 
 BATCH_S = 0.1  # a worker sends what finished at most this often: one message per batch, not per request
-BARRIER_LEAD_S = 1.0  # the start is set this far ahead, so that every worker is waiting when it comes
+BARRIER_LEAD_S = 1.0  # Ray: the start is set this far ahead, so that every worker is waiting when it comes
+START_LEAD_S = 0.05  # local workers: the start, once all are ready, is this far ahead (a pipe write to each)
 
 
 @dataclass(slots=True)
@@ -47,6 +49,7 @@ class Batch(msgspec.Struct):
     done: bool = False
     cpu_s: float = 0.0  # the worker process's CPU seconds over its window (with done)
     start_skew_s: float = 0.0  # how late after the barrier this worker started
+    ready: bool = False  # a local worker's handshake: set up, connected, and waiting for the start
 
 
 # ----- partitioning -----
@@ -79,13 +82,13 @@ def session_slices(sessions: list[Session], n: int, offsets: list[float] | None,
 
 
 # ----- the worker -----
-async def run_slice(cfg_json: dict, part: Slice, start_at: float, emit: Callable[[Batch], None],
-                    stop: asyncio.Event) -> None:
-    """Send `part` against the configured target from `start_at` (wall clock) and emit every record, its times
-    in seconds since this worker's own start."""
+async def run_slice(cfg_json: dict, part: Slice, start_at: float | None, emit: Callable[[Batch], None],
+                    stop: asyncio.Event, wait_start: Callable[[], Awaitable[float]] | None = None) -> None:
+    """Send `part` against the configured target from `start_at` (wall clock; or the time `wait_start` returns
+    once the target is open) and emit every record, its times in seconds since this worker's own start."""
     from infertrace.load.benchmark import make_target
     from infertrace.load.config import BenchConfig
-    from infertrace.load.runner import Runner
+    from infertrace.load.runner import Runner, measured_gc
 
     cfg = BenchConfig(**_config_fields(cfg_json))
     target = make_target(cfg, lambda _: None)
@@ -93,26 +96,29 @@ async def run_slice(cfg_json: dict, part: Slice, start_at: float, emit: Callable
     pending: list[RequestResult] = []
     clock = MonotonicClock()
     try:
+        if wait_start is not None:
+            start_at = await wait_start()
         await asyncio.sleep(max(0.0, start_at - time.time()))
         skew = max(0.0, time.time() - start_at)
         origin = clock.now()
         cpu0 = time.process_time()
         runner = Runner(target, clock, lambda r: pending.append(_relative(r, origin)))
-        work = asyncio.ensure_future(_play(part, runner, clock, origin))
-        while not work.done():
-            stopped = asyncio.ensure_future(stop.wait())
-            await asyncio.wait([work, stopped], timeout=BATCH_S, return_when=asyncio.FIRST_COMPLETED)
-            if stop.is_set() and not work.done():
-                work.cancel()
-            if not stopped.done():
-                stopped.cancel()
-            if pending:
-                emit(Batch(pending[:]))
-                pending.clear()
-        try:
-            await work
-        except asyncio.CancelledError:
-            pass
+        with measured_gc():
+            work = asyncio.ensure_future(_play(part, runner, clock, origin))
+            while not work.done():
+                stopped = asyncio.ensure_future(stop.wait())
+                await asyncio.wait([work, stopped], timeout=BATCH_S, return_when=asyncio.FIRST_COMPLETED)
+                if stop.is_set() and not work.done():
+                    work.cancel()
+                if not stopped.done():
+                    stopped.cancel()
+                if pending:
+                    emit(Batch(pending[:]))
+                    pending.clear()
+            try:
+                await work
+            except asyncio.CancelledError:
+                pass
         emit(Batch(pending[:], True, time.process_time() - cpu0, skew))
     finally:
         await target.close()
@@ -163,8 +169,9 @@ def _config_fields(cfg_json: dict) -> dict:
     return out
 
 
-def _process_main(conn, cfg_json: dict, part: Slice, start_at: float) -> None:
-    """A local worker process: run the slice, stream batches down `conn`, stop when the parent says so."""
+def _process_main(conn, cfg_json: dict, part: Slice) -> None:
+    """A local worker process: say it is ready, run the slice from the start the parent sends, stream batches
+    down `conn`, stop when the parent says so."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which tells every worker
@@ -172,8 +179,26 @@ def _process_main(conn, cfg_json: dict, part: Slice, start_at: float) -> None:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        loop.add_reader(conn.fileno(), lambda: (conn.recv_bytes(), stop.set()))
-        await run_slice(cfg_json, part, start_at, lambda b: conn.send_bytes(msgspec.msgpack.encode(b)), stop)
+        start = loop.create_future()
+
+        def message() -> None:
+            msg = conn.recv_bytes()
+            if msg.startswith(b"start ") and not start.done():
+                start.set_result(float(msg[6:]))
+                return
+            stop.set()  # "stop", even before the start: the worker then ends as soon as it begins
+            if not start.done():
+                start.set_result(time.time())
+
+        def emit(batch: Batch) -> None:
+            conn.send_bytes(msgspec.msgpack.encode(batch))
+
+        async def wait_start() -> float:
+            emit(Batch([], ready=True))
+            return await start
+
+        loop.add_reader(conn.fileno(), message)
+        await run_slice(cfg_json, part, None, emit, stop, wait_start)
 
     asyncio.run(main())
 
@@ -240,10 +265,15 @@ class Fleet:
         _record_sessions(play, self.results)
 
     async def _run(self, parts: list[Slice]) -> None:
-        start_at = time.time() + BARRIER_LEAD_S
-        self._origin = self.clock.now() + BARRIER_LEAD_S  # the barrier on the parent's clock
-        launch = _ray_workers if self.ray_address else _local_workers
-        await launch(self, parts, start_at)
+        if self.ray_address is None:
+            await _local_workers(self, parts)
+            return
+        await _ray_workers(self, parts, self.barrier(BARRIER_LEAD_S))
+
+    def barrier(self, lead_s: float) -> float:
+        """Set the start `lead_s` from now; its wall-clock time for the workers."""
+        self._origin = self.clock.now() + lead_s  # the barrier on the parent's clock
+        return time.time() + lead_s
 
     def take(self, batch: Batch) -> None:
         for r in batch.results:
@@ -269,7 +299,7 @@ def _record_sessions(play, results: list[RequestResult]) -> None:
         driver.record(results)
 
 
-async def _local_workers(fleet: Fleet, parts: list[Slice], start_at: float) -> None:
+async def _local_workers(fleet: Fleet, parts: list[Slice]) -> None:
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -278,7 +308,7 @@ async def _local_workers(fleet: Fleet, parts: list[Slice], start_at: float) -> N
     procs, conns = [], []
     for part in parts:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_process_main, args=(child, cfg_json, part, start_at), daemon=True,
+        proc = ctx.Process(target=_process_main, args=(child, cfg_json, part), daemon=True,
                            name="infertrace-load")
         proc.start()
         child.close()
@@ -286,18 +316,36 @@ async def _local_workers(fleet: Fleet, parts: list[Slice], start_at: float) -> N
         conns.append(parent)
     loop = asyncio.get_running_loop()
     open_conns = set(range(len(conns)))
+    waiting = set(open_conns)  # not ready yet
     finished = asyncio.Event()
     decoder = msgspec.msgpack.Decoder(Batch)
+
+    def start_when_ready(k: int) -> None:
+        """The start barrier, once every worker still alive is ready (a worker that died waits for nothing)."""
+        if k not in waiting:
+            return
+        waiting.discard(k)
+        if not waiting:
+            start_at = fleet.barrier(START_LEAD_S)
+            for j in open_conns:
+                try:
+                    conns[j].send_bytes(b"start %r" % start_at)
+                except OSError:
+                    pass
 
     def readable(k: int) -> None:
         try:
             batch = decoder.decode(conns[k].recv_bytes())
         except (EOFError, OSError):
             batch = Batch([], True)
+        if batch.ready:
+            start_when_ready(k)
+            return
         fleet.take(batch)
         if batch.done:
             loop.remove_reader(conns[k].fileno())
             open_conns.discard(k)
+            start_when_ready(k)
             if not open_conns:
                 finished.set()
 

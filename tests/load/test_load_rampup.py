@@ -66,6 +66,12 @@ def test_closed_loop_window_from_reaching_concurrency_to_the_last_moment_there()
     assert s.output_throughput == pytest.approx(11 / 5)
 
 
+def test_a_level_never_reached_has_no_window():
+    # concurrency 2 split over two workers whose requests never overlapped: A [0, 1.5], B [2, 3.5]
+    a, b = done(0.0, 0.5, [1.0]), done(2.0, 0.5, [1.0])
+    assert steady_state([a, b], target=2) is None
+
+
 def test_chunk_token_counts_weight_the_events_and_unknown_counts_spread_evenly():
     a = done(0.0, 1.0, [1.0], tokens=[3, 5])  # 3 tokens at 1.0, 5 at 2.0
     b = done(0.0, 1.0, [1.0])

@@ -112,3 +112,15 @@ async def test_client_cpu_is_measured_over_exactly_the_measured_window(monkeypat
     # 4 requests x 3 events x 1 ms inside the window; the 10 s of setup and teardown are not charged
     assert record.client_cpu * record.metrics.duration == pytest.approx(0.012)
     assert record.process_cpu * record.metrics.duration == pytest.approx(0.012)
+
+
+def test_measured_gc_raises_the_thresholds_and_puts_them_back():
+    import gc
+
+    from infertrace.load.runner import MEASURED_GC_THRESHOLD, measured_gc
+
+    before = gc.get_threshold()
+    with pytest.raises(RuntimeError), measured_gc():
+        assert gc.get_threshold() == MEASURED_GC_THRESHOLD
+        raise RuntimeError
+    assert gc.get_threshold() == before
