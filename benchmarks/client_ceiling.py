@@ -181,17 +181,36 @@ def server_window(control_urls: list[str], skip: int) -> dict:
 
 
 # ----- CPU of a process tree, from /proc -----
+HAS_CHILDREN_FILES = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists()  # CONFIG_PROC_CHILDREN
+
+
 def _tree_pids(root: int) -> list[int]:
+    parents = None if HAS_CHILDREN_FILES else _children_by_parent()
     pids, todo = [], [root]
     while todo:
         pid = todo.pop()
         pids.append(pid)
-        for children in glob.glob(f"/proc/{pid}/task/*/children"):
-            try:
-                todo += [int(c) for c in Path(children).read_text().split()]
-            except OSError:
-                pass
+        if parents is None:
+            todo += [int(c) for f in glob.glob(f"/proc/{pid}/task/*/children") for c in _read(f).split()]
+        else:
+            todo += parents.get(pid, [])
     return pids
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    """Without /proc/PID/task/TID/children: every process's parent, from its stat line."""
+    parents: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        if fields := _read(stat).rsplit(")", 1)[-1].split():
+            parents.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    return parents
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:  # the process ended meanwhile
+        return ""
 
 
 def _tree_cpu_s(root: int) -> tuple[float, float]:
