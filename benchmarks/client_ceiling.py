@@ -25,7 +25,12 @@ takes the physical cores that the largest --workers count leaves. With --workers
 does not leave a tail of fewer workers), with the concurrency scaled by W. A row that cannot have cores of its own
 (too few cores for it and the server) is still run and marked as sharing cores: not a scaling figure.
 
-Peers are not dependencies of infertrace: install each in its own venv and pass its executable. They need a
+Peers are not dependencies of infertrace: install each in its own venv and pass its executable (`pip install
+guidellm`, `pip install aiperf`; for vLLM on a CPU machine `pip install --no-deps vllm==0.33.0`, CPU torch 2.13.0,
+and what `vllm bench serve` imports: packaging regex pyyaml "huggingface_hub>=1.31.0" "pydantic>=2.12.0" numpy
+cbor2 psutil pyzmq urllib3 "transformers>=5.16.1,<5.21.0" "aiohttp>=3.14.4" requests openai_harmony
+"openai>=2.25.0" msgspec cloudpickle pillow pybase64 cachetools uvloop py-cpuinfo "fastapi>=0.133.0,<0.137.0"
+prometheus_client partial_json_parser uvicorn xgrammar llguidance watchfiles orjson einops). They need a
 tokenizer directory for their synthetic prompts (--tokenizer; by default the built-in tiny model, made under
 $INFERTRACE_CACHE on first use).
 """
