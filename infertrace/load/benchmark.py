@@ -121,8 +121,9 @@ class PointRecord:
     warmup_results: list[RequestResult]
     metrics: Metrics
     token_checks: dict[str, int]
-    client_cpu: float | None  # CPU seconds of the load generator's thread / duration
-    process_cpu: float | None  # CPU seconds of the whole process / duration (includes an embedded engine)
+    client_cpu: float | None  # CPU seconds of the load generator's thread (--workers: the busiest worker) / duration
+    process_cpu: float | None  # CPU seconds of the whole process (an embedded engine included; --workers: every
+    # worker's) / duration
     client_lag: Stats  # schedule lag minus slot wait: lateness that is the client's own
     interrupted: bool = False
     profile: dict | None = None

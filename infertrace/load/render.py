@@ -135,8 +135,9 @@ def summary_table(record: PointRecord) -> Table:
     t.add_section()
     t.add_row("schedule lag p50 / p99 (ms)", f"{_num(m.schedule_lag.median, '{:.3f}')} / "
                                              f"{_num(m.schedule_lag.p99, '{:.3f}')}")
-    t.add_row("client CPU (% of a core)", _num(None if record.client_cpu is None else 100 * record.client_cpu,
-                                               "{:.1f}"))
+    workers = (record.workload or {}).get("workers") or 1
+    t.add_row("client CPU (% of a core)" if workers == 1 else f"client CPU (% of a core, busiest of {workers} workers)",
+              _num(None if record.client_cpu is None else 100 * record.client_cpu, "{:.1f}"))
     return t
 
 

@@ -57,6 +57,23 @@ def test_two_workers_give_the_figures_one_gives(standin, tmp_path):
     # the server's pace sets every latency: the same within noise whatever sends the load
     for key in ("median_e2el_ms", "median_itl_ms"):
         assert two[key] == pytest.approx(one[key], rel=0.3), key
+    # client CPU is the busiest worker's (a per-core figure, as for one process); the process figure sums them
+    assert 0 < two["client_cpu_percent"] < two["process_cpu_percent"]
+
+
+def test_client_cpu_of_a_fleet_is_its_busiest_worker():
+    from infertrace.load.clock import MonotonicClock
+    from infertrace.load.config import BenchConfig
+    from infertrace.load.workers import Batch, Fleet
+
+    fleet = Fleet(BenchConfig(base_url="http://127.0.0.1:9", workers=3), MonotonicClock())
+    fleet.barrier(0.0)
+    for cpu_s in (0.25, 0.75, 0.5):
+        fleet.take(Batch([], cpu_s=0.1))  # a batch before the end carries no CPU figure
+        fleet.take(Batch([], done=True, cpu_s=cpu_s))
+    assert fleet.cpu_window is None  # no results: nothing measured
+    fleet.results.append(object())
+    assert fleet.cpu_window == (0.75, 1.5)
 
 
 def test_open_loop_schedule_is_computed_once_and_kept(standin, tmp_path):
