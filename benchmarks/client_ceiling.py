@@ -12,11 +12,16 @@ the first `concurrency` arrivals the arrival rate is the client's completion rat
 
 (the end of the server's writes would overstate it: loopback socket buffers hold megabytes the client has not
 read). The client's CPU comes from /proc, sampled every few milliseconds, so start-up and tear-down are not charged.
+With --pace-ms the server pauses between a response's writes, as a real server does between tokens; the rate is
+then the server's, the window's events are those the server wrote inside it (requests: those over the tokens of
+a response), and CPU us/event is the figure to compare.
 
     python benchmarks/client_ceiling.py                         # infertrace on one core
     python benchmarks/client_ceiling.py --repeats 3 --vllm /tmp/venvs/vllm/bin/vllm \
         --guidellm /tmp/venvs/guidellm/bin/guidellm --aiperf /tmp/venvs/aiperf/bin/aiperf
     python benchmarks/client_ceiling.py --workers 1,2,4,8 --repeats 3   # scale-out, on a many-core machine
+    python benchmarks/client_ceiling.py --events-per-write 1 --pace-ms 8 --concurrency 256 --tokens 128 \
+        --requests 1024 --vllm /tmp/venvs/vllm/bin/vllm      # a real server's shape: one token a write, 8 ms apart
 
 Placement reads the CPU topology (/sys/devices/system/cpu/cpu*/topology/thread_siblings_list): every client runs
 on whole physical cores of its own, one logical CPU of each (a hyperthread sibling is left idle), and the server
@@ -62,16 +67,19 @@ def _sse(obj) -> bytes:
 class InstantServer:
     """Streams `max_tokens` one-token events per request with no delay; keeps every arrival time."""
 
-    def __init__(self, events_per_write: int) -> None:
+    def __init__(self, events_per_write: int, pace_s: float = 0.0) -> None:
         self.events_per_write = events_per_write
-        self._bodies: dict[tuple[bool, int], list[bytes]] = {}
+        self.pace_s = pace_s  # between one write of a response and the next: a real server's pace, not instant
+        self._bodies: dict[tuple[bool, int], list[tuple[bytes, int]]] = {}
         self.reset()
 
     def reset(self) -> None:
         self.events = 0
         self.arrivals: list[float] = []
+        self.written: list[tuple[float, int]] = []  # paced: (time, token events) of every write
 
-    def _writes(self, chat: bool, n: int) -> list[bytes]:
+    def _writes(self, chat: bool, n: int) -> list[tuple[bytes, int]]:
+        """A response's writes, each with the token events it holds."""
         key = (chat, n)
         if key not in self._bodies:
             obj = "chat.completion.chunk" if chat else "text_completion"
@@ -85,10 +93,13 @@ class InstantServer:
                                 "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": n + 8}}))
             events.append(b"data: [DONE]\n\n")
             step = self.events_per_write
-            self._bodies[key] = [b"".join(events[i:i + step]) for i in range(0, len(events), step)]
+            self._bodies[key] = [(b"".join(events[i:i + step]), max(0, min(n, i + step) - i))
+                                 for i in range(0, len(events), step)]
         return self._bodies[key]
 
     async def generate(self, request):
+        import asyncio
+
         from aiohttp import web
 
         self.arrivals.append(time.perf_counter())  # CLOCK_MONOTONIC: the same clock in every process
@@ -96,8 +107,11 @@ class InstantServer:
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 1024)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for chunk in self._writes("messages" in body, n):
+        for chunk, tokens in self._writes("messages" in body, n):
             await resp.write(chunk)
+            if self.pace_s:
+                self.written.append((time.perf_counter(), tokens))
+                await asyncio.sleep(self.pace_s)
         await resp.write_eof()
         self.events += n
         return resp
@@ -116,19 +130,19 @@ class InstantServer:
         """Arrival times and events since the last reset (POST resets)."""
         from aiohttp import web
 
-        out = {"events": self.events, "arrivals": self.arrivals}
+        out = {"events": self.events, "arrivals": self.arrivals, "written": self.written}
         if request.method == "POST":
             self.reset()
         return web.json_response(out)
 
 
-def serve(port: int, control_port: int, events_per_write: int) -> None:
+def serve(port: int, control_port: int, events_per_write: int, pace_s: float = 0.0) -> None:
     """One server process: the shared port (SO_REUSEPORT) for clients, a port of its own for /stats."""
     import asyncio
 
     from aiohttp import web
 
-    server = InstantServer(events_per_write)
+    server = InstantServer(events_per_write, pace_s)
     app = web.Application()
     for path in ("/v1/completions", "/v1/chat/completions"):
         app.router.add_post(path, server.generate)
@@ -169,20 +183,29 @@ def _wait_ready(control_urls: list[str]) -> None:
 
 
 def server_window(control_urls: list[str], skip: int) -> dict:
-    """Every server process's arrivals merged; the counted window past the first `skip` (and reset)."""
-    arrivals, events = [], 0
+    """Every server process's arrivals merged; the counted window past the first `skip` (and reset).
+
+    A paced server's closed loop arrives in waves (every response takes as long as every other), so there the
+    window holds the token events the server wrote between its ends instead (with the client keeping up, a
+    paced write is read as it goes out), and requests are those events over the tokens of a response."""
+    arrivals, events, written = [], 0, []
     for url in control_urls:
         seen = _stats(url, reset=True)
         arrivals += seen["arrivals"]
         events += seen["events"]
+        written += seen["written"]
     arrivals.sort()
     counted = arrivals[skip:]
     if len(counted) < 2:
         return {"requests": len(arrivals), "events": events, "span_s": None}
     tokens = events / len(arrivals)
     span = counted[-1] - counted[0]
-    return {"requests": len(arrivals), "events": events, "start": counted[0], "end": counted[-1], "span_s": span,
-            "window_events": (len(counted) - 1) * tokens, "window_requests": len(counted) - 1}
+    window = {"requests": len(arrivals), "events": events, "start": counted[0], "end": counted[-1], "span_s": span,
+              "window_events": (len(counted) - 1) * tokens, "window_requests": len(counted) - 1}
+    if written:
+        window["window_events"] = sum(n for t, n in written if counted[0] <= t <= counted[-1])
+        window["window_requests"] = window["window_events"] / tokens
+    return window
 
 
 # ----- CPU of a process tree, from /proc -----
@@ -429,6 +452,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight per client core")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved measurements per client; the median")
     parser.add_argument("--events-per-write", type=int, default=16, help="SSE events per server write")
+    parser.add_argument("--pace-ms", type=float, default=0.0,
+                        help="pause between a response's writes (0: instant); with --events-per-write 1, a real "
+                             "server's shape: each token its own write, so the rate is set and CPU us/event is "
+                             "the figure to read")
     parser.add_argument("--port", type=int, default=18765, help="the server's port (its processes' own follow)")
     parser.add_argument("--vllm", help="`vllm` executable (runs `vllm bench serve`)")
     parser.add_argument("--guidellm", help="guidellm executable")
@@ -443,7 +470,7 @@ def main() -> None:
     parser.add_argument("--control-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.port, args.control_port, args.events_per_write)
+        serve(args.port, args.control_port, args.events_per_write, args.pace_ms / 1000)
         return
     args.worker_counts = [int(w) for w in args.workers.split(",")] if args.workers else []
     if (args.vllm or args.guidellm or args.aiperf) and args.tokenizer is None:
@@ -466,7 +493,8 @@ def main() -> None:
     control_urls = [f"http://127.0.0.1:{args.port + 1 + k}" for k in range(len(place["server_cores"]))]
     servers = [subprocess.Popen(_pin(core) + [sys.executable, __file__, "--serve", "--port", str(args.port),
                                               "--control-port", str(args.port + 1 + k),
-                                              "--events-per-write", str(args.events_per_write)])
+                                              "--events-per-write", str(args.events_per_write),
+                                              "--pace-ms", str(args.pace_ms)])
                for k, core in enumerate(place["server_cores"])]
     results: dict[str, list[dict]] = {name: [] for name, *_ in runs}
     try:
@@ -488,7 +516,9 @@ def main() -> None:
             server.wait(10)
     rows = [median_row(results[name]) for name, *_ in runs]
     print(f"median of {args.repeats} interleaved runs; events counted by the server; {args.tokens} events per "
-          f"request, {args.concurrency} in flight per client core")
+          f"request, {args.concurrency} in flight per client core"
+          + (f", one write each {args.pace_ms:g} ms per stream ({args.events_per_write} events a write)"
+             if args.pace_ms else ""))
     print(render(rows, shared))
     doc = {"setup": {k: v for k, v in vars(args).items() if k not in ("serve", "control_port")},
            "topology": cores, "placement": place, "load_average_before": load_before,
