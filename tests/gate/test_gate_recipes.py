@@ -85,15 +85,26 @@ def test_ci_gate_bounds_parse_and_the_baseline_has_their_metrics():
 
 @pytest.mark.slow
 def test_ci_gate_fails_on_a_slowed_engine():
-    """The real script, baseline and bounds, with every engine step made to take twice as long (real engine runs:
-    about a minute on two cores)."""
+    """The real script and bounds, with every engine step of this checkout made to take twice as long and the
+    reference commit's code left as it is (real engine runs: about two minutes on two cores)."""
     env = os.environ | {
         "PYTHONPATH": str(Path(__file__).parent / "slow_engine"),
         "INFERTRACE_TEST_SLOWDOWN": "2",
+        "INFERTRACE_TEST_SLOWDOWN_ROOT": str(ROOT),
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     }
     env.pop("GITHUB_STEP_SUMMARY", None)
-    done = subprocess.run(["bash", str(CI_GATE)], env=env, capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(["bash", str(CI_GATE)], env=env, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 1, done.stdout + done.stderr
     row = next(line for line in done.stdout.splitlines() if line.startswith("cpu_ms_per_output_token"))
     assert "regression" in row
+    if reference_in_clone():  # then the baseline was measured here, on the reference commit's own code
+        assert "measured here in turn with this checkout" in done.stderr, done.stderr
+        assert "wrote a baseline of 3 runs" in done.stderr, done.stderr
+
+
+def reference_in_clone() -> bool:
+    (reference,) = re.findall(r"^REFERENCE=(\w+)$", CI_GATE.read_text(), re.MULTILINE)
+    found = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{reference}^{{commit}}"],
+                           capture_output=True, check=False)
+    return found.returncode == 0
