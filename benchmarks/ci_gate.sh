@@ -31,10 +31,12 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/current" "$work/reference"
 
-# one benchmark run of the code in folder $1 (imported from there, whatever is installed), result to $2
+# one benchmark run of the code in folder $1 (imported from there, whatever is installed), result to $2; each code
+# builds its own built-in model, in a cache of its own, so a change to that model is measured too
 bench_run() {
     local code=$1 out=$2
-    if ! (cd "$code" && PYTHONPATH="$code${PYTHONPATH:+:$PYTHONPATH}" python -m infertrace bench "${WORKLOAD[@]}" \
+    if ! (cd "$code" && export INFERTRACE_CACHE="$work/cache-$(basename "$(dirname "$out")")" \
+            PYTHONPATH="$code${PYTHONPATH:+:$PYTHONPATH}" && python -m infertrace bench "${WORKLOAD[@]}" \
             --result-json "$out" >"$out.log" 2>&1); then
         cat "$out.log" >&2
         echo "ci_gate: the benchmark of $code failed" >&2
