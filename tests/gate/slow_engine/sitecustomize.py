@@ -1,7 +1,7 @@
 """Makes the bundled engine slower, for tests only: Python imports this at start-up when this folder is on
 PYTHONPATH, and with INFERTRACE_TEST_SLOWDOWN=F every engine step keeps the CPU busy until it has taken F times
-as long as it did (F=2: twice the work per token). With INFERTRACE_TEST_SLOWDOWN_ROOT=DIR, only the infertrace
-imported from DIR is slowed (the gate runs a reference commit's code beside the checkout's)."""
+as long as it did (F=2: twice the work per token), but only in the infertrace imported from
+INFERTRACE_TEST_SLOWDOWN_ROOT (the gate runs a reference commit's code beside the checkout's)."""
 
 import os
 from pathlib import Path
@@ -14,8 +14,7 @@ if _factor > 1:
     import infertrace
     from infertrace.engine.model_runner import ModelRunner
 
-    _only = os.environ.get("INFERTRACE_TEST_SLOWDOWN_ROOT")
-    if _only is None or Path(infertrace.__file__).resolve().parents[1] == Path(_only).resolve():
+    if Path(infertrace.__file__).resolve().parents[1] == Path(os.environ["INFERTRACE_TEST_SLOWDOWN_ROOT"]).resolve():
         _launch = ModelRunner.launch  # on a CPU device the step's work is done when launch returns
 
         def _slow_launch(self, plan, *args, **kwargs):
