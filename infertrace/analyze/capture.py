@@ -1,7 +1,8 @@
 """A capture: the trace files of one profiling run (one per rank), loaded into event tables.
 
-Files are found by name (`.json`, `.json.gz`, `.sqlite`, `.nsys-rep`) at any depth and grouped into captures by
-their writers' own naming (catalog.py): the newest capture, or the one asked for, is read. Each file is read
+Files are found by name (`.json`, `.json.gz`, `.sqlite`, `.nsys-rep`) at any depth, infertrace's own reports,
+results and manifests left out whatever their name, and grouped into captures by their writers' own naming
+(catalog.py): the newest capture, or the one asked for, is read. Each file is read
 whatever its writer (Kineto from torch.profiler, vLLM, SGLang, nsys exports) and given a rank: the file's
 `distributedInfo.rank`, else a rank in its name (`-rank-3`, `rank_3`, SGLang's `-TP-3`), else the lowest free one.
 SGLang's EXTEND and DECODE files of one rank are read as one rank; vLLM's API-server trace is the frontend, kept
@@ -14,13 +15,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-from infertrace.analyze.catalog import TRACE_SUFFIXES, CaptureGroup, TraceFile, catalog, select
+from infertrace.analyze.catalog import TRACE_SUFFIXES, CaptureGroup, TraceFile, catalog, own_document, select
 from infertrace.analyze.events import event_frame
 from infertrace.analyze.kineto import TraceColumns, TraceError, read_kineto
 from infertrace.analyze.nsys import read_nsys_report, read_nsys_sqlite
@@ -82,13 +84,16 @@ def read_trace_file(path: Path, keep_python: bool = False) -> TraceColumns:
 
 
 def load_capture(path: str | Path, keep_python: bool = False, capture: str | None = None,
-                 rank: int | None = None) -> Capture:
-    """Load one capture at `path`: the newest there, or the one named `capture`, only `rank` when given.
-    Raises CaptureError when not one file is usable or the capture or rank asked for is not there."""
+                 rank: int | None = None, exclude: Iterable[Path] = ()) -> Capture:
+    """Load one capture at `path`: the newest there, or the one named `capture`, only `rank` when given; files at
+    or under `exclude` (this run's outputs) are not read. Raises CaptureError when not one file is usable, `path`
+    is a document infertrace wrote, or the capture or rank asked for is not there."""
     path = Path(path)
     if not path.exists():
         raise CaptureError(f"{path} does not exist")
-    groups = catalog(path)
+    if path.is_file() and (what := own_document(path)) is not None:
+        raise CaptureError(f"{path} is {what} written by infertrace, not a trace")
+    groups = catalog(path, exclude)
     if not groups:
         raise CaptureError(f"no trace files in {path} (looked for {', '.join('*' + s for s in TRACE_SUFFIXES)})")
     try:

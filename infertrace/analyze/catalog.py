@@ -10,12 +10,18 @@ infertrace, so that a directory where captures accumulate is read capture by cap
 - infertrace serve's front end (server/frontend_trace.py): `frontend{i}-{pid}.trace.json` beside the engine's
   traces, the frontend, not a rank.
 - Anything else (torch.profiler, infertrace's `capture-*` directories, nsys exports): one capture per directory.
+
+infertrace's own documents are never traces, whatever their name: they are known by what they start with
+(`own_document`), and the outputs of the run at hand are left out by path (`catalog(..., exclude=)`).
 """
 
 from __future__ import annotations
 
+import gzip
 import os
 import re
+import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -32,6 +38,17 @@ _SGLANG = re.compile(r"^(?P<capture>.+?)-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-P
                      r"(?:-(?P<stage>EXTEND|DECODE))?\.trace\.json\.gz$")
 _INFERTRACE_FRONTEND = re.compile(r"^frontend(?P<index>\d+)-(?P<pid>\d+)\.trace\.json$")  # server/frontend_trace.py
 _SGLANG_MERGED = re.compile(r"^merged-(?P<capture>.+)\.trace\.json\.gz$")
+
+OWN_HEAD_BYTES = 64 << 10  # read (decompressed) from each file to tell infertrace's documents from traces
+# What each document infertrace writes starts with. Kineto writes "schemaVersion", never these keys.
+_OWN_DOCUMENTS = (
+    # analyze --json (schema first), ablate --json, profile's `{name}.infertrace.json` and capture manifests
+    ("a report or manifest", re.compile(rb'"schema"\s*:\s*"infertrace[.-]')),
+    ("a bench result", re.compile(rb'^\s*\{\s*"schema_version"\s*:')),  # load/result.py: run, sweep, --find-max
+    ("a bench request log", re.compile(rb'^\s*\{\s*"point"\s*:\s*\d+\s*,\s*"phase"\s*:')),  # --requests-jsonl
+    ("a gate baseline", re.compile(rb'^\s*\{\s*"kind"\s*:\s*"infertrace-')),  # gate/results.py
+    ("an HTML report", re.compile(rb"^\s*<(?:!doctype html|html)", re.IGNORECASE)),  # analyze --html
+)
 
 
 class Role(str, Enum):
@@ -74,6 +91,19 @@ def is_trace_name(name: str) -> bool:
     return name.endswith(TRACE_SUFFIXES) and not name.endswith(MANIFEST_SUFFIXES) and not name.startswith(".")
 
 
+def own_document(path: Path) -> str | None:
+    """What infertrace document `path` is ("a bench result", ...), or None for anything else, traces included.
+    Only the first OWN_HEAD_BYTES are read (gzip decompressed); a file that cannot be read is left to the reader."""
+    try:
+        with open(path, "rb") as raw:
+            gzipped = raw.read(2) == b"\x1f\x8b"
+        with (gzip.open if gzipped else open)(path, "rb") as fh:
+            head = fh.read(OWN_HEAD_BYTES)
+    except (OSError, EOFError, zlib.error):
+        return None
+    return next((what for what, marker in _OWN_DOCUMENTS if marker.search(head)), None)
+
+
 def classify(path: Path) -> TraceFile:
     name = path.name
     mtime = _mtime(path)
@@ -90,12 +120,15 @@ def classify(path: Path) -> TraceFile:
     return TraceFile(path, "", Role.RANK, mtime=mtime)
 
 
-def catalog(path: Path) -> list[CaptureGroup]:
-    """Every capture under `path` (a file, or a directory searched to any depth), oldest first."""
+def catalog(path: Path, exclude: Iterable[Path] = ()) -> list[CaptureGroup]:
+    """Every capture under `path` (a file, or a directory searched to any depth), oldest first. Files at or
+    under a path in `exclude` (the outputs of this run), and infertrace's own documents, are not traces."""
     if path.is_file():
         files = [path]
     else:
         files = sorted(p for p in _walk(path) if is_trace_name(p.name))
+    excluded = {Path(os.path.realpath(p)) for p in exclude}
+    files = [p for p in files if not _under(p, excluded) and own_document(p) is None]
     files = _without_exported_reports(files)
     groups: dict[tuple[Path, str], CaptureGroup] = {}
     for file in files:
@@ -140,6 +173,13 @@ def _walk(path: Path):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in names:
             yield Path(root) / name
+
+
+def _under(path: Path, excluded: set[Path]) -> bool:
+    if not excluded:
+        return False
+    real = Path(os.path.realpath(path))
+    return real in excluded or any(parent in excluded for parent in real.parents)
 
 
 def _without_exported_reports(files: list[Path]) -> list[Path]:

@@ -16,6 +16,9 @@ Exit codes:
      report given to `diff` is cut short or not a report"""
 
 
+DIFF_SCHEMA = "infertrace.analyze-diff/1"  # first, so the comparison is never read back as a trace
+
+
 class _RunByDefault(click.Group):
     """`infertrace analyze DIR` means `infertrace analyze run DIR`; subcommand names still win."""
 
@@ -34,7 +37,8 @@ class _RunByDefault(click.Group):
 TRACE_DIR holds one trace per rank: Kineto JSON (`.json`, `.json.gz`) from torch.profiler, vLLM or SGLang, or
 Nsight Systems exports (`.sqlite`; `.nsys-rep` is exported with `nsys` when it is on PATH). Subdirectories are
 searched; where captures accumulate, files are grouped by capture (vLLM's and SGLang's own file names, else by
-directory) and the newest is read unless --capture names another.
+directory) and the newest is read unless --capture names another. infertrace's own outputs (analyze reports,
+bench results, capture manifests) are never read as traces, whatever their name or place.
 
 {EXIT_CODES}
 """)
@@ -75,7 +79,8 @@ def run(trace_dir: Path, json_path: Path | None, csv_dir: Path | None, html_path
 
     config = AnalyzeConfig() if top_kernels is None else AnalyzeConfig(top_kernels=top_kernels)
     try:
-        capture = load_capture(trace_dir, capture=capture_name, rank=rank)
+        capture = load_capture(trace_dir, capture=capture_name, rank=rank,
+                               exclude=[p for p in (json_path, csv_dir, html_path) if p is not None])
     except CaptureError as exc:
         fail(str(exc), code=2)
     report = build_report(capture, config)
@@ -111,7 +116,7 @@ def diff(before: Path, after: Path, json_path: Path | None) -> None:
     tables = diff_reports(*reports)
     out_console.print(render_diff(tables, str(before), str(after), fit=out_console.is_terminal))
     if json_path is not None:
-        doc = {"before": str(before), "after": str(after),
+        doc = {"schema": DIFF_SCHEMA, "before": str(before), "after": str(after),
                "tables": {name: table_records(table) for name, table in tables.items()}}
         _write(json_path, lambda p: p.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n"))
 

@@ -87,3 +87,42 @@ def test_unknown_capture_or_rank_is_a_clear_error(tmp_path):
         select(groups, capture="zz")
     with pytest.raises(LookupError, match="has no rank 3"):
         select(groups, rank=3)
+
+
+OWN_DOCUMENTS = {  # what each infertrace writer starts its document with, under names a trace could have
+    "report.json": '{\n "schema": "infertrace.analyze/1",\n "source": "x",\n "tables": {}\n}\n',
+    "diff.json": '{"schema": "infertrace.analyze-diff/1", "before": "a", "after": "b", "tables": {}}',
+    "rank0.pt.trace.json": '{\n  "label": "run1",\n  "trace": "t.json",\n  "schema": "infertrace.capture/1"\n}\n',
+    "manifest.json": '{"url": "http://h", "files": [], "schema": "infertrace.server-capture/1"}',
+    "ablation.json": '{"schema": "infertrace.ablate/1", "phases": []}',
+    "benchmark_result.json": '{\n  "schema_version": 1,\n  "duration": 1.0,\n  "completed": 4\n}\n',
+    "sweep.json.gz": '{"schema_version": 1, "sweep": {"param": "concurrency", "values": [1]}, "runs": []}',
+    "requests.json": '{"point": 0, "phase": "warmup", "ttft": 0.1}\n{"point": 0, "phase": "measured"}\n',
+    "baseline.json": '{\n  "kind": "infertrace-gate-baseline",\n  "schema_version": 1,\n  "runs": []\n}\n',
+    "page.json": "<!DOCTYPE html><html lang='en'><head><title>infertrace analyze: x</title></head></html>",
+}
+
+
+def test_infertrace_documents_are_never_traces_whatever_their_name(tmp_path, make_trace, make_events):
+    import gzip
+
+    events = make_events([("kernel", "gemv_kernel", 10, 5, 7, {"stream": 7})])
+    trace = make_trace(tmp_path / "run" / "benchmark_result_1_trace.json.gz", events, rank=0)
+    for name, text in OWN_DOCUMENTS.items():
+        data = gzip.compress(text.encode()) if name.endswith(".gz") else text.encode()
+        (tmp_path / "run" / name).write_bytes(data)
+        late = tmp_path / "later" / name  # a newer directory of nothing but reports must not become a capture
+        late.parent.mkdir(exist_ok=True)
+        late.write_bytes(data)
+        os.utime(late, (trace.stat().st_mtime + 60,) * 2)
+    groups = catalog(tmp_path)
+    assert [(g.name, [f.path.name for f in g.files]) for g in groups] == [("run", [trace.name])]
+
+
+def test_the_outputs_of_this_run_are_left_out_by_path(tmp_path):
+    touch(tmp_path / "rank0.pt.trace.json.gz", 10)
+    touch(tmp_path / "out.json", 20)
+    touch(tmp_path / "tables" / "x.json", 20)
+    assert len(catalog(tmp_path)) == 2  # without `exclude`, the stubs are files like any other
+    groups = catalog(tmp_path, exclude=[tmp_path / "out.json", tmp_path / "tables"])
+    assert [[f.path.name for f in g.files] for g in groups] == [["rank0.pt.trace.json.gz"]]

@@ -202,3 +202,30 @@ def test_diff_of_a_damaged_report_exits_2(engine_trace, tmp_path, damage, words)
     assert result.exit_code == 2 and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {report}") and words in lines[0]
+
+
+def test_own_outputs_in_the_trace_directory_are_never_read_as_traces(engine_trace, tmp_path):
+    """A report written into the trace directory, under any name and at any depth, is ignored by the run that
+    writes it and by every later run; only the traces are read."""
+    trace_dir = engine_trace.parent
+    outputs = ["--json", trace_dir / "report.json", "--csv", trace_dir / "tables", "--html", trace_dir / "page.json"]
+    first = invoke(trace_dir, *outputs, "--quiet")
+    assert first.exit_code == 0, first.output
+    assert warnings_of(first) == []
+    again = invoke(trace_dir, *outputs, "--quiet")  # the same outputs, now on disk
+    assert again.exit_code == 0 and warnings_of(again) == [], again.output
+    later = invoke(trace_dir, "--json", trace_dir / "newer" / "rank0.pt.trace.json", "--quiet")
+    assert later.exit_code == 0 and warnings_of(later) == [], later.output
+    plain = invoke(trace_dir, "--json", tmp_path / "elsewhere.json", "--quiet")  # no output inside: still ignored
+    assert plain.exit_code == 0 and warnings_of(plain) == [] and "captures here" not in plain.stderr, plain.output
+    doc = json.loads((tmp_path / "elsewhere.json").read_text())
+    assert [row["rank"] for row in doc["ranks"]] == [0] and doc["problems"] == []
+
+
+def test_a_report_given_as_the_trace_is_a_clear_error(engine_trace, tmp_path):
+    report = tmp_path / "r.json"
+    assert invoke(engine_trace.parent, "--json", report, "--quiet").exit_code == 0
+    result = invoke(report)
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: {report} is a report or manifest written by infertrace, not a " \
+                                    "trace"
