@@ -361,8 +361,7 @@ def make_target(cfg: BenchConfig, on_info: Callable[[str], None]):
         from infertrace.load.http_target import AiohttpTransport, HttpTarget, normalize_base_url
 
         model_dir = resolve_model_dir(cfg.model)
-        transport = AiohttpTransport(normalize_base_url(cfg.base_url), cfg.max_connections, cfg.request_timeout_s,
-                                     cfg.headers)
+        transport = AiohttpTransport(normalize_base_url(cfg.base_url), cfg.request_timeout_s, cfg.headers)
         return HttpTarget(cfg.base_url, cfg.endpoint, cfg.served_model_name or cfg.model, transport,
                           model_is_path=model_dir is not None and cfg.served_model_name is None,
                           ignore_eos=cfg.ignore_eos, temperature=cfg.temperature,

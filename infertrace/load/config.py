@@ -221,7 +221,8 @@ class BenchConfig:
 
     @property
     def open_loop(self) -> bool:
-        return self.request_rate is not None or self.ramp_up_strategy is not None
+        """Requests go out on a schedule (a rate, a ramp, or a trace's own times), not when one ends."""
+        return self.request_rate is not None or self.ramp_up_strategy is not None or self.dataset == "trace"
 
     @property
     def request_slo(self) -> dict[str, float]:
@@ -266,10 +267,14 @@ class BenchConfig:
         return self.concurrency if self.open_loop else (self.concurrency or DEFAULT_CONCURRENCY)
 
     @property
-    def max_connections(self) -> int:
-        """The HTTP connection pool for every point of the run; 0 means no limit (an uncapped open loop)."""
+    def max_in_flight(self) -> int | None:
+        """The most requests the run can have in flight at once, over every point (None: no cap, an uncapped
+        open loop); what the open-file limit must allow. The connection pool itself has no cap: the runner's slots
+        are the only one, so a request never waits for a connection after its send time is taken."""
+        if self.find_max == "concurrency":
+            return int(self.find_max_limit)
         caps = [p.effective_concurrency for p in self.points()]
-        return 0 if None in caps else max(caps)
+        return None if None in caps else max(caps)
 
     @property
     def effective_output_len(self) -> int:

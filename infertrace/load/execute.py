@@ -63,7 +63,7 @@ def execute(cfg: BenchConfig) -> int:
 
     try:
         check_writable(cfg.output_paths())
-        streams = cfg.max_connections or (cfg.num_prompts if cfg.duration_s is None else 0)
+        streams = cfg.max_in_flight or (cfg.num_prompts if cfg.duration_s is None else 0)
         if cfg.base_url is not None and streams:
             ensure_open_files(-(-streams // (cfg.workers or 1)))  # each worker process opens its own share
     except (OutputError, OpenFileLimitError) as e:

@@ -65,19 +65,20 @@ class _AiohttpResponse:
 
 
 class AiohttpTransport:
-    """One ClientSession for the whole run, its connection pool sized to the concurrency."""
+    """One ClientSession for the whole run. Its connection pool keeps connections alive for reuse but has no cap
+    of its own (limit 0): caps on requests in flight are the runner's (closed-loop workers, open-loop slots), which
+    record any wait as schedule lag before the send time is taken, so no request ever queues for a connection
+    inside aiohttp, where the wait would be counted as TTFT. Every load, whatever its concurrency, fits it."""
 
-    def __init__(self, base_url: str, max_connections: int, timeout_s: float,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(self, base_url: str, timeout_s: float, headers: dict[str, str] | None = None) -> None:
         self.base_url = base_url
-        self.max_connections = max_connections
         self.timeout_s = timeout_s
         self.headers = dict(headers or {})  # --api-key and --header: on the session, so on every call
         self._session = None
 
     async def open(self) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, ttl_dns_cache=None),
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=None),
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             read_bufsize=READ_BUFSIZE, headers=self.headers, auto_decompress=False)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import time
@@ -130,19 +131,25 @@ class Runner:
         """Send request i at start + offsets[i]; with `concurrency`, a request due while all slots are busy
         waits for one (that wait is recorded as its slot_wait and is part of its schedule lag)."""
         slots = asyncio.Semaphore(concurrency) if concurrency else None
+        blocked: collections.deque[tuple[float, float]] = collections.deque()  # spans the loop waited for a slot
         start = self.clock.now()
         try:
             for spec, offset in zip(specs, offsets):
                 due = start + offset
                 await self.clock.sleep_until(due)
-                wait = 0.0
                 if slots is not None:
                     if slots.locked():
                         before = self.clock.now()
                         await slots.acquire()
-                        wait = self.clock.now() - before
+                        blocked.append((before, self.clock.now()))
                     else:
                         await slots.acquire()
+                # A request due while the loop was held up by an earlier request's slot wait waited for a slot
+                # too, even if one was free when the loop reached it: its slot wait is every blocked span since
+                # it was due.
+                while blocked and blocked[0][1] <= due:
+                    blocked.popleft()
+                wait = sum(end - max(begin, due) for begin, end in blocked)
                 task = self._spawn(self._one(spec, due, wait))
                 if slots is not None:
                     task.add_done_callback(lambda _: slots.release())

@@ -8,7 +8,7 @@ from infertrace.load.http_target import AiohttpTransport, HttpTarget
 
 
 def target(url, headers=None):
-    return HttpTarget(url, "completions", "m", AiohttpTransport(url, 4, 30.0, headers))
+    return HttpTarget(url, "completions", "m", AiohttpTransport(url, 30.0, headers))
 
 
 def window(url, num_steps, pause_s=0.0, headers=None):

@@ -20,9 +20,13 @@ class StandInServer:
     def __init__(self) -> None:
         self.mode = lambda i: "ok"
         self.token_delay = 0.0
+        self.first_token_delay = 0.0  # a fixed prefill time before the first token
+        self.slots: asyncio.Semaphore | None = None  # set_slots(n): at most n requests generate at once, the rest
+        # queue inside the server (a server whose capacity is n streams)
         self.no_usage = False  # stream without any usage, as servers that ignore stream_options do
         self.count = 0
         self.streams: list[tuple[float, float]] = []  # (arrival, end) of each generation request
+        self.arrivals: list[float] = []  # perf_counter time each generation request reached the handler
         self.profile_calls: list[tuple[str, float, object]] = []
         self.usage_completion_tokens = 0
         self.calls: list[tuple[str, str | None, str | None]] = []  # (path, Authorization, X-Team) of every call
@@ -35,6 +39,7 @@ class StandInServer:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         arrived = time.perf_counter()
+        self.arrivals.append(arrived)
         body = await request.json()
         i, self.count = self.count, self.count + 1
         self.peers.add(request.transport.get_extra_info("peername"))
@@ -46,12 +51,23 @@ class StandInServer:
         await resp.prepare(request)
         self.active += 1
         try:
-            return await self._stream(request, resp, body, chat, mode, arrived)
+            if self.slots is None:
+                return await self._stream(request, resp, body, chat, mode, arrived)
+            async with self.slots:
+                return await self._stream(request, resp, body, chat, mode, arrived)
         finally:
             self.active -= 1
 
+    def set_slots(self, n: int) -> None:
+        """At most `n` streams generate at once (made on the server's own loop)."""
+        async def make():
+            self.slots = asyncio.Semaphore(n)
+        asyncio.run_coroutine_threadsafe(make(), self._loop).result(10)
+
     async def _stream(self, request, resp, body, chat, mode, arrived):
         n = body["max_tokens"]
+        if self.first_token_delay:
+            await asyncio.sleep(self.first_token_delay)
         for k in range(n):
             if mode == "close" and k == n // 2:
                 request.transport.close()

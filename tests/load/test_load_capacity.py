@@ -223,3 +223,23 @@ async def test_a_point_stopped_as_saturated_keeps_its_results_and_the_next_point
     after = await run_point(BenchConfig(request_rate=200.0, num_prompts=5, warmup=0), SlowTarget(), MonotonicClock(),
                             interrupter, Hooks())
     assert not after.stopped_early and after.metrics.completed == 5
+
+
+def test_cli_find_max_concurrency_gives_each_load_a_pool_that_fits_it(standin, tmp_path):
+    """A server that generates 11 streams at once (the rest queue inside it): the search finds 11, which a
+    connection pool sized for the default 8 could never let it see."""
+    import json
+
+    standin.set_slots(11)
+    standin.token_delay = 0.04
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"p {i}", "max_tokens": 4}) + "\n" for i in range(24)))
+    out = tmp_path / "cap.json"
+    res = CliRunner().invoke(bench, [str(a) for a in (
+        "--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts, "--num-prompts", 24,
+        "--warmup", 0, "--find-max", "concurrency", "--find-max-start", 8, "--find-max-limit", 16,
+        "--find-max-repeats", 1, "--slo", "p99_ttft_ms=100", "--result-json", out)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    fm = json.loads(out.read_text())["find_max"]
+    assert (fm["max_load"], fm["first_failing_load"]) == (11, 12), [(p["load"], p["passed"]) for p in fm["points"]]
+    assert max(r["max_concurrency"] for p in fm["points"] for r in p["results"]) == 16

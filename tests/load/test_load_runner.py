@@ -124,3 +124,40 @@ def test_measured_gc_raises_the_thresholds_and_puts_them_back():
         assert gc.get_threshold() == MEASURED_GC_THRESHOLD
         raise RuntimeError
     assert gc.get_threshold() == before
+
+
+async def test_requests_held_behind_a_slot_wait_count_that_wait_as_their_own():
+    """Cap 2, four requests due at t=0 and a fifth at t=2.5, each answered one second after it is sent (scripted
+    clock): the third waits 1 s for a slot; the fourth, due at 0 but reached only once the third got its slot,
+    waited that second too (none of it is the client's own lag); the fifth, due later with a slot free, none."""
+    from infertrace.load.clock import ScriptedClock
+
+    clock = ScriptedClock(0.0)
+    pending: list[tuple[float, asyncio.Event]] = []  # (answer time, release) of each request sent
+
+    class OneSecond:
+        async def stream(self, spec):
+            release = asyncio.Event()
+            pending.append((clock.now() + 1.0, release))
+            await release.wait()
+            yield [StreamEvent(text="x", num_tokens=1, completion_tokens=1, finish_reason="stop")]
+
+    class Clock(ScriptedClock):  # the loop's sleeps wait for the test to move time, as a real clock would
+        async def sleep_until(self, t):
+            while self.t < t:
+                await asyncio.sleep(0)
+
+    clock = Clock(0.0)
+    runner = Runner(OneSecond(), clock, cpu_clock=lambda: (0.0, 0.0))
+    task = asyncio.create_task(runner.open_loop(specs(5), [0.0, 0.0, 0.0, 0.0, 2.5], concurrency=2))
+    for t in (1.0, 2.0, 2.5, 3.5):
+        for _ in range(20):
+            await asyncio.sleep(0)
+        clock.set(t)
+        for due, release in pending:
+            if due <= t:
+                release.set()
+    await asyncio.wait_for(task, 5)
+    by_index = {r.index: r for r in runner.results}
+    assert [by_index[i].slot_wait for i in range(5)] == [0.0, 0.0, 1.0, 1.0, 0.0]
+    assert [by_index[i].schedule_lag - by_index[i].slot_wait for i in range(5)] == [0.0] * 5

@@ -176,3 +176,39 @@ def test_run_hit_rate_is_the_growth_of_hits_over_queries():
     gauge = run_hit_rate(parse_reading(SGLANG), parse_reading(SGLANG))
     assert gauge["server_prefix_cache_hit_rate"] == 0.4 and "gauge after the run" in gauge["server_prefix_cache_source"]
     assert run_hit_rate(None, None)["server_prefix_cache_hit_rate"] is None
+
+
+def test_trace_replay_is_an_open_loop_with_no_cap_on_requests_in_flight(standin, tmp_path, tiny_model_dir):
+    """Sixteen requests due at once against a server whose first token takes 500 ms: all reach the server
+    together (no connection pool or default concurrency holds any back), and each TTFT is the server's."""
+    standin.first_token_delay = 0.5
+    path = write_trace(tmp_path / "burst.jsonl", [0] * 16)
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(bench, ["--base-url", standin.url, "--tokenizer", str(tiny_model_dir),
+                                        "--dataset", "trace", "--dataset-path", str(path), "--num-prompts", "16",
+                                        "--result-json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert len(standin.arrivals) == 16
+    assert max(standin.arrivals) - min(standin.arrivals) < 0.25  # a cap of 8 sends the second half 0.5 s later
+    doc = json.loads(out.read_text())
+    assert doc["completed"] == 16 and doc["max_concurrency"] is None
+    assert doc["p99_ttft_ms"] < 800
+    assert BenchConfig(dataset="trace", dataset_path=str(path)).open_loop
+
+
+def test_trace_replay_capped_by_concurrency_shows_the_wait_as_schedule_lag(standin, tmp_path, tiny_model_dir):
+    """With --concurrency 4, the requests that wait for a slot show that wait as slot wait and schedule lag,
+    never as TTFT."""
+    standin.first_token_delay = 0.3
+    path = write_trace(tmp_path / "burst.jsonl", [0] * 8)
+    out, reqs = tmp_path / "r.json", tmp_path / "r.jsonl"
+    result = CliRunner().invoke(bench, ["--base-url", standin.url, "--tokenizer", str(tiny_model_dir),
+                                        "--dataset", "trace", "--dataset-path", str(path), "--num-prompts", "8",
+                                        "--concurrency", "4", "--result-json", str(out),
+                                        "--requests-jsonl", str(reqs)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["max_concurrency"] == 4
+    lines = [json.loads(x) for x in reqs.read_text().splitlines()]
+    assert all(r["ttft_ms"] < 550 for r in lines)
+    waited = [r for r in lines if r["slot_wait_ms"] > 200]
+    assert len(waited) == 4 and all(r["schedule_lag_ms"] >= r["slot_wait_ms"] for r in waited)
