@@ -152,7 +152,7 @@ def bench_decode(root: Path, bw: float, attention: str = "batched", cuda_graphs:
     return tok_s
 
 
-def bench_nano(root: Path, hf: bool) -> None:
+def bench_nano(root: Path, hf: bool, **overrides) -> None:
     path = model_dir(root, "qwen3-0.6b")
     rng = random.Random(0)
     n = 256
@@ -160,11 +160,12 @@ def bench_nano(root: Path, hf: bool) -> None:
     out_lens = [rng.randint(100, 1024) for _ in range(n)]
     prompts = [[rng.randrange(1000, 3000) for _ in range(L)] for L in in_lens]
     params = [SamplingParams(max_tokens=o, ignore_eos=True) for o in out_lens]
-    llm = LLM(path)
+    llm = LLM(path, **overrides)
     run_steps(llm, prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True))
     r = run_steps(llm, prompts, params)
     row("nano-vllm workload output tok/s", f"{r['out_tokens'] / r['wall_s']:.0f}",
-        f"qwen3-0.6b bf16, 256 req, in/out U[100,1024], {r['out_tokens']} tokens in {r['wall_s']:.1f}s")
+        f"qwen3-0.6b bf16, 256 req, in/out U[100,1024], {r['out_tokens']} tokens in {r['wall_s']:.1f}s"
+        + "".join(f" {k}={v}" for k, v in overrides.items()))
     del llm
     torch.cuda.empty_cache()
     if hf:

@@ -31,10 +31,38 @@ class AttentionMetadata:
     token_batch: torch.Tensor | None = None  # [T] request of each query token
     token_row: torch.Tensor | None = None  # [T] row of each query token within its request
     causal_mask: torch.Tensor | None = None  # [B, 1, 1, max_query_len, max_seq_len] True where attended
+    # a step captured per token-count bucket: (tile_seq, tile_index, block_m) of `attention_tiles`, the Triton
+    # kernel's grid; max_query_len and the host lists then describe the bucket, not the step
+    tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_list)
+
+
+def prefill_block_m(max_q_len: int, group: int) -> int:
+    """Rows (query token x head of a GQA group) per program: 16 when a sequence's rows fit, else 64."""
+    return 16 if max_q_len * group <= 16 else 64
+
+
+def max_attention_tiles(num_tokens: int, max_seqs: int, group: int, block_m: int) -> int:
+    """Most entries `attention_tiles` makes for a step of `num_tokens` tokens over at most `max_seqs` sequences:
+    every sequence's rows in full tiles, plus one part-filled tile per sequence."""
+    return -(-num_tokens * group // block_m) + min(num_tokens, max_seqs)
+
+
+def attention_tiles(query_lens: list[int], group: int, block_m: int, length: int) -> tuple[list[int], list[int]]:
+    """(tile_seq, tile_index) lists of `length` entries for `paged_attention(tiles=...)`: every tile of every
+    sequence's query rows, then entries of sequence -1."""
+    seqs: list[int] = []
+    index: list[int] = []
+    for seq, qlen in enumerate(query_lens):
+        n = -(-qlen * group // block_m)
+        seqs += [seq] * n
+        index += range(n)
+    assert len(seqs) <= length, (len(seqs), length)
+    pad = length - len(seqs)
+    return seqs + [-1] * pad, index + [0] * pad
 
 
 class TorchAttention:
@@ -175,6 +203,13 @@ class TritonAttention:
         if not kv_stored:
             self._kernels.store_kvcache(k, v, paged_k, paged_v, meta.slot_mapping)
         out = torch.empty_like(q)
+        if meta.tiles is not None:
+            # rows of padding tokens stay unwritten: every other kernel of the step works row by row, so they reach
+            # no real token
+            return self._kernels.paged_attention(
+                q, paged_k, paged_v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                meta.max_query_len, scale, out=out, tiles=meta.tiles,
+            )
         if self.mode == "batched":
             splits, workspace = 1, None
             if meta.max_query_len == 1 and q.shape[0] <= self.max_num_seqs:

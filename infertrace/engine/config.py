@@ -15,6 +15,13 @@ SCHEDULING_POLICIES = ("fcfs",)
 ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# token counts of prefill and mixed steps: steps of 16 above 16 apart up to 256 tokens (the decodes a mixed step
+# carries), then about an eighth apart, so a step pads by at most about 12%; sizes above max_num_batched_tokens are
+# never captured
+DEFAULT_CUDA_GRAPH_TOKEN_SIZES = (
+    16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 288, 320, 384, 448, 512, 576, 640, 768, 896, 1024, 1152,
+    1280, 1536, 1792, 2048, 2304, 2560, 3072, 3584, 4096, 4608, 5120, 6144, 7168, 8192,
+)
 
 
 @dataclass(slots=True)
@@ -39,6 +46,10 @@ class EngineConfig:
     attention: str = "batched"  # "looped": attention runs one request at a time
     attention_backend: str = "auto"
     cuda_graphs: bool = True  # decode CUDA graphs per batch-size bucket; no effect on CPU
+    # prefill and mixed steps replay CUDA graphs per token-count bucket (cuda_graph_token_sizes, up to
+    # max_num_batched_tokens; larger steps run eagerly), the paged attention inside them over a grid fixed by the
+    # bucket; needs the Triton backend in batched mode; off with tensor_parallel_size > 1; no effect on CPU
+    prefill_cuda_graphs: bool = True
     static_buffers: bool = True  # step inputs live in buffers allocated once (False: fresh tensors every step)
     # small fusions on CUDA, one Triton kernel each: residual add + RMSNorm, q/k RMSNorm + RoPE, SiLU-and-multiply
     fused_norm: bool = True
@@ -46,6 +57,7 @@ class EngineConfig:
     # GEMMs (split-K sums added in float32 and read by the next residual add + RMSNorm)
     skinny_gemm: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
+    cuda_graph_token_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_TOKEN_SIZES
     # CPU KV offload
     offload: str = "off"  # "prefix": host tier of the prefix cache; "long": contexts beyond the GPU's KV; or both
     offload_host_gb: float = 4.0  # pinned host pool for offloaded KV
@@ -60,8 +72,9 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.cuda_graph_batch_sizes, (list, tuple)):
-            self.cuda_graph_batch_sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
+        for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):
+            if isinstance(getattr(self, name), (list, tuple)):
+                setattr(self, name, tuple(sorted(set(getattr(self, name)))))
         _check_types(self)
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
@@ -87,8 +100,10 @@ class EngineConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("offload", self.offload, OFFLOAD_MODES)
         _check_choice("dtype", self.dtype, DTYPES)
-        if not self.cuda_graph_batch_sizes or min(self.cuda_graph_batch_sizes) < 1:
-            raise ValueError(f"cuda_graph_batch_sizes must be positive integers, got {self.cuda_graph_batch_sizes}")
+        for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):
+            sizes = getattr(self, name)
+            if not sizes or min(sizes) < 1:
+                raise ValueError(f"{name} must be positive integers, got {sizes}")
         if self.offload_host_gb <= 0:
             raise ValueError(f"offload_host_gb must be positive, got {self.offload_host_gb}")
         if self.offload_chunk_tokens < 1:
@@ -174,9 +189,10 @@ def _check_types(cfg: EngineConfig) -> None:
         if not ok:
             names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
             raise ValueError(f"{f.name} must be {names}, got {value!r}")
-    for size in cfg.cuda_graph_batch_sizes:
-        if not isinstance(size, int) or isinstance(size, bool):
-            raise ValueError(f"cuda_graph_batch_sizes must be integers, got {cfg.cuda_graph_batch_sizes!r}")
+    for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):
+        sizes = getattr(cfg, name)
+        if any(not isinstance(size, int) or isinstance(size, bool) for size in sizes):
+            raise ValueError(f"{name} must be integers, got {sizes!r}")
 
 
 def _parse(name: str, text: str, hint: Any) -> Any:

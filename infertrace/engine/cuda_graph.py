@@ -1,7 +1,11 @@
-"""CUDA graphs for decode: one graph per batch-size bucket, captured at start-up into one memory pool.
+"""CUDA graphs of the forward pass, captured at start-up into one memory pool: decode steps per batch-size bucket,
+prefill and mixed steps per token-count bucket.
 
 A decode step of B requests replays the graph of the smallest bucket >= B with the extra rows padded (they write no
-KV and attend to one key); batches above the largest bucket, prefills and mixed steps run eagerly.
+KV and attend to one key). A prefill or mixed step of T tokens replays the graph of the smallest token bucket >= T:
+the padding tokens write no KV (slot -1), and the paged attention inside the graph runs over a tile list whose
+length the bucket fixes (`attention_tiles`), so the same graph serves any mix of sequences and lengths. Steps above
+the largest bucket run eagerly.
 """
 
 from __future__ import annotations
@@ -10,8 +14,13 @@ import bisect
 
 import torch
 
-from infertrace.engine.attention import AttentionMetadata
+from infertrace.engine.attention import AttentionMetadata, max_attention_tiles, prefill_block_m
 from infertrace.engine.step_buffers import StepBuffers
+
+
+def _smallest_at_least(buckets: list[int], n: int) -> int | None:
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
 
 
 class DecodeGraphs:
@@ -37,10 +46,10 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool=None):
+        """Capture every bucket into `pool` (a new one when None); returns the pool."""
         b = self.buffers
         b.pad_decode_rows(0, b.seq_lens.numel())
-        pool = None
         for bs in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool
             meta = self.decode_meta(bs)
             self.model.compute_logits(self.model(b.input_ids[:bs], b.positions[:bs], meta))  # warm-up
@@ -51,10 +60,10 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[bs] = (graph, logits)
         torch.cuda.synchronize()
+        return pool
 
     def bucket_for(self, batch_size: int) -> int | None:
-        i = bisect.bisect_left(self.buckets, batch_size)
-        return self.buckets[i] if i < len(self.buckets) else None
+        return _smallest_at_least(self.buckets, batch_size)
 
     def replay(self, batch_size: int) -> torch.Tensor:
         """Logits [batch_size, vocab] of the decode step whose inputs are in the buffers' first rows."""
@@ -63,3 +72,80 @@ class DecodeGraphs:
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:batch_size]
+
+
+class TokenGraphs:
+    """Prefill and mixed steps: the model's forward (embedding to final norm) per token-count bucket.
+
+    Buckets are the sizes below `max_tokens` plus `max_tokens` itself (when the largest size reaches it). The
+    graphs return hidden states; the rows that sample go through the LM head eagerly, as on the eager path.
+    """
+
+    def __init__(self, model, buffers: StepBuffers, bucket_sizes: tuple[int, ...], max_tokens: int, max_seqs: int,
+                 block_size: int, group: int):
+        self.model = model
+        self.buffers = buffers
+        self.block_size = block_size
+        self.max_seqs = max_seqs
+        self.group = group  # query heads per KV head
+        below = [b for b in bucket_sizes if b < max_tokens]
+        self.buckets = below + [max_tokens] if max(bucket_sizes) >= max_tokens else below
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0
+
+    @staticmethod
+    def max_tiles(bucket_sizes: tuple[int, ...], max_tokens: int, max_seqs: int, group: int) -> int:
+        """Length of the tile buffers the buckets need."""
+        top = min(max(bucket_sizes), max_tokens)
+        return max_attention_tiles(top, max_seqs, group, prefill_block_m(top, group))
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        return _smallest_at_least(self.buckets, num_tokens)
+
+    def block_m(self, bucket: int) -> int:
+        return prefill_block_m(bucket, self.group)
+
+    def num_tiles(self, bucket: int) -> int:
+        return max_attention_tiles(bucket, self.max_seqs, self.group, self.block_m(bucket))
+
+    def meta(self, bucket: int) -> AttentionMetadata:
+        b = self.buffers
+        seqs = min(bucket, self.max_seqs)
+        n = self.num_tiles(bucket)
+        return AttentionMetadata(
+            slot_mapping=b.slot_mapping[:bucket],
+            query_start_loc=b.query_start_loc[: seqs + 1],
+            seq_lens=b.seq_lens[:seqs],
+            block_tables=b.block_tables[:seqs],
+            query_lens_list=[bucket],
+            seq_lens_list=[bucket],
+            max_query_len=bucket,
+            max_seq_len=bucket,
+            block_size=self.block_size,
+            tiles=(b.attn_tile_seq[:n], b.attn_tile_index[:n], self.block_m(bucket)),
+        )
+
+    @torch.inference_mode()
+    def capture(self, pool=None):
+        """Capture every bucket into `pool` (a new one when None); returns the pool."""
+        b = self.buffers
+        b.slot_mapping.fill_(-1)  # the warm-ups and captures write no KV and attend to nothing
+        b.attn_tile_seq.fill_(-1)
+        for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool
+            meta = self.meta(bucket)
+            self.model(b.input_ids[:bucket], b.positions[:bucket], meta)  # warm-up
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(b.input_ids[:bucket], b.positions[:bucket], meta)
+            pool = graph.pool()
+            self.graphs[bucket] = (graph, hidden)
+        torch.cuda.synchronize()
+        return pool
+
+    def replay(self, bucket: int, num_tokens: int) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of the step whose inputs, padded to `bucket`, are in the buffers."""
+        graph, hidden = self.graphs[bucket]
+        graph.replay()
+        self.replays += 1
+        return hidden[:num_tokens]

@@ -291,6 +291,9 @@ class Engine:
         runner = self.runner
         return {"attention_backend": f"{runner.attention.name} ({runner.attention.mode})",
                 "cuda_graphs_captured": runner.graphs is not None,
+                "prefill_cuda_graphs_captured": runner.token_graphs is not None,
+                "cuda_graph_capture_s": round(runner.graph_capture_s, 3),
+                "cuda_graph_memory_bytes": runner.graph_memory_bytes,
                 "fused_norm": runner.model.fused_norm, "skinny_gemm": runner.model.skinny_gemm,
                 "async_scheduling": self._async}
 

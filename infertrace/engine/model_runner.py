@@ -6,6 +6,7 @@ inputs (`StepInputs`), hands them to the other ranks, and runs the same forward 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -13,7 +14,7 @@ from typing import Protocol
 import torch
 
 from infertrace.engine.annotate import annotate, step_range_name
-from infertrace.engine.attention import AttentionMetadata, make_attention_backend
+from infertrace.engine.attention import AttentionMetadata, attention_tiles, make_attention_backend
 from infertrace.engine.config import EngineConfig
 from infertrace.engine.models.loader import load_weights
 from infertrace.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
@@ -140,17 +141,47 @@ class ModelRunner:
         self._turn = 0
 
         use_graphs = config.cuda_graphs and on_cuda and self.attention.name == "triton"
+        # the tile-list attention is the batched kernel's; with more ranks the steps stay eager (as async scheduling)
+        use_token_graphs = (config.prefill_cuda_graphs and on_cuda and self.attention.name == "triton"
+                            and self.attention.mode == "batched" and tp.size == 1)
+        group = self.spec.num_attention_heads // self.spec.num_key_value_heads
         self.buffers = None
-        if config.static_buffers or use_graphs:
-            max_tokens = max(config.max_num_batched_tokens, max_positions, config.max_num_seqs)
-            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, -(-max_positions // self.block_size), self.device)
-        self.graphs = None
-        if use_graphs:
-            from infertrace.engine.cuda_graph import DecodeGraphs
+        if config.static_buffers or use_graphs or use_token_graphs:
+            from infertrace.engine.cuda_graph import TokenGraphs
 
-            self.graphs = DecodeGraphs(model, self.buffers, config.cuda_graph_batch_sizes, config.max_num_seqs,
+            max_tokens = max(config.max_num_batched_tokens, max_positions, config.max_num_seqs)
+            max_tiles = TokenGraphs.max_tiles(config.cuda_graph_token_sizes, config.max_num_batched_tokens,
+                                              config.max_num_seqs, group) if use_token_graphs else 1
+            self.buffers = StepBuffers(max_tokens, config.max_num_seqs, -(-max_positions // self.block_size),
+                                       self.device, max_tiles)
+        self.graphs = None
+        self.token_graphs = None
+        self.graph_capture_s = 0.0
+        self.graph_memory_bytes = 0  # device memory the captured graphs hold (their pool)
+        if use_graphs or use_token_graphs:
+            self._capture_graphs(use_graphs, use_token_graphs, group)
+
+    def _capture_graphs(self, decode: bool, tokens: bool, group: int) -> None:
+        """Token-count graphs first (the largest activations), then decode graphs, into one memory pool."""
+        from infertrace.engine.cuda_graph import DecodeGraphs, TokenGraphs
+
+        config = self.config
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # so the free-memory difference below is the graphs' pool alone
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        pool = None
+        if tokens:
+            self.token_graphs = TokenGraphs(self.model, self.buffers, config.cuda_graph_token_sizes,
+                                            config.max_num_batched_tokens, config.max_num_seqs, self.block_size, group)
+            pool = self.token_graphs.capture(pool)
+        if decode:
+            self.graphs = DecodeGraphs(self.model, self.buffers, config.cuda_graph_batch_sizes, config.max_num_seqs,
                                        self.block_size)
-            self.graphs.capture()
+            self.graphs.capture(pool)
+        self.graph_capture_s = time.perf_counter() - t0
+        torch.cuda.empty_cache()  # the warm-ups' eager activations
+        self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -256,7 +287,11 @@ class ModelRunner:
         with annotate("forward"):
             if self._graph_step(inputs):
                 return self.graphs.replay(inputs.batch_size).float()
-            hidden = self.model(input_ids, positions, meta)
+            bucket = self._token_bucket(inputs)
+            if bucket is not None:
+                hidden = self.token_graphs.replay(bucket, len(inputs.input_ids))
+            else:
+                hidden = self.model(input_ids, positions, meta)
             return self.model.compute_logits(hidden[logits_indices]).float() if logits_indices.numel() else None
 
     def _feed_tokens(self, input_ids: torch.Tensor, tokens: torch.Tensor, rows: list[int], sources: list[int]) -> None:
@@ -308,8 +343,18 @@ class ModelRunner:
         buffers = self.buffers
         if buffers is not None:
             graph = self._graph_step(inputs)
+            slot_mapping = inputs.slot_mapping
+            bucket = self._token_bucket(inputs)
+            if bucket is not None:
+                # padding tokens write no KV; their ids and positions are whatever earlier steps left (valid values)
+                slot_mapping = slot_mapping + [-1] * (bucket - len(slot_mapping))
+                graphs = self.token_graphs
+                tile_seq, tile_index = attention_tiles(query_lens, graphs.group, graphs.block_m(bucket),
+                                                       graphs.num_tiles(bucket))
+                buffers.fill("attn_tile_seq", tile_seq)
+                buffers.fill("attn_tile_index", tile_index)
             meta = AttentionMetadata(
-                slot_mapping=buffers.fill("slot_mapping", inputs.slot_mapping),
+                slot_mapping=buffers.fill("slot_mapping", slot_mapping),
                 query_start_loc=buffers.decode_query_start_loc[: len(seq_lens) + 1] if graph
                 else buffers.fill("query_start_loc", inputs.query_start_loc),
                 seq_lens=buffers.fill("seq_lens", seq_lens),
@@ -342,3 +387,12 @@ class ModelRunner:
 
     def _graph_step(self, inputs: StepInputs) -> bool:
         return self.graphs is not None and inputs.decode and self.graphs.bucket_for(inputs.batch_size) is not None
+
+    def _token_bucket(self, inputs: StepInputs) -> int | None:
+        """The token-count graph a prefill or mixed step replays (None: it runs eagerly).
+
+        A step whose every request brings one token keeps the eager path's split-KV decode attention.
+        """
+        if self.token_graphs is None or inputs.decode or max(inputs.query_lens) == 1:
+            return None
+        return self.token_graphs.bucket_for(len(inputs.input_ids))

@@ -13,7 +13,8 @@ import torch
 
 
 class StepBuffers:
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 max_tiles: int = 1):
         def buf(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device)
 
@@ -24,10 +25,13 @@ class StepBuffers:
         self.seq_lens = buf(max_seqs)
         self.block_tables = buf(max_seqs, max_blocks_per_seq)
         self.logits_indices = buf(max_seqs)
+        # the attention tile list of a step replayed from a token-count graph (see TokenGraphs)
+        self.attn_tile_seq = buf(max_tiles)
+        self.attn_tile_index = buf(max_tiles)
         # decode steps have one query token per request: their cu_seqlens never change
         self.decode_query_start_loc = torch.arange(max_seqs + 1, dtype=torch.long, device=device)
         names = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-                 "logits_indices")
+                 "logits_indices", "attn_tile_seq", "attn_tile_index")
         self._staging = [
             {n: torch.zeros(getattr(self, n).numel(), dtype=torch.long).pin_memory() for n in names} for _ in range(2)
         ] if device.type == "cuda" else []

@@ -21,8 +21,10 @@ def test_defaults_are_json_serialisable():
 def test_overrides_by_name_and_from_strings():
     cfg = EngineConfig.from_overrides(
         {"attention": "looped", "block_size": "32", "prefix_caching": "off", "kv_cache_tokens": "none",
-         "gpu_memory_utilization": "0.5", "cuda_graph_batch_sizes": "1,2,4"}
+         "gpu_memory_utilization": "0.5", "cuda_graph_batch_sizes": "1,2,4", "cuda_graph_token_sizes": "64,16,64",
+         "prefill_cuda_graphs": "off"}
     )
+    assert cfg.cuda_graph_token_sizes == (16, 64) and cfg.prefill_cuda_graphs is False
     assert (cfg.attention, cfg.block_size, cfg.prefix_caching, cfg.kv_cache_tokens) == ("looped", 32, False, None)
     assert cfg.gpu_memory_utilization == 0.5 and cfg.cuda_graph_batch_sizes == (1, 2, 4)
     base = EngineConfig(block_size=8)
@@ -51,6 +53,8 @@ def test_unknown_field_is_named():
         ({"block_size": "16"}, "block_size must be int"),
         ({"prefix_caching": 1}, "prefix_caching must be bool"),
         ({"cuda_graph_batch_sizes": (0, 1)}, "cuda_graph_batch_sizes"),
+        ({"cuda_graph_token_sizes": ()}, "cuda_graph_token_sizes"),
+        ({"cuda_graph_token_sizes": (16, True)}, "cuda_graph_token_sizes must be integers"),
     ],
 )
 def test_bad_values_raise_one_clear_error(kwargs, message):

@@ -87,3 +87,54 @@ def test_paged_attention_over_a_64k_context(q_len):
     ref = _reference(q[-rows:], k_cache, v_cache, [rows], [ctx_len], block_tables, dim**-0.5)
     err = (out[-rows:].double() - ref).norm() / ref.norm()
     assert err < 1e-2, float(err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(16, 8), (32, 8)])
+def test_tile_list_grid_matches_the_per_sequence_grid(dtype, heads, kv_heads):
+    """The grid of a token-count graph: a tile list padded with empty entries (sequence -1), replayed from a CUDA
+    graph after the list and the lengths changed, gives the per-sequence grid's values (same BLOCK_M) and writes
+    no row of a padding token."""
+    from infertrace.engine.attention import attention_tiles, max_attention_tiles, prefill_block_m
+    from infertrace.engine.kernels.paged_attention import paged_attention
+
+    torch.manual_seed(1)
+    dev, dim, block_size, num_blocks, bucket, max_seqs = "cuda", 128, 16, 256, 512, 32
+    group = heads // kv_heads
+    block_m = prefill_block_m(bucket, group)
+    n_tiles = max_attention_tiles(bucket, max_seqs, group, block_m)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, device=dev, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(num_blocks, device=dev)[: max_seqs * 8].view(max_seqs, 8).long()
+    q = torch.randn(bucket, heads, dim, device=dev, dtype=dtype)
+    cu = torch.zeros(max_seqs + 1, dtype=torch.long, device=dev)
+    ctx = torch.ones(max_seqs, dtype=torch.long, device=dev)
+    tile_seq = torch.full((n_tiles,), -1, dtype=torch.long, device=dev)
+    tile_index = torch.zeros_like(tile_seq)
+    out = torch.full_like(q, float("nan"))
+
+    def run():
+        paged_attention(q, k_cache, v_cache, cu, ctx, block_tables, bucket, dim ** -0.5, out=out,
+                        tiles=(tile_seq, tile_index, block_m))
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    # decode rows and prefill chunks; then one sequence of a whole bucket
+    for q_lens, ctx_lens in (([1, 1, 37, 20, 1, 64, 3], [9, 120, 37, 100, 17, 120, 50]), ([bucket - 2], [bucket])):
+        total = sum(q_lens)
+        cu[: len(q_lens) + 1] = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)))
+        ctx[: len(q_lens)] = torch.tensor(ctx_lens)
+        seqs, index = attention_tiles(q_lens, group, block_m, n_tiles)
+        tile_seq.copy_(torch.tensor(seqs))
+        tile_index.copy_(torch.tensor(index))
+        out.fill_(float("nan"))
+        graph.replay()
+        want = torch.full_like(q, float("nan"))
+        paged_attention(q, k_cache, v_cache, cu[: len(q_lens) + 1], ctx[: len(q_lens)], block_tables[: len(q_lens)],
+                        max(q_lens), dim ** -0.5, out=want)
+        assert torch.equal(out[:total], want[:total])
+        assert out[total:].isnan().all()
+        ref = _reference(q[:total], k_cache, v_cache, q_lens, ctx_lens, block_tables, dim ** -0.5)
+        assert (out[:total].double() - ref).norm() / ref.norm() < (1e-5 if dtype == torch.float32 else 1e-2)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from infertrace.engine.attention import prefill_block_m
+
 
 @triton.jit
 def _store_kvcache_kernel(
@@ -42,16 +44,23 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
-    cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
+    cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, tile_seq_ptr, tile_index_ptr,
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_bt, stride_cb, stride_cs, stride_ch,
     stride_ls, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    TILE_LIST: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    seq = tl.program_id(1)
+    if TILE_LIST:  # program i takes the (sequence, tile) of entry i; -1 pads a grid fixed by a graph's bucket
+        seq = tl.load(tile_seq_ptr + tl.program_id(0))
+        if seq < 0:
+            return
+        tile = tl.load(tile_index_ptr + tl.program_id(0))
+    else:
+        tile = tl.program_id(0)
+        seq = tl.program_id(1)
     pid2 = tl.program_id(2)
     kv_head = pid2 // NUM_SPLITS
     split = pid2 % NUM_SPLITS
@@ -144,6 +153,7 @@ def paged_attention(
     num_splits: int = 1,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     tiling: tuple[int, int, int] | None = None,
+    tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over a paged cache that already holds their K/V.
 
@@ -152,6 +162,11 @@ def paged_attention(
     so the launch shape depends only on host integers, which keeps it capturable in a CUDA graph.
     `workspace` (partials, lse) may be passed in to avoid allocating when num_splits > 1. `tiling` is
     (BLOCK_N, num_warps, num_stages), (64, 4, 2) when not given.
+
+    `tiles` = (tile_seq, tile_index, block_m) replaces the grid over (tiles of max_q_len, sequences) by a list
+    (`infertrace.engine.attention.attention_tiles`): program i computes tile tile_index[i] of sequence tile_seq[i], and entries of sequence -1
+    exit at once. The grid is then the list's length, which a CUDA graph fixes per token-count bucket while the
+    sequences and their lengths change from replay to replay.
     """
     total, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -159,9 +174,15 @@ def paged_attention(
     num_seqs = cu_seqlens_q.shape[0] - 1
     if out is None:
         out = torch.empty_like(q)
-    block_m = 16 if max_q_len * group <= 16 else 64
     block_n, num_warps, num_stages = tiling or (64, 4, 2)
-    grid = (triton.cdiv(max_q_len * group, block_m), num_seqs, num_kv_heads * num_splits)
+    if tiles is None:
+        block_m = prefill_block_m(max_q_len, group)
+        tile_seq = tile_index = cu_seqlens_q  # unused
+        grid = (triton.cdiv(max_q_len * group, block_m), num_seqs, num_kv_heads * num_splits)
+    else:
+        tile_seq, tile_index, block_m = tiles
+        assert num_splits == 1
+        grid = (tile_seq.shape[0], 1, num_kv_heads)
     if num_splits == 1:
         target, lse = out, out  # lse unused
         lse_strides = (0, 0, 0)
@@ -174,12 +195,12 @@ def paged_attention(
         target = parts
         lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, target, lse, cu_seqlens_q, context_lens, block_tables, scale,
+        q, k_cache, v_cache, target, lse, cu_seqlens_q, context_lens, block_tables, tile_seq, tile_index, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LIST=tiles is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
@@ -188,3 +209,4 @@ def paged_attention(
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         )
     return out
+

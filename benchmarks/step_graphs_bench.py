@@ -1,0 +1,177 @@
+"""Prefill and mixed steps from token-count CUDA graphs against the same steps run eagerly, in one call on a GPU:
+one 512-token prefill (wall time against its GPU time), the nano-vllm workload, start-up time and graph memory,
+and the batch-8 qwen3-4b decode step with its GPU time by kernel. Prints one table.
+
+    python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,startup,decode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_bench import ROWS, bench_decode, bench_nano, copy_bandwidth, model_dir, row  # noqa: E402
+
+from infertrace.engine import LLM, SamplingParams  # noqa: E402
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _kernels(prof) -> tuple[float, int, int]:
+    """(kernel time in s, kernels, host launch calls) of a torch.profiler window."""
+    kernel_us, kernels, launches = 0.0, 0, 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernel_us += e.device_time
+            kernels += 1
+        elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                        "cudaLaunchKernelExC"):
+            launches += 1
+    return kernel_us / 1e6, kernels, launches
+
+
+def bench_prefill(root: Path, graphs: bool, repeats: int = 30) -> None:
+    """LLM.generate of one fresh 512-token prompt, max_tokens=1: wall time (median) against the GPU's kernel time."""
+    path = model_dir(root, "qwen3-0.6b")
+    t = time.perf_counter()
+    llm = LLM(path, prefill_cuda_graphs=graphs)
+    start_s = time.perf_counter() - t
+    runner = llm.engine.runner
+    label = f"qwen3-0.6b bf16, prefill_cuda_graphs={graphs}"
+    row("engine start-up (LLM(...) wall)", f"{start_s:.1f} s", label)
+    buckets = len(runner.token_graphs.buckets) if runner.token_graphs else 0
+    row("graph capture at start-up", f"{runner.graph_capture_s:.2f} s, {runner.graph_memory_bytes / 2**20:.0f} MiB",
+        f"{label}: {buckets} token buckets + {len(runner.graphs.buckets)} decode buckets")
+    rng = random.Random(7)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def one() -> float:
+        prompt = [rng.randrange(1000, 100000) for _ in range(512)]  # fresh tokens: no prefix-cache hit
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate([prompt], params)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    for _ in range(5):
+        one()
+    walls = [one() for _ in range(repeats)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            one()
+    gpu_s, kernels, launches = _kernels(prof)
+    gpu_s, kernels, launches = gpu_s / 5, kernels / 5, launches / 5
+    wall = statistics.median(walls)
+    row("one 512-token prefill, LLM.generate max_tokens=1 (median of 30)",
+        f"{1e3 * wall:.2f} ms wall, {1e3 * gpu_s:.2f} ms GPU kernels = {wall / gpu_s:.2f}x",
+        f"{label}; {kernels:.0f} kernels, {launches:.0f} launch calls per call (torch.profiler, 5 calls)")
+    if runner.token_graphs is not None:
+        graph, _ = runner.token_graphs.graphs[512]
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(50):
+            graph.replay()
+        torch.cuda.synchronize()
+        row("512-token graph replay alone", f"{1e3 * (time.perf_counter() - t) / 50:.2f} ms", label)
+    del llm, runner
+    _free()
+
+
+def bench_startup(root: Path, preset: str) -> None:
+    path = model_dir(root, preset)
+    for graphs in (True, False):
+        torch.cuda.synchronize()
+        free = torch.cuda.mem_get_info()[0]
+        t = time.perf_counter()
+        llm = LLM(path, prefill_cuda_graphs=graphs)
+        start_s = time.perf_counter() - t
+        runner = llm.engine.runner
+        row("engine start-up", f"{start_s:.1f} s (graphs {runner.graph_capture_s:.2f} s, "
+            f"{runner.graph_memory_bytes / 2**20:.0f} MiB; KV {runner.num_blocks * runner.block_size:,} tokens)",
+            f"{preset} bf16, prefill_cuda_graphs={graphs}; device memory taken {(free - torch.cuda.mem_get_info()[0]) / 2**30:.1f} GiB")
+        del llm, runner
+        _free()
+
+
+def decode_breakdown(root: Path, batch: int = 8) -> None:
+    """GPU time of the batch-8 qwen3-4b decode graph by kernel, and the gaps between kernels."""
+    path = model_dir(root, "qwen3-4b")
+    llm = LLM(path)
+    eng = llm.engine
+    rng = random.Random(0)
+    for i in range(batch):
+        eng.add_request(f"r{i}", [rng.randrange(1000, 3000) for _ in range(128)],
+                        SamplingParams(max_tokens=300, ignore_eos=True))
+    for _ in range(260):  # the mean context of the decode benchmark (128 + 256)
+        eng.step()
+    graphs = eng.runner.graphs
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(50):
+        graphs.replay(batch)
+    torch.cuda.synchronize()
+    replay = (time.perf_counter() - t) / 50
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graphs.replay(batch)
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name][0] += e.device_time / 10
+            by_name[e.name][1] += 1 / 10
+    total = sum(v[0] for v in by_name.values())
+    print(f"\ndecode graph bs={batch} qwen3-4b: replay {1e3 * replay:.3f} ms, kernels {total / 1e3:.3f} ms, "
+          f"gaps {1e3 * replay - total / 1e3:.3f} ms")
+    for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:14]:
+        print(f"  {us / 1e3:8.3f} ms  {n:5.0f}x  {name[:90]}")
+    row("decode graph bs=8 qwen3-4b by kernel", f"replay {1e3 * replay:.2f} ms = kernels {total / 1e3:.2f} ms + "
+        f"gaps {1e3 * replay - total / 1e3:.2f} ms", "torch.profiler over 10 replays; kernels listed above the table")
+    del llm, eng, graphs
+    _free()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models-dir", type=Path, default=Path("/tmp/models"))
+    ap.add_argument("--only", default="prefill,nano,startup,decode")
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    row("device-to-device copy bandwidth (read+write)", f"{bw / 1e12:.2f} TB/s")
+    if "prefill" in only:
+        for graphs in (True, False):
+            bench_prefill(args.models_dir, graphs)
+    if "nano" in only:
+        for graphs in (True, False):
+            print(f"nano-vllm workload, prefill_cuda_graphs={graphs}", flush=True)
+            bench_nano(args.models_dir, hf=False, prefill_cuda_graphs=graphs)
+    if "startup" in only:
+        bench_startup(args.models_dir, "qwen3-4b")
+    if "decode" in only:
+        bench_decode(args.models_dir, bw)
+        bench_decode(args.models_dir, bw, prefill_cuda_graphs=False)
+        decode_breakdown(args.models_dir)
+    print("\n| figure | value | setup |\n| --- | --- | --- |")
+    for name, value, note in ROWS:
+        print(f"| {name} | {value} | {note} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# `infertrace serve` under an open-loop load of long prompts, with prefill and mixed steps replayed from
+# token-count CUDA graphs and then run eagerly (--no-prefill-cuda-graphs), one server after the other on the same
+# requests; each run captures 20 steps through /start_profile for `infertrace analyze`. Results land in OUTDIR.
+#
+#   bash benchmarks/step_graphs_serve.sh [PRESET] [OUTDIR]
+#   bash benchmarks/step_graphs_serve.sh qwen3-0.6b /tmp/step_graphs_serve
+#   (env: PORT 8000, RATE 60, NUM_PROMPTS 1200, INPUT_LEN 512, OUTPUT_LEN 128, MODES "graphs eager")
+set -euo pipefail
+preset=${1:-qwen3-0.6b}
+out=${2:-/tmp/step_graphs_serve}
+port=${PORT:-8000}
+rate=${RATE:-60}
+num_prompts=${NUM_PROMPTS:-1200}
+input_len=${INPUT_LEN:-512}
+output_len=${OUTPUT_LEN:-128}
+modes=${MODES:-graphs eager}
+mkdir -p "$out"
+
+if command -v infertrace >/dev/null; then it=(infertrace); else it=(python3 -c 'from infertrace.cli import main; main()'); fi
+model="$out/$preset"
+[ -f "$model/config.json" ] || "${it[@]}" model init --preset "$preset" --out "$model"
+
+stamp() { echo "[$(date +%T)] $*"; }
+server=""
+stop_server() {
+  [ -n "$server" ] || return 0
+  kill -TERM "$server" 2>/dev/null || { server=""; return 0; }
+  for _ in $(seq 60); do kill -0 "$server" 2>/dev/null || { server=""; return 0; }; sleep 1; done
+  kill -KILL "$server" 2>/dev/null; server=""
+}
+trap stop_server EXIT
+
+for mode in $modes; do
+  case $mode in
+    graphs) flag=--prefill-cuda-graphs ;;
+    eager) flag=--no-prefill-cuda-graphs ;;
+    *) echo "unknown mode $mode"; exit 2 ;;
+  esac
+  stamp "starting the server ($mode)"
+  t0=$(date +%s%N)
+  "${it[@]}" serve --model "$model" --served-model-name "$preset" --port "$port" --profile-dir "$out/profile-$mode" \
+    "$flag" >"$out/server-$mode.log" 2>&1 &
+  server=$!
+  for _ in $(seq 300); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+    kill -0 "$server" 2>/dev/null || { echo "server exited:"; tail -20 "$out/server-$mode.log"; exit 1; }
+    sleep 0.5
+  done
+  stamp "server ready after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+  curl -s "http://127.0.0.1:$port/server_info" >"$out/server_info-$mode.json" || true
+  "${it[@]}" bench --base-url "http://127.0.0.1:$port" --tokenizer "$model" --request-rate "$rate" \
+    --input-len "$input_len" --output-len "$output_len" --ignore-eos --seed 0 --warmup 8 --num-prompts "$num_prompts" \
+    --profile --profile-steps 20 --result-json "$out/$mode.json"
+  curl -s "http://127.0.0.1:$port/metrics" >"$out/metrics-$mode.txt" || true
+  stop_server
+done
+
+python3 - "$out" $modes <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+print(f"\n{'steps':<8}{'out tok/s':>10}  (ms:){'TTFT p50':>9}{'TTFT p99':>9}{'TPOT p50':>9}{'ITL p50':>9}{'ITL p99':>9}")
+for mode in sys.argv[2:]:
+    r = json.loads((out / f"{mode}.json").read_text())
+    r = r.get("runs", [r])[0]
+    print(f"{mode:<8}{r['output_throughput']:>10,.0f}{'':6}{r['median_ttft_ms']:>9.1f}{r['p99_ttft_ms']:>9.1f}"
+          f"{r['median_tpot_ms']:>9.2f}{r['median_itl_ms']:>9.2f}{r['p99_itl_ms']:>9.1f}")
+PY
+stamp "done"
