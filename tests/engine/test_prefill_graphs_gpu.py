@@ -49,7 +49,9 @@ def _run(path, waves, params, **overrides):
                 break
             for out in engine.step():
                 tokens[out.request_id] += out.new_token_ids
-            kinds.append(engine.last_step.kind)
+            last = engine.last_step  # with async scheduling a call may finish no step, or finish the one before
+            if last is not None and len(kinds) <= last.index:
+                kinds.append(last.kind)
     torch.cuda.synchronize()
     return list(tokens.values()), kinds, logits_seen, engine
 
