@@ -4,6 +4,7 @@ returns a `Finding` or None. Rules and thresholds are documented in docs/report.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from rich.table import Table
@@ -13,12 +14,18 @@ from infertrace.load.records import RequestResult
 from infertrace.load.scrape import ScrapeSeries
 from infertrace.load.telemetry import TelemetrySeries
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 MIN_GROUP = 5  # requests on each side of a comparison
 QUEUE_TTFT_RATIO = 2.0  # TTFT p99 with requests waiting over that with none
 KV_FULL = 0.95  # KV usage share counted as full
 CLOCK_DROP = 0.10  # a fall of the SM clock's median by this share, between before and after a change point
 BUSY_UTIL_PCT = 50.0  # samples where the GPU was this busy: an idle GPU's low clock is no fall
 MIN_SEGMENT = 3  # samples on each side of the clock's change point
+# the verdict `infertrace analyze` gives a step type whose GPU waited for launches at least as long as it worked
+# (infertrace.analyze.phases.verdict); the rule takes the phase summary's verdict as it is
+CPU_BOUND = "CPU-bound"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +44,13 @@ class Finding:
 
 def find_all(results: list[RequestResult], origin: float, scrape: ScrapeSeries | None = None,
              telemetry: TelemetrySeries | None = None, client_cpu: float | None = None,
-             client_lag_p99_ms: float | None = None) -> list[Finding]:
-    """Every rule over one run. `origin` is the run's start on the clock of the records and series."""
+             client_lag_p99_ms: float | None = None, phases: pd.DataFrame | None = None,
+             profile_window: tuple[float, float] | None = None) -> list[Finding]:
+    """Every rule over one run. `origin` is the run's start on the clock of the records and series; `phases` the
+    profiled window's phase summary (`infertrace analyze`), `profile_window` its start and stop calls."""
     found = [queueing(results, scrape, origin), kv_pressure(scrape, origin),
-             *clock_drops(telemetry, origin), client_bottleneck(results, origin, client_cpu, client_lag_p99_ms)]
+             *clock_drops(telemetry, origin), client_bottleneck(results, origin, client_cpu, client_lag_p99_ms),
+             *cpu_bound_steps(phases, origin, profile_window)]
     return [f for f in found if f is not None]
 
 
@@ -163,6 +173,25 @@ def client_bottleneck(results: list[RequestResult], origin: float, client_cpu: f
     when = first_late - origin if late and first_late is not None else None
     return Finding("client_bottleneck", "the client was the bottleneck: the server's figures understate it",
                    when, "; ".join(evidence))
+
+
+def cpu_bound_steps(phases: pd.DataFrame | None, origin: float,
+                    profile_window: tuple[float, float] | None) -> list[Finding]:
+    """Per step type of the profiled window that `infertrace analyze` judged CPU-bound: host wait at least GPU
+    busy. `when_s` is the profiler's start (None when the window's time is unknown)."""
+    if phases is None or phases.empty or "verdict" not in phases:
+        return []
+    when = profile_window[0] - origin if profile_window is not None else None
+    found = []
+    for r in phases[phases["verdict"] == CPU_BOUND].to_dict("records"):
+        busy, host = r["gpu_busy_share"], r["host_wait_share"]
+        what = (f"{r['type']} steps were CPU-bound in the profiled window: the GPU waited for the host {host:.0%} "
+                "of their time")
+        evidence = (f"GPU busy {busy:.1%}, host wait {host:.1%} over {r['steps']} steps; step time "
+                    f"{r['step_mean (ms)']:.2f} ms mean, {r['step_p99 (ms)']:.2f} ms p99; "
+                    f"{r['kernels_per_step']:.1f} kernels per step (analyze's verdict: host wait >= GPU busy)")
+        found.append(Finding("cpu_bound", what, when, evidence))
+    return found
 
 
 def _s(seconds: float) -> str:

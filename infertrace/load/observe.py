@@ -1,13 +1,30 @@
 """What the server and the GPU said while a run was measured: the server's /metrics scraped on the run's clock and
-NVML samples of a local GPU, started around the measured window and kept with its figures."""
+NVML samples of a local GPU, started around the measured window and kept with its figures; and the profiled
+window's traces as `infertrace analyze` reads them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from infertrace.load.clock import Clock
 from infertrace.load.scrape import ScrapeSeries, Scraper, metrics_url
 from infertrace.load.telemetry import GpuSampler, TelemetrySeries
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+@dataclass(slots=True)
+class ProfiledWindow:
+    """The profiled window's traces, analysed: the phase summary and per-step table of `infertrace analyze`, how
+    long the trace covers (its ranks' first event's start to last event's end), or why there are none."""
+
+    phases: pd.DataFrame | None = None
+    steps: pd.DataFrame | None = None
+    trace_span_s: float | None = None
+    note: str | None = None
 
 
 @dataclass(slots=True)
@@ -15,8 +32,9 @@ class Observed:
     origin: float  # the measured window's start on the records' clock: every series time counts from here
     scrape: ScrapeSeries | None = None
     telemetry: TelemetrySeries | None = None
-    profile_window: tuple[float, float] | None = None  # clock seconds of the profiler's start and stop
+    profile_window: tuple[float, float] | None = None  # clock seconds of the profiler's start and stop calls
     notes: list[str] = field(default_factory=list)
+    profiled: ProfiledWindow | None = None  # the profiled window's traces once analysed (`profiled_window`)
 
     def to_json(self, start: float | None = None, end: float | None = None) -> dict:
         return {
@@ -64,12 +82,52 @@ class Observer:
         await self.stop()
 
 
+def profiled_window(record) -> ProfiledWindow | None:
+    """The run's profiled window read by `infertrace analyze`, once per run (kept on `record.observed`); None
+    when no trace files were written. Traces on another host leave a note instead."""
+    observed, files = record.observed, (record.profile or {}).get("trace_files")
+    if observed is None or not files:
+        return None
+    if observed.profiled is None:
+        observed.profiled = _analyze(files)
+    return observed.profiled
+
+
+def _analyze(trace_files: list[str]) -> ProfiledWindow:
+    local = [Path(f) for f in trace_files if Path(f).is_file()]
+    if not local:
+        return ProfiledWindow(note="the profiled window's traces are not on this host: no phases in the report")
+    from infertrace.analyze.capture import CaptureError, load_capture
+    from infertrace.analyze.report import build_report
+
+    try:
+        capture = load_capture(local[0] if len(local) == 1 else local[0].parent)
+    except CaptureError as e:
+        return ProfiledWindow(note=f"the profiled window's traces could not be analysed: {e}")
+    report = build_report(capture)
+    return ProfiledWindow(report.table("phases"), report.table("steps"), _trace_span_s(capture))
+
+
+def _trace_span_s(capture) -> float | None:
+    """From the first event's start to the last event's end over the capture's ranks (the frontend's own trace,
+    where there is one, is not the engine's window)."""
+    events = [r.events for r in capture.ranks if not r.events.empty]
+    spans = [(int(e["ts_ns"].min()), int((e["ts_ns"] + e["dur_ns"]).max())) for e in events]
+    if not spans:
+        return None
+    return (max(end for _, end in spans) - min(start for start, _ in spans)) / 1e9
+
+
 def run_findings(record) -> list:
-    """What a measured run shows (docs/report.md's rules), from its records and what was observed beside them."""
+    """What a measured run shows (docs/report.md's rules), from its records and what was observed beside them.
+    For a run with `--report`, the profiled window is analysed here (once) so that the findings printed, saved in
+    the result and shown in the report are the same."""
     from infertrace.load.findings import find_all
 
     observed = record.observed
     if observed is None:
         return []
+    window = profiled_window(record) if record.config is not None and record.config.report else observed.profiled
     return find_all(record.results, observed.origin, observed.scrape, observed.telemetry, record.client_cpu,
-                    record.client_lag.p99)
+                    record.client_lag.p99, phases=window.phases if window else None,
+                    profile_window=observed.profile_window)

@@ -66,18 +66,36 @@ def per_request(results: list[RequestResult], origin: float) -> dict:
 
 
 def timeline_data(results: list[RequestResult], origin: float, scrape: ScrapeSeries | None = None,
-                  telemetry: TelemetrySeries | None = None,
-                  profile_window: tuple[float, float] | None = None) -> dict:
+                  telemetry: TelemetrySeries | None = None, profile_window: tuple[float, float] | None = None,
+                  trace_span_s: float | None = None) -> dict:
     """Every series of the run on one axis, seconds after `origin` (the run's start on the records' clock).
-    `profile_window` is the profiler's (start, stop) on that clock."""
+    `profile_window` is when the profiler's start and stop calls were made on that clock; `trace_span_s` how long
+    its trace covers (`profiled_span`)."""
     return {
         "in_flight": in_flight(results, origin),
         "throughput": output_throughput(results, origin),
         "requests": per_request(results, origin),
         "server": scrape.to_json(origin) if scrape is not None else None,
         "gpu": telemetry.to_json(origin) if telemetry is not None else None,
-        "profile_window_s": [profile_window[0] - origin, profile_window[1] - origin] if profile_window else None,
+        "profile_window": None if profile_window is None else profiled_span(profile_window, origin, trace_span_s),
     }
+
+
+def profiled_span(calls: tuple[float, float], origin: float, trace_span_s: float | None) -> dict:
+    """The span the profiler's trace covers, in seconds after `origin`. The start and stop calls are timed on the
+    client's clock, the trace on the server's, and only the trace's length carries over: the band starts at the
+    start call and lasts the trace's span (first event's start to last event's end), so a capture that stopped by
+    itself (`--profile-steps`) ends where its trace ends, not at bench's stop call. It can start early by the
+    start call's round trip. A span longer than start to stop (clocks that disagree) is cut at the stop call; with
+    no span known the band is start to stop, and its label says so."""
+    start, stop = calls[0] - origin, calls[1] - origin
+    window = {"window_s": [start, stop], "calls_s": [start, stop], "trace_span_s": trace_span_s}
+    if trace_span_s is None:
+        return {**window, "label": "profiler start to stop (the trace's span is unknown)"}
+    if start + trace_span_s > stop:
+        return {**window, "label": f"profiled window ({trace_span_s:.2f} s traced, cut at the stop call)"}
+    return {**window, "window_s": [start, start + trace_span_s],
+            "label": f"profiled window ({trace_span_s:.2f} s traced, from the start call)"}
 
 
 def timeline_figure(data: dict) -> go.Figure:
@@ -136,12 +154,12 @@ def timeline_figure(data: dict) -> go.Figure:
             fig.add_trace(go.Scatter(x=t, y=g["mem_used_gib"], name=f"{tag} memory (GiB)",
                                      line_color=COLORS["memory"]), row=row + 1, col=1, secondary_y=True)
 
-    window = data.get("profile_window_s")
-    if window:
-        fig.add_vrect(x0=window[0], x1=window[1], fillcolor=COLORS["profile"], line_width=0, layer="below",
-                      row="all", col=1)
-        fig.add_annotation(x=(window[0] + window[1]) / 2, y=1.0, yref="paper", text="profiler window",
-                           showarrow=False, font=dict(size=11, color="#b06000"), yanchor="bottom")
+    profiled = data.get("profile_window")
+    if profiled:
+        x0, x1 = profiled["window_s"]
+        fig.add_vrect(x0=x0, x1=x1, fillcolor=COLORS["profile"], line_width=0, layer="below", row="all", col=1)
+        fig.add_annotation(x=(x0 + x1) / 2, y=1.0, yref="paper", text=profiled["label"], showarrow=False,
+                           font=dict(size=11, color="#b06000"), yanchor="bottom")
     fig.update_yaxes(showgrid=False, rangemode="tozero", secondary_y=True)
     fig.update_xaxes(title_text="seconds since the run's start", row=len(panels), col=1)
     fig.update_layout(height=230 * len(panels) + 80, margin=dict(l=60, r=60, t=60, b=50), hovermode="x unified",

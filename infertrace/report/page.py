@@ -14,6 +14,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
+from infertrace.analyze.html import _display as analyze_display
+from infertrace.analyze.html import _table as analyze_table
 from infertrace.load.findings import Finding
 from infertrace.load.records import RequestResult
 from infertrace.load.scrape import ScrapeSeries
@@ -21,7 +23,7 @@ from infertrace.load.telemetry import TelemetrySeries
 from infertrace.report.figures import (latency_data, latency_figure, phases_data, phases_figure, timeline_data,
                                        timeline_figure)
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2  # 2: the timeline's profile window is the span its trace covers, with its label
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:1.5rem auto;max-width:1320px;color:#222;
 padding:0 1rem}
@@ -29,7 +31,7 @@ h1{font-size:1.4rem;margin-bottom:.2rem}h2{font-size:1.1rem;margin-top:1.8rem;bo
 padding-bottom:.2rem}
 table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0}
 th,td{padding:.25rem .6rem;border-bottom:1px solid #eee;text-align:left;vertical-align:top}
-th{background:#f6f6f6}td.n{text-align:right;font-variant-numeric:tabular-nums}
+th{background:#f6f6f6}td.n,th.n{text-align:right;font-variant-numeric:tabular-nums}
 .findings td:first-child{font-weight:600}.rule{color:#666;font-family:monospace}
 .note{color:#555;font-size:.85rem}.none{color:#2a7a2a}
 """
@@ -37,15 +39,17 @@ th{background:#f6f6f6}td.n{text-align:right;font-variant-numeric:tabular-nums}
 
 def report_document(results: list[RequestResult], origin: float, *, scrape: ScrapeSeries | None = None,
                     telemetry: TelemetrySeries | None = None, findings: list[Finding] = (),
-                    profile_window: tuple[float, float] | None = None, result: dict | None = None,
-                    phases: pd.DataFrame | None = None, steps: pd.DataFrame | None = None,
-                    title: str = "infertrace run report") -> dict:
-    """The report as JSON-able data. `origin` is the run's start on the records' clock; `result` is the run's
-    result (as `--result-json` writes it); `phases` is the profiler window's `analyze` phase summary."""
+                    profile_window: tuple[float, float] | None = None, trace_span_s: float | None = None,
+                    result: dict | None = None, phases: pd.DataFrame | None = None,
+                    steps: pd.DataFrame | None = None, title: str = "infertrace run report") -> dict:
+    """The report as JSON-able data. `origin` is the run's start on the records' clock; `profile_window` the
+    profiler's start and stop calls on that clock and `trace_span_s` how long its trace covers (figures.
+    profiled_span); `result` is the run's result (as `--result-json` writes it); `phases` is the profiled window's
+    `analyze` phase summary, kept as numbers (shares as fractions) as `analyze --json` keeps it."""
     return {
         "report_version": REPORT_VERSION, "title": title,
         "findings": [f.to_json() for f in findings],
-        "timeline": timeline_data(results, origin, scrape, telemetry, profile_window),
+        "timeline": timeline_data(results, origin, scrape, telemetry, profile_window, trace_span_s),
         "latency": latency_data(results),
         "phases": None if phases is None else _records(phases),
         "steps": None if steps is None or steps.empty else phases_data(steps),
@@ -78,7 +82,7 @@ def render_html(doc: dict) -> str:
         parts.append("".join(f'<p class="note">{escape(n)}</p>' for n in doc["notes"]))
     parts.append("<h2>Timeline</h2>" + _figure_html(timeline, "timeline"))
     if doc.get("phases"):
-        parts.append("<h2>Profiler window: inference phases</h2>" + _table_html(doc["phases"]))
+        parts.append("<h2>Profiler window: inference phases</h2>" + _phases_html(doc["phases"]))
     if doc.get("steps"):
         parts.append("<h2>Profiler window: each step</h2>" + _figure_html(phases_figure(doc["steps"]), "steps"))
     parts.append("<h2>Latency distributions</h2>" + _figure_html(latency, "latency"))
@@ -106,7 +110,8 @@ def _figure_html(fig: go.Figure, div_id: str) -> str:
 
 def _findings_html(findings: list[dict]) -> str:
     if not findings:
-        return '<p class="none">No rule fired: no queueing, KV pressure, clock fall or client bottleneck seen.</p>'
+        return ('<p class="none">No rule fired: no queueing, KV pressure, clock fall, client bottleneck or CPU-bound '
+                "step type seen.</p>")
     rows = "".join(
         f"<tr><td>{escape(f['what'])}</td><td class='n'>{_when(f['when_s'])}</td>"
         f"<td>{escape(f['evidence'])}</td><td class='rule'>{escape(f['rule'])}</td></tr>" for f in findings)
@@ -116,6 +121,12 @@ def _findings_html(findings: list[dict]) -> str:
 
 def _when(when_s: float | None) -> str:
     return "-" if when_s is None else f"{when_s:.1f}"
+
+
+def _phases_html(rows: list[dict]) -> str:
+    """The phase summary as `infertrace analyze --html` shows it: the same function, so the same percentages and
+    column names."""
+    return analyze_table(analyze_display("phases", pd.DataFrame(rows)))
 
 
 def _table_html(rows: list[dict]) -> str:

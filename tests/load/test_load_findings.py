@@ -2,12 +2,14 @@
 
 import json
 
+import pandas as pd
 from rich.console import Console
 
 from infertrace.load.findings import (
     Finding,
-    clock_drops,
     client_bottleneck,
+    clock_drops,
+    cpu_bound_steps,
     find_all,
     findings_table,
     kv_pressure,
@@ -114,10 +116,48 @@ def test_client_bottleneck_silent_with_headroom():
     assert client_bottleneck([], ORIGIN, client_cpu=None, client_lag_p99_ms=None) is None
 
 
+def _phases(*rows):
+    """analyze's phase summary: (type, steps, step mean ms, GPU busy share, host-wait share, kernels/step, verdict)."""
+    return pd.DataFrame([{"type": t, "steps": n, "bs": 8.0, "toks": None, "step_mean (ms)": ms, "step_p50 (ms)": ms,
+                          "step_p99 (ms)": 1.5 * ms, "cpu_mean (ms)": ms, "spacing_p50 (ms)": ms,
+                          "gpu_busy_share": busy, "host_wait_share": host, "kernels_per_step": k, "verdict": v}
+                         for t, n, ms, busy, host, k, v in rows])
+
+
+WINDOW = (ORIGIN + 30.0, ORIGIN + 40.0)
+
+
+def test_cpu_bound_fires_per_cpu_bound_step_type():
+    phases = _phases(("DECODE", 400, 21.4, 0.91, 0.03, 310.0, "GPU-bound"),
+                     ("PREFILL", 12, 40.2, 0.098, 0.89, 1210.0, "CPU-bound"),
+                     ("MIXED", 57, 64.0, 0.30, 0.52, 402.0, "CPU-bound"))
+    found = cpu_bound_steps(phases, ORIGIN, WINDOW)
+    assert [f.rule for f in found] == ["cpu_bound", "cpu_bound"] and [f.when_s for f in found] == [30.0, 30.0]
+    prefill = found[0]
+    assert prefill.what == ("PREFILL steps were CPU-bound in the profiled window: the GPU waited for the host 89% "
+                            "of their time")
+    for part in ("GPU busy 9.8%", "host wait 89.0%", "step time 40.20 ms mean, 60.30 ms p99",
+                 "1210.0 kernels per step", "over 12 steps", "host wait >= GPU busy"):
+        assert part in prefill.evidence, part
+    assert found[1].what.startswith("MIXED steps were CPU-bound")
+    assert cpu_bound_steps(phases, ORIGIN, None)[0].when_s is None  # a window of unknown time
+
+
+def test_cpu_bound_silent_on_gpu_bound_or_mixed_steps_and_without_phases():
+    phases = _phases(("DECODE", 400, 21.4, 0.91, 0.03, 310.0, "GPU-bound"),
+                     ("PREFILL", 12, 40.2, 0.55, 0.40, 1210.0, "mixed"),
+                     ("IDLE", 3, 0.2, 0.0, 0.0, 0.0, "no GPU work"))
+    assert cpu_bound_steps(phases, ORIGIN, WINDOW) == []
+    assert cpu_bound_steps(None, ORIGIN, WINDOW) == [] and cpu_bound_steps(pd.DataFrame(), ORIGIN, WINDOW) == []
+
+
 def test_find_all_and_the_same_record_in_json_and_table():
     scrape = _scrape(kv=lambda i: 0.99, preemptions=lambda i: i)
     found = find_all([], ORIGIN, scrape=scrape, client_cpu=0.1)
     assert [f.rule for f in found] == ["kv_pressure"]
+    cpu = _phases(("PREFILL", 12, 40.2, 0.098, 0.89, 1210.0, "CPU-bound"))
+    assert [f.rule for f in find_all([], ORIGIN, scrape=scrape, phases=cpu, profile_window=WINDOW)] == \
+        ["kv_pressure", "cpu_bound"]
     doc = json.loads(json.dumps([f.to_json() for f in found]))
     assert doc == [{"rule": "kv_pressure", "what": found[0].what, "when_s": 0.0, "evidence": found[0].evidence}]
     console = Console(width=200, record=True)

@@ -4,10 +4,12 @@ report of the same run."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 from click.testing import CliRunner
 
 from infertrace.cli import main
+from infertrace.load.observe import Observed, profiled_window, run_findings
 
 
 def bench(*args):
@@ -91,3 +93,29 @@ def test_random_without_a_tokenizer_sends_token_ids_and_counts_input_from_usage(
     assert doc["total_input_tokens"] == 5 * 5  # the stand-in reports 5 prompt tokens a request
     res = bench("--base-url", standin.url, "--endpoint", "chat", "--num-prompts", 2, "--warmup", 0)
     assert res.exit_code == 2 and "only /v1/completions takes" in res.output
+
+
+def _profiled_record(trace_files, report):
+    observed = Observed(origin=100.0, profile_window=(130.0, 140.0))
+    return SimpleNamespace(results=[], observed=observed, profile={"trace_files": trace_files}, client_cpu=None,
+                           client_lag=SimpleNamespace(p99=None), config=SimpleNamespace(report=report))
+
+
+def test_findings_analyse_the_profiled_window_only_for_a_report(tmp_path, monkeypatch):
+    from infertrace.analyze import capture
+
+    trace = tmp_path / "a.pt.trace.json"
+    trace.write_text('{"traceEvents": []}')
+    loads = []
+    monkeypatch.setattr(capture, "load_capture", lambda path, *a, **k: loads.append(path) or 1 / 0)
+    record = _profiled_record([str(trace)], report=None)
+    assert run_findings(record) == [] and loads == []  # --result-json alone: the traces are left alone
+    assert record.observed.profiled is None
+    json.dumps(record.observed.to_json())
+
+
+def test_a_profiled_window_not_on_this_host_is_a_note_not_an_analysis():
+    record = _profiled_record(["/p/a.pt.trace.json.gz"], report="run.html")
+    window = profiled_window(record)
+    assert window.phases is None and window.trace_span_s is None and "not on this host" in window.note
+    assert profiled_window(_profiled_record([], report="run.html")) is None

@@ -30,7 +30,7 @@ def test_in_flight_and_per_second_throughput():
     # request 0: events at 0.5, 0.9, 1.3, 1.7 s; request 1: 1 token at 0.5 s, 3 tokens at 1.5 s
     assert data["throughput"] == {"t_s": [0.0, 1.0], "output_tok_s": [3.0, 5.0]}
     assert data["requests"]["index"] == [1, 0] and data["requests"]["ttft_ms"] == [300.0, 500.0]  # by completion
-    assert data["server"] is None and data["gpu"] is None and data["profile_window_s"] is None
+    assert data["server"] is None and data["gpu"] is None and data["profile_window"] is None
     json.dumps(data, allow_nan=False)
 
 
@@ -41,7 +41,7 @@ def test_unknown_chunk_tokens_spread_the_usage_count():
 
 def test_timeline_panels_follow_the_data(run):
     full = timeline_data(run["results"], run["origin"], run["scrape"], run["telemetry"], run["profile_window"])
-    assert full["profile_window_s"] == [30.0, 40.0]
+    assert full["profile_window"]["window_s"] == [30.0, 40.0]  # no trace span given: start to stop
     json.dumps(full, allow_nan=False)
     fig = timeline_figure(full)
     titles = [a.text for a in fig.layout.annotations]
@@ -50,6 +50,23 @@ def test_timeline_panels_follow_the_data(run):
     bare = timeline_figure(timeline_data(run["results"], run["origin"]))
     assert not any(a.text.startswith(("server", "GPU")) for a in bare.layout.annotations)
     assert not bare.layout.shapes
+
+
+def test_the_band_lasts_the_trace_span_from_the_start_call(run):
+    # --profile-steps: the server stopped by itself after 2.5 s of trace; bench's stop call came at 40 s
+    data = timeline_data(run["results"], run["origin"], profile_window=run["profile_window"], trace_span_s=2.5)
+    assert data["profile_window"] == {"window_s": [30.0, 32.5], "calls_s": [30.0, 40.0], "trace_span_s": 2.5,
+                                      "label": "profiled window (2.50 s traced, from the start call)"}
+    fig = timeline_figure(data)
+    assert any(s.type == "rect" and s.x0 == 30.0 and s.x1 == 32.5 for s in fig.layout.shapes)
+    assert any(a.text == data["profile_window"]["label"] for a in fig.layout.annotations)
+    # a span longer than start to stop (clocks that disagree) is cut at the stop call, and says so
+    long = timeline_data(run["results"], run["origin"], profile_window=run["profile_window"], trace_span_s=12.0)
+    assert long["profile_window"]["window_s"] == [30.0, 40.0] and "cut at the stop call" in \
+        long["profile_window"]["label"]
+    unknown = timeline_data(run["results"], run["origin"], profile_window=run["profile_window"])
+    assert unknown["profile_window"]["label"] == "profiler start to stop (the trace's span is unknown)"
+    assert any(a.text == unknown["profile_window"]["label"] for a in timeline_figure(unknown).layout.annotations)
 
 
 def test_latency_data_and_figure(run):

@@ -41,6 +41,20 @@ def test_page_is_self_contained_with_plotly_inlined_once(run, tmp_path):
     assert "Profiler window: inference phases" in html and "GPU-bound" in html
 
 
+def test_phases_table_is_analyze_s_own(run):
+    import pandas as pd
+
+    from infertrace.analyze.html import _display, _table
+
+    html = render_html(_doc(run))
+    # the very table `infertrace analyze --html` draws: shares in percent, its column names
+    assert _table(_display("phases", run["phases"])) in html
+    assert "gpu busy share (%)" in html and "91.0%" in html and "gpu_busy_share" not in html
+    assert ">0.91<" not in html
+    # from the document alone (its JSON holds the fractions, nulls for NaN)
+    assert _table(_display("phases", pd.DataFrame(_doc(run)["phases"]))) in html
+
+
 def test_page_without_server_gpu_or_findings(run):
     html = render_html(_doc(run, scrape=None, telemetry=None, findings=[], phases=None, result=None,
                             profile_window=None))
@@ -59,10 +73,16 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
 def test_charts_draw_in_headless_chromium_without_errors(run, tmp_path, browse):
     path = tmp_path / "run.html"
-    path.write_text(render_html(_doc(run)))
+    path.write_text(render_html(_doc(run, trace_span_s=2.5)))
     result, done = browse(path)
     assert result["errors"] == []
     assert result["svgs"] >= 2 and done.stdout.count('class="main-svg"') >= 4  # both figures drew
+    # the profiled window's band and its label drew, and the phases table is in analyze's format
+    assert "profiled window (2.50 s traced, from the start call)" in done.stdout
+    bands = re.findall(r'class="shape-group"[^>]*><path[^>]* d="M([\d.]+),[\d.]+H([\d.]+)V[^"]*" style="[^"]*'
+                       r'fill: rgb\(255, 165, 0\)', done.stdout)
+    assert bands and all(float(x1) > float(x0) for x0, x1 in bands)  # one drawn band a panel, of some width
+    assert "gpu busy share (%)" in done.stdout and "91.0%" in done.stdout
     assert "Uncaught" not in done.stderr and not re.search(r"CONSOLE.*(Error|error)", done.stderr)
 
 
