@@ -32,6 +32,7 @@ from infertrace.load.metrics import (
     compute_metrics,
     from_scheduled,
     token_count_checks,
+    token_count_warnings,
 )
 from infertrace.load.observe import Observed, Observer
 from infertrace.load.records import RequestResult, RequestSpec
@@ -45,10 +46,6 @@ from infertrace.load.workers import Fleet
 
 CLIENT_CPU_WARN = 0.8  # share of one core used by the load generator's event-loop thread
 CLIENT_LAG_WARN_S = 0.010  # p99 of send lateness that is the client's own (slot waits excluded)
-TOKEN_CHECK_NOTES = {  # what a flagged count means, after its name
-    "output_token_disagreements": ": the server's usage differs from the tokenizer's count of the text (the "
-    "figures use usage; ids that do not survive detokenizing, as from random weights, differ too)",
-}
 
 
 class Interrupted(Exception):
@@ -156,15 +153,7 @@ class PointRecord:
     @property
     def token_count_warnings(self) -> list[str]:
         """Where token counts are estimated or disagree between the server and our tokenizer."""
-        out = []
-        if self.metrics.output_token_sources.get("chunks"):
-            out.append("no usage and no tokenizer: output tokens were counted as one per text event; pass "
-                       "--tokenizer DIR")
-        for name, count in self.token_checks.items():
-            if count:
-                out.append(f"{count} request(s) with {name.replace('_', ' ')}{TOKEN_CHECK_NOTES.get(name, '')} "
-                           "(see --requests-jsonl)")
-        return out
+        return token_count_warnings(self.token_checks, bool(self.metrics.output_token_sources.get("chunks")))
 
 
 def build_specs(cfg: BenchConfig, tokenizer, n: int, stream: str, point: int = 0,

@@ -19,6 +19,7 @@ from infertrace.load.config import BenchConfig
 from infertrace.load.dataset import DatasetError
 from infertrace.load.fdlimit import OpenFileLimitError, ensure_open_files
 from infertrace.load.findings import findings_table
+from infertrace.load.metrics import sum_token_checks, token_count_warnings
 from infertrace.load.observe import run_findings
 from infertrace.load.outputs import OutputError, check_writable
 from infertrace.load.render import LiveProgress, summary_table, sweep_table
@@ -80,9 +81,7 @@ def execute(cfg: BenchConfig) -> int:
         out_console.print(summary_table(records[0]))
     else:
         out_console.print(sweep_table(records, cfg.sweep_param))
-    for record in records:
-        for warning in record.warnings:
-            err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    print_warnings(records)
     if cfg.report and records and (findings := run_findings(records[-1])):
         err_console.print(findings_table(findings))
     paths = cfg.output_paths()
@@ -107,6 +106,16 @@ def execute(cfg: BenchConfig) -> int:
     return code
 
 
+def print_warnings(records: list[PointRecord]) -> None:
+    """Each run's headroom warnings, then the token-count warnings of all runs together, once: a sweep or a
+    search repeats the same cause at every point."""
+    lines = [w for record in records for w in record.headroom_warnings]
+    lines += token_count_warnings(sum_token_checks([r.token_checks for r in records]),
+                                  any(r.metrics.output_token_sources.get("chunks") for r in records))
+    for warning in lines:
+        err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+
+
 def write_run_report(path: str, record: PointRecord):
     from infertrace.load.result import point_result
     from infertrace.report import write_report
@@ -122,9 +131,7 @@ def finish_capacity(capacity, cfg: BenchConfig, target) -> int:
     from infertrace.load.result import capacity_document, write_json
 
     out_console.print(capacity_table(capacity))
-    for record in capacity.records:
-        for warning in record.warnings:
-            err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    print_warnings(capacity.records)
     try:
         if cfg.result_json:
             _info(f"result: {write_json(cfg.result_json, capacity_document(capacity, cfg.to_json(), target))}")

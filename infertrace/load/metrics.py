@@ -134,15 +134,59 @@ def compute_metrics(results: list[RequestResult], slo: dict[str, float] | None =
 
 def token_count_checks(results: list[RequestResult], compare_prompts: bool) -> dict[str, int]:
     """Disagreements worth flagging: the target's usage against our tokenizer's count of the output text, and
-    (where the prompt is sent verbatim, not wrapped in a chat template) against the prompt's built length."""
+    (where the prompt is sent verbatim, not wrapped in a chat template) against the prompt's built length; with how
+    many of each were compared, which is what tells the cause of a disagreement (`token_count_warnings`)."""
     done = [r for r in results if r.success]
+    outputs = [r for r in done if r.tokenizer_output_tokens is not None]
+    prompts = [r for r in done if compare_prompts and r.prompt_tokens is not None
+               and r.expected_prompt_tokens is not None]
     return {
-        "output_token_disagreements": sum(
-            r.tokenizer_output_tokens is not None and r.tokenizer_output_tokens != r.output_tokens for r in done),
-        "input_token_mismatches": sum(
-            compare_prompts and r.prompt_tokens is not None and r.expected_prompt_tokens is not None
-            and r.prompt_tokens != r.expected_prompt_tokens for r in done),
+        "output_token_disagreements": sum(r.tokenizer_output_tokens != r.output_tokens for r in outputs),
+        "output_tokens_compared": len(outputs),
+        "input_token_mismatches": sum(r.prompt_tokens != r.expected_prompt_tokens for r in prompts),
+        "input_tokens_compared": len(prompts),
     }
+
+
+def sum_token_checks(checks: list[dict[str, int]]) -> dict[str, int]:
+    """The checks of several runs (sweep points, --find-max runs) as one run's."""
+    out: dict[str, int] = {}
+    for c in checks:
+        for name, count in c.items():
+            out[name] = out.get(name, 0) + count
+    return out
+
+
+def token_count_warnings(checks: dict[str, int], chunk_counted: bool) -> list[str]:
+    """What flagged token counts mean, one line per kind of flag, with its cause where the run shows it.
+
+    Our tokenizer's count of a response's text differs from the server's usage when the generated ids do not
+    round-trip: decoding them and encoding the text again gives other ids (BPE merges tokens across the ids'
+    boundaries), which is what a model with random weights generates nearly every time. That is the cause, not a
+    miscount, when the tokenizer is shown to be the server's: every prompt compared was counted alike by both.
+    """
+    out = []
+    if chunk_counted:
+        out.append("no usage and no tokenizer: output tokens were counted as one per text event; pass "
+                   "--tokenizer DIR")
+    disagree, compared = checks.get("output_token_disagreements", 0), checks.get("output_tokens_compared", 0)
+    mismatched, prompts = checks.get("input_token_mismatches", 0), checks.get("input_tokens_compared", 0)
+    of = f" of {compared}" if compared else ""
+    if disagree and prompts and not mismatched:
+        out.append(f"output tokens: the server's usage differs from our tokenizer's count of the text in {disagree}"
+                   f"{of} request(s) because the generated ids do not round-trip (decoding them and encoding the "
+                   f"text gives other ids, as a model with random weights generates); the tokenizer is the "
+                   f"server's (all {prompts} prompts counted alike), so usage is right and the figures use it")
+    elif disagree:
+        out.append(f"output tokens: the server's usage differs from our tokenizer's count of the text in {disagree}"
+                   f"{of} request(s); the figures use usage. Either the generated ids do not round-trip (random "
+                   "weights), or --tokenizer is not the server's"
+                   + (f" (prompts: {mismatched} of {prompts} counted differently)" if mismatched else "")
+                   + " (see --requests-jsonl)")
+    elif mismatched:
+        out.append(f"input tokens: the server counted {mismatched} of {prompts} prompt(s) differently from their "
+                   "built length: --tokenizer may not be the server's (see --requests-jsonl)")
+    return out
 
 
 def vllm_keys(m: Metrics) -> dict:

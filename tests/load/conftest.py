@@ -2,8 +2,12 @@
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 from aiohttp import web
@@ -157,3 +161,37 @@ def prompts_jsonl(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"prompt {i}", "max_tokens": 4 + i % 3}) + "\n" for i in range(6)))
     return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def served_tiny(tiny_model_dir, tmp_path):
+    """`infertrace serve` on the tiny model (random weights) in a subprocess, with KV room for a whole trace replay
+    (no eviction)."""
+    port = _free_port()
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "infertrace", "serve", "--model", str(tiny_model_dir), "--port",
+                             str(port), "--kv-cache-tokens", "131072"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()

@@ -318,3 +318,20 @@ def test_the_result_carries_every_key_vllm_bench_serve_writes_with_its_type(stan
     # in it and every output event (one token each here) fell in it
     assert doc["max_concurrent_requests"] == 6
     assert doc["max_output_tokens_per_s"] == doc["total_output_tokens"]
+
+
+@pytest.mark.slow
+def test_a_random_weight_model_gets_one_token_count_warning_with_its_cause(served_tiny, tiny_model_dir, tmp_path):
+    """`infertrace serve` on random weights: nearly every response's ids re-encode to other ids. A sweep of two
+    points says so once, naming the cause (the prompts show the tokenizer is the server's), not once per point."""
+    out = tmp_path / "r.json"
+    res = invoke("--base-url", served_tiny, "--tokenizer", tiny_model_dir, "--input-len", 12, "--output-len", 8,
+                 "--ignore-eos", "--num-prompts", 6, "--warmup", 0, "--sweep", "concurrency=2,3",
+                 "--result-json", out, "--plot", tmp_path / "s.png")
+    assert res.exit_code == 0, res.output
+    lines = [x for x in res.stderr.splitlines() if x.startswith("warning:")]
+    token_lines = [x for x in lines if "output tokens" in x or "token disagreement" in x]
+    assert len(token_lines) == 1, lines
+    assert "do not round-trip" in token_lines[0] and "all 12 prompts counted alike" in token_lines[0]
+    runs = json.loads(out.read_text())["runs"]
+    assert all(r["output_token_disagreements"] > 0 and r["input_token_mismatches"] == 0 for r in runs)

@@ -70,21 +70,38 @@ def test_token_count_checks():
     rs = results()
     rs[0].tokenizer_output_tokens = 5
     rs[1].prompt_tokens = 21
-    assert token_count_checks(rs, compare_prompts=True) == {"output_token_disagreements": 1,
-                                                           "input_token_mismatches": 1}
+    assert token_count_checks(rs, compare_prompts=True) == {
+        "output_token_disagreements": 1, "output_tokens_compared": 1,
+        "input_token_mismatches": 1, "input_tokens_compared": 2}
     assert token_count_checks(rs, compare_prompts=False)["input_token_mismatches"] == 0
 
 
-def test_flagged_token_counts_become_warnings_that_say_what_they_mean():
+def test_flagged_token_counts_become_one_warning_each_that_says_the_cause_where_the_run_shows_it():
+    from infertrace.load.metrics import sum_token_checks, token_count_warnings
+
     record = PointRecord(config=None, results=[], warmup_results=[], metrics=compute_metrics([]),
-                         token_checks={"output_token_disagreements": 3, "input_token_mismatches": 0},
+                         token_checks={"output_token_disagreements": 3, "output_tokens_compared": 4,
+                                       "input_token_mismatches": 0, "input_tokens_compared": 4},
                          client_cpu=None, process_cpu=None, client_lag=Stats.of([]))
-    assert record.warnings == [
-        "3 request(s) with output token disagreements: the server's usage differs from the tokenizer's count of the "
-        "text (the figures use usage; ids that do not survive detokenizing, as from random weights, differ too) "
-        "(see --requests-jsonl)"]
-    record.token_checks = {"output_token_disagreements": 0, "input_token_mismatches": 2}
-    assert record.warnings == ["2 request(s) with input token mismatches (see --requests-jsonl)"]
+    # every prompt counted alike: the tokenizer is the server's, so the ids do not round-trip
+    [line] = record.warnings
+    assert "in 3 of 4 request(s) because the generated ids do not round-trip" in line
+    assert "all 4 prompts counted alike" in line and "usage is right" in line
+    # prompts counted differently too: the tokenizer may be another
+    record.token_checks = {**record.token_checks, "input_token_mismatches": 2}
+    [line] = record.warnings
+    assert "or --tokenizer is not the server's (prompts: 2 of 4 counted differently)" in line
+    # no prompt compared (chat): both causes named
+    record.token_checks = {"output_token_disagreements": 3, "output_tokens_compared": 4}
+    [line] = record.warnings
+    assert "Either the generated ids do not round-trip (random weights), or --tokenizer" in line
+    record.token_checks = {"output_token_disagreements": 0, "input_token_mismatches": 2, "input_tokens_compared": 3}
+    assert record.warnings == ["input tokens: the server counted 2 of 3 prompt(s) differently from their built "
+                               "length: --tokenizer may not be the server's (see --requests-jsonl)"]
+    # several runs: one warning over all of them
+    runs = [{"output_token_disagreements": 2, "output_tokens_compared": 2, "input_tokens_compared": 2}] * 3
+    [line] = token_count_warnings(sum_token_checks(runs), chunk_counted=False)
+    assert "in 6 of 6 request(s)" in line and "all 6 prompts" in line
 
 
 def test_peak_per_second_buckets_as_vllm_bench_serve():

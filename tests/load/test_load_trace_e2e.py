@@ -4,11 +4,6 @@ server's own prefix-cache hits over the run match the reuse the trace implies, i
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,39 +12,6 @@ from click.testing import CliRunner
 from infertrace.load.command import bench
 
 TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "workloads" / "mooncake_conversation_first2000.jsonl"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def served_tiny(tiny_model_dir, tmp_path):
-    """`infertrace serve` in a subprocess with KV room for the whole replay (no eviction)."""
-    port = _free_port()
-    log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "infertrace", "serve", "--model", str(tiny_model_dir), "--port",
-                             str(port), "--kv-cache-tokens", "131072"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
 
 
 @pytest.mark.slow
