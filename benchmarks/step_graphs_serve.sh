@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # `infertrace serve` under an open-loop load of long prompts, with prefill and mixed steps replayed from
 # token-count CUDA graphs and then run eagerly (--no-prefill-cuda-graphs), one server after the other on the same
-# requests; each run captures 20 steps through /start_profile for `infertrace analyze`. Results land in OUTDIR.
+# requests. After each measured run, a shorter profiled run at the same rate captures PROFILE_STEPS steps through
+# /start_profile for `infertrace analyze` (enough steps to pass the first arrivals and hold mixed steps; the
+# measured run is not profiled, so the profiler's cost stays out of its percentiles). Results land in OUTDIR.
 #
 #   bash benchmarks/step_graphs_serve.sh [PRESET] [OUTDIR]
 #   bash benchmarks/step_graphs_serve.sh qwen3-0.6b /tmp/step_graphs_serve
-#   (env: PORT 8000, RATE 60, NUM_PROMPTS 1200, INPUT_LEN 512, OUTPUT_LEN 128, MODES "graphs eager")
+#   (env: PORT 8000, RATE 60, NUM_PROMPTS 1200, INPUT_LEN 512, OUTPUT_LEN 128, MODES "graphs eager",
+#    PROFILE_PROMPTS 300, PROFILE_STEPS 300)
 set -euo pipefail
 preset=${1:-qwen3-0.6b}
 out=${2:-/tmp/step_graphs_serve}
@@ -15,6 +18,8 @@ num_prompts=${NUM_PROMPTS:-1200}
 input_len=${INPUT_LEN:-512}
 output_len=${OUTPUT_LEN:-128}
 modes=${MODES:-graphs eager}
+profile_prompts=${PROFILE_PROMPTS:-300}
+profile_steps=${PROFILE_STEPS:-300}
 mkdir -p "$out"
 
 if command -v infertrace >/dev/null; then it=(infertrace); else it=(python3 -c 'from infertrace.cli import main; main()'); fi
@@ -49,10 +54,13 @@ for mode in $modes; do
   done
   stamp "server ready after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
   curl -s "http://127.0.0.1:$port/server_info" >"$out/server_info-$mode.json" || true
-  "${it[@]}" bench --base-url "http://127.0.0.1:$port" --tokenizer "$model" --request-rate "$rate" \
-    --input-len "$input_len" --output-len "$output_len" --ignore-eos --seed 0 --warmup 8 --num-prompts "$num_prompts" \
-    --profile --profile-steps 20 --result-json "$out/$mode.json"
+  load=(--base-url "http://127.0.0.1:$port" --tokenizer "$model" --request-rate "$rate" --input-len "$input_len"
+        --output-len "$output_len" --ignore-eos --seed 0 --warmup 8)
+  "${it[@]}" bench "${load[@]}" --num-prompts "$num_prompts" --result-json "$out/$mode.json"
   curl -s "http://127.0.0.1:$port/metrics" >"$out/metrics-$mode.txt" || true
+  stamp "profiled run ($mode)"
+  "${it[@]}" bench "${load[@]}" --num-prompts "$profile_prompts" --profile --profile-steps "$profile_steps" \
+    --result-json "$out/$mode-profiled.json"
   stop_server
 done
 
@@ -65,5 +73,18 @@ for mode in sys.argv[2:]:
     r = r.get("runs", [r])[0]
     print(f"{mode:<8}{r['output_throughput']:>10,.0f}{'':6}{r['median_ttft_ms']:>9.1f}{r['p99_ttft_ms']:>9.1f}"
           f"{r['median_tpot_ms']:>9.2f}{r['median_itl_ms']:>9.2f}{r['p99_itl_ms']:>9.1f}")
+    try:  # the server's step_duration_seconds over the measured run, mean per step kind
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError:
+        continue
+    sums = {}
+    for family in text_string_to_metric_families((out / f"metrics-{mode}.txt").read_text()):
+        if family.name.endswith("step_duration_seconds"):
+            for s in family.samples:
+                field = "sum" if s.name.endswith("_sum") else "count" if s.name.endswith("_count") else None
+                if field:
+                    sums.setdefault(s.labels.get("kind"), {})[field] = s.value
+    print("    step mean (ms): " + ", ".join(f"{k} {1e3 * v['sum'] / v['count']:.2f} over {v['count']:.0f}"
+                                           for k, v in sorted(sums.items()) if v.get("count")))
 PY
 stamp "done"

@@ -99,13 +99,15 @@ def test_tile_list_grid_matches_the_per_sequence_grid(dtype, heads, kv_heads):
     from infertrace.engine.kernels.paged_attention import paged_attention
 
     torch.manual_seed(1)
-    dev, dim, block_size, num_blocks, bucket, max_seqs = "cuda", 128, 16, 256, 512, 32
+    dev, dim, block_size, bucket, max_seqs = "cuda", 128, 16, 512, 32
+    blocks_per_seq = bucket // block_size
+    num_blocks = max_seqs * blocks_per_seq
     group = heads // kv_heads
     block_m = prefill_block_m(bucket, group)
     n_tiles = max_attention_tiles(bucket, max_seqs, group, block_m)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, device=dev, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
-    block_tables = torch.randperm(num_blocks, device=dev)[: max_seqs * 8].view(max_seqs, 8).long()
+    block_tables = torch.randperm(num_blocks, device=dev).view(max_seqs, blocks_per_seq)
     q = torch.randn(bucket, heads, dim, device=dev, dtype=dtype)
     cu = torch.zeros(max_seqs + 1, dtype=torch.long, device=dev)
     ctx = torch.ones(max_seqs, dtype=torch.long, device=dev)
