@@ -163,7 +163,8 @@ def main() -> None:
             print(f"nano-vllm workload, prefill_cuda_graphs={graphs}", flush=True)
             bench_nano(args.models_dir, hf=False, prefill_cuda_graphs=graphs)
     if "startup" in only:
-        bench_startup(args.models_dir, "qwen3-4b")
+        for preset in ("qwen3-0.6b", "qwen3-4b"):
+            bench_startup(args.models_dir, preset)
     if "decode" in only:
         bench_decode(args.models_dir, bw)
         bench_decode(args.models_dir, bw, prefill_cuda_graphs=False)
