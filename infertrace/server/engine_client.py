@@ -164,11 +164,13 @@ class ProcessEngine:
                 self._ready.set_result(msg.value)
         elif kind == "dead":
             self._die(f"the engine loop failed: {(msg.error or {}).get('message', 'no reason given')}")
+        elif kind == "dropped":  # this front end fell too far behind: the engine goes on without it
+            self._die(f"the engine dropped this front end: {(msg.error or {}).get('message', 'no reason given')}")
 
-    def _die(self, reason: str) -> None:
+    def _die(self, reason: str, process_gone: bool = False) -> None:
         if self.error is not None:
             return
-        if self._describe_exit is not None and "engine loop failed" not in reason:
+        if process_gone and self._describe_exit is not None:
             reason = f"{reason} ({self._describe_exit()})"
         self.error = EngineDeadError(reason)
         log.error("%s", reason)
@@ -222,7 +224,7 @@ class _Link(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.engine._closing:
-            self.engine._die("the engine process is gone")
+            self.engine._die("the engine process is gone", process_gone=True)
 
 
 class ThreadEngine:

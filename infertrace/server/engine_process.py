@@ -6,6 +6,12 @@ one message with the step's outputs for its requests. Detokenization stays here,
 strings end a request (and free its KV) in the step that produced them; measured on CPU it costs a few µs per
 token (docs/benchmarks.md).
 
+Sends never block: each front end's socket is non-blocking, and what it has not taken yet waits in a buffer of
+its own, flushed when the socket is writable, so a front end that stops reading (stopped, hung, swamped) costs
+only its own streams; the step loop and the other front ends go on. A front end whose backlog passes
+MAX_BACKLOG_BYTES is dropped: its requests are aborted (their KV freed), its backlog discarded after the frame in
+flight, and it is told why (a "dropped" message) before its socket is closed; so memory stays bounded.
+
 Lifetime: the process ends when every front end has closed its socket (requests still running are aborted first),
 when its parent process dies (a watcher thread), or after telling the front ends why its loop failed. It ignores
 SIGINT and SIGTERM: the front ends own shutdown (they drain, then close their sockets), so a signal sent to the
@@ -16,10 +22,11 @@ This module imports torch only inside `engine_main`, the spawned process's entry
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
-import multiprocessing.connection
 import os
+import selectors
 import signal
 import socket
 from dataclasses import dataclass
@@ -37,6 +44,9 @@ from infertrace.server.messages import (
 
 log = logging.getLogger("infertrace.server")
 RECV_BYTES = 1 << 20
+# Outputs a front end may leave unread before it is dropped: minutes of a busy batch's steps (a step message is
+# tens of bytes per stream), far beyond any pause of a working front end, and bounded memory per front end.
+MAX_BACKLOG_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,22 +97,56 @@ def engine_main(spec: EngineSpec, socks: list[socket.socket]) -> None:
 
 
 class _Peer:
-    """One front end: its socket, what it has sent so far, and the requests it owns."""
+    """One front end: its socket, what it has sent so far, the requests it owns, and the frames it has not taken
+    yet (the first `sent` bytes of the first frame already went out)."""
 
-    __slots__ = ("reader", "requests", "sock")
+    __slots__ = ("backlog", "backlog_bytes", "dropped", "reader", "requests", "sent", "sock", "writing")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.reader = FrameReader()
         self.requests: set[str] = set()
+        self.backlog: collections.deque[bytes] = collections.deque()
+        self.backlog_bytes = 0
+        self.sent = 0
+        self.writing = False  # the selector watches the socket for room to write
+        self.dropped = False  # told why it was dropped; closed once that is flushed
+
+    def flush(self) -> None:
+        """Send what the socket takes now, without blocking. OSError when the front end is gone."""
+        backlog = self.backlog
+        while backlog:
+            head = backlog[0]
+            n = self.sock.send(memoryview(head)[self.sent:]) if self.sent else self.sock.send(head)
+            self.sent += n
+            self.backlog_bytes -= n
+            if self.sent < len(head):
+                return  # the socket is full: the rest waits until it is writable
+            backlog.popleft()
+            self.sent = 0
+
+    def discard_backlog(self) -> None:
+        """Forget every frame not yet begun; the one in flight is kept, so the stream stays whole frames."""
+        in_flight = self.backlog[0] if self.sent else None
+        self.backlog.clear()
+        self.backlog_bytes = 0
+        if in_flight is not None:
+            self.backlog.append(in_flight)
+            self.backlog_bytes = len(in_flight) - self.sent
 
 
 class EngineLoop:
-    def __init__(self, engine: Any, services: Any, socks: list[socket.socket]) -> None:
+    def __init__(self, engine: Any, services: Any, socks: list[socket.socket],
+                 max_backlog_bytes: int = MAX_BACKLOG_BYTES) -> None:
         self.engine = engine
         self.services = services
+        self.max_backlog_bytes = max_backlog_bytes
         self.peers = {sock: _Peer(sock) for sock in socks}
         self.owner: dict[str, _Peer] = {}
+        self.selector = selectors.DefaultSelector()
+        for sock, peer in self.peers.items():
+            sock.setblocking(False)
+            self.selector.register(sock, selectors.EVENT_READ, peer)
 
     def run(self) -> int:
         """Serve until every front end is gone; the process's exit code."""
@@ -110,32 +154,50 @@ class EngineLoop:
         try:
             while self.peers:
                 busy = engine.has_unfinished()
-                for sock in multiprocessing.connection.wait(list(self.peers), timeout=0 if busy else None):
-                    peer = self.peers.get(sock)
-                    if peer is not None:
+                for key, events in self.selector.select(timeout=0 if busy else None):
+                    peer = key.data
+                    if events & selectors.EVENT_WRITE:
+                        self._flush(peer)
+                    if events & selectors.EVENT_READ and peer.sock.fileno() != -1:
                         self._read(peer)
                 if engine.has_unfinished():
                     self._step()
             return 0
         except BaseException as e:  # the loop must never die silently: every front end hears why
             log.exception("the engine loop failed")
-            _tell_all(list(self.peers), FromEngine("dead", error={"message": f"{type(e).__name__}: {e}"}))
+            self._tell_all(FromEngine("dead", error={"message": f"{type(e).__name__}: {e}"}))
             return 1
+
+    def _tell_all(self, message: FromEngine) -> None:
+        """`message` to every front end, after the frame in flight, waiting at most a second on each one."""
+        data = frame(message)
+        for peer in list(self.peers.values()):
+            peer.discard_backlog()
+            peer.backlog.append(data)
+            try:
+                peer.sock.settimeout(1.0)
+                peer.flush()
+            except OSError:
+                pass
 
     # ----- input -----
     def _read(self, peer: _Peer) -> None:
         try:
             data = peer.sock.recv(RECV_BYTES)
+        except BlockingIOError:
+            return
         except OSError:
             data = b""
         if not data:
-            self._drop(peer)
+            self._close(peer)
             return
+        if peer.dropped:
+            return  # it has not read why yet; what it asks for now is not served
         try:
             messages = [decode_to_engine(body) for body in peer.reader.feed(data)]
         except ValueError as e:  # a front end that breaks the protocol is dropped, not obeyed
             log.error("dropping a front end: %s", e)
-            self._drop(peer)
+            self._close(peer)
             return
         for message in messages:
             self._handle(peer, message)
@@ -180,14 +242,35 @@ class EngineLoop:
         if final is not None:
             self._deliver([final])
 
-    def _drop(self, peer: _Peer) -> None:
-        """A front end is gone: abort what it still had running; nobody will read those outputs."""
-        self.peers.pop(peer.sock, None)
+    def _abort_all(self, peer: _Peer) -> None:
+        """Abort what `peer` still has running; nobody will read those outputs."""
         for request_id in list(peer.requests):
             self.owner.pop(request_id, None)
             self.engine.abort(request_id)
         peer.requests.clear()
-        peer.sock.close()
+
+    def _close(self, peer: _Peer) -> None:
+        """A front end is gone (or done with): abort its requests and forget it."""
+        self.peers.pop(peer.sock, None)
+        self._abort_all(peer)
+        peer.backlog.clear()
+        peer.backlog_bytes = 0
+        if peer.sock.fileno() != -1:
+            self.selector.unregister(peer.sock)
+            peer.sock.close()
+
+    def _drop(self, peer: _Peer) -> None:
+        """A front end past its backlog bound: its requests are aborted and it is told why, after the frame in
+        flight; its socket closes once that is sent. It no longer counts among the front ends."""
+        mib = self.max_backlog_bytes / (1 << 20)
+        why = (f"this front end fell more than {mib:g} MiB of outputs behind the engine (it stopped reading); "
+               f"its {len(peer.requests)} request(s) were aborted")
+        log.error("dropping a front end: %s", why)
+        self.peers.pop(peer.sock, None)
+        self._abort_all(peer)
+        peer.discard_backlog()
+        peer.dropped = True
+        self._queue(peer, frame(FromEngine("dropped", error={"message": why})))
 
     # ----- output -----
     def _step(self) -> None:
@@ -220,10 +303,36 @@ class EngineLoop:
             self._send(peer, FromEngine("step", outputs=deltas, stats=stats))
 
     def _send(self, peer: _Peer, message: FromEngine) -> None:
-        try:
-            peer.sock.sendall(frame(message))
-        except OSError:
+        if peer.dropped:
+            return
+        self._queue(peer, frame(message))
+        if peer.backlog_bytes > self.max_backlog_bytes:
             self._drop(peer)
+
+    def _queue(self, peer: _Peer, data: bytes) -> None:
+        """Send `data` after what `peer` has not taken yet, as far as its socket takes it now; the rest waits."""
+        was_waiting = bool(peer.backlog)
+        peer.backlog.append(data)
+        peer.backlog_bytes += len(data)
+        if not was_waiting:
+            self._flush(peer)
+
+    def _flush(self, peer: _Peer) -> None:
+        if peer.sock.fileno() == -1:
+            return
+        try:
+            peer.flush()
+        except BlockingIOError:
+            pass
+        except OSError:
+            self._close(peer)
+            return
+        if peer.dropped and not peer.backlog:
+            self._close(peer)  # it has been told why
+        elif peer.writing != bool(peer.backlog):
+            peer.writing = bool(peer.backlog)
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if peer.writing else 0)
+            self.selector.modify(peer.sock, events, peer)
 
 
 def _tell_all(socks: list[socket.socket], message: FromEngine) -> None:

@@ -49,7 +49,8 @@ class ToEngine(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 class FromEngine(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Engine to front end. kind: "ready" (value: the engine's info), "step" (outputs, stats), "reply" (call_id,
     value or error), "refused" (request_id, error: the engine would not take the request), "dead" (error: why the
-    engine loop stopped; the process exits after it)."""
+    engine loop stopped; the process exits after it), "dropped" (error: why the engine let this front end go, its
+    requests aborted; the socket closes after it)."""
 
     kind: str
     outputs: list[Delta] = []

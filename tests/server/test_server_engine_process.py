@@ -312,3 +312,222 @@ async def test_a_stream_to_an_http_1_0_client_is_not_chunked(serve_tiny):
     events = _events(body)
     assert events[-1] == "data: [DONE]" and len(events) == 7
     assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+# ----- a front end that stops reading -----
+class _ScriptedEngine:
+    """Stands in for the Engine behind EngineLoop: every running request yields one output per step, with
+    `text_bytes` of text so that a front end that does not read falls behind fast; requests named `stuck-*`
+    never finish, the others after `tokens` steps."""
+
+    def __init__(self, tokens: int = 200, text_bytes: int = 4096, step_s: float = 0.001) -> None:
+        import threading
+
+        self.tokens, self.text, self.step_s = tokens, "x" * text_bytes, step_s
+        self.running: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self.counters = {"steps": 0}
+        self.last_step = None
+        self.lock = threading.Lock()
+
+    num_waiting = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def add_request(self, request_id, prompt, params) -> None:
+        with self.lock:
+            self.running[request_id] = 0
+
+    def abort(self, request_id):
+        with self.lock:
+            if self.running.pop(request_id, None) is not None:
+                self.aborted.append(request_id)
+        return None
+
+    def step(self) -> list:
+        from types import SimpleNamespace
+
+        time.sleep(self.step_s)
+        outputs = []
+        with self.lock:
+            self.counters["steps"] += 1
+            for request_id in list(self.running):
+                self.running[request_id] += 1
+                done = not request_id.startswith("stuck") and self.running[request_id] >= self.tokens
+                if done:
+                    del self.running[request_id]
+                outputs.append(SimpleNamespace(request_id=request_id, new_token_ids=[7], new_text=self.text,
+                                               finished=done, finish_reason="length" if done else None,
+                                               num_prompt_tokens=1, num_output_tokens=self.running.get(request_id, 0),
+                                               num_cached_tokens=0))
+        return outputs
+
+
+class _Services:
+    def on_step(self, step) -> None:
+        pass
+
+    def command(self, name, args):
+        return "pong"
+
+
+def _engine_loop(engine, count: int, **limits):
+    """An EngineLoop on a thread over `count` socket pairs; returns it, the thread and the front ends' ends."""
+    import socket
+    import threading
+
+    from infertrace.server.engine_process import EngineLoop
+
+    pairs = [socket.socketpair() for _ in range(count)]
+    loop = EngineLoop(engine, _Services(), [theirs for _, theirs in pairs], **limits)
+    thread = threading.Thread(target=loop.run, name="engine-loop", daemon=True)
+    thread.start()
+    return loop, thread, [ours for ours, _ in pairs]
+
+
+def _messages(sock, until, deadline_s: float) -> list:
+    """Messages read from `sock` until `until(messages)` holds, the peer closes, or the deadline passes."""
+    from infertrace.server.messages import FrameReader, decode_from_engine
+
+    reader, got, deadline = FrameReader(), [], time.monotonic() + deadline_s
+    while not until(got):
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            data = sock.recv(1 << 20)
+        except TimeoutError:
+            break
+        if not data:
+            break
+        got += [decode_from_engine(body) for body in reader.feed(data)]
+    return got
+
+
+def _finished(request_id: str):
+    return lambda msgs: any(d.finished and d.request_id == request_id for m in msgs for d in m.outputs)
+
+
+def test_a_front_end_that_stops_reading_does_not_stall_the_engine_or_the_others():
+    from infertrace.server.messages import ToEngine, frame
+
+    engine = _ScriptedEngine(tokens=300)
+    loop, thread, (fast, stuck) = _engine_loop(engine, 2)
+    try:
+        for i in range(4):  # 4 KiB a step each, never read: past any socket buffer within a few steps
+            stuck.sendall(frame(ToEngine("add", request_id=f"stuck-{i}", prompt=[1])))
+        time.sleep(0.2)
+        started = time.monotonic()
+        fast.sendall(frame(ToEngine("add", request_id="fast-0", prompt=[1])))
+        got = _messages(fast, _finished("fast-0"), deadline_s=20)
+        elapsed = time.monotonic() - started
+        deltas = [d for m in got for d in m.outputs]
+        assert [d.finished for d in deltas] == [False] * 299 + [True], f"{len(deltas)} outputs in {elapsed:.1f}s"
+        assert elapsed < 10  # 300 steps of 1 ms: the stalled front end adds no waiting of its own
+        assert sorted(engine.running) == [f"stuck-{i}" for i in range(4)]  # below the bound: kept running
+        assert engine.aborted == []
+    finally:
+        fast.close(), stuck.close()
+        thread.join(10)
+    assert not thread.is_alive()  # every front end gone: the loop ends
+
+
+def test_a_front_end_past_its_backlog_bound_is_dropped_and_its_requests_aborted():
+    from infertrace.server.messages import ToEngine, frame
+
+    engine = _ScriptedEngine(tokens=100)
+    loop, thread, (fast, stuck) = _engine_loop(engine, 2, max_backlog_bytes=1 << 20)
+    try:
+        stuck.sendall(frame(ToEngine("add", request_id="stuck-0", prompt=[1])))
+        deadline = time.monotonic() + 20
+        while "stuck-0" not in engine.aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.aborted == ["stuck-0"] and engine.running == {}  # its KV is free
+        fast.sendall(frame(ToEngine("add", request_id="fast-0", prompt=[1])))
+        got = _messages(fast, _finished("fast-0"), deadline_s=20)
+        assert len([d for m in got for d in m.outputs]) == 100
+        # what the dropped front end reads once it reads again: whole frames, then why, then the end
+        backlog = _messages(stuck, lambda msgs: False, deadline_s=5)
+        assert backlog and all(m.kind == "step" for m in backlog[:-1])
+        last = backlog[-1]
+        assert last.kind == "dropped" and "fell more than 1 MiB of outputs behind" in last.error["message"]
+        assert len(loop.peers) == 1
+    finally:
+        fast.close(), stuck.close()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+async def test_a_front_end_that_stops_reading_leaves_the_engine_process_serving_the_others(tiny_model_dir):
+    """The real engine process with two front ends: ours, and a bare socket that reads while `reading` is set,
+    its requests' outputs made large (64 KiB a step) by their request ids. When it stops reading, its outputs pile
+    up unread, and our stream goes on at the speed it had before; when it reads again, it gets whole frames."""
+    import dataclasses
+    import socket
+    import threading
+
+    from infertrace.engine import EngineConfig
+    from infertrace.server.engine_client import ProcessEngine
+    from infertrace.server.engine_process import EngineSpec, start_engine_process
+    from infertrace.server.messages import FrameReader, ToEngine, decode_from_engine, frame
+    from infertrace.server.runner import _reap
+
+    config = EngineConfig.from_overrides({"kv_cache_tokens": 16384})
+    proc, (ours, theirs) = start_engine_process(EngineSpec(str(tiny_model_dir), dataclasses.asdict(config)), 2)
+    engine = ProcessEngine(ours)
+    reading, done, received = threading.Event(), threading.Event(), []
+    reading.set()
+
+    def read_theirs() -> None:  # a front end whose event loop runs while `reading` is set
+        reader = FrameReader()
+        theirs.settimeout(0.1)
+        while not done.is_set():
+            if not reading.wait(0.1):
+                continue
+            try:
+                data = theirs.recv(1 << 20)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            received.extend(decode_from_engine(body) for body in reader.feed(data))
+
+    async def stream(request_id: str) -> float:
+        started = time.monotonic()
+        outs = [out async for out in engine.generate(request_id, [1, 2, 3], SamplingParams(max_tokens=40,
+                                                                                            ignore_eos=True))]
+        assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 40
+        return time.monotonic() - started
+
+    thread = threading.Thread(target=read_theirs, daemon=True)
+    thread.start()
+    try:
+        await asyncio.wait_for(engine.connect(), 120)
+        for i in range(4):
+            theirs.sendall(frame(ToEngine("add", request_id=f"{i}-" + "r" * (16 << 10), prompt=[1, 2, 3],
+                                          params=SamplingParams(max_tokens=4000, ignore_eos=True))))
+        before = await asyncio.wait_for(stream("before"), 60)
+        reading.clear()  # SIGSTOP, as the engine sees it
+        await asyncio.sleep(2)  # some tens of steps: past every buffer between the engine and it
+        after = await asyncio.wait_for(stream("after"), max(30.0, 10 * before))
+        reading.set()  # SIGCONT
+        await asyncio.sleep(1)
+        counts = lambda: [d.num_output_tokens for m in list(received)[1:] for d in m.outputs if d.request_id[0] == "0"]
+        resumed_at, deadline = len(counts()), time.monotonic() + 30
+        while time.monotonic() < deadline and len(counts()) < resumed_at + 5:
+            await asyncio.sleep(0.1)
+        assert received[0].kind == "ready" and all(m.kind == "step" for m in received[1:])
+        got = counts()
+        assert len(got) >= resumed_at + 5 and got == list(range(1, len(got) + 1))  # every step, in order, whole
+    finally:
+        done.set()
+        theirs.close()
+        await engine.close()
+        thread.join(5)
+        await _reap(proc)
+    assert after < 2 * before + 1.0, (before, after)
