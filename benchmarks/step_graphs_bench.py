@@ -30,66 +30,57 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-def _kernels(prof) -> tuple[float, int, int]:
-    """(kernel time in s, kernels, host launch calls) of a torch.profiler window."""
-    kernel_us, kernels, launches = 0.0, 0, 0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernel_us += e.device_time
-            kernels += 1
-        elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
-                        "cudaLaunchKernelExC"):
-            launches += 1
-    return kernel_us / 1e6, kernels, launches
+def _launches(prof) -> tuple[int, int]:
+    """(kernels, host launch calls) of a torch.profiler window."""
+    kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    launches = sum(e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                              "cudaLaunchKernelExC") for e in prof.events())
+    return kernels, launches
 
 
-def bench_prefill(root: Path, graphs: bool, repeats: int = 30) -> None:
-    """LLM.generate of one fresh 512-token prompt, max_tokens=1: wall time (median) against the GPU's kernel time."""
+def bench_prefill(root: Path, repeats: int = 30) -> None:
+    """LLM.generate of one fresh 512-token prompt, max_tokens=1, with and without token-count graphs: wall time
+    (median) against the GPU time of the same forward, the 512-token graph replayed back to back."""
     path = model_dir(root, "qwen3-0.6b")
-    t = time.perf_counter()
-    llm = LLM(path, prefill_cuda_graphs=graphs)
-    start_s = time.perf_counter() - t
-    runner = llm.engine.runner
-    label = f"qwen3-0.6b bf16, prefill_cuda_graphs={graphs}"
-    row("engine start-up (LLM(...) wall)", f"{start_s:.1f} s", label)
-    buckets = len(runner.token_graphs.buckets) if runner.token_graphs else 0
-    row("graph capture at start-up", f"{runner.graph_capture_s:.2f} s, {runner.graph_memory_bytes / 2**20:.0f} MiB",
-        f"{label}: {buckets} token buckets + {len(runner.graphs.buckets)} decode buckets")
-    rng = random.Random(7)
-    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    gpu_s = None
+    for graphs in (True, False):
+        llm = LLM(path, prefill_cuda_graphs=graphs)
+        runner = llm.engine.runner
+        label = f"qwen3-0.6b bf16, prefill_cuda_graphs={graphs}"
+        rng = random.Random(7)
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
 
-    def one() -> float:
-        prompt = [rng.randrange(1000, 100000) for _ in range(512)]  # fresh tokens: no prefix-cache hit
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate([prompt], params)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
+        def one() -> float:
+            prompt = [rng.randrange(1000, 100000) for _ in range(512)]  # fresh tokens: no prefix-cache hit
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            llm.generate([prompt], params)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
 
-    for _ in range(5):
-        one()
-    walls = [one() for _ in range(repeats)]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             one()
-    gpu_s, kernels, launches = _kernels(prof)
-    gpu_s, kernels, launches = gpu_s / 5, kernels / 5, launches / 5
-    wall = statistics.median(walls)
-    row("one 512-token prefill, LLM.generate max_tokens=1 (median of 30)",
-        f"{1e3 * wall:.2f} ms wall, {1e3 * gpu_s:.2f} ms GPU kernels = {wall / gpu_s:.2f}x",
-        f"{label}; {kernels:.0f} kernels, {launches:.0f} launch calls per call (torch.profiler, 5 calls)")
-    if runner.token_graphs is not None:
-        graph, _ = runner.token_graphs.graphs[512]
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(50):
-            graph.replay()
-        torch.cuda.synchronize()
-        row("512-token graph replay alone", f"{1e3 * (time.perf_counter() - t) / 50:.2f} ms", label)
-    del llm, runner
-    _free()
+        wall = statistics.median([one() for _ in range(repeats)])
+        if graphs:
+            graph, _ = runner.token_graphs.graphs[512]
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(50):
+                graph.replay()
+            torch.cuda.synchronize()
+            gpu_s = (time.perf_counter() - t) / 50
+            row("512-token forward on the GPU (its graph replayed back to back)", f"{1e3 * gpu_s:.2f} ms", label)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                one()
+        kernels, launches = _launches(prof)
+        row(f"one 512-token prefill, LLM.generate max_tokens=1 (median of {repeats})",
+            f"{1e3 * wall:.2f} ms = {wall / gpu_s:.2f}x the GPU time",
+            f"{label}; {kernels / 5:.0f} kernels, {launches / 5:.0f} launch calls per call (torch.profiler, 5 calls)")
+        del llm, runner
+        _free()
 
 
 def bench_startup(root: Path, preset: str) -> None:
@@ -156,8 +147,7 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     row("device-to-device copy bandwidth (read+write)", f"{bw / 1e12:.2f} TB/s")
     if "prefill" in only:
-        for graphs in (True, False):
-            bench_prefill(args.models_dir, graphs)
+        bench_prefill(args.models_dir)
     if "nano" in only:
         for graphs in (True, False):
             print(f"nano-vllm workload, prefill_cuda_graphs={graphs}", flush=True)
