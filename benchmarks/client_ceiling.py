@@ -474,7 +474,7 @@ def main() -> None:
         return
     args.worker_counts = [int(w) for w in args.workers.split(",")] if args.workers else []
     if (args.vllm or args.guidellm or args.aiperf) and args.tokenizer is None:
-        from infertrace.load.embedded_target import default_model_dir
+        from infertrace.load.client.embedded_target import default_model_dir
 
         args.tokenizer = str(default_model_dir())
 

@@ -117,7 +117,7 @@ def main() -> None:
 
     model = args.model
     if model is None:
-        from infertrace.load.embedded_target import default_model_dir
+        from infertrace.load.client.embedded_target import default_model_dir
 
         model = default_model_dir()
     pairs = [socket.socketpair() for _ in range(args.api_servers)]

@@ -179,7 +179,7 @@ def _load_label(recipe: Recipe) -> str:
 
 
 def _provenance(recipe: Recipe, model_dir: Path) -> dict:
-    from infertrace.load.result import provenance
+    from infertrace.load.results.result import provenance
 
     target = types.SimpleNamespace(describe=lambda: {"kind": "embedded", "model_dir": str(model_dir)})
     return provenance(target, recipe.bench_config().seed)

@@ -14,7 +14,7 @@ from infertrace.ablate.recipe import Recipe, RecipeError
 
 def preset_model_dir(preset: str, on_build: Callable[[Path], None] | None = None) -> Path:
     """The preset's model directory in the cache (shared with bench), written on first use."""
-    from infertrace.load.embedded_target import default_model_dir
+    from infertrace.load.client.embedded_target import default_model_dir
 
     return default_model_dir(on_build, preset=preset)
 

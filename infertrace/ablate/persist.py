@@ -29,7 +29,7 @@ def recipe_json(recipe: Recipe) -> dict:
 
 
 def phase_json(result: PhaseResult) -> dict:
-    from infertrace.load.result import point_result
+    from infertrace.load.results.result import point_result
 
     return {
         "index": result.index, "name": result.name, "status": result.status.value, "error": result.error,

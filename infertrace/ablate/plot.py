@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from infertrace.ablate.waterfall import WaterfallRow
-from infertrace.load.plot import save_figure
+from infertrace.load.results.plot import save_figure
 
 UP, DOWN, BASE, FAILED = "#2e7d32", "#c62828", "#546e7a", "#9e9e9e"
 

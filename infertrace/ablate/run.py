@@ -21,9 +21,16 @@ from pathlib import Path
 
 from infertrace.ablate.profile import ProfileFigures, analyze_profile
 from infertrace.ablate.recipe import PlannedPhase, ProfileSpec, Recipe
-from infertrace.load.benchmark import Hooks, Interrupted, Interrupter, PointRecord, build_specs, run_point
+from infertrace.load.benchmark import (
+    Hooks,
+    Interrupted,
+    Interrupter,
+    build_specs,
+    run_point,
+)
 from infertrace.load.clock import MonotonicClock
-from infertrace.load.runner import Runner
+from infertrace.load.results.point import PointRecord
+from infertrace.load.run.runner import Runner
 
 
 class PhaseStatus(str, Enum):
@@ -91,7 +98,7 @@ def phase_dir_name(phase: PlannedPhase) -> str:
 async def run_phase(phase: PlannedPhase, cfg, model_dir: Path, profile: ProfileSpec, interrupter: Interrupter,
                     hooks: Hooks, trace_dir: Path | None = None) -> PhaseResult:
     """One phase on its own engine: open, measure, optionally capture, close, then analyze the capture."""
-    from infertrace.load.embedded_target import EmbeddedTarget
+    from infertrace.load.client.embedded_target import EmbeddedTarget
 
     result = PhaseResult(phase.index, phase.name, phase.overrides, phase.config, PhaseStatus.FAILED)
     start = time.perf_counter()
@@ -229,7 +236,7 @@ async def release(target) -> None:
 
 def one_line(exc: BaseException) -> str:
     """The first line of an error; its type too, unless it is one of the errors written for the user."""
-    from infertrace.load.timing import TargetError
+    from infertrace.load.client.timing import TargetError
 
     text = str(exc).strip().splitlines()
     if text and isinstance(exc, (ValueError, TargetError)):

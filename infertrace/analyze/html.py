@@ -12,6 +12,7 @@ import pandas as pd
 from infertrace.analyze.kernels import CATEGORIES
 from infertrace.analyze.render import TITLES
 from infertrace.analyze.report import Report
+from infertrace.analyze.timeline import phases_data, phases_figure
 
 _COLORS = {
     "attention": "#4e79a7", "GEMM": "#f28e2b", "norm": "#76b7b2", "activation": "#59a14f",
@@ -40,7 +41,7 @@ def write_html(report: Report, path: Path) -> Path:
 
 
 def html_report(report: Report) -> str:
-    parts = [f"<h1>infertrace analyze: {escape(report.source)}</h1>", _table(report.ranks)]
+    parts = [f"<h1>infertrace analyze: {escape(report.source)}</h1>", html_table(report.ranks)]
     if report.problems:
         parts.append("<ul class='warn'>" + "".join(f"<li>{escape(p)}</li>" for p in report.problems) + "</ul>")
     if report.notes:
@@ -54,7 +55,7 @@ def html_report(report: Report) -> str:
         chart = _CHARTS.get(name)
         if chart is not None:
             parts.append(chart(table))
-        parts.append(_table(_display(name, table)))
+        parts.append(html_table(display(name, table)))
     steps = report.tables.get("steps")
     if steps is not None and not steps.empty:
         parts.insert(2, "<h2>Each step over the capture</h2>" + _steps_timeline(steps))
@@ -67,7 +68,7 @@ def html_report(report: Report) -> str:
             f"<body>{''.join(parts)}</body></html>\n")
 
 
-def _display(name: str, table: pd.DataFrame) -> pd.DataFrame:
+def display(name: str, table: pd.DataFrame) -> pd.DataFrame:
     """The table as a person reads it: shares as percentages, the kernel's readable name."""
     if name == "top_kernels":
         table = table.drop(columns=["name"]).rename(columns={"short_name": "kernel"})
@@ -83,8 +84,6 @@ def _display(name: str, table: pd.DataFrame) -> pd.DataFrame:
 
 def _steps_timeline(steps: pd.DataFrame) -> str:
     """Each step's time by step type, and its GPU busy and host-wait time, over the capture (rank 0)."""
-    from infertrace.report.figures import phases_data, phases_figure
-
     first = steps[steps["rank"] == steps["rank"].min()] if "rank" in steps else steps
     figure = phases_figure(phases_data(first.sort_values("ts_ns")))
     return figure.to_html(full_html=False, include_plotlyjs=False, div_id="steps",
@@ -99,7 +98,7 @@ def _plotly_script(steps: pd.DataFrame | None) -> str:
     return f"<script>{get_plotlyjs()}</script>"
 
 
-def _table(df: pd.DataFrame) -> str:
+def html_table(df: pd.DataFrame) -> str:
     head = "".join(f"<th class='{_align(df[c])}'>{escape(str(c))}</th>" for c in df.columns)
     rows = []
     for record in df.itertuples(index=False):

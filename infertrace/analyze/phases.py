@@ -222,10 +222,13 @@ def _nanmedian(values: np.ndarray) -> float:
     return float(np.median(values)) if values.size else float("nan")
 
 
+CPU_BOUND = "CPU-bound"  # the verdict on a step type whose GPU waited for launches at least as long as it worked
+
+
 def verdict(busy_share: float, host_wait_share: float) -> str:
     """CPU-bound when the GPU waited for launches at least as long as it worked (and waited at all)."""
     if host_wait_share > 0 and host_wait_share >= busy_share:
-        return "CPU-bound"
+        return CPU_BOUND
     if busy_share >= GPU_BOUND_SHARE:
         return "GPU-bound"
     return "mixed"

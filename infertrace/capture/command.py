@@ -12,7 +12,7 @@ import click
 from infertrace.capture.peers import SERVER_ACTIVITIES, Flavour
 from infertrace.capture.session import WHERE_UNKNOWN
 from infertrace.console import err_console, out_console
-from infertrace.load.auth import request_headers, server_auth_options
+from infertrace.auth import request_headers, server_auth_options
 
 FLAVOURS = ("vllm", "sglang", "infertrace")
 ACTIVITY_NAMES = ", ".join(SERVER_ACTIVITIES)

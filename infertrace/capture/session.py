@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from infertrace.cache import cache_dir
 from infertrace.capture.peers import Flavour, file_patterns
 
 SERVER_MANIFEST_SCHEMA = "infertrace.server-capture/1"
@@ -115,7 +116,5 @@ class ServerCapture:
 
 
 def _record_path(url: str) -> Path:
-    from infertrace.load.embedded_target import cache_dir
-
     key = hashlib.sha1(url.rstrip("/").encode()).hexdigest()[:16]
     return cache_dir() / "captures" / f"{key}.json"

@@ -10,12 +10,21 @@ import math
 import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
+from infertrace.load.client.timing import TargetError, resolve_output_tokens
 from infertrace.load.clock import Clock
 from infertrace.load.config import DEFAULT_OUTPUT_LEN, BenchConfig
-from infertrace.load.conversation import ConversationLoad
-from infertrace.load.dataset import (
+from infertrace.load.observe.observer import Observer
+from infertrace.load.observe.server_counters import read_prefix_cache, run_hit_rate
+from infertrace.load.records import RequestResult, RequestSpec
+from infertrace.load.results.metrics import compute_metrics, token_count_checks
+from infertrace.load.results.point import PointRecord
+from infertrace.load.results.steady import steady_state
+from infertrace.load.run.fleet import Fleet
+from infertrace.load.run.runner import Runner, measured_gc
+from infertrace.load.stats import Stats
+from infertrace.load.workloads.conversation import ConversationLoad
+from infertrace.load.workloads.dataset import (
     DatasetError,
     PromptMaker,
     jsonl_specs,
@@ -25,27 +34,8 @@ from infertrace.load.dataset import (
     shared_prefixes,
     sharegpt_specs,
 )
-from infertrace.load.metrics import (
-    INTENDED_START_WARN,
-    Metrics,
-    Stats,
-    compute_metrics,
-    from_scheduled,
-    token_count_checks,
-    token_count_warnings,
-)
-from infertrace.load.observe import Observed, Observer
-from infertrace.load.records import RequestResult, RequestSpec
-from infertrace.load.replay import TraceReplay
-from infertrace.load.runner import Runner, measured_gc
-from infertrace.load.schedule import arrival_offsets, ramp_up_offsets
-from infertrace.load.steady import SteadyState, steady_state
-from infertrace.load.server_counters import read_prefix_cache, run_hit_rate
-from infertrace.load.timing import TargetError, resolve_output_tokens
-from infertrace.load.workers import Fleet
-
-CLIENT_CPU_WARN = 0.8  # share of one core used by the load generator's event-loop thread
-CLIENT_LAG_WARN_S = 0.010  # p99 of send lateness that is the client's own (slot waits excluded)
+from infertrace.load.workloads.replay import TraceReplay
+from infertrace.load.workloads.schedule import arrival_offsets, ramp_up_offsets
 
 
 class Interrupted(Exception):
@@ -107,53 +97,6 @@ class Interrupter:
             raise
         finally:
             self._task = None
-
-
-@dataclass(slots=True)
-class PointRecord:
-    """Everything one measured run produced."""
-
-    config: BenchConfig
-    results: list[RequestResult]
-    warmup_results: list[RequestResult]
-    metrics: Metrics
-    token_checks: dict[str, int]
-    client_cpu: float | None  # CPU seconds of the load generator's thread (--workers: the busiest worker) / duration
-    process_cpu: float | None  # CPU seconds of the whole process (an embedded engine included; --workers: every
-    # worker's) / duration
-    client_lag: Stats  # schedule lag minus slot wait: lateness that is the client's own
-    interrupted: bool = False
-    profile: dict | None = None
-    workload: dict | None = None  # trace replay and sessions: their own figures (prefix reuse, per turn, ...)
-    stopped_early: bool = False  # a --find-max point ended once its queue was seen growing without bound
-    steady: SteadyState | None = None
-    observed: Observed | None = None  # the server's metrics and GPU telemetry over the measured window
-
-    @property
-    def warnings(self) -> list[str]:
-        return self.headroom_warnings + self.token_count_warnings
-
-    @property
-    def headroom_warnings(self) -> list[str]:
-        """Signs that the client, not the server, may have set the pace."""
-        out = []
-        if self.client_cpu is not None and self.client_cpu > CLIENT_CPU_WARN:
-            out.append(f"the load generator used {self.client_cpu:.0%} of a CPU core: it may be the bottleneck")
-        if self.client_lag.p99 is not None and self.client_lag.p99 > CLIENT_LAG_WARN_S * 1000:
-            out.append(f"requests left {self.client_lag.p99:.1f} ms late at p99: the client is falling behind "
-                       "its schedule")
-        if self.config is not None and self.config.open_loop:
-            measured, intended = self.metrics.ttft.median, from_scheduled(self.results)[0].median
-            if measured and intended and intended > measured * (1 + INTENDED_START_WARN):
-                out.append(f"median TTFT is {intended:.1f} ms counted from each request's scheduled time against "
-                           f"{measured:.1f} ms from its send: requests waited for a free slot (see "
-                           "*_from_scheduled_ms)")
-        return out
-
-    @property
-    def token_count_warnings(self) -> list[str]:
-        """Where token counts are estimated or disagree between the server and our tokenizer."""
-        return token_count_warnings(self.token_checks, bool(self.metrics.output_token_sources.get("chunks")))
 
 
 def build_specs(cfg: BenchConfig, tokenizer, n: int, stream: str, point: int = 0,
@@ -329,41 +272,3 @@ async def run_benchmark(cfg: BenchConfig, target, clock: Clock, interrupter: Int
         if record.interrupted:
             break
     return records
-
-
-def resolve_model_dir(model: str | None) -> Path | None:
-    return Path(model) if model and Path(model).is_dir() else None
-
-
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
-        raise DatasetError(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
-
-
-def make_target(cfg: BenchConfig, on_info: Callable[[str], None]):
-    """The HTTP target for --base-url, else the bundled engine (on the built-in tiny model without --model)."""
-    if cfg.base_url is not None:
-        from infertrace.load.http_target import AiohttpTransport, HttpTarget, normalize_base_url
-
-        model_dir = resolve_model_dir(cfg.model)
-        transport = AiohttpTransport(normalize_base_url(cfg.base_url), cfg.request_timeout_s, cfg.headers)
-        return HttpTarget(cfg.base_url, cfg.endpoint, cfg.served_model_name or cfg.model, transport,
-                          model_is_path=model_dir is not None and cfg.served_model_name is None,
-                          ignore_eos=cfg.ignore_eos, temperature=cfg.temperature,
-                          continuous_usage=cfg.continuous_usage, extra_body=cfg.extra_body)
-    from infertrace.load.embedded_target import EmbeddedTarget, default_model_dir
-
-    if cfg.model is not None and resolve_model_dir(cfg.model) is None:
-        raise TargetError(f"--model {cfg.model} is not a model directory (the bundled engine loads one from disk)")
-    model_dir = cfg.model or default_model_dir(
-        lambda out: on_info(f"building the built-in tiny model into {out} (first use only)"))
-    return EmbeddedTarget(model_dir, cfg.engine_overrides, ignore_eos=cfg.ignore_eos, temperature=cfg.temperature)
-
-
-def tokenizer_source(cfg: BenchConfig) -> Path | None:
-    """Where an HTTP target's tokenizer comes from: --tokenizer, else --model when it is a local directory."""
-    return Path(cfg.tokenizer) if cfg.tokenizer else resolve_model_dir(cfg.model)

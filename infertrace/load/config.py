@@ -6,8 +6,6 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from infertrace.load.scrape import DEFAULT_SCRAPE_INTERVAL_S
-
 ENDPOINTS = ("completions", "chat")
 DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl", "trace", "conversation")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")  # per-request bounds: goodput
@@ -20,6 +18,7 @@ DEFAULT_OUTPUT_LEN = 64  # --output-len for random prompts and files that name n
 DEFAULT_CONCURRENCY = 8  # closed loop when neither --concurrency nor --request-rate is given
 DEFAULT_WARMUP = 2  # warmup requests, except for trace replay (none: they would seed the prefix cache)
 DEFAULT_SWEEP_PLOT = "bench-sweep.png"
+DEFAULT_SCRAPE_INTERVAL_S = 1.0  # --scrape-interval; also the scraper's own default
 DEFAULT_CAPACITY_PLOT = "bench-capacity.png"
 MIN_REQUEST_RATE = 1 / 3600  # one request an hour; below it the first gaps outlast any benchmark
 RESERVED_BODY_KEYS = {  # request-body keys bench sets itself, and the option that sets each

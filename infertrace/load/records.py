@@ -108,3 +108,10 @@ class RequestResult:
             "tokenizer_output_tokens": self.tokenizer_output_tokens, "finish_reason": self.finish_reason,
             **({"session": self.session, "turn": self.turn} if self.session is not None else {}),
         }
+
+
+def input_tokens(r: RequestResult) -> int:
+    """The target's count when it reported one, else the prompt's length in our tokenizer (0 if unknown)."""
+    if r.prompt_tokens is not None:
+        return r.prompt_tokens
+    return r.expected_prompt_tokens or 0

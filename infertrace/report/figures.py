@@ -7,13 +7,12 @@ import math
 from collections import defaultdict
 
 import numpy as np
-import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from infertrace.load.observe.scrape import ScrapeSeries
+from infertrace.load.observe.telemetry import TelemetrySeries
 from infertrace.load.records import RequestResult
-from infertrace.load.scrape import ScrapeSeries
-from infertrace.load.telemetry import TelemetrySeries
 
 COLORS = {"in_flight": "#4e79a7", "throughput": "#59a14f", "ttft": "#f28e2b", "itl": "#76b7b2",
           "running": "#4e79a7", "waiting": "#e15759", "kv_usage": "#b07aa1", "preemptions": "#9c755f",
@@ -202,35 +201,4 @@ def latency_figure(data: dict) -> go.Figure:
         fig.update_yaxes(title_text="requests" if key != "itl_ms" else "gaps", row=1, col=col)
         fig.update_yaxes(title_text="share", range=[0, 1.02], row=2, col=col)
     fig.update_layout(height=560, margin=dict(l=60, r=30, t=50, b=40), template="plotly_white")
-    return fig
-
-
-def phases_data(steps: pd.DataFrame) -> dict:
-    """The per-step table of `infertrace.analyze.phases.step_metrics` as series: each step's start (ms after
-    the first step), type, time, GPU busy and host-wait time."""
-    if steps.empty:
-        return {"start_ms": [], "type": [], "step_ms": [], "busy_ms": [], "host_wait_ms": []}
-    start = (steps["ts_ns"] - steps["ts_ns"].min()) / 1e6
-    return {"start_ms": _clean(start.tolist()), "type": steps["type"].astype(str).tolist(),
-            "step_ms": _clean(steps["step_ms"].astype(float).tolist()),
-            "busy_ms": _clean(steps["busy_ms"].astype(float).tolist()),
-            "host_wait_ms": _clean(steps["host_wait_ms"].astype(float).tolist())}
-
-
-def phases_figure(data: dict) -> go.Figure:
-    """Each engine step over the capture, by type (top), and the shares of its time the GPU was busy or waited
-    for the host (bottom)."""
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
-                        subplot_titles=["step time (ms) by step type", "GPU busy and host wait per step (ms)"])
-    kinds = sorted(set(data["type"]))
-    for kind in kinds:
-        pick = [i for i, k in enumerate(data["type"]) if k == kind]
-        fig.add_trace(go.Scatter(x=[data["start_ms"][i] for i in pick], y=[data["step_ms"][i] for i in pick],
-                                 mode="markers", name=kind, marker=dict(size=5)), row=1, col=1)
-    fig.add_trace(go.Bar(x=data["start_ms"], y=data["busy_ms"], name="GPU busy", marker_color="#59a14f"),
-                  row=2, col=1)
-    fig.add_trace(go.Bar(x=data["start_ms"], y=data["host_wait_ms"], name="host wait", marker_color="#e15759"),
-                  row=2, col=1)
-    fig.update_layout(barmode="stack", height=520, template="plotly_white", margin=dict(l=60, r=30, t=50, b=40))
-    fig.update_xaxes(title_text="ms after the first step", row=2, col=1)
     return fig

@@ -14,14 +14,19 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
-from infertrace.analyze.html import _display as analyze_display
-from infertrace.analyze.html import _table as analyze_table
-from infertrace.load.findings import Finding
+from infertrace.analyze.html import display as analyze_display
+from infertrace.analyze.html import html_table as analyze_table
+from infertrace.analyze.timeline import phases_data, phases_figure
+from infertrace.load.observe.findings import Finding
+from infertrace.load.observe.scrape import ScrapeSeries
+from infertrace.load.observe.telemetry import TelemetrySeries
 from infertrace.load.records import RequestResult
-from infertrace.load.scrape import ScrapeSeries
-from infertrace.load.telemetry import TelemetrySeries
-from infertrace.report.figures import (latency_data, latency_figure, phases_data, phases_figure, timeline_data,
-                                       timeline_figure)
+from infertrace.report.figures import (
+    latency_data,
+    latency_figure,
+    timeline_data,
+    timeline_figure,
+)
 
 REPORT_VERSION = 2  # 2: the timeline's profile window is the span its trace covers, with its label
 _CSS = """

@@ -8,7 +8,7 @@ from infertrace.report.page import report_document
 
 def run_report_document(record, result: dict) -> dict:
     """The report of one measured run (a PointRecord) whose `result` is what --result-json holds for it."""
-    from infertrace.load.observe import profiled_window, run_findings
+    from infertrace.load.observe.observer import profiled_window, run_findings
 
     observed = record.observed
     window = profiled_window(record)

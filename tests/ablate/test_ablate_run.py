@@ -7,7 +7,7 @@ import pytest
 from infertrace.ablate.recipe import load_recipe
 from infertrace.ablate.run import AblationHooks, PhaseStatus, StepWindow, judge, phase_dir_name, run_ablation
 from infertrace.load.benchmark import Interrupter
-from infertrace.load.metrics import compute_metrics
+from infertrace.load.results.metrics import compute_metrics
 from infertrace.load.records import RequestResult
 
 
@@ -119,7 +119,7 @@ def test_window_says_once_when_it_closes():
 
 def test_one_line_errors():
     from infertrace.ablate.run import one_line
-    from infertrace.load.timing import TargetError
+    from infertrace.load.client.timing import TargetError
 
     assert one_line(TargetError("cannot start the bundled engine: no\nmore")) == "cannot start the bundled engine: no"
     assert one_line(RuntimeError("CUDA out of memory.\nTried to allocate")) == "RuntimeError: CUDA out of memory."

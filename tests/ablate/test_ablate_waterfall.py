@@ -6,7 +6,7 @@ import pytest
 
 from infertrace.ablate.run import PhaseResult, PhaseStatus
 from infertrace.ablate.waterfall import waterfall
-from infertrace.load.metrics import Stats
+from infertrace.load.stats import Stats
 
 
 def _result(i, tput, status=PhaseStatus.OK, error=None, profile=None):

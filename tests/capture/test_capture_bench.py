@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from infertrace.load.http_target import AiohttpTransport, HttpTarget
+from infertrace.load.client.http_target import AiohttpTransport, HttpTarget
 
 
 def target(url, headers=None):

@@ -14,7 +14,7 @@ import yaml
 
 from infertrace.gate.command import gate
 from infertrace.gate.results import load_runs
-from infertrace.load.command import bench
+from infertrace.bench import bench
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / "recipes" / "ci" / "github-workflow.yml"

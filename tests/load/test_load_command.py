@@ -12,7 +12,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from infertrace.load.command import bench
+from infertrace.bench import bench
 
 VLLM_KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
              "output_throughput", "total_token_throughput", "request_goodput", "goodput"] + [
@@ -141,7 +141,7 @@ def test_bad_options_are_one_line_usage_errors():
 def test_ctrl_c_saves_partial_results_and_prints_the_summary(standin, prompts_jsonl, tmp_path):
     standin.token_delay = 0.05
     out = tmp_path / "r.json"
-    cmd = [sys.executable, "-c", "from infertrace.load.command import bench; bench()",
+    cmd = [sys.executable, "-c", "from infertrace.bench import bench; bench()",
            "--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", str(prompts_jsonl),
            "--output-len", "40", "--num-prompts", "50", "--concurrency", "2", "--warmup", "0",
            "--result-json", str(out)]
@@ -174,8 +174,8 @@ def test_profile_seconds_bounds_the_sending_window(standin, prompts_jsonl, tmp_p
 
 
 def test_open_loop_follows_the_seeded_arrival_schedule(standin, prompts_jsonl, tmp_path):
-    from infertrace.load.dataset import seeded_rng
-    from infertrace.load.schedule import arrival_offsets
+    from infertrace.load.workloads.dataset import seeded_rng
+    from infertrace.load.workloads.schedule import arrival_offsets
 
     out, reqs = tmp_path / "r.json", tmp_path / "r.jsonl"
     res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,

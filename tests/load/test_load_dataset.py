@@ -5,7 +5,7 @@ import pytest
 
 from infertrace.load.benchmark import build_specs
 from infertrace.load.config import BenchConfig
-from infertrace.load.dataset import DatasetError, PromptMaker, length_range, seeded_rng
+from infertrace.load.workloads.dataset import DatasetError, PromptMaker, length_range, seeded_rng
 
 
 @pytest.fixture(scope="module")

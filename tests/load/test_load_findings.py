@@ -5,7 +5,7 @@ import json
 import pandas as pd
 from rich.console import Console
 
-from infertrace.load.findings import (
+from infertrace.load.observe.findings import (
     Finding,
     client_bottleneck,
     clock_drops,
@@ -16,8 +16,8 @@ from infertrace.load.findings import (
     queueing,
 )
 from infertrace.load.records import RequestResult
-from infertrace.load.scrape import ScrapeSeries
-from infertrace.load.telemetry import GpuSeries, TelemetrySeries
+from infertrace.load.observe.scrape import ScrapeSeries
+from infertrace.load.observe.telemetry import GpuSeries, TelemetrySeries
 
 ORIGIN = 1000.0
 

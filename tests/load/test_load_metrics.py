@@ -2,8 +2,9 @@
 
 import pytest
 
-from infertrace.load.benchmark import PointRecord
-from infertrace.load.metrics import Stats, compute_metrics, token_count_checks, vllm_keys
+from infertrace.load.results.point import PointRecord
+from infertrace.load.results.metrics import compute_metrics, token_count_checks, vllm_keys
+from infertrace.load.stats import Stats
 from infertrace.load.records import RequestResult, TokenSource
 
 
@@ -77,7 +78,7 @@ def test_token_count_checks():
 
 
 def test_flagged_token_counts_become_one_warning_each_that_says_the_cause_where_the_run_shows_it():
-    from infertrace.load.metrics import sum_token_checks, token_count_warnings
+    from infertrace.load.results.metrics import sum_token_checks, token_count_warnings
 
     record = PointRecord(config=None, results=[], warmup_results=[], metrics=compute_metrics([]),
                          token_checks={"output_token_disagreements": 3, "output_tokens_compared": 4,
@@ -105,7 +106,7 @@ def test_flagged_token_counts_become_one_warning_each_that_says_the_cause_where_
 
 
 def test_peak_per_second_buckets_as_vllm_bench_serve():
-    from infertrace.load.metrics import peak_per_second
+    from infertrace.load.results.metrics import peak_per_second
 
     a = RequestResult(0, scheduled=0.0, t0=0.0, end=2.5, ttft=0.5, e2el=2.5, itl=[0.4, 0.4, 1.2])  # 0.5 .9 1.3 2.5
     b = RequestResult(1, scheduled=0.0, t0=1.2, end=1.9, ttft=0.3, e2el=0.7, itl=[0.2, 0.2])  # 1.5 1.7 1.9

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from click.testing import CliRunner
 
 from infertrace.cli import main
-from infertrace.load.observe import Observed, profiled_window, run_findings
+from infertrace.load.observe.observer import Observed, profiled_window, run_findings
 
 
 def bench(*args):
@@ -77,8 +77,8 @@ def test_embedded_run_report(tmp_path):
 def test_random_without_a_tokenizer_sends_token_ids_and_counts_input_from_usage(standin, tmp_path):
     import numpy as np
 
-    from infertrace.load.dataset import TOKEN_ID_RANGE, random_id_specs
-    from infertrace.load.http_target import HttpTarget
+    from infertrace.load.workloads.dataset import TOKEN_ID_RANGE, random_id_specs
+    from infertrace.load.client.http_target import HttpTarget
 
     specs = random_id_specs(np.random.default_rng(0), 3, 12, 3, 0.0)
     body = HttpTarget(standin.url, "completions", "m", transport=None).body(specs[0])

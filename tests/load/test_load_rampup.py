@@ -6,11 +6,11 @@ import pytest
 from infertrace.load.benchmark import Hooks, Interrupter, run_point
 from infertrace.load.clock import ScriptedClock
 from infertrace.load.config import BenchConfig
-from infertrace.load.dataset import seeded_rng
+from infertrace.load.workloads.dataset import seeded_rng
 from infertrace.load.records import RequestResult, RequestSpec, StreamEvent
-from infertrace.load.result import point_result
-from infertrace.load.schedule import ramp_rate, ramp_up_offsets
-from infertrace.load.steady import median_in_flight, steady_state
+from infertrace.load.results.result import point_result
+from infertrace.load.workloads.schedule import ramp_rate, ramp_up_offsets
+from infertrace.load.results.steady import median_in_flight, steady_state
 
 
 @pytest.mark.parametrize(("strategy", "rates"), [
@@ -143,7 +143,7 @@ def test_cli_ramp_run_writes_vllm_ramp_keys_and_steady_state(standin, prompts_js
 
     from click.testing import CliRunner
 
-    from infertrace.load.command import bench
+    from infertrace.bench import bench
 
     out, reqs = tmp_path / "r.json", tmp_path / "r.jsonl"
     res = CliRunner().invoke(bench, [str(a) for a in (
@@ -180,7 +180,7 @@ def test_cli_ramp_run_writes_vllm_ramp_keys_and_steady_state(standin, prompts_js
 def test_bad_ramp_options_are_one_line_and_exit_2(args, message):
     from click.testing import CliRunner
 
-    from infertrace.load.command import bench
+    from infertrace.bench import bench
 
     res = CliRunner().invoke(bench, args, catch_exceptions=False)
     assert res.exit_code == 2

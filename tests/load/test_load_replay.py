@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from infertrace.load.dataset import DatasetError
-from infertrace.load.replay import BlockPrompts, TraceRequest, read_trace, trace_specs
+from infertrace.load.workloads.dataset import DatasetError
+from infertrace.load.workloads.replay import BlockPrompts, TraceRequest, read_trace, trace_specs
 
 MOONCAKE = Path(__file__).resolve().parents[2].parent / "shared" / "workloads" / "mooncake_conversation_first2000.jsonl"
 

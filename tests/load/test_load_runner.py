@@ -7,7 +7,7 @@ import pytest
 from infertrace.load.benchmark import Interrupted, Interrupter
 from infertrace.load.clock import MonotonicClock
 from infertrace.load.records import RequestSpec, StreamEvent
-from infertrace.load.runner import Runner
+from infertrace.load.run.runner import Runner
 
 
 class FakeTarget:
@@ -84,7 +84,7 @@ async def test_client_cpu_is_measured_over_exactly_the_measured_window(monkeypat
     from infertrace.load.config import BenchConfig
 
     cpu = {"s": 0.0}  # a scripted CPU clock: 5 s of setup before the first send and of work after the last end
-    monkeypatch.setattr("infertrace.load.runner.cpu_seconds", lambda: (cpu["s"], cpu["s"]))
+    monkeypatch.setattr("infertrace.load.run.runner.cpu_seconds", lambda: (cpu["s"], cpu["s"]))
 
     class CpuTarget(FakeTarget):
         kind, tokenizer = "embedded", None
@@ -117,7 +117,7 @@ async def test_client_cpu_is_measured_over_exactly_the_measured_window(monkeypat
 def test_measured_gc_raises_the_thresholds_and_puts_them_back():
     import gc
 
-    from infertrace.load.runner import MEASURED_GC_THRESHOLD, measured_gc
+    from infertrace.load.run.runner import MEASURED_GC_THRESHOLD, measured_gc
 
     before = gc.get_threshold()
     with pytest.raises(RuntimeError), measured_gc():

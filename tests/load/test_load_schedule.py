@@ -3,8 +3,8 @@ import math
 import numpy as np
 import pytest
 
-from infertrace.load.dataset import seeded_rng
-from infertrace.load.schedule import arrival_offsets
+from infertrace.load.workloads.dataset import seeded_rng
+from infertrace.load.workloads.schedule import arrival_offsets
 
 
 def gaps(rate, burstiness, n=20000):

@@ -7,7 +7,7 @@ import pytest
 from aiohttp import web
 
 from infertrace.load.clock import ScriptedClock
-from infertrace.load.scrape import (
+from infertrace.load.observe.scrape import (
     NotPrometheus,
     Scraper,
     ScrapeSeries,

@@ -1,7 +1,7 @@
 import pytest
 
-from infertrace.load.http_target import _fast, decode_chunk, decode_data
-from infertrace.load.sse import SSELineTooLong, SSEParser
+from infertrace.load.client.http_target import _fast, decode_chunk, decode_data
+from infertrace.load.client.sse import SSELineTooLong, SSEParser
 
 
 def feed_all(parts):

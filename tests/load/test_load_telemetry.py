@@ -6,7 +6,7 @@ import types
 import pytest
 
 from infertrace.load.clock import ScriptedClock
-from infertrace.load.telemetry import GpuSampler, load_nvml, throttle_names
+from infertrace.load.observe.telemetry import GpuSampler, load_nvml, throttle_names
 
 
 def _nvml_works() -> bool:

@@ -10,9 +10,9 @@ import aiohttp
 import pytest
 
 from infertrace.load.clock import ScriptedClock
-from infertrace.load.http_target import HttpTarget
+from infertrace.load.client.http_target import HttpTarget
 from infertrace.load.records import RequestResult, RequestSpec, TokenSource
-from infertrace.load.timing import measure, resolve_output_tokens
+from infertrace.load.client.timing import measure, resolve_output_tokens
 
 T0 = 10.0
 
@@ -303,6 +303,6 @@ async def test_a_chunk_that_breaks_the_schema_fails_as_malformed_not_a_client_er
 
 
 async def test_an_oversized_line_is_a_malformed_stream(monkeypatch):
-    monkeypatch.setattr("infertrace.load.sse.MAX_LINE_BYTES", 1024)
+    monkeypatch.setattr("infertrace.load.client.sse.MAX_LINE_BYTES", 1024)
     result, _ = await run([(10.1, comp("a")), (10.2, b"data: " + b"x" * 600), (10.3, b"x" * 600)])
     assert result.error == "malformed stream: an SSE line exceeds 1024 bytes"

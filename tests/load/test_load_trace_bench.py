@@ -10,12 +10,12 @@ import pytest
 from click.testing import CliRunner
 
 from infertrace.load.clock import ScriptedClock
-from infertrace.load.command import bench
+from infertrace.bench import bench
 from infertrace.load.config import BenchConfig
 from infertrace.load.records import StreamEvent
-from infertrace.load.replay import TraceReplay
-from infertrace.load.runner import Runner
-from infertrace.load.server_counters import PrefixCacheReading, parse_reading, prefix_cache_counters, run_hit_rate
+from infertrace.load.workloads.replay import TraceReplay
+from infertrace.load.run.runner import Runner
+from infertrace.load.observe.server_counters import PrefixCacheReading, parse_reading, prefix_cache_counters, run_hit_rate
 
 
 @pytest.fixture(scope="module")

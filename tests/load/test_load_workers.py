@@ -13,9 +13,9 @@ import pytest
 from click.testing import CliRunner
 
 from infertrace.cli import main
-from infertrace.load.conversation import Session, Turn
+from infertrace.load.workloads.conversation import Session, Turn
 from infertrace.load.records import RequestSpec
-from infertrace.load.workers import closed_slices, open_slices, session_slices, shares
+from infertrace.load.run.worker import closed_slices, open_slices, session_slices, shares
 
 HERE = Path(__file__).resolve().parent
 
@@ -64,7 +64,8 @@ def test_two_workers_give_the_figures_one_gives(standin, tmp_path):
 def test_client_cpu_of_a_fleet_is_its_busiest_worker():
     from infertrace.load.clock import MonotonicClock
     from infertrace.load.config import BenchConfig
-    from infertrace.load.workers import Batch, Fleet
+    from infertrace.load.run.fleet import Fleet
+    from infertrace.load.run.worker import Batch
 
     fleet = Fleet(BenchConfig(base_url="http://127.0.0.1:9", workers=3), MonotonicClock())
     fleet.barrier(0.0)
@@ -77,8 +78,8 @@ def test_client_cpu_of_a_fleet_is_its_busiest_worker():
 
 
 def test_open_loop_schedule_is_computed_once_and_kept(standin, tmp_path):
-    from infertrace.load.dataset import seeded_rng
-    from infertrace.load.schedule import arrival_offsets
+    from infertrace.load.workloads.dataset import seeded_rng
+    from infertrace.load.workloads.schedule import arrival_offsets
 
     reqs = tmp_path / "r.jsonl"
     res = bench("--base-url", standin.url, "--num-prompts", 24, "--request-rate", 80, "--warmup", 0,
@@ -109,7 +110,7 @@ def test_sessions_are_played_whole_by_workers(standin, tmp_path, tiny_model_dir)
 def test_interrupting_a_fleet_keeps_what_was_measured(standin):
     from infertrace.load.clock import MonotonicClock
     from infertrace.load.config import BenchConfig
-    from infertrace.load.workers import Fleet
+    from infertrace.load.run.fleet import Fleet
 
     standin.token_delay = 0.05
     cfg = BenchConfig(base_url=standin.url, num_prompts=200, concurrency=4, warmup=0, output_len=4, workers=2)

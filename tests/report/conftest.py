@@ -6,8 +6,8 @@ import pandas as pd
 import pytest
 
 from infertrace.load.records import RequestResult, TokenSource
-from infertrace.load.scrape import ScrapeSeries
-from infertrace.load.telemetry import GpuSeries, TelemetrySeries
+from infertrace.load.observe.scrape import ScrapeSeries
+from infertrace.load.observe.telemetry import GpuSeries, TelemetrySeries
 
 ORIGIN = 5000.0  # perf_counter seconds at the run's start
 DURATION_S = 180

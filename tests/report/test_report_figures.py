@@ -5,13 +5,12 @@ import json
 import numpy as np
 import pandas as pd
 
+from infertrace.analyze.timeline import phases_data, phases_figure
 from infertrace.load.records import RequestResult
 from infertrace.report.figures import (
     latency_data,
     latency_figure,
     output_throughput,
-    phases_data,
-    phases_figure,
     timeline_data,
     timeline_figure,
 )

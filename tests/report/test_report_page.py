@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from infertrace.load.findings import find_all
+from infertrace.load.observe.findings import find_all
 from infertrace.report import render_html, report_document, write_report
 
 
@@ -44,7 +44,8 @@ def test_page_is_self_contained_with_plotly_inlined_once(run, tmp_path):
 def test_phases_table_is_analyze_s_own(run):
     import pandas as pd
 
-    from infertrace.analyze.html import _display, _table
+    from infertrace.analyze.html import display as _display
+    from infertrace.analyze.html import html_table as _table
 
     html = render_html(_doc(run))
     # the very table `infertrace analyze --html` draws: shares in percent, its column names

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from infertrace.load.observe import Observed, run_findings
+from infertrace.load.observe.observer import Observed, run_findings
 from infertrace.load.records import RequestResult
 from infertrace.report import render_html
 from infertrace.report.figures import timeline_figure

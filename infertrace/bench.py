@@ -1,33 +1,48 @@
-"""What `infertrace bench` does once its options are parsed: run, render, persist; returns the exit code."""
+"""The `infertrace bench` command: its flags (load/options.py) make a BenchConfig, the run goes through load/, the
+figures are printed and saved, and the HTML run report is drawn by report/. It is the one module above both load/
+and report/, which know nothing of each other's callers."""
 
 from __future__ import annotations
 
 import asyncio
 
+import click
+
 from infertrace.console import err_console, fail, out_console
-from infertrace.load.benchmark import (
-    Hooks,
-    Interrupter,
-    PointRecord,
-    load_tokenizer,
-    make_target,
-    run_benchmark,
-    tokenizer_source,
-)
+from infertrace.load.benchmark import Hooks, Interrupter, run_benchmark
+from infertrace.load.client.fdlimit import OpenFileLimitError, ensure_open_files
+from infertrace.load.client.targets import load_tokenizer, make_target, tokenizer_source
+from infertrace.load.client.timing import TargetError
 from infertrace.load.clock import MonotonicClock
 from infertrace.load.config import BenchConfig
-from infertrace.load.dataset import DatasetError
-from infertrace.load.fdlimit import OpenFileLimitError, ensure_open_files
-from infertrace.load.findings import findings_table
-from infertrace.load.metrics import sum_token_checks, token_count_warnings
-from infertrace.load.observe import run_findings
-from infertrace.load.outputs import OutputError, check_writable
-from infertrace.load.render import LiveProgress, summary_table, sweep_table
-from infertrace.load.timing import TargetError
+from infertrace.load.observe.findings import findings_table
+from infertrace.load.observe.observer import run_findings
+from infertrace.load.options import bench_config, bench_options
+from infertrace.load.results.metrics import sum_token_checks, token_count_warnings
+from infertrace.load.results.outputs import OutputError, check_writable
+from infertrace.load.results.point import PointRecord
+from infertrace.load.results.render import LiveProgress, summary_table, sweep_table
+from infertrace.load.workloads.dataset import DatasetError
 
 EXIT_ALL_FAILED = 1
 EXIT_BAD_INPUT = 2  # a bad option, an unreachable target, an unwritable output
 EXIT_INTERRUPTED = 130
+
+
+@click.command("bench")
+@bench_options
+def bench(**options) -> None:
+    """Load-test an OpenAI-compatible server or the bundled engine.
+
+    Measures TTFT, TPOT, ITL, E2EL, throughput and goodput exactly as docs/bench.md defines them, and
+    reports the client's own headroom (schedule lag, CPU). Without --base-url it runs the bundled engine
+    in-process, on a built-in tiny model unless --model is given.
+    """
+    try:
+        cfg = bench_config(options)
+    except ValueError as e:
+        fail(str(e), EXIT_BAD_INPUT)
+    raise SystemExit(execute(cfg))
 
 
 def _info(message: str) -> None:
@@ -60,7 +75,12 @@ async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
 
 
 def execute(cfg: BenchConfig) -> int:
-    from infertrace.load.result import result_document, write_json, write_requests_jsonl
+    """Run, render, persist; the exit code."""
+    from infertrace.load.results.result import (
+        result_document,
+        write_json,
+        write_requests_jsonl,
+    )
 
     try:
         check_writable(cfg.output_paths())
@@ -92,7 +112,7 @@ def execute(cfg: BenchConfig) -> int:
         if cfg.requests_jsonl:
             _info(f"requests: {write_requests_jsonl(cfg.requests_jsonl, records)}")
         if "--plot" in paths and records:
-            from infertrace.load.plot import plot_sweep
+            from infertrace.load.results.plot import plot_sweep
 
             _info(f"plot: {plot_sweep(records, cfg.sweep_param, paths['--plot'])}")
         if cfg.report and records:
@@ -117,7 +137,7 @@ def print_warnings(records: list[PointRecord]) -> None:
 
 
 def write_run_report(path: str, record: PointRecord):
-    from infertrace.load.result import point_result
+    from infertrace.load.results.result import point_result
     from infertrace.report import write_report
     from infertrace.report.run import run_report_document
 
@@ -126,9 +146,9 @@ def write_run_report(path: str, record: PointRecord):
 
 def finish_capacity(capacity, cfg: BenchConfig, target) -> int:
     """The search's table, warnings, result file and plot; the exit code of all its runs."""
-    from infertrace.load.plot import plot_capacity
-    from infertrace.load.render import capacity_table
-    from infertrace.load.result import capacity_document, write_json
+    from infertrace.load.results.plot import plot_capacity
+    from infertrace.load.results.render import capacity_table
+    from infertrace.load.results.result import capacity_document, write_json
 
     out_console.print(capacity_table(capacity))
     print_warnings(capacity.records)
@@ -136,7 +156,7 @@ def finish_capacity(capacity, cfg: BenchConfig, target) -> int:
         if cfg.result_json:
             _info(f"result: {write_json(cfg.result_json, capacity_document(capacity, cfg.to_json(), target))}")
         if cfg.requests_jsonl:
-            from infertrace.load.result import write_requests_jsonl
+            from infertrace.load.results.result import write_requests_jsonl
 
             _info(f"requests: {write_requests_jsonl(cfg.requests_jsonl, capacity.records)}")
         if capacity.trials:

@@ -7,33 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infertrace.load.records import RequestResult
-
-PERCENTILES = (90, 95, 99)
-
-
-@dataclass(slots=True)
-class Stats:
-    """mean, median, std (population), p90, p95, p99 in milliseconds; None when there is no sample."""
-
-    mean: float | None = None
-    median: float | None = None
-    std: float | None = None
-    p90: float | None = None
-    p95: float | None = None
-    p99: float | None = None
-    count: int = 0
-
-    @classmethod
-    def of(cls, seconds: list[float]) -> Stats:
-        if not seconds:
-            return cls()
-        ms = np.asarray(seconds, dtype=np.float64) * 1000.0
-        p90, p95, p99 = (float(v) for v in np.percentile(ms, PERCENTILES))
-        return cls(float(ms.mean()), float(np.median(ms)), float(ms.std()), p90, p95, p99, len(ms))
-
-    def p(self, q: int) -> float | None:
-        return {50: self.median, 90: self.p90, 95: self.p95, 99: self.p99}[q]
+from infertrace.load.records import RequestResult, input_tokens
+from infertrace.load.stats import Stats
 
 
 @dataclass(slots=True)
@@ -59,13 +34,6 @@ class Metrics:
     output_token_sources: dict[str, int]
     max_output_tokens_per_s: float = 0.0  # the busiest one-second bucket, as `vllm bench serve` counts it
     max_concurrent_requests: int = 0  # the most requests active in one one-second bucket, likewise
-
-
-def input_tokens(r: RequestResult) -> int:
-    """The target's count when it reported one, else the prompt's length in our tokenizer (0 if unknown)."""
-    if r.prompt_tokens is not None:
-        return r.prompt_tokens
-    return r.expected_prompt_tokens or 0
 
 
 def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:

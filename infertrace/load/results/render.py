@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
-from infertrace.load.benchmark import PointRecord
+from infertrace.load.results.point import PointRecord
 from infertrace.load.records import RequestResult
 
 

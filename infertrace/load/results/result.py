@@ -11,8 +11,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from infertrace.load.benchmark import PointRecord
-from infertrace.load.metrics import from_scheduled, vllm_keys
+from infertrace.load.results.point import PointRecord
+from infertrace.load.results.metrics import from_scheduled, vllm_keys
 
 SCHEMA_VERSION = 1
 
@@ -94,7 +94,7 @@ def point_result(record: PointRecord) -> dict:
         **(record.workload or {}),  # trace replay: prefix reuse implied and measured; sessions: per-turn figures
     })
     if record.observed is not None:  # the server's metrics and GPU telemetry on the run's time axis (docs/report.md)
-        from infertrace.load.observe import run_findings
+        from infertrace.load.observe.observer import run_findings
 
         # deltas over every scrape: the first is taken before the measured window opens, the last after it closes
         out.update(record.observed.to_json())

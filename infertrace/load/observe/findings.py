@@ -9,23 +9,23 @@ from typing import TYPE_CHECKING
 import numpy as np
 from rich.table import Table
 
-from infertrace.load.benchmark import CLIENT_CPU_WARN, CLIENT_LAG_WARN_S
+from infertrace.analyze.phases import CPU_BOUND
+from infertrace.load.observe.scrape import ScrapeSeries
+from infertrace.load.observe.telemetry import TelemetrySeries
 from infertrace.load.records import RequestResult
-from infertrace.load.scrape import ScrapeSeries
-from infertrace.load.telemetry import TelemetrySeries
 
 if TYPE_CHECKING:
     import pandas as pd
 
+# the client's headroom: bench warns past these (PointRecord.headroom_warnings) and the client_bottleneck rule fires
+CLIENT_CPU_WARN = 0.8  # share of one core used by the load generator's event-loop thread
+CLIENT_LAG_WARN_S = 0.010  # p99 of send lateness that is the client's own (slot waits excluded)
 MIN_GROUP = 5  # requests on each side of a comparison
 QUEUE_TTFT_RATIO = 2.0  # TTFT p99 with requests waiting over that with none
 KV_FULL = 0.95  # KV usage share counted as full
 CLOCK_DROP = 0.10  # a fall of the SM clock's median by this share, between before and after a change point
 BUSY_UTIL_PCT = 50.0  # samples where the GPU was this busy: an idle GPU's low clock is no fall
 MIN_SEGMENT = 3  # samples on each side of the clock's change point
-# the verdict `infertrace analyze` gives a step type whose GPU waited for launches at least as long as it worked
-# (infertrace.analyze.phases.verdict); the rule takes the phase summary's verdict as it is
-CPU_BOUND = "CPU-bound"
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,15 +9,11 @@ import shutil
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from infertrace.cache import cache_dir
+from infertrace.load.client.timing import TargetError
 from infertrace.load.records import RequestSpec, StreamEvent
-from infertrace.load.timing import TargetError
 
 TINY_PRESET = "tiny"
-
-
-def cache_dir() -> Path:
-    """INFERTRACE_CACHE, else ~/.cache/infertrace."""
-    return Path(os.environ.get("INFERTRACE_CACHE") or Path.home() / ".cache" / "infertrace")
 
 
 def default_model_dir(on_build: Callable[[Path], None] | None = None, preset: str = TINY_PRESET) -> Path:

@@ -15,9 +15,16 @@ from pathlib import Path
 import numpy as np
 
 from infertrace.load.clock import Clock
-from infertrace.load.dataset import DatasetError, PromptMaker, length_range, read_sharegpt, seeded_rng
-from infertrace.load.records import RequestResult, RequestSpec
-from infertrace.load.schedule import arrival_offsets
+from infertrace.load.records import RequestResult, RequestSpec, input_tokens
+from infertrace.load.stats import Stats
+from infertrace.load.workloads.dataset import (
+    DatasetError,
+    PromptMaker,
+    length_range,
+    read_sharegpt,
+    seeded_rng,
+)
+from infertrace.load.workloads.schedule import arrival_offsets
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +153,6 @@ class SessionDriver:
 
 def per_turn(results: list[RequestResult]) -> list[dict]:
     """TTFT and input tokens by turn index (input tokens: the target's count, else our tokenizer's)."""
-    from infertrace.load.metrics import Stats, input_tokens
-
     by_turn: dict[int, list[RequestResult]] = {}
     for r in results:
         if r.turn is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infertrace.load.benchmark import PointRecord
+from infertrace.load.results.point import PointRecord
 
 
 def plot_sweep(records: list[PointRecord], param: str, path: str | Path) -> Path:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-DEFAULT_SCRAPE_INTERVAL_S = 1.0
+from infertrace.load.config import DEFAULT_SCRAPE_INTERVAL_S
+
 TIMEOUT_SHARE = 0.8  # of the interval: a scrape never outlives its slot
 MAX_TIMEOUT_S = 5.0
 

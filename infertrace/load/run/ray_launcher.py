@@ -1,5 +1,5 @@
 """The load worker as Ray actors, `--workers` of them on every node of the cluster: a thin way of starting
-workers.run_slice, holding no logic of its own.
+worker.run_slice, holding no logic of its own.
 
 Each actor's clock is read against the driver's a few times before the start (the offset of the round trip with
 the least delay is kept and reported), so that every actor starts at the same instant on its own clock; after
@@ -13,7 +13,7 @@ import time
 
 import msgspec
 
-from infertrace.load.workers import Batch, Fleet, Slice, run_slice
+from infertrace.load.run.worker import Batch, Slice, run_slice
 
 CLOCK_PROBES = 5
 POLL_S = 0.2
@@ -75,7 +75,7 @@ def _actor_class():
     return _ACTOR
 
 
-async def run_on_ray(fleet: Fleet, parts: list[Slice], start_at: float) -> None:
+async def run_on_ray(fleet, parts: list[Slice], start_at: float) -> None:
     ray = connect(fleet.ray_address)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infertrace.load.scrape import NotPrometheus, parse_exposition, server_kind
+from infertrace.load.observe.scrape import NotPrometheus, parse_exposition, server_kind
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,9 +9,9 @@ import gc
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+from infertrace.load.client.timing import Target, measure
 from infertrace.load.clock import Clock
 from infertrace.load.records import RequestResult, RequestSpec
-from infertrace.load.timing import Target, measure
 
 # Every finished request's records (its ITL list) live until the run ends, so CPython's default thresholds
 # (700, 10, 10) make each full collection re-scan a heap that grows with the run: a quarter of the CPU of a

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from infertrace.load.clock import Clock
-from infertrace.load.scrape import ScrapeSeries, Scraper, metrics_url
-from infertrace.load.telemetry import GpuSampler, TelemetrySeries
+from infertrace.load.observe.scrape import Scraper, ScrapeSeries, metrics_url
+from infertrace.load.observe.telemetry import GpuSampler, TelemetrySeries
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -122,7 +122,7 @@ def run_findings(record) -> list:
     """What a measured run shows (docs/report.md's rules), from its records and what was observed beside them.
     For a run with `--report`, the profiled window is analysed here (once) so that the findings printed, saved in
     the result and shown in the report are the same."""
-    from infertrace.load.findings import find_all
+    from infertrace.load.observe.findings import find_all
 
     observed = record.observed
     if observed is None:

@@ -11,9 +11,9 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
+from infertrace.load.client.sse import SSELineTooLong, SSEParser
+from infertrace.load.client.timing import TargetError
 from infertrace.load.records import RequestSpec, StreamEvent
-from infertrace.load.sse import SSELineTooLong, SSEParser
-from infertrace.load.timing import TargetError
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 READ_BUFSIZE = 4 * 1024 * 1024  # aiohttp's 64 KiB default throttles long streamed lines and fast servers

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from infertrace.load.dataset import DatasetError, seeded_rng
 from infertrace.load.records import RequestSpec
+from infertrace.load.workloads.dataset import DatasetError, seeded_rng
 
 MOONCAKE_BLOCK_TOKENS = 512
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")

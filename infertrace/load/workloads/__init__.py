@@ -1,0 +1,1 @@
+"""What a run sends: datasets of prompts, trace replay, multi-turn sessions, arrival schedules and ramp-up."""
