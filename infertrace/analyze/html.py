@@ -69,7 +69,8 @@ def html_report(report: Report) -> str:
 
 
 def display(name: str, table: pd.DataFrame) -> pd.DataFrame:
-    """The table as a person reads it: shares as percentages, the kernel's readable name."""
+    """The table as a person reads it: shares as percentages, the kernel's readable name, names in words with
+    their units."""
     if name == "top_kernels":
         table = table.drop(columns=["name"]).rename(columns={"short_name": "kernel"})
     out = table.copy()
@@ -79,7 +80,7 @@ def display(name: str, table: pd.DataFrame) -> pd.DataFrame:
             scale = 1.0 if text.endswith("_pctg") else 100.0
             out[column] = [None if v is None or pd.isna(v) else f"{scale * v:.1f}%" for v in out[column]]
             out = out.rename(columns={column: text.replace("_pctg", "").replace("_", " ") + " (%)"})
-    return out
+    return out.rename(columns=lambda c: str(c).replace("_", " "))  # words, not identifiers: "kernels per step"
 
 
 def _steps_timeline(steps: pd.DataFrame) -> str:

@@ -52,6 +52,8 @@ def test_phases_table_is_analyze_s_own(run):
     assert _table(_display("phases", run["phases"])) in html
     assert "gpu busy share (%)" in html and "91.0%" in html and "gpu_busy_share" not in html
     assert ">0.91<" not in html
+    # names in words with their units, no identifiers
+    assert "kernels per step" in html and "step mean (ms)" in html and "kernels_per_step" not in html
     # from the document alone (its JSON holds the fractions, nulls for NaN)
     assert _table(_display("phases", pd.DataFrame(_doc(run)["phases"]))) in html
 
