@@ -64,7 +64,8 @@ class EngineConfig:
     offload_chunk_tokens: int = 4096  # long mode: tokens per GPU ring slot, the unit KV is streamed in
     offload_ring_slots: int = 4  # long mode: GPU slots the chunks stream through (one loads while another is used)
     # tensor parallelism: one process per rank (rank r on cuda:r; gloo on CPU), rank 0 schedules and samples;
-    # above 1: no async scheduling, no KV offload, and no skinny_gemm (its split-K sums skip the all-reduce)
+    # above 1: no async scheduling, no KV offload, no skinny_gemm (its split-K sums skip the all-reduce) and no
+    # prefill_cuda_graphs (decode graphs stay)
     tensor_parallel_size: int = 1
     # numerics and placement
     dtype: str = "auto"  # "auto": the checkpoint's dtype (float16 becomes float32 on CPU)
