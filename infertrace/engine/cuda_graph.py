@@ -14,7 +14,8 @@ import bisect
 
 import torch
 
-from infertrace.engine.attention import AttentionMetadata, max_attention_tiles, prefill_block_m
+from infertrace.engine.attention import AttentionMetadata
+from infertrace.engine.kernels.tiles import max_attention_tiles, prefill_block_m
 from infertrace.engine.step_buffers import StepBuffers
 
 

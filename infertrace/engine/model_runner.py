@@ -14,8 +14,9 @@ from typing import Protocol
 import torch
 
 from infertrace.engine.annotate import annotate, step_range_name
-from infertrace.engine.attention import AttentionMetadata, attention_tiles, make_attention_backend
+from infertrace.engine.attention import AttentionMetadata, make_attention_backend
 from infertrace.engine.config import EngineConfig
+from infertrace.engine.kernels.tiles import attention_tiles
 from infertrace.engine.models.loader import load_weights
 from infertrace.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from infertrace.engine.parallel import SINGLE, TensorParallel

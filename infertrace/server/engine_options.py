@@ -34,6 +34,10 @@ FIELD_HELP = {
     "attention_backend": "Attention kernels: auto, torch, triton or flash_attn.",
     "cuda_graphs": "Capture decode steps in CUDA graphs per batch-size bucket (no effect on CPU).",
     "cuda_graph_batch_sizes": "Batch-size buckets captured in CUDA graphs, comma-separated.",
+    "prefill_cuda_graphs": "Capture prefill and mixed steps in CUDA graphs per token-count bucket, the attention "
+                           "inside them (CUDA, one rank; no effect on CPU).",
+    "cuda_graph_token_sizes": "Token-count buckets of the prefill and mixed-step graphs, comma-separated (capped "
+                              "at --max-num-batched-tokens, which is always one).",
     "offload": "CPU KV offload: off, prefix or long.",
     "offload_host_gb": "Pinned host memory for offloaded KV, in GB.",
     "dtype": "Weight and activation dtype; auto: the checkpoint's.",
@@ -58,7 +62,7 @@ def engine_config_options(reserved: set[str] = frozenset()) -> list[click.Option
                      help="An engine config field by name, e.g. --engine-opt attention=looped (repeatable, as in "
                           "`infertrace bench`); the flags below win over it."),
         click.Option(["enforce_eager", "--enforce-eager"], is_flag=True, default=False,
-                     help="Same as --no-cuda-graphs (vLLM's name)."),
+                     help="Same as --no-cuda-graphs --no-prefill-cuda-graphs: every step eager (vLLM's name)."),
     ]
     for f in dataclasses.fields(EngineConfig):
         flag = f.name.replace("_", "-")
@@ -80,7 +84,7 @@ def engine_overrides(params: dict[str, Any]) -> dict[str, Any]:
     overrides.update({name[len(PARAM_PREFIX):]: value for name, value in params.items()
                       if name.startswith(PARAM_PREFIX) and value is not None})
     if params.get("enforce_eager"):
-        overrides["cuda_graphs"] = False
+        overrides["cuda_graphs"] = overrides["prefill_cuda_graphs"] = False
     return overrides
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from infertrace.engine.attention import attention_tiles, max_attention_tiles, prefill_block_m
+from infertrace.engine.kernels.tiles import attention_tiles, max_attention_tiles, prefill_block_m
 
 
 def test_every_tile_of_every_sequence_then_padding():

@@ -39,7 +39,8 @@ def test_engine_options_reach_the_engine_config(tmp_path):
                       "--kv-cache-tokens", "1024"])
     config = EngineConfig.from_overrides(engine_overrides(params))
     assert config.max_num_seqs == 3 and config.prefix_caching is False and config.attention == "looped"
-    assert config.cuda_graphs is False and config.cuda_graph_batch_sizes == (1, 2, 4)
+    assert config.cuda_graphs is False and config.prefill_cuda_graphs is False
+    assert config.cuda_graph_batch_sizes == (1, 2, 4)
     assert config.kv_cache_tokens == 1024
     assert config.block_size == EngineConfig().block_size
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infertrace.engine.attention import prefill_block_m
+from infertrace.engine.kernels.tiles import prefill_block_m
 
 
 @triton.jit
@@ -164,7 +164,7 @@ def paged_attention(
     (BLOCK_N, num_warps, num_stages), (64, 4, 2) when not given.
 
     `tiles` = (tile_seq, tile_index, block_m) replaces the grid over (tiles of max_q_len, sequences) by a list
-    (`infertrace.engine.attention.attention_tiles`): program i computes tile tile_index[i] of sequence tile_seq[i], and entries of sequence -1
+    (`infertrace.engine.kernels.tiles.attention_tiles`): program i computes tile tile_index[i] of sequence tile_seq[i], and entries of sequence -1
     exit at once. The grid is then the list's length, which a CUDA graph fixes per token-count bucket while the
     sequences and their lengths change from replay to replay.
     """
