@@ -12,8 +12,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from infertrace.load.results.point import PointRecord
 from infertrace.load.records import RequestResult
+from infertrace.load.results.point import PointRecord
 
 
 def _num(v: float | None, fmt: str = "{:.2f}") -> str:

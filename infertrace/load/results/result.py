@@ -11,8 +11,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from infertrace.load.results.point import PointRecord
 from infertrace.load.results.metrics import from_scheduled, vllm_keys
+from infertrace.load.results.point import PointRecord
 
 SCHEMA_VERSION = 1
 
