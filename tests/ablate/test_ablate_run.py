@@ -7,8 +7,8 @@ import pytest
 from infertrace.ablate.recipe import load_recipe
 from infertrace.ablate.run import AblationHooks, PhaseStatus, StepWindow, judge, phase_dir_name, run_ablation
 from infertrace.load.benchmark import Interrupter
-from infertrace.load.results.metrics import compute_metrics
 from infertrace.load.records import RequestResult
+from infertrace.load.results.metrics import compute_metrics
 
 
 class FakeSession:

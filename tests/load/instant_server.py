@@ -1,5 +1,6 @@
 """An OpenAI-style server that streams a fixed reply at once (for client ceilings and stream-count tests)."""
 import socket
+
 from aiohttp import web
 
 CHUNK = b'data: {"choices":[{"index":0,"text":" x","finish_reason":null}],"usage":{"prompt_tokens":1,"completion_tokens":1}}\n\n'

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from infertrace.load.clock import ScriptedClock
-from infertrace.load.workloads.conversation import Session, SessionDriver, Turn, sharegpt_sessions, synthetic_sessions
-from infertrace.load.workloads.dataset import DatasetError, PromptMaker
 from infertrace.load.records import RequestResult
 from infertrace.load.run.runner import Runner
+from infertrace.load.workloads.conversation import Session, SessionDriver, Turn, sharegpt_sessions, synthetic_sessions
+from infertrace.load.workloads.dataset import DatasetError, PromptMaker
 
 
 class ScriptedChat:

@@ -15,9 +15,9 @@ from infertrace.load.observe.findings import (
     kv_pressure,
     queueing,
 )
-from infertrace.load.records import RequestResult
 from infertrace.load.observe.scrape import ScrapeSeries
 from infertrace.load.observe.telemetry import GpuSeries, TelemetrySeries
+from infertrace.load.records import RequestResult
 
 ORIGIN = 1000.0
 

@@ -2,10 +2,10 @@
 
 import pytest
 
-from infertrace.load.results.point import PointRecord
-from infertrace.load.results.metrics import compute_metrics, token_count_checks, vllm_keys
-from infertrace.load.stats import Stats
 from infertrace.load.records import RequestResult, TokenSource
+from infertrace.load.results.metrics import compute_metrics, token_count_checks, vllm_keys
+from infertrace.load.results.point import PointRecord
+from infertrace.load.stats import Stats
 
 
 def results():

@@ -77,8 +77,8 @@ def test_embedded_run_report(tmp_path):
 def test_random_without_a_tokenizer_sends_token_ids_and_counts_input_from_usage(standin, tmp_path):
     import numpy as np
 
-    from infertrace.load.workloads.dataset import TOKEN_ID_RANGE, random_id_specs
     from infertrace.load.client.http_target import HttpTarget
+    from infertrace.load.workloads.dataset import TOKEN_ID_RANGE, random_id_specs
 
     specs = random_id_specs(np.random.default_rng(0), 3, 12, 3, 0.0)
     body = HttpTarget(standin.url, "completions", "m", transport=None).body(specs[0])

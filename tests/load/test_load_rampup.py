@@ -6,11 +6,11 @@ import pytest
 from infertrace.load.benchmark import Hooks, Interrupter, run_point
 from infertrace.load.clock import ScriptedClock
 from infertrace.load.config import BenchConfig
-from infertrace.load.workloads.dataset import seeded_rng
 from infertrace.load.records import RequestResult, RequestSpec, StreamEvent
 from infertrace.load.results.result import point_result
-from infertrace.load.workloads.schedule import ramp_rate, ramp_up_offsets
 from infertrace.load.results.steady import median_in_flight, steady_state
+from infertrace.load.workloads.dataset import seeded_rng
+from infertrace.load.workloads.schedule import ramp_rate, ramp_up_offsets
 
 
 @pytest.mark.parametrize(("strategy", "rates"), [

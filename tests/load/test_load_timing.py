@@ -9,10 +9,10 @@ from contextlib import asynccontextmanager
 import aiohttp
 import pytest
 
-from infertrace.load.clock import ScriptedClock
 from infertrace.load.client.http_target import HttpTarget
-from infertrace.load.records import RequestResult, RequestSpec, TokenSource
 from infertrace.load.client.timing import measure, resolve_output_tokens
+from infertrace.load.clock import ScriptedClock
+from infertrace.load.records import RequestResult, RequestSpec, TokenSource
 
 T0 = 10.0
 

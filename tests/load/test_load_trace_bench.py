@@ -9,13 +9,18 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from infertrace.load.clock import ScriptedClock
 from infertrace.bench import bench
+from infertrace.load.clock import ScriptedClock
 from infertrace.load.config import BenchConfig
+from infertrace.load.observe.server_counters import (
+    PrefixCacheReading,
+    parse_reading,
+    prefix_cache_counters,
+    run_hit_rate,
+)
 from infertrace.load.records import StreamEvent
-from infertrace.load.workloads.replay import TraceReplay
 from infertrace.load.run.runner import Runner
-from infertrace.load.observe.server_counters import PrefixCacheReading, parse_reading, prefix_cache_counters, run_hit_rate
+from infertrace.load.workloads.replay import TraceReplay
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import pytest
 from click.testing import CliRunner
 
 from infertrace.cli import main
-from infertrace.load.workloads.conversation import Session, Turn
 from infertrace.load.records import RequestSpec
 from infertrace.load.run.worker import closed_slices, open_slices, session_slices, shares
+from infertrace.load.workloads.conversation import Session, Turn
 
 HERE = Path(__file__).resolve().parent
 

@@ -5,9 +5,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from infertrace.load.records import RequestResult, TokenSource
 from infertrace.load.observe.scrape import ScrapeSeries
 from infertrace.load.observe.telemetry import GpuSeries, TelemetrySeries
+from infertrace.load.records import RequestResult, TokenSource
 
 ORIGIN = 5000.0  # perf_counter seconds at the run's start
 DURATION_S = 180
