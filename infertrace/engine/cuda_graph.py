@@ -67,10 +67,9 @@ class DecodeGraphs:
         return _smallest_at_least(self.buckets, batch_size)
 
     def replay(self, batch_size: int) -> torch.Tensor:
-        """Logits [batch_size, vocab] of the decode step whose inputs are in the buffers' first rows."""
-        bucket = self.bucket_for(batch_size)
-        self.buffers.pad_decode_rows(batch_size, bucket)
-        graph, logits = self.graphs[bucket]
+        """Logits [batch_size, vocab] of the decode step whose inputs, padded to its bucket
+        (`StepBuffers.put_decode_padding`), are in the buffers' first rows."""
+        graph, logits = self.graphs[self.bucket_for(batch_size)]
         graph.replay()
         return logits[:batch_size]
 

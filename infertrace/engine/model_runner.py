@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from infertrace.engine.annotate import annotate, step_range_name
 from infertrace.engine.attention import AttentionMetadata, make_attention_backend
 from infertrace.engine.config import EngineConfig
-from infertrace.engine.kernels.tiles import attention_tiles
+from infertrace.engine.kernels.tiles import attention_tile_array
 from infertrace.engine.models.loader import load_weights
 from infertrace.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from infertrace.engine.parallel import SINGLE, TensorParallel
@@ -49,22 +51,32 @@ def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dty
 
 @dataclass(slots=True)
 class StepInputs:
-    """A step's inputs as host values: what every rank needs to run the step's forward."""
+    """A step's inputs as host values (int64 arrays, and lists for the per-request lengths): what every rank needs
+    to run the step's forward."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    query_start_loc: list[int]
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    query_start_loc: np.ndarray  # [B+1]
     seq_lens: list[int]
     query_lens: list[int]
-    logits_indices: list[int]  # the last token of each request that samples
-    block_tables: list[list[int]]
+    logits_indices: np.ndarray  # the last token of each request that samples
+    block_tables: np.ndarray  # [B, most blocks of a request] padded with 0
     decode: bool  # a decode step (one new token per request): may replay a CUDA graph
     name: str = ""  # the step's profiler range, which the other ranks open around it
 
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens)
+
+
+def _padded(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one [requests, longest table] int64 array, padded with 0."""
+    widths = np.fromiter(map(len, tables), np.int64, len(tables))
+    out = np.zeros((len(tables), int(widths.max())), dtype=np.int64)
+    out[np.arange(out.shape[1]) < widths[:, None]] = np.fromiter(chain.from_iterable(tables), np.int64,
+                                                                 int(widths.sum()))
+    return out
 
 
 class OtherRanks(Protocol):
@@ -257,9 +269,7 @@ class ModelRunner:
             if self.other_ranks is not None:
                 inputs.name = step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens)
                 self.other_ranks.step(inputs)
-            input_ids, positions, meta, logits_indices = self.prepare_inputs(inputs)
-            if feed is not None:
-                self._feed_tokens(input_ids, *feed)
+            input_ids, positions, meta, logits_indices = self.prepare_inputs(inputs, feed)
         logits = self.forward(inputs, input_ids, positions, meta, logits_indices)
         with annotate("sample"):
             samples = [s.samples for s in plan.scheduled]
@@ -290,101 +300,123 @@ class ModelRunner:
                 return self.graphs.replay(inputs.batch_size).float()
             bucket = self._token_bucket(inputs)
             if bucket is not None:
-                hidden = self.token_graphs.replay(bucket, len(inputs.input_ids))
+                hidden = self.token_graphs.replay(bucket, inputs.input_ids.size)
             else:
                 hidden = self.model(input_ids, positions, meta)
             return self.model.compute_logits(hidden[logits_indices]).float() if logits_indices.numel() else None
 
-    def _feed_tokens(self, input_ids: torch.Tensor, tokens: torch.Tensor, rows: list[int], sources: list[int]) -> None:
-        n = len(rows)
-        if rows == sources == list(range(n)):
-            input_ids[:n].copy_(tokens[:n])
-            return
-        index = torch.tensor([rows, sources], dtype=torch.long).to(self.device, non_blocking=True)
-        input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
-
     def host_inputs(self, plan: StepPlan) -> StepInputs:
+        """The plan as host arrays, computed per step rather than per token (no Python loop over tokens)."""
+        scheduled = plan.scheduled
+        num_seqs = len(scheduled)
+        query_lens = [s.num_new_tokens for s in scheduled]
+        starts = np.fromiter((s.start for s in scheduled), np.int64, num_seqs)
+        qlens = np.array(query_lens, dtype=np.int64)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(qlens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        input_ids = np.fromiter(chain.from_iterable([s.seq.token_ids[s.start : s.start + s.num_new_tokens]
+                                                     for s in scheduled]), np.int64, num_tokens)
+        token_seq = np.repeat(np.arange(num_seqs), qlens)  # request of each token
+        positions = np.arange(num_tokens) + (starts - query_start_loc[:-1])[token_seq]
+        block_tables = _padded([s.seq.block_table for s in scheduled])
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        logits_indices: list[int] = []
-        for s in plan.scheduled:
-            seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            table = seq.block_table
-            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(end)
-            if s.samples:
-                logits_indices.append(query_start_loc[-1] - 1)
-        return StepInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, query_lens, logits_indices,
-                          [s.seq.block_table for s in plan.scheduled], plan.kind is StepKind.DECODE)
+        slot_mapping = block_tables[token_seq, positions // bs] * bs + positions % bs
+        samples = np.fromiter((s.samples for s in scheduled), bool, num_seqs)
+        logits_indices = query_start_loc[1:][samples] - 1
+        return StepInputs(input_ids, positions, slot_mapping, query_start_loc, (starts + qlens).tolist(), query_lens,
+                          logits_indices, block_tables, plan.kind is StepKind.DECODE)
 
-    def prepare_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """The step's device tensors and attention metadata, prepared for the attention backend."""
-        buffers = self.buffers
-        if buffers is not None:
-            buffers.next_step()
-        prepared = self._device_inputs(inputs)
-        if buffers is not None:
-            buffers.staged()
+    def prepare_inputs(self, inputs: StepInputs, feed: tuple[torch.Tensor, list[int], list[int]] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The step's device tensors and attention metadata, prepared for the attention backend (`feed`: see
+        `launch`)."""
+        if self.buffers is None:
+            prepared = self._fresh_inputs(inputs)
+            if feed is not None and feed[1] == feed[2] == list(range(len(feed[1]))):
+                self._feed_tokens(prepared[0], feed[0][: len(feed[1])], None, None)
+            elif feed is not None:
+                tokens, rows, sources = feed
+                index = torch.tensor([rows, sources], dtype=torch.long).to(self.device, non_blocking=True)
+                self._feed_tokens(prepared[0], tokens, index[0], index[1])
+        else:
+            prepared = self._buffered_inputs(inputs, feed)
         self.attention.prepare(prepared[2])
         return prepared
 
-    def _device_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        bs = self.block_size
-        query_lens, seq_lens, tables = inputs.query_lens, inputs.seq_lens, inputs.block_tables
-        max_blocks = max(len(t) for t in tables)
+    def _buffered_inputs(self, inputs: StepInputs, feed: tuple[torch.Tensor, list[int], list[int]] | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Every input put into the step buffers, then copied to the device in one batch (see StepBuffers)."""
         buffers = self.buffers
-        if buffers is not None:
-            graph = self._graph_step(inputs)
-            slot_mapping = inputs.slot_mapping
-            bucket = self._token_bucket(inputs)
-            if bucket is not None:
-                # padding tokens write no KV; their ids and positions are whatever earlier steps left (valid values)
-                slot_mapping = slot_mapping + [-1] * (bucket - len(slot_mapping))
-                graphs = self.token_graphs
-                tile_seq, tile_index = attention_tiles(query_lens, graphs.group, graphs.block_m(bucket),
-                                                       graphs.num_tiles(bucket))
-                buffers.fill("attn_tile_seq", tile_seq)
-                buffers.fill("attn_tile_index", tile_index)
-            meta = AttentionMetadata(
-                slot_mapping=buffers.fill("slot_mapping", slot_mapping),
-                query_start_loc=buffers.decode_query_start_loc[: len(seq_lens) + 1] if graph
-                else buffers.fill("query_start_loc", inputs.query_start_loc),
-                seq_lens=buffers.fill("seq_lens", seq_lens),
-                block_tables=buffers.fill_block_tables(tables, max_blocks),
-                query_lens_list=query_lens,
-                seq_lens_list=seq_lens,
-                max_query_len=max(query_lens),
-                max_seq_len=max(seq_lens),
-                block_size=bs,
-            )
-            return (buffers.fill("input_ids", inputs.input_ids), buffers.fill("positions", inputs.positions), meta,
-                    buffers.fill("logits_indices", inputs.logits_indices))
+        buffers.begin()
+        num_tokens, num_seqs = inputs.input_ids.size, len(inputs.seq_lens)
+        input_ids = buffers.put("input_ids", inputs.input_ids)
+        positions = buffers.put("positions", inputs.positions)
+        slot_mapping = buffers.put("slot_mapping", inputs.slot_mapping)
+        seq_lens = buffers.put("seq_lens", np.asarray(inputs.seq_lens, dtype=np.int64))
+        buffers.put("block_tables", inputs.block_tables)
+        logits_indices = buffers.put("logits_indices", inputs.logits_indices)
+        if self._graph_step(inputs):
+            query_start_loc = buffers.decode_query_start_loc[: num_seqs + 1]
+            buffers.put_decode_padding(num_seqs, self.graphs.bucket_for(num_seqs))
+        else:
+            query_start_loc = buffers.put("query_start_loc", inputs.query_start_loc)
+        bucket = self._token_bucket(inputs)
+        if bucket is not None:
+            # padding tokens write no KV; their ids and positions are whatever earlier steps left (valid values)
+            buffers.put("slot_mapping", np.full(bucket - num_tokens, -1, dtype=np.int64), num_tokens)
+            graphs = self.token_graphs
+            tiles = attention_tile_array(np.asarray(inputs.query_lens, dtype=np.int64), graphs.group,
+                                         graphs.block_m(bucket), graphs.num_tiles(bucket))
+            buffers.put("attn_tile_seq", tiles[0])
+            buffers.put("attn_tile_index", tiles[1])
+        fed = None
+        if feed is not None:
+            tokens, rows, sources = feed
+            if rows == sources == list(range(len(rows))):  # the first rows, in order: a plain copy
+                fed = (tokens[: len(rows)], None, None)
+            else:
+                fed = (tokens, buffers.put("feed_rows", np.asarray(rows, dtype=np.int64)),
+                       buffers.put("feed_sources", np.asarray(sources, dtype=np.int64)))
+        buffers.commit()
+        if fed is not None:
+            self._feed_tokens(input_ids, *fed)
+        meta = self._metadata(inputs, slot_mapping, query_start_loc, seq_lens, buffers.block_tables[:num_seqs])
+        return input_ids, positions, meta, logits_indices
 
-        def tensor(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+    def _fresh_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """New device tensors for every input (`static_buffers=False`)."""
 
-        block_tables = [t + [0] * (max_blocks - len(t)) for t in tables]
-        meta = AttentionMetadata(
-            slot_mapping=tensor(inputs.slot_mapping),
-            query_start_loc=tensor(inputs.query_start_loc),
-            seq_lens=tensor(seq_lens),
-            block_tables=tensor(block_tables),
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-        )
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values).to(self.device, non_blocking=True)
+
+        meta = self._metadata(inputs, tensor(inputs.slot_mapping), tensor(inputs.query_start_loc),
+                              tensor(np.asarray(inputs.seq_lens, dtype=np.int64)), tensor(inputs.block_tables))
         return tensor(inputs.input_ids), tensor(inputs.positions), meta, tensor(inputs.logits_indices)
+
+    def _metadata(self, inputs: StepInputs, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            query_lens_list=inputs.query_lens,
+            seq_lens_list=inputs.seq_lens,
+            max_query_len=max(inputs.query_lens),
+            max_seq_len=max(inputs.seq_lens),
+            block_size=self.block_size,
+        )
+
+    @staticmethod
+    def _feed_tokens(input_ids: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor | None,
+                     sources: torch.Tensor | None) -> None:
+        """Input ids `rows` (a device index; None: the first ones) of this step are `tokens[sources]`, an earlier
+        step's samples on the device."""
+        if rows is None:
+            input_ids[: tokens.numel()].copy_(tokens)
+        else:
+            input_ids.index_copy_(0, rows, tokens.index_select(0, sources))
 
     def _graph_step(self, inputs: StepInputs) -> bool:
         return self.graphs is not None and inputs.decode and self.graphs.bucket_for(inputs.batch_size) is not None
