@@ -132,6 +132,7 @@ class Runner:
         waits for one (that wait is recorded as its slot_wait and is part of its schedule lag)."""
         slots = asyncio.Semaphore(concurrency) if concurrency else None
         blocked: collections.deque[tuple[float, float]] = collections.deque()  # spans the loop waited for a slot
+        blocked_s = 0.0  # their total
         start = self.clock.now()
         try:
             for spec, offset in zip(specs, offsets):
@@ -142,14 +143,17 @@ class Runner:
                         before = self.clock.now()
                         await slots.acquire()
                         blocked.append((before, self.clock.now()))
+                        blocked_s += blocked[-1][1] - before
                     else:
                         await slots.acquire()
                 # A request due while the loop was held up by an earlier request's slot wait waited for a slot
                 # too, even if one was free when the loop reached it: its slot wait is every blocked span since
-                # it was due.
+                # it was due. Due times only grow, so spans that ended before it are done with; of the rest (one
+                # after another), only the first can have begun before it.
                 while blocked and blocked[0][1] <= due:
-                    blocked.popleft()
-                wait = sum(end - max(begin, due) for begin, end in blocked)
+                    begin, end = blocked.popleft()
+                    blocked_s -= end - begin
+                wait = blocked_s - max(0.0, due - blocked[0][0]) if blocked else 0.0
                 task = self._spawn(self._one(spec, due, wait))
                 if slots is not None:
                     task.add_done_callback(lambda _: slots.release())
