@@ -272,6 +272,8 @@ class BenchConfig:
         are the only one, so a request never waits for a connection after its send time is taken."""
         if self.find_max == "concurrency":
             return int(self.find_max_limit)
+        if self.find_max == "request_rate":  # every load an open loop, capped only by --concurrency
+            return self.concurrency
         caps = [p.effective_concurrency for p in self.points()]
         return None if None in caps else max(caps)
 

@@ -243,3 +243,13 @@ def test_cli_find_max_concurrency_gives_each_load_a_pool_that_fits_it(standin, t
     fm = json.loads(out.read_text())["find_max"]
     assert (fm["max_load"], fm["first_failing_load"]) == (11, 12), [(p["load"], p["passed"]) for p in fm["points"]]
     assert max(r["max_concurrency"] for p in fm["points"] for r in p["results"]) == 16
+
+
+def test_the_open_file_check_covers_every_load_a_run_can_reach():
+    """The pool has no cap of its own, so the open-file check must count the most requests a run can have in
+    flight: a search's highest concurrency, an uncapped open loop's every request (None)."""
+    assert BenchConfig(find_max="concurrency", slo={"p99_ttft_ms": 100}, find_max_limit=64).max_in_flight == 64
+    assert BenchConfig(find_max="request_rate", slo={"p99_ttft_ms": 100}).max_in_flight is None
+    assert BenchConfig(find_max="request_rate", slo={"p99_ttft_ms": 100}, concurrency=32).max_in_flight == 32
+    assert BenchConfig(sweep_param="concurrency", sweep_values=(1, 4, 16)).max_in_flight == 16
+    assert BenchConfig(dataset="trace", dataset_path="t.jsonl").max_in_flight is None
