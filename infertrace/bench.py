@@ -5,24 +5,16 @@ and report/, which know nothing of each other's callers."""
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import click
 
 from infertrace.console import err_console, fail, out_console
-from infertrace.load.benchmark import Hooks, Interrupter, run_benchmark
-from infertrace.load.client.fdlimit import OpenFileLimitError, ensure_open_files
-from infertrace.load.client.targets import load_tokenizer, make_target, tokenizer_source
-from infertrace.load.client.timing import TargetError
-from infertrace.load.clock import MonotonicClock
-from infertrace.load.config import BenchConfig
-from infertrace.load.observe.findings import findings_table
-from infertrace.load.observe.observer import run_findings
 from infertrace.load.options import bench_config, bench_options
-from infertrace.load.results.metrics import sum_token_checks, token_count_warnings
-from infertrace.load.results.outputs import OutputError, check_writable
-from infertrace.load.results.point import PointRecord
-from infertrace.load.results.render import LiveProgress, summary_table, sweep_table
-from infertrace.load.workloads.dataset import DatasetError
+
+if TYPE_CHECKING:
+    from infertrace.load.config import BenchConfig
+    from infertrace.load.results.point import PointRecord
 
 EXIT_ALL_FAILED = 1
 EXIT_BAD_INPUT = 2  # a bad option, an unreachable target, an unwritable output
@@ -50,6 +42,11 @@ def _info(message: str) -> None:
 
 
 async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
+    from infertrace.load.benchmark import Hooks, Interrupter, run_benchmark
+    from infertrace.load.client.targets import load_tokenizer, make_target, tokenizer_source
+    from infertrace.load.clock import MonotonicClock
+    from infertrace.load.results.render import LiveProgress
+
     target = make_target(cfg, _info)
     interrupter = Interrupter()
 
@@ -75,12 +72,16 @@ async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
 
 
 def execute(cfg: BenchConfig) -> int:
-    """Run, render, persist; the exit code."""
-    from infertrace.load.results.result import (
-        result_document,
-        write_json,
-        write_requests_jsonl,
-    )
+    """Run, render, persist; the exit code. The run's machinery is imported here, when a run starts, so that
+    `infertrace --help` and the other commands (and the server's spawned processes) do not load it."""
+    from infertrace.load.client.fdlimit import OpenFileLimitError, ensure_open_files
+    from infertrace.load.client.timing import TargetError
+    from infertrace.load.observe.findings import findings_table
+    from infertrace.load.observe.observer import run_findings
+    from infertrace.load.results.outputs import OutputError, check_writable
+    from infertrace.load.results.render import summary_table, sweep_table
+    from infertrace.load.results.result import result_document, write_json, write_requests_jsonl
+    from infertrace.load.workloads.dataset import DatasetError
 
     try:
         check_writable(cfg.output_paths())
@@ -129,6 +130,8 @@ def execute(cfg: BenchConfig) -> int:
 def print_warnings(records: list[PointRecord]) -> None:
     """Each run's headroom warnings, then the token-count warnings of all runs together, once: a sweep or a
     search repeats the same cause at every point."""
+    from infertrace.load.results.metrics import sum_token_checks, token_count_warnings
+
     lines = [w for record in records for w in record.headroom_warnings]
     lines += token_count_warnings(sum_token_checks([r.token_checks for r in records]),
                                   any(r.metrics.output_token_sources.get("chunks") for r in records))
