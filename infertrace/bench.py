@@ -73,7 +73,7 @@ async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
 
 def execute(cfg: BenchConfig) -> int:
     """Run, render, persist; the exit code. The run's machinery is imported here, when a run starts, so that
-    `infertrace --help` and the other commands (and the server's spawned processes) do not load it."""
+    `infertrace --help` and the other commands do not load it."""
     from infertrace.load.client.fdlimit import OpenFileLimitError, ensure_open_files
     from infertrace.load.client.timing import TargetError
     from infertrace.load.observe.findings import findings_table
