@@ -106,7 +106,7 @@ def kv_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
 
 
 def bench_decode(root: Path, bw: float, attention: str = "batched", cuda_graphs: bool = True,
-                 profile_host: bool = False, repeats: int = 1, **overrides) -> float:
+                 profile_host: bool = False, repeats: int = 1, note: str = "", **overrides) -> float:
     """Output tok/s of the fixed batch-8 workload; with repeats > 1 the median of that many runs on one engine
     (host-bound eager steps swing by a quarter from run to run), printed with the range."""
     path = model_dir(root, "qwen3-4b")
@@ -120,7 +120,7 @@ def bench_decode(root: Path, bw: float, attention: str = "batched", cuda_graphs:
     rates = [x["out_tokens"] / x["wall_s"] for x in runs]
     r, tok_s = runs[len(runs) // 2], rates[len(runs) // 2]
     label = f"qwen3-4b bf16 bs=8 128in/512out attention={attention} cuda_graphs={cuda_graphs}"
-    label += "".join(f" {k}={v}" for k, v in overrides.items())
+    label += "".join(f" {k}={v}" for k, v in overrides.items()) + note
     if attention == "batched" and cuda_graphs:
         dt = sorted(r["decode_times"])[len(r["decode_times"]) // 2]
         weight_bytes = parameter_count(cfg) * 2

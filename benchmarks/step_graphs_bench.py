@@ -99,10 +99,10 @@ def bench_startup(root: Path, preset: str) -> None:
         _free()
 
 
-def decode_breakdown(root: Path, batch: int = 8) -> None:
+def decode_breakdown(root: Path, batch: int = 8, **overrides) -> None:
     """GPU time of the batch-8 qwen3-4b decode graph by kernel, and the gaps between kernels."""
     path = model_dir(root, "qwen3-4b")
-    llm = LLM(path)
+    llm = LLM(path, **overrides)
     eng = llm.engine
     rng = random.Random(0)
     for i in range(batch):
@@ -127,11 +127,11 @@ def decode_breakdown(root: Path, batch: int = 8) -> None:
             by_name[e.name][0] += e.device_time / 10
             by_name[e.name][1] += 1 / 10
     total = sum(v[0] for v in by_name.values())
-    print(f"\ndecode graph bs={batch} qwen3-4b: replay {1e3 * replay:.3f} ms, kernels {total / 1e3:.3f} ms, "
+    print(f"\ndecode graph bs={batch} qwen3-4b {overrides}: replay {1e3 * replay:.3f} ms, kernels {total / 1e3:.3f} ms, "
           f"gaps {1e3 * replay - total / 1e3:.3f} ms")
     for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:14]:
         print(f"  {us / 1e3:8.3f} ms  {n:5.0f}x  {name[:90]}")
-    row("decode graph bs=8 qwen3-4b by kernel", f"replay {1e3 * replay:.2f} ms = kernels {total / 1e3:.2f} ms + "
+    row(f"decode graph bs=8 qwen3-4b by kernel {overrides}", f"replay {1e3 * replay:.2f} ms = kernels {total / 1e3:.2f} ms + "
         f"gaps {1e3 * replay - total / 1e3:.2f} ms", "torch.profiler over 10 replays; kernels listed above the table")
     del llm, eng, graphs
     _free()
@@ -141,6 +141,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/models"))
     ap.add_argument("--only", default="prefill,nano,startup,decode")
+    ap.add_argument("--prefetch-mb", default="", help="decode: also the PDL step with these L2 prefetch budgets")
     args = ap.parse_args()
     only = set(args.only.split(","))
     bw = copy_bandwidth()
@@ -149,16 +150,24 @@ def main() -> None:
     if "prefill" in only:
         bench_prefill(args.models_dir)
     if "nano" in only:
-        for graphs in (True, False):
-            print(f"nano-vllm workload, prefill_cuda_graphs={graphs}", flush=True)
-            bench_nano(args.models_dir, hf=False, prefill_cuda_graphs=graphs)
+        for graphs, kv in ((True, "auto"), (True, "fp8"), (False, "auto")):
+            print(f"nano-vllm workload, prefill_cuda_graphs={graphs} kv_cache_dtype={kv}", flush=True)
+            bench_nano(args.models_dir, hf=False, prefill_cuda_graphs=graphs, kv_cache_dtype=kv)
     if "startup" in only:
         for preset in ("qwen3-0.6b", "qwen3-4b"):
             bench_startup(args.models_dir, preset)
     if "decode" in only:
-        bench_decode(args.models_dir, bw)
-        bench_decode(args.models_dir, bw, prefill_cuda_graphs=False)
-        decode_breakdown(args.models_dir)
+        from infertrace.engine.kernels import skinny_gemm
+
+        bench_decode(args.models_dir, bw, pdl=True)
+        bench_decode(args.models_dir, bw, pdl=False)
+        default = skinny_gemm.PREFETCH_BYTES
+        for mb in filter(None, args.prefetch_mb.split(",")):
+            skinny_gemm.PREFETCH_BYTES = int(float(mb) * 2**20)
+            bench_decode(args.models_dir, bw, pdl=True, note=f" L2 prefetch {mb} MiB")
+        skinny_gemm.PREFETCH_BYTES = default
+        decode_breakdown(args.models_dir, pdl=True)
+        decode_breakdown(args.models_dir, pdl=False)
     print("\n| figure | value | setup |\n| --- | --- | --- |")
     for name, value, note in ROWS:
         print(f"| {name} | {value} | {note} |")

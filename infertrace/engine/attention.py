@@ -40,6 +40,15 @@ class AttentionMetadata:
         return len(self.seq_lens_list)
 
 
+def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """cache[slots] = x, rounded to the cache's dtype (an 8-bit cache is written through a byte view: index_copy_
+    has no float8 kernel on every device)."""
+    if cache.dtype == x.dtype:
+        cache.index_copy_(0, slots, x)
+    else:
+        cache.view(torch.uint8).index_copy_(0, slots, x.to(cache.dtype).view(torch.uint8))
+
+
 class TorchAttention:
     """Reference attention in plain torch (any device)."""
 
@@ -79,8 +88,8 @@ class TorchAttention:
         scale: float,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D]; caches [num_slots, Hkv, D]. Writes k/v to the cache, returns [T, Hq, D]."""
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        store(k_cache, meta.slot_mapping, k)
+        store(v_cache, meta.slot_mapping, v)
         if self.mode == "looped":
             return self._looped(q, k_cache, v_cache, meta, scale)
         return self._batched(q, k_cache, v_cache, meta, scale)
@@ -93,8 +102,8 @@ class TorchAttention:
         q_pad = q.new_zeros(batch, max_q, num_heads, head_dim)
         q_pad[meta.token_batch, meta.token_row] = q
         q_pad = q_pad.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-        keys = k_cache[meta.context_slots].permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, L, D]
-        values = v_cache[meta.context_slots].permute(0, 2, 1, 3).unsqueeze(2)
+        keys = k_cache[meta.context_slots].to(q.dtype).permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, L, D]
+        values = v_cache[meta.context_slots].to(q.dtype).permute(0, 2, 1, 3).unsqueeze(2)
         scores = torch.matmul(q_pad, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, Lq, L]
         scores = scores.masked_fill(~meta.causal_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -111,8 +120,8 @@ class TorchAttention:
         for b, (qlen, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
             qb = q[start : start + qlen].view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
             slots = meta.context_slots[b, :seq_len]
-            keys = k_cache[slots].permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, L, D]
-            values = v_cache[slots].permute(1, 0, 2).unsqueeze(1)
+            keys = k_cache[slots].to(q.dtype).permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, L, D]
+            values = v_cache[slots].to(q.dtype).permute(1, 0, 2).unsqueeze(1)
             scores = torch.matmul(qb, keys.transpose(-1, -2)) * scale  # [Hkv, G, qlen, L]
             if qlen > 1:
                 query_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)

@@ -14,6 +14,7 @@ OFFLOAD_MODES = ("off", "prefix", "long", "prefix+long")
 SCHEDULING_POLICIES = ("fcfs",)
 ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # token counts of prefill and mixed steps: steps of 16 above 16 apart up to 256 tokens (the decodes a mixed step
 # carries), then about an eighth apart, so a step pads by at most about 12%; sizes above max_num_batched_tokens are
@@ -28,6 +29,10 @@ DEFAULT_CUDA_GRAPH_TOKEN_SIZES = (
 class EngineConfig:
     # paged KV cache
     block_size: int = 16
+    # "auto": the model's dtype; "fp8" (= "fp8_e4m3", vLLM's names): K and V stored as float8 e4m3 with a scale of
+    # 1.0 (rounded to nearest, saturated at +-448) and widened to the model's dtype where attention reads them, so a
+    # token's KV takes half the bytes of bf16: twice the tokens in the same memory, half the reads of a decode step
+    kv_cache_dtype: str = "auto"
     kv_cache_tokens: int | None = None  # explicit KV budget; None sizes it from memory (see the two fields below)
     gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use, KV cache included
     cpu_kv_cache_gb: float = 0.5  # KV budget on a CPU device when kv_cache_tokens is None
@@ -56,6 +61,10 @@ class EngineConfig:
     # with fused_norm, on CUDA with 16-bit weights: projections of steps of <= 16 tokens as weight-streaming Triton
     # GEMMs (split-K sums added in float32 and read by the next residual add + RMSNorm)
     skinny_gemm: bool = True
+    # programmatic dependent launch of the Triton kernels on Hopper and later (compute capability 9.0): a kernel's
+    # programs start while the one before drains, and wait for its results on the device; the weight-streaming
+    # GEMMs prefetch their first weights into L2 meanwhile. No effect elsewhere
+    pdl: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
     cuda_graph_token_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_TOKEN_SIZES
     # CPU KV offload
@@ -101,6 +110,9 @@ class EngineConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("offload", self.offload, OFFLOAD_MODES)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_dtype != "auto" and self.offload != "off":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with offload={self.offload!r}")
         for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):
             sizes = getattr(self, name)
             if not sizes or min(sizes) < 1:

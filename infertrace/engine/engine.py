@@ -295,7 +295,8 @@ class Engine:
                 "cuda_graph_capture_s": round(runner.graph_capture_s, 3),
                 "cuda_graph_memory_bytes": runner.graph_memory_bytes,
                 "fused_norm": runner.model.fused_norm, "skinny_gemm": runner.model.skinny_gemm,
-                "async_scheduling": self._async}
+                "async_scheduling": self._async, "pdl": runner.pdl,
+                "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch.")}
 
     def _launch_overlapped(self, prev: _Step) -> _Step | None:
         """Plan and queue the step after `prev` before `prev`'s tokens are on the host, or None when the next step

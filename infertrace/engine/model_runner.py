@@ -119,6 +119,7 @@ class ModelRunner:
             self.device = torch.device("cuda", tp.rank)
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype.startswith("fp8") else self.dtype
         self.spec = Qwen3Spec.from_hf_config(hf_config)
         self.num_kv_heads = self.spec.num_key_value_heads // tp.size  # this rank's
         self.block_size = config.block_size
@@ -132,6 +133,11 @@ class ModelRunner:
         max_positions = min(self.spec.max_position_embeddings, config.max_model_len or self.spec.max_position_embeddings)
         on_cuda = self.device.type == "cuda"
         fused = config.fused_norm and on_cuda
+        self.pdl = False
+        if on_cuda:
+            from infertrace.engine.kernels import launch
+
+            self.pdl = launch.set_enabled(config.pdl)
         model.setup(self.attention, max_positions, self.device, fused_norm=fused,
                     skinny_gemm=fused and config.skinny_gemm and self.dtype in (torch.bfloat16, torch.float16))
         self.model = model
@@ -142,7 +148,7 @@ class ModelRunner:
         slots = self.num_blocks * self.block_size
         shape = (2, self.spec.num_hidden_layers, slots, self.num_kv_heads, self.spec.head_dim)
         # zeroed: padded positions of the batched path read slots nobody wrote, and must read finite values
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         model.bind_kv_cache(list(self.kv_cache[0]), list(self.kv_cache[1]))
         self.sampler = Sampler(config.seed, self.device)
         # two pinned landing buffers for sampled tokens, used in turn: a step's copy lands while the host still
@@ -199,7 +205,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         s = self.spec
-        return 2 * s.num_hidden_layers * self.num_kv_heads * s.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * s.num_hidden_layers * self.num_kv_heads * s.head_dim * self.kv_dtype.itemsize
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -233,7 +239,7 @@ class ModelRunner:
         blocks = -(-n // self.block_size)
         s = self.spec
         cache = torch.zeros((2, s.num_hidden_layers, blocks * self.block_size, self.num_kv_heads, s.head_dim),
-                            dtype=self.dtype, device=self.device)
+                            dtype=self.kv_dtype, device=self.device)
         self.model.bind_kv_cache(list(cache[0]), list(cache[1]))
         long = dict(dtype=torch.long, device=self.device)
         meta = AttentionMetadata(

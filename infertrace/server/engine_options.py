@@ -18,6 +18,7 @@ PARAM_PREFIX = "engine__"
 # What a field means, for --help (the defaults come from EngineConfig itself).
 FIELD_HELP = {
     "block_size": "Tokens per KV-cache block.",
+    "kv_cache_dtype": "KV-cache dtype: auto (the model's) or fp8 (float8 e4m3, scale 1.0; also fp8_e4m3).",
     "kv_cache_tokens": "KV-cache size in tokens; unset: sized from memory.",
     "gpu_memory_utilization": "Share of GPU memory the engine may use, KV cache included.",
     "cpu_kv_cache_gb": "KV-cache budget in GB on a CPU device when --kv-cache-tokens is unset.",
@@ -29,6 +30,8 @@ FIELD_HELP = {
     "prefix_caching": "Reuse KV blocks of shared prompt prefixes.",
     "scheduling_policy": "Scheduling policy.",
     "async_scheduling": "Plan and queue the next step while the current one runs: auto (on for CUDA), on or off.",
+    "pdl": "Programmatic dependent launch of the Triton kernels (Hopper and later): each starts while the one "
+           "before drains; the decode GEMMs prefetch weights into L2 meanwhile.",
     "skinny_gemm": "Projections of small decode steps as weight-streaming Triton GEMMs (CUDA, 16-bit, fused norm).",
     "attention": "batched: one attention kernel for the batch; looped: one request at a time (ablation).",
     "attention_backend": "Attention kernels: auto, torch, triton or flash_attn.",

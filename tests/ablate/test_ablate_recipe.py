@@ -170,9 +170,10 @@ def test_shipped_recipes_load(name):
 def test_decode_path_recipe_is_the_published_sequence():
     plan = load_recipe(RECIPES / "decode_path.yaml").plan()
     assert [p.name for p in plan] == ["looped attention", "batched attention", "buffers allocated once",
-                                      "CUDA graphs", "fused norm", "weight-streaming GEMMs", "async scheduling"]
+                                      "CUDA graphs", "fused norm", "weight-streaming GEMMs", "async scheduling",
+                                      "programmatic dependent launch"]
     off = {"cuda_graphs": False, "static_buffers": False, "fused_norm": False, "skinny_gemm": False,
-           "async_scheduling": "off"}
+           "async_scheduling": "off", "pdl": False}
     assert plan[0].config == {"max_num_seqs": 8, "attention": "looped", **off}
     assert plan[1].config == {"max_num_seqs": 8, "attention": "batched", **off}
     assert plan[2].config == {"max_num_seqs": 8, "attention": "batched", **off, "static_buffers": True}
@@ -181,6 +182,7 @@ def test_decode_path_recipe_is_the_published_sequence():
     assert plan[4].config == {**plan[3].config, "fused_norm": True}
     assert plan[5].config == {**plan[4].config, "skinny_gemm": True}
     assert plan[6].config == {**plan[5].config, "async_scheduling": "on"}
+    assert plan[7].config == {**plan[6].config, "pdl": True}
 
 
 def test_a_bad_value_is_pinned_to_its_own_line_not_a_field_with_a_longer_name(write_recipe):

@@ -82,3 +82,28 @@ def test_qk_norm_rope_writes_the_cache_like_the_store_kernel():
     v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
     store_kvcache(k_ref, v, k_want, v_want, slots)
     assert torch.equal(k_cache, k_want.view_as(k_cache)) and torch.equal(v_cache, v_want.view_as(v_cache))
+
+
+def test_qk_norm_rope_rounds_k_and_v_into_a_float8_cache():
+    from infertrace.engine.kernels.fused import qk_norm_rope
+
+    torch.manual_seed(6)
+    t, hq, hkv, d = 8, 32, 8, 128
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16) * 100
+    qw = torch.randn(d, device="cuda", dtype=torch.bfloat16) * 100
+    kw = torch.randn(d, device="cuda", dtype=torch.bfloat16) * 100
+    positions = torch.arange(3, 3 + t, device="cuda")
+    cos, sin = torch.randn(64, d, device="cuda"), torch.randn(64, d, device="cuda")
+    slots = torch.tensor([5, 17, 40, -1, 3, 64, 65, 100], device="cuda")
+    k_cache = torch.zeros(128, hkv, d, device="cuda", dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    _, k = qk_norm_rope(qkv, hq, hkv, d, qw, kw, 1e-6, cos, sin, positions, kv_cache=(k_cache, v_cache, slots))
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    used = slots >= 0
+    want_k = torch.zeros_like(k_cache)
+    want_v = torch.zeros_like(v_cache)
+    want_k.view(torch.uint8)[slots[used]] = k[used].to(torch.float8_e4m3fn).view(torch.uint8)
+    want_v.view(torch.uint8)[slots[used]] = v[used].to(torch.float8_e4m3fn).view(torch.uint8)
+    assert k.abs().max() > 448  # saturation is exercised
+    assert torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))

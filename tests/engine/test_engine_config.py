@@ -50,6 +50,8 @@ def test_unknown_field_is_named():
         ({"scheduling_policy": "priority"}, "scheduling_policy"),
         ({"device": "tpu"}, "device must be"),
         ({"dtype": "int8"}, "dtype must be one of"),
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of auto, fp8, fp8_e4m3"),
+        ({"kv_cache_dtype": "fp8", "offload": "prefix"}, "kv_cache_dtype='fp8' is not supported with offload"),
         ({"block_size": "16"}, "block_size must be int"),
         ({"prefix_caching": 1}, "prefix_caching must be bool"),
         ({"cuda_graph_batch_sizes": (0, 1)}, "cuda_graph_batch_sizes"),

@@ -140,3 +140,31 @@ def test_tile_list_grid_matches_the_per_sequence_grid(dtype, heads, kv_heads):
         assert out[total:].isnan().all()
         ref = _reference(q[:total], k_cache, v_cache, q_lens, ctx_lens, block_tables, dim ** -0.5)
         assert (out[:total].double() - ref).norm() / ref.norm() < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float8_cache_reads_as_its_widened_values(dtype):
+    """An 8-bit cache: the store kernel rounds as torch does (saturating), and attention over it gives what it gives
+    over the same values widened to the model's dtype, bit for bit (decode rows with split KV, and a prefill)."""
+    from infertrace.engine.kernels.paged_attention import paged_attention, store_kvcache
+
+    torch.manual_seed(5)
+    dev, heads, kv_heads, dim, block_size, num_blocks = "cuda", 32, 8, 128, 16, 64
+    k8 = torch.zeros(num_blocks, block_size, kv_heads, dim, device=dev, dtype=torch.float8_e4m3fn)
+    v8 = torch.zeros_like(k8)
+    slots = torch.randperm(num_blocks * block_size, device=dev)[:600]
+    k_new = (torch.randn(600, kv_heads, dim, device=dev) * 200).to(dtype)  # some past +-448
+    v_new = torch.randn_like(k_new)
+    store_kvcache(k_new, v_new, k8, v8, slots)
+    assert torch.equal(k8.flatten(0, 1)[slots].view(torch.uint8), k_new.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(v8.flatten(0, 1)[slots].view(torch.uint8), v_new.to(torch.float8_e4m3fn).view(torch.uint8))
+    k_wide, v_wide = k8.to(dtype), v8.to(dtype)
+    block_tables = torch.randperm(num_blocks, device=dev).int().view(4, 16).contiguous()
+    for q_lens, ctx_lens, splits in (([1, 1, 1, 1], [200, 17, 256, 90], 4), ([30, 1, 64, 5], [30, 100, 256, 5], 1)):
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=dev, dtype=torch.int32)
+        ctx = torch.tensor(ctx_lens, device=dev, dtype=torch.int32)
+        q = torch.randn(sum(q_lens), heads, dim, device=dev, dtype=dtype)
+        args = (cu, ctx, block_tables, max(q_lens), dim ** -0.5)
+        out8 = paged_attention(q, k8, v8, *args, num_splits=splits)
+        out = paged_attention(q, k_wide, v_wide, *args, num_splits=splits)
+        assert not out8.isnan().any() and torch.equal(out8, out)

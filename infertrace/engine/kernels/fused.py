@@ -10,12 +10,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from infertrace.engine.kernels import launch
 
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr,
                          k_cache_ptr, v_cache_ptr, slot_ptr,
-                         qkv_stride, num_q_heads, num_kv_heads, eps, HALF: tl.constexpr, STORE_KV: tl.constexpr):
+                         qkv_stride, num_q_heads, num_kv_heads, eps, HALF: tl.constexpr, STORE_KV: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:  # the kernel before has finished and its writes are visible past this point
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
@@ -55,11 +62,12 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_pt
             if slot >= 0:  # -1: a padding row of a captured graph
                 kv_head = h - num_q_heads
                 dst = (slot * num_kv_heads + kv_head) * 2 * HALF
-                tl.store(k_cache_ptr + dst + i, r1)
-                tl.store(k_cache_ptr + dst + HALF + i, r2)
+                kv_type = k_cache_ptr.dtype.element_ty  # the model's dtype, or float8 e4m3 (rounded, saturated)
+                tl.store(k_cache_ptr + dst + i, r1.to(kv_type))
+                tl.store(k_cache_ptr + dst + HALF + i, r2.to(kv_type))
                 v_src = qkv_ptr + t * qkv_stride + (num_q_heads + num_kv_heads + kv_head) * 2 * HALF
-                tl.store(v_cache_ptr + dst + i, tl.load(v_src + i))
-                tl.store(v_cache_ptr + dst + HALF + i, tl.load(v_src + HALF + i))
+                tl.store(v_cache_ptr + dst + i, tl.load(v_src + i).to(kv_type))
+                tl.store(v_cache_ptr + dst + HALF + i, tl.load(v_src + HALF + i).to(kv_type))
 
 
 def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor,
@@ -82,13 +90,17 @@ def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_di
             k_cache = v_cache = slots = k  # unused
         _qk_norm_rope_kernel[(t, num_q_heads + num_kv_heads)](
             qkv, q, k, q_weight, k_weight, cos, sin, positions, k_cache, v_cache, slots, qkv.stride(0),
-            num_q_heads, num_kv_heads, eps, HALF=head_dim // 2, STORE_KV=kv_cache is not None, num_warps=1,
+            num_q_heads, num_kv_heads, eps, HALF=head_dim // 2, STORE_KV=kv_cache is not None,
+            PDL=launch.enabled(), num_warps=1, launch_pdl=launch.enabled(),
         )
     return q, k
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the kernel before has finished and its writes are visible past this point
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -106,5 +118,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
     if t:
         block = 1024
-        _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, PDL=launch.enabled(),
+                                                             num_warps=4, launch_pdl=launch.enabled())
     return out

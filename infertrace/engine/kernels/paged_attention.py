@@ -13,22 +13,28 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from infertrace.engine.kernels import launch
 from infertrace.engine.kernels.tiles import prefill_block_m
 
 
 @triton.jit
 def _store_kvcache_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    key_stride, value_stride, ROW: tl.constexpr,
+    key_stride, value_stride, ROW: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the kernel before has finished and its writes are visible past this point
+        gdc_wait()
+        gdc_launch_dependents()
     i = tl.program_id(0)
     slot = tl.load(slot_ptr + i)
     if slot < 0:  # padding rows of a captured graph
         return
     offs = tl.arange(0, ROW)
-    tl.store(k_cache_ptr + slot * ROW + offs, tl.load(key_ptr + i * key_stride + offs))
-    tl.store(v_cache_ptr + slot * ROW + offs, tl.load(value_ptr + i * value_stride + offs))
+    kv_type = k_cache_ptr.dtype.element_ty  # the model's dtype, or float8 e4m3 (rounded, saturated)
+    tl.store(k_cache_ptr + slot * ROW + offs, tl.load(key_ptr + i * key_stride + offs).to(kv_type))
+    tl.store(v_cache_ptr + slot * ROW + offs, tl.load(value_ptr + i * value_stride + offs).to(kv_type))
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -38,7 +44,8 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     row = heads * dim
     assert key.stride(-1) == 1 and key.stride(1) == dim and value.stride(1) == dim
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and triton.next_power_of_2(row) == row
-    _store_kvcache_kernel[(n,)](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0), row)
+    _store_kvcache_kernel[(n,)](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0), row,
+                                PDL=launch.enabled(), launch_pdl=launch.enabled())
 
 
 @triton.jit
@@ -51,8 +58,11 @@ def _paged_attention_kernel(
     stride_ls, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    TILE_LIST: tl.constexpr,
+    TILE_LIST: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the kernel before has finished and its writes are visible past this point
+        gdc_wait()
+        gdc_launch_dependents()
     if TILE_LIST:  # program i takes the (sequence, tile) of entry i; -1 pads a grid fixed by a graph's bucket
         seq = tl.load(tile_seq_ptr + tl.program_id(0))
         if seq < 0:
@@ -95,7 +105,7 @@ def _paged_attention_kernel(
         n_ok = n < hi
         block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
         kv_off = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -104,7 +114,7 @@ def _paged_attention_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -123,7 +133,10 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, num_heads, stride_ot, stride_oh, stride_ls,
-                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the kernel before has finished and its writes are visible past this point
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -201,12 +214,12 @@ def paged_attention(
         *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LIST=tiles is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        PDL=launch.enabled(), num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
     )
     if num_splits > 1:
         _merge_splits_kernel[(total, num_heads)](
             target, lse, out, num_heads, out.stride(0), out.stride(1), lse.stride(0),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=launch.enabled(), launch_pdl=launch.enabled(),
         )
     return out
 

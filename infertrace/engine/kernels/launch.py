@@ -1,0 +1,29 @@
+"""Programmatic dependent launch (PDL) of the engine's Triton kernels, on Hopper (sm_90) and later.
+
+A kernel launched with PDL may start while the kernel before it in the stream still runs: its programs become
+resident once every program of that kernel has called `gdc_launch_dependents`, and block in `gdc_wait` until it has
+finished and its writes are visible. Every kernel here calls `gdc_wait` before it reads or writes memory that
+another kernel touches, so what overlaps the kernel before is only work that needs nobody's output: the launch, the
+programs' start, and the weight-streaming GEMM's prefetch of its first weight tiles into L2, which a decode step
+otherwise reads from memory only after the small kernel before it has finished.
+
+The switch is process-wide (`EngineConfig.pdl`, set by the model runner); a CUDA graph keeps the launches as they
+were when it was captured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_enabled = False
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn PDL on where the current device has it (compute capability 9.0 and later); returns whether it is on."""
+    global _enabled
+    _enabled = bool(on) and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    return _enabled
+
+
+def enabled() -> bool:
+    return _enabled
