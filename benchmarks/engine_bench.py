@@ -152,7 +152,7 @@ def bench_decode(root: Path, bw: float, attention: str = "batched", cuda_graphs:
     return tok_s
 
 
-def bench_nano(root: Path, hf: bool, **overrides) -> None:
+def bench_nano(root: Path, hf: bool, note: str = "", **overrides) -> None:
     path = model_dir(root, "qwen3-0.6b")
     rng = random.Random(0)
     n = 256
@@ -165,7 +165,7 @@ def bench_nano(root: Path, hf: bool, **overrides) -> None:
     r = run_steps(llm, prompts, params)
     row("nano-vllm workload output tok/s", f"{r['out_tokens'] / r['wall_s']:.0f}",
         f"qwen3-0.6b bf16, 256 req, in/out U[100,1024], {r['out_tokens']} tokens in {r['wall_s']:.1f}s"
-        + "".join(f" {k}={v}" for k, v in overrides.items()))
+        + "".join(f" {k}={v}" for k, v in overrides.items()) + note)
     del llm
     torch.cuda.empty_cache()
     if hf:

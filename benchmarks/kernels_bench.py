@@ -24,20 +24,21 @@ def copy_bandwidth() -> float:
 
 
 def decode_case(bs: int, ctx: int, heads: int, kv_heads: int, dim: int, splits: int,
-                tiling: tuple[int, int, int] | None = None) -> tuple[float, float]:
+                tiling: tuple[int, int, int] | None = None, kv_dtype: torch.dtype = torch.bfloat16,
+                f16_dots: bool = False) -> tuple[float, float]:
     block_size = 16
     blocks_per_seq = (ctx + block_size - 1) // block_size
-    k_cache = torch.randn(bs * blocks_per_seq + 8, block_size, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
+    k_cache = torch.randn(bs * blocks_per_seq + 8, block_size, kv_heads, dim, device="cuda").to(kv_dtype)
+    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(kv_dtype)
     block_tables = torch.randperm(bs * blocks_per_seq, device="cuda").int().view(bs, blocks_per_seq)
     q = torch.randn(bs, heads, dim, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(bs + 1, device="cuda", dtype=torch.int32)
     ctx_t = torch.full((bs,), ctx, device="cuda", dtype=torch.int32)
     out = torch.empty_like(q)
     fn = lambda: paged_attention(q, k_cache, v_cache, cu, ctx_t, block_tables, 1, dim**-0.5, out=out,
-                                 num_splits=splits, tiling=tiling)
+                                 num_splits=splits, tiling=tiling, f16_dots=f16_dots)
     ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
-    nbytes = 2 * bs * ctx * kv_heads * dim * 2
+    nbytes = 2 * bs * ctx * kv_heads * dim * k_cache.element_size()
     return ms * 1e3, nbytes / (ms * 1e-3)
 
 
@@ -111,6 +112,30 @@ def decode_sweep() -> None:
               + "  ".join(f"{r[0]:.1f} {r[1:]}" for r in results[:5]), flush=True)
 
 
+def fp8_sweep() -> None:
+    """Decode attention over an 8-bit cache against the bf16 one at large batches (qwen3-0.6b heads): tilings, and
+    widening to bf16 or to float16."""
+    for bs, ctx in ((256, 640), (128, 1200), (32, 1500)):
+        base, bw = decode_case(bs, ctx, 16, 8, 128, 1)
+        results = []
+        for f16 in (False, True):
+            for block_n in (32, 64, 128):
+                for warps in (2, 4, 8):
+                    for stages in (2, 3, 4):
+                        try:
+                            us, fbw = decode_case(bs, ctx, 16, 8, 128, 1, (block_n, warps, stages),
+                                                  torch.float8_e4m3fn, f16)
+                        except Exception as e:  # a tiling that does not fit shared memory
+                            print(f"  skip {(f16, block_n, warps, stages)}: {type(e).__name__}")
+                            continue
+                        results.append((us, f16, block_n, warps, stages, fbw))
+        results.sort()
+        default = [r for r in results if r[1:5] == (False, 64, 4, 2)]
+        print(f"bs {bs} ctx {ctx}: bf16 cache {base:.1f} us ({bw / 1e12:.2f} TB/s); fp8 default "
+              f"{default[0][0] if default else float('nan'):.1f} us; best fp8 (us, f16_dots, BLOCK_N, warps, stages, "
+              "TB/s): " + "  ".join(f"{r[0]:.1f} {r[1:5]} {r[5] / 1e12:.2f}" for r in results[:6]), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="decode,prefill")
@@ -128,6 +153,8 @@ def main() -> None:
                   f"{torch_cols}  {r['torch']}")
     if "sweep" in only:
         decode_sweep()
+    if "fp8" in only:
+        fp8_sweep()
     if "decode" not in only:
         return
     print(f"{'bs':>4} {'ctx':>6} {'heads':>6} {'splits':>6} {'us':>8} {'GB/s':>8} {'% copy bw':>9}")

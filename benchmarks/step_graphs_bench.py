@@ -141,7 +141,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/models"))
     ap.add_argument("--only", default="prefill,nano,startup,decode")
-    ap.add_argument("--prefetch-mb", default="", help="decode: also the PDL step with these L2 prefetch budgets")
     args = ap.parse_args()
     only = set(args.only.split(","))
     bw = copy_bandwidth()
@@ -153,19 +152,17 @@ def main() -> None:
         for graphs, kv in ((True, "auto"), (True, "fp8"), (False, "auto")):
             print(f"nano-vllm workload, prefill_cuda_graphs={graphs} kv_cache_dtype={kv}", flush=True)
             bench_nano(args.models_dir, hf=False, prefill_cuda_graphs=graphs, kv_cache_dtype=kv)
+        from infertrace.engine.attention import TritonAttention
+
+        TritonAttention.f16_dots = True
+        bench_nano(args.models_dir, hf=False, kv_cache_dtype="fp8", note=" f16 dots")
+        TritonAttention.f16_dots = False
     if "startup" in only:
         for preset in ("qwen3-0.6b", "qwen3-4b"):
             bench_startup(args.models_dir, preset)
     if "decode" in only:
-        from infertrace.engine.kernels import skinny_gemm
-
         bench_decode(args.models_dir, bw, pdl=True)
         bench_decode(args.models_dir, bw, pdl=False)
-        default = skinny_gemm.PREFETCH_BYTES
-        for mb in filter(None, args.prefetch_mb.split(",")):
-            skinny_gemm.PREFETCH_BYTES = int(float(mb) * 2**20)
-            bench_decode(args.models_dir, bw, pdl=True, note=f" L2 prefetch {mb} MiB")
-        skinny_gemm.PREFETCH_BYTES = default
         decode_breakdown(args.models_dir, pdl=True)
         decode_breakdown(args.models_dir, pdl=False)
     print("\n| figure | value | setup |\n| --- | --- | --- |")

@@ -62,8 +62,7 @@ class EngineConfig:
     # GEMMs (split-K sums added in float32 and read by the next residual add + RMSNorm)
     skinny_gemm: bool = True
     # programmatic dependent launch of the Triton kernels on Hopper and later (compute capability 9.0): a kernel's
-    # programs start while the one before drains, and wait for its results on the device; the weight-streaming
-    # GEMMs prefetch their first weights into L2 meanwhile. No effect elsewhere
+    # programs start while the one before drains, and wait for its results on the device. No effect elsewhere
     pdl: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
     cuda_graph_token_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_TOKEN_SIZES

@@ -31,7 +31,7 @@ FIELD_HELP = {
     "scheduling_policy": "Scheduling policy.",
     "async_scheduling": "Plan and queue the next step while the current one runs: auto (on for CUDA), on or off.",
     "pdl": "Programmatic dependent launch of the Triton kernels (Hopper and later): each starts while the one "
-           "before drains; the decode GEMMs prefetch weights into L2 meanwhile.",
+           "before drains.",
     "skinny_gemm": "Projections of small decode steps as weight-streaming Triton GEMMs (CUDA, 16-bit, fused norm).",
     "attention": "batched: one attention kernel for the batch; looped: one request at a time (ablation).",
     "attention_backend": "Attention kernels: auto, torch, triton or flash_attn.",

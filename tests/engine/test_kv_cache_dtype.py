@@ -71,7 +71,7 @@ def test_fp8_cache_holds_four_times_the_float32_tokens(tiny_model_dir):
 
 
 def test_saturates_like_the_gpu_kernels():
-    """Values past float8 e4m3's largest finite value are stored as +-448, as Triton's rounding does, not NaN."""
+    """Values past float8 e4m3's largest finite value are stored as +-448, as Triton's conversion does, not NaN."""
     from infertrace.engine.attention import store
 
     cache = torch.zeros(4, 1, 2, dtype=torch.float8_e4m3fn)

@@ -58,7 +58,7 @@ def _paged_attention_kernel(
     stride_ls, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    TILE_LIST: tl.constexpr, PDL: tl.constexpr,
+    TILE_LIST: tl.constexpr, PDL: tl.constexpr, F16_DOTS: tl.constexpr,
 ):
     if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
@@ -90,6 +90,8 @@ def _paged_attention_kernel(
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
+    if F16_DOTS:  # an 8-bit cache widens to float16 in one instruction; q and p are rounded to float16 to meet it
+        q = q.to(tl.float16)
 
     kv_end = tl.minimum(ctx, ctx - q_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
     per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -115,7 +117,7 @@ def _paged_attention_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -167,6 +169,7 @@ def paged_attention(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     tiling: tuple[int, int, int] | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    f16_dots: bool = False,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over a paged cache that already holds their K/V.
 
@@ -214,7 +217,7 @@ def paged_attention(
         *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LIST=tiles is not None,
-        PDL=launch.enabled(), num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
+        PDL=launch.enabled(), F16_DOTS=f16_dots, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
     )
     if num_splits > 1:
         _merge_splits_kernel[(total, num_heads)](

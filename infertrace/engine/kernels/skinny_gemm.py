@@ -4,10 +4,6 @@ At batch 8 a projection is a matrix-vector product in disguise: the time is the 
 gives each program a band of output columns (and, with split-K, a slice of the reduction), streams that band's
 weights through shared memory with a deep pipeline and multiplies by all rows of x at once; split-K programs add
 their fp32 partial sums into a zeroed fp32 accumulator, so no separate reduction pass reads them back.
-
-Launched with programmatic dependent launch (`launch.py`), a program first asks for the opening tiles of its band
-of weights to be brought into L2, which needs nothing from the kernel before, and only then waits for that kernel:
-the weights start to stream while the small kernel before (a norm, the activation) still runs.
 """
 
 from __future__ import annotations
@@ -23,7 +19,10 @@ from infertrace.engine.kernels import launch
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
+                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # x and the zeroed accumulator come from the kernels before
+        gdc_wait()
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -33,17 +32,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     col_ok = cols < N
     span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_begin = pid_k * span
-    if PDL:
-        if PREFETCH_K > 0:
-            # one address per 128-byte line of the first PREFETCH_K weights of each of the band's rows (clamped
-            # into the matrix: the addresses past its edges are the last line again)
-            lines = tl.minimum(k_begin + tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
-            band = tl.minimum(cols, N - 1).to(tl.int64)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l",
-                                      [w_ptr + band[:, None] * stride_wn + lines[None, :]],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        gdc_wait()  # x (and the zeroed accumulator) come from the kernels before
-        gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + ks)[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + (k_begin + ks)[None, :]
@@ -66,19 +54,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         tl.atomic_add(y_ptrs, acc, mask=mask, sem="relaxed")
 
 
-# weight bytes a GEMM asks to have brought into L2 before the kernel before it has finished: what the memory can
-# deliver in a few microseconds, far below L2's 50 MB so the lines are still there when the loop reaches them
-PREFETCH_BYTES = 8 << 20
-
-
-def prefetch_k(n: int, k: int, split_k: int) -> int:
-    """16-bit weights per row (a power of two of whole 128-byte lines, at most a split's share of K) each program
-    prefetches so that all of them together ask for at most PREFETCH_BYTES; 0 when not even one line a row fits."""
-    line = 64
-    lines = min(PREFETCH_BYTES // (n * split_k * 128), -(-k // split_k) // line)
-    return 0 if lines < 1 else line * (1 << (lines.bit_length() - 1))
-
-
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int = 32,
                 block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """x [M, K] (M <= 16) times weight [N, K] transposed.
@@ -88,7 +63,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     """
     m, k = x.shape
     n = weight.shape[0]
-    assert m <= 16 and weight.element_size() == 2 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
+    assert m <= 16 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
         if split_k > 1:
@@ -97,7 +72,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     _skinny_gemm_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                               BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                               EVEN_K=k % (block_k * split_k) == 0, PDL=launch.enabled(),
-                              PREFETCH_K=prefetch_k(n, k, split_k) if launch.enabled() else 0,
                               num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
     return out
 
