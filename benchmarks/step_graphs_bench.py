@@ -152,11 +152,7 @@ def main() -> None:
         for graphs, kv in ((True, "auto"), (True, "fp8"), (False, "auto")):
             print(f"nano-vllm workload, prefill_cuda_graphs={graphs} kv_cache_dtype={kv}", flush=True)
             bench_nano(args.models_dir, hf=False, prefill_cuda_graphs=graphs, kv_cache_dtype=kv)
-        from infertrace.engine.attention import TritonAttention
 
-        TritonAttention.f16_dots = True
-        bench_nano(args.models_dir, hf=False, kv_cache_dtype="fp8", note=" f16 dots")
-        TritonAttention.f16_dots = False
     if "startup" in only:
         for preset in ("qwen3-0.6b", "qwen3-4b"):
             bench_startup(args.models_dir, preset)

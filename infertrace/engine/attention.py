@@ -146,7 +146,6 @@ class TritonAttention:
 
     name = "triton"
     MAX_SPLITS = 8
-    f16_dots = False  # an 8-bit cache's dots in float16 (q and p rounded to it) rather than the model's dtype
     fuses_kv_store = True  # the model's fused q/k-norm + RoPE kernel may write K/V into the cache for it
 
     def __init__(self, mode: str = "batched", block_size: int = 16, batch_buckets: tuple[int, ...] = (),
@@ -190,13 +189,12 @@ class TritonAttention:
         if not kv_stored:
             self._kernels.store_kvcache(k, v, paged_k, paged_v, meta.slot_mapping)
         out = torch.empty_like(q)
-        f16 = self.f16_dots and k_cache.element_size() == 1
         if meta.tiles is not None:
             # rows of padding tokens stay unwritten: every other kernel of the step works row by row, so they reach
             # no real token
             return self._kernels.paged_attention(
                 q, paged_k, paged_v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                meta.max_query_len, scale, out=out, tiles=meta.tiles, f16_dots=f16,
+                meta.max_query_len, scale, out=out, tiles=meta.tiles,
             )
         if self.mode == "batched":
             splits, workspace = 1, None
@@ -205,13 +203,13 @@ class TritonAttention:
                 workspace = self._split_workspace(q, splits) if splits > 1 else None
             return self._kernels.paged_attention(
                 q, paged_k, paged_v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                meta.max_query_len, scale, out=out, num_splits=splits, workspace=workspace, f16_dots=f16,
+                meta.max_query_len, scale, out=out, num_splits=splits, workspace=workspace,
             )
         for b, qlen in enumerate(meta.query_lens_list):
             # the kernel indexes q through query_start_loc, so a request is a one-row view of the batch tensors
             self._kernels.paged_attention(
                 q, paged_k, paged_v, meta.query_start_loc[b : b + 2], meta.seq_lens[b : b + 1],
-                meta.block_tables[b : b + 1], qlen, scale, out=out, f16_dots=f16,
+                meta.block_tables[b : b + 1], qlen, scale, out=out,
             )
         return out
 
