@@ -1,6 +1,7 @@
 """Prefill and mixed steps from token-count CUDA graphs against the same steps run eagerly, in one call on a GPU:
-one 512-token prefill (wall time against its GPU time), the nano-vllm workload, start-up time and graph memory,
-and the batch-8 qwen3-4b decode step with its GPU time by kernel. Prints one table.
+one 512-token prefill (wall time against its GPU time), the nano-vllm workload (also over an 8-bit KV cache),
+start-up time and graph memory, and the batch-8 qwen3-4b decode step with programmatic dependent launch on and off,
+with its GPU time by kernel. Prints one table.
 
     python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,startup,decode]
 """
