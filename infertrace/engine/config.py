@@ -30,8 +30,9 @@ class EngineConfig:
     # paged KV cache
     block_size: int = 16
     # "auto": the model's dtype; "fp8" (= "fp8_e4m3", vLLM's names): K and V stored as float8 e4m3 with a scale of
-    # 1.0 (rounded to nearest, saturated at +-448) and widened to the model's dtype where attention reads them, so a
-    # token's KV takes half the bytes of bf16: twice the tokens in the same memory, half the reads of a decode step
+    # 1.0 (rounded to nearest, saturated at +-448) and widened exactly where attention reads them (to float16 for the
+    # GPU kernels' dots under a 16-bit model, else to the model's dtype), so a token's KV takes half the bytes of
+    # bf16: twice the tokens in the same memory, half the reads of a decode step; not with offload
     kv_cache_dtype: str = "auto"
     kv_cache_tokens: int | None = None  # explicit KV budget; None sizes it from memory (see the two fields below)
     gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use, KV cache included

@@ -15,6 +15,20 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(VOCAB) for _ in range(n)] for n in lengths]
 
 
+def spy_logits(engine) -> list:
+    """Wraps the engine's sampler so that every step's sampled rows' logits are kept (float32, on the CPU, copied
+    before sampling sees them); returns the list they are appended to."""
+    seen = []
+    sampler = engine.runner.sampler
+
+    def spy(rows, sampling, generators):
+        seen.append(rows.float().cpu().clone())
+        return sampler(rows, sampling, generators)
+
+    engine.runner.sampler = spy
+    return seen
+
+
 class HFReference:
     """Greedy continuations of Hugging Face's own Qwen3 on the same checkpoint, in float32."""
 

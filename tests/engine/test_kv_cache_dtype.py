@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.conftest import random_prompts
+from tests.engine.conftest import random_prompts, spy_logits
 
 
 def _run(model_dir, prompts, **overrides):
@@ -14,14 +14,7 @@ def _run(model_dir, prompts, **overrides):
     from infertrace.engine import Engine, EngineConfig, SamplingParams
 
     engine = Engine(model_dir, EngineConfig.from_overrides({"device": "cpu", "dtype": "float32", **overrides}))
-    seen = []
-    sampler = engine.runner.sampler
-
-    def spy(logits, sampling, generators):
-        seen.append(logits.clone())
-        return sampler(logits, sampling, generators)
-
-    engine.runner.sampler = spy
+    seen = spy_logits(engine)
     tokens = {}
     for i, prompt in enumerate(prompts):
         tokens[f"r{i}"] = []

@@ -24,17 +24,11 @@ def qwen06_f32(tmp_path_factory):
 
 def _run(path, prompts, max_tokens=24, **overrides):
     from infertrace.engine import Engine, EngineConfig, SamplingParams
+    from tests.engine.conftest import spy_logits
 
     engine = Engine(path, EngineConfig.from_overrides({"kv_cache_tokens": 16384, "kv_cache_dtype": "fp8",
                                                        "max_num_batched_tokens": 256, **overrides}))
-    seen = []
-    sampler = engine.runner.sampler
-
-    def spy(rows, sampling, generators):
-        seen.append(rows.float().cpu())
-        return sampler(rows, sampling, generators)
-
-    engine.runner.sampler = spy
+    seen = spy_logits(engine)
     tokens = {}
     for i, p in enumerate(prompts):
         tokens[f"r{i}"] = []

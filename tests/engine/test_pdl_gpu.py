@@ -68,7 +68,7 @@ def test_engine_logits_with_and_without_pdl(tmp_path):
     are identical with PDL on and off."""
     from infertrace.engine import Engine, EngineConfig, SamplingParams
     from infertrace.modelgen import init_model
-    from tests.engine.conftest import random_prompts
+    from tests.engine.conftest import random_prompts, spy_logits
 
     path = init_model("qwen3-0.6b", tmp_path / "m", seed=0, dtype="bfloat16")
     prompts = random_prompts([300, 7, 64, 129, 5, 1000, 33, 80])
@@ -76,21 +76,14 @@ def test_engine_logits_with_and_without_pdl(tmp_path):
     for pdl in (False, True):
         engine = Engine(path, EngineConfig(pdl=pdl, kv_cache_tokens=32768))
         assert engine.decode_path()["pdl"] == (pdl and torch.cuda.get_device_capability() >= (9, 0))
-        logits = seen[pdl] = []
-        sampler = engine.runner.sampler
-
-        def spy(rows, sampling, generators, logits=logits, sampler=sampler):
-            logits.append(rows.float().cpu())
-            return sampler(rows, sampling, generators)
-
-        engine.runner.sampler = spy
+        seen[pdl] = spy_logits(engine)
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, SamplingParams(max_tokens=40 + 10 * i, ignore_eos=True))
             engine.step()
         while engine.has_unfinished():
             engine.step()
         torch.cuda.synchronize()
-        del engine, sampler
+        del engine
         gc.collect()
         torch.cuda.empty_cache()
     assert len(seen[True]) == len(seen[False]) > 40

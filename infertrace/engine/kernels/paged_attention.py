@@ -221,7 +221,8 @@ def paged_attention(
         *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LIST=tiles is not None,
-        PDL=launch.enabled(), F16_DOTS=eight_bit and q.dtype != torch.float32, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
+        PDL=launch.enabled(), F16_DOTS=eight_bit and q.dtype != torch.float32,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
     )
     if num_splits > 1:
         _merge_splits_kernel[(total, num_heads)](
