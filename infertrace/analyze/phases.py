@@ -137,11 +137,32 @@ def step_metrics(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     out["busy_ms"] = busy / 1e6
     out["host_wait_ms"] = host_wait / 1e6
     cats = per_event(gpu, category)[own]
-    dur = gpu["dur_ns"].to_numpy()[own]
+    dur = exclusive_ns(gpu)[own]
     for cat in CATEGORIES:
         pick = cats == cat
         out[f"{cat} (ms)"] = np.bincount(step_ids[pick], weights=dur[pick], minlength=n) / 1e6
         out[f"{cat} kernels"] = np.bincount(step_ids[pick], minlength=n).astype(np.int64)
+    return out
+
+
+def exclusive_ns(gpu: pd.DataFrame) -> np.ndarray:
+    """Each GPU op's time from the later of its start and the end of the ops before it on its stream, to its end.
+
+    Work on one stream runs one op after another, so this is the op's duration, except under programmatic dependent
+    launch (Hopper and later): there a kernel starts while the one before still runs and waits on the device for it,
+    and its recorded span includes that wait. Summed by category, raw durations would count the wait twice."""
+    ts = gpu["ts_ns"].to_numpy()
+    end = ts + gpu["dur_ns"].to_numpy()
+    order = np.lexsort((ts, gpu["stream"].to_numpy(), gpu["pid"].to_numpy()))
+    frame = pd.DataFrame({"pid": gpu["pid"].to_numpy()[order], "stream": gpu["stream"].to_numpy()[order],
+                          "end": end[order]})
+    # the latest end among the ops that started earlier on the same stream (none for a stream's first op)
+    before = frame.groupby(["pid", "stream"], sort=False)["end"].transform(lambda e: e.cummax().shift(1))
+    first = before.isna().to_numpy()
+    start = ts[order].copy()
+    start[~first] = np.maximum(start[~first], before.to_numpy()[~first].astype(np.int64))
+    out = np.empty(len(ts), dtype=np.int64)
+    out[order] = np.maximum(end[order] - start, 0)
     return out
 
 
@@ -248,8 +269,9 @@ def phase_categories(steps: pd.DataFrame) -> pd.DataFrame:
 
 
 def capture_categories(gpu_by_rank: dict[int, pd.DataFrame]) -> pd.DataFrame:
-    """GPU time by kernel category over a whole capture (the GPU work of every rank)."""
-    parts = [pd.DataFrame({"category": per_event(gpu, category), "dur_ns": gpu["dur_ns"].to_numpy()})
+    """GPU time by kernel category over a whole capture (the GPU work of every rank), each op's from the end of
+    the one before it on its stream (`exclusive_ns`)."""
+    parts = [pd.DataFrame({"category": per_event(gpu, category), "dur_ns": exclusive_ns(gpu)})
              for gpu in gpu_by_rank.values() if not gpu.empty]
     if not parts:
         return pd.DataFrame(columns=["category", "ops", "total (ms)", "share"])

@@ -294,3 +294,19 @@ def test_steps_queued_ahead_are_spaced_by_their_last_kernels(tmp_path, make_trac
     summary = phase_summary(steps, has_gpu=True).iloc[0]
     assert summary["spacing_p50 (ms)"] == pytest.approx(0.030)
     assert summary["step_p50 (ms)"] == pytest.approx(0.068)
+
+
+def test_kernels_started_early_by_pdl_count_from_the_end_of_the_one_before(tmp_path, make_trace, make_events):
+    # programmatic dependent launch: each kernel of the graph is resident (and its span recorded) while the one
+    # before still runs, and waits on the device for it; its GPU time is from that kernel's end
+    events = make_events([
+        ("user_annotation", "step[DECODE bs=8]", 100, 100, 100, {}),
+        ("cuda_runtime", "cudaGraphLaunch", 105, 2, 100, {"correlation": 1}),
+        ("kernel", "_skinny_gemm_kernel", 110, 30, 7, {"stream": 7, "correlation": 1}),
+        ("kernel", "_add_rmsnorm_kernel", 125, 20, 7, {"stream": 7, "correlation": 1}),  # waits 125-140
+        ("kernel", "_paged_attention_kernel", 138, 22, 7, {"stream": 7, "correlation": 1}),  # waits 138-145
+        ("kernel", "_skinny_gemm_kernel", 150, 5, 8, {"stream": 8, "correlation": 1}),  # another stream: its own
+    ])
+    step = _steps(make_trace(tmp_path / "t.json", events)).iloc[0]
+    assert (step["GEMM (ms)"], step["norm (ms)"], step["attention (ms)"]) == pytest.approx((0.035, 0.005, 0.015))
+    assert step["busy_ms"] == pytest.approx(0.050)  # 110-160, the union, as before
