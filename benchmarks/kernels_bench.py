@@ -1,7 +1,7 @@
 """Attention kernel timing on a GPU machine: decode against the bytes it must read, prefill against the FLOPs it
 must do (ours over the paged cache, and PyTorch's built-in flash kernels over contiguous K/V for comparison).
 
-Usage: python benchmarks/kernels_bench.py [--only decode,prefill]
+Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8]
 """
 
 from __future__ import annotations
