@@ -152,14 +152,19 @@ def bench_decode(root: Path, bw: float, attention: str = "batched", cuda_graphs:
     return tok_s
 
 
-def bench_nano(root: Path, hf: bool, note: str = "", **overrides) -> None:
-    path = model_dir(root, "qwen3-0.6b")
+def bench_nano_requests() -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's bench.py workload: 256 requests, input and output lengths uniform in [100, 1024]."""
     rng = random.Random(0)
     n = 256
     in_lens = [rng.randint(100, 1024) for _ in range(n)]
     out_lens = [rng.randint(100, 1024) for _ in range(n)]
     prompts = [[rng.randrange(1000, 3000) for _ in range(L)] for L in in_lens]
-    params = [SamplingParams(max_tokens=o, ignore_eos=True) for o in out_lens]
+    return prompts, [SamplingParams(max_tokens=o, ignore_eos=True) for o in out_lens]
+
+
+def bench_nano(root: Path, hf: bool, note: str = "", **overrides) -> None:
+    path = model_dir(root, "qwen3-0.6b")
+    prompts, params = bench_nano_requests()
     llm = LLM(path, **overrides)
     run_steps(llm, prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True))
     r = run_steps(llm, prompts, params)

@@ -1,7 +1,7 @@
 """Attention kernel timing on a GPU machine: decode against the bytes it must read, prefill against the FLOPs it
 must do (ours over the paged cache, and PyTorch's built-in flash kernels over contiguous K/V for comparison).
 
-Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8]
+Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8,stages,splits,widen]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def copy_bandwidth() -> float:
 
 def decode_case(bs: int, ctx: int, heads: int, kv_heads: int, dim: int, splits: int,
                 tiling: tuple[int, int, int] | None = None,
-                kv_dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
+                kv_dtype: torch.dtype = torch.bfloat16, **kernel_args) -> tuple[float, float]:
     block_size = 16
     blocks_per_seq = (ctx + block_size - 1) // block_size
     k_cache = torch.randn(bs * blocks_per_seq + 8, block_size, kv_heads, dim, device="cuda").to(kv_dtype)
@@ -36,7 +36,7 @@ def decode_case(bs: int, ctx: int, heads: int, kv_heads: int, dim: int, splits: 
     ctx_t = torch.full((bs,), ctx, device="cuda", dtype=torch.int32)
     out = torch.empty_like(q)
     fn = lambda: paged_attention(q, k_cache, v_cache, cu, ctx_t, block_tables, 1, dim**-0.5, out=out,
-                                 num_splits=splits, tiling=tiling)
+                                 num_splits=splits, tiling=tiling, **kernel_args)
     ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
     nbytes = 2 * bs * ctx * kv_heads * dim * k_cache.element_size()
     return ms * 1e3, nbytes / (ms * 1e-3)
@@ -130,6 +130,116 @@ def fp8_sweep() -> None:
               + "  ".join(f"{r[0]:.1f} {r[1:4]} {r[4] / 1e12:.2f}" for r in results[:4]), flush=True)
 
 
+def _timed(fn, *args, **kwargs):
+    """fn(*args, **kwargs), or None for a tiling that does not compile (too much shared memory)."""
+    try:
+        return fn(*args, **kwargs)
+    except triton.runtime.errors.OutOfResources:
+        return None
+
+
+def stages_sweep() -> None:
+    """Decode attention by pipeline depth. The kernel's K/V loads hang off a block-table load in the same loop, so
+    Triton splits the stages between the two: (num_stages - 1) // 2 K/V tiles are in flight ahead of the one in use.
+    The default tilings next to the best of BLOCK_N x warps x stages, at the shapes the engine's targets run."""
+    cases = [  # (label, bs, ctx, heads, kv_heads, splits options, kv dtype)
+        ("qwen3-0.6b bs256 ctx640 fp8", 256, 640, 16, 8, (1,), torch.float8_e4m3fn),
+        ("qwen3-0.6b bs256 ctx640 bf16", 256, 640, 16, 8, (1,), torch.bfloat16),
+        ("qwen3-0.6b bs64 ctx1100 fp8", 64, 1100, 16, 8, (1,), torch.float8_e4m3fn),
+        ("qwen3-4b bs8 ctx384 bf16", 8, 384, 32, 8, (1, 2, 4, 8), torch.bfloat16),
+    ]
+    for label, bs, ctx, heads, kvh, split_options, kv in cases:
+        default_splits = TritonAttention(batch_buckets=(bs,)).decode_splits(bs, kvh)
+        default = decode_case(bs, ctx, heads, kvh, 128, default_splits, None, kv)
+        results = []
+        for splits in split_options:
+            for block_n in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (2, 3, 5, 7):
+                        r = _timed(decode_case, bs, ctx, heads, kvh, 128, splits, (block_n, warps, stages), kv)
+                        if r is not None:
+                            results.append((r[0], splits, block_n, warps, stages, r[1]))
+        results.sort()
+        print(f"{label}: default (splits {default_splits}) {default[0]:.1f} us ({default[1] / 1e12:.2f} TB/s); best "
+              "(us, splits, BLOCK_N, warps, stages, bytes/s): "
+              + "  ".join(f"{r[0]:.1f} {r[1:5]} {r[5] / 1e12:.2f}" for r in results[:5]), flush=True)
+
+
+def decode_layers_case(bs: int, ctx: int, heads: int, kv_heads: int, layers: int, splits: int,
+                       tiling: tuple[int, int, int] | None, min_split: int = 0,
+                       kv_dtype: torch.dtype = torch.bfloat16, **kernel_args) -> float:
+    """Microseconds per layer of a decode step's attention as the engine runs it: one CUDA graph of `layers`
+    launches with programmatic dependent launch, each over its own layer's cache, so a layer's KV is no longer in L2
+    when it is read again (a single repeated launch would read it from L2 at small batches)."""
+    from infertrace.engine.kernels import launch
+
+    launch.set_enabled(True)
+    dim, block_size = 128, 16
+    blocks = bs * -(-ctx // block_size)
+    caches = [(torch.randn(blocks, block_size, kv_heads, dim, device="cuda").to(kv_dtype),
+               torch.randn(blocks, block_size, kv_heads, dim, device="cuda").to(kv_dtype)) for _ in range(layers)]
+    block_tables = torch.randperm(blocks, device="cuda").int().view(bs, -1)
+    q = torch.randn(bs, heads, dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    cu = torch.arange(bs + 1, device="cuda", dtype=torch.int32)
+    ctx_t = torch.full((bs,), ctx, device="cuda", dtype=torch.int32)
+    workspace = (torch.empty((splits, bs, heads, dim), device="cuda"), torch.empty((splits, bs, heads), device="cuda"))
+
+    def step():
+        for k, v in caches:
+            paged_attention(q, k, v, cu, ctx_t, block_tables, 1, dim**-0.5, out=out, num_splits=splits,
+                            workspace=workspace if splits > 1 else None, tiling=tiling, min_split_tokens=min_split,
+                            **kernel_args)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    launch.set_enabled(False)
+    return start.elapsed_time(end) * 1e3 / (20 * layers)
+
+
+def splits_probe() -> None:
+    """Batch-8 decode attention (qwen3-4b: 32 heads over 8 KV heads, 36 layers) as a decode graph runs it, at the
+    benchmark's mean context: the engine's current choice and the best few of splits x tiling."""
+    current = TritonAttention(batch_buckets=(8,))
+    for ctx in (384,):
+        base = decode_layers_case(8, ctx, 32, 8, 36, current.decode_splits(8, 8), None)
+        results = []
+        for splits in (1, 2, 3, 4, 5, 8):
+            for tiling in ((16, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 3)):
+                r = _timed(decode_layers_case, 8, ctx, 32, 8, 36, splits, tiling)
+                if r is not None:
+                    results.append((r, splits, tiling))
+        results.sort()
+        print(f"bs 8 ctx {ctx}: current {base:.2f} us a layer; best (us, splits, tiling): "
+              + "  ".join(f"{r[0]:.2f} {r[1:]}" for r in results[:6]), flush=True)
+
+
+def fp8_widen_probe() -> None:
+    """Decode attention over an 8-bit cache (qwen3-0.6b heads) by how it is widened to float16 (`widen`: casts, or
+    the conversion instruction for V or for K and V) over a few tilings."""
+    for bs, ctx in ((256, 640), (128, 1200)):
+        results = []
+        for tiling in ((128, 4, 4), (128, 4, 2), (64, 4, 2), (64, 4, 3), (128, 8, 2)):
+            for widen in ("cast", "asm_v", "asm_kv"):
+                r = _timed(decode_case, bs, ctx, 16, 8, 128, 1, tiling, torch.float8_e4m3fn, widen=widen)
+                if r is not None:
+                    results.append((r[0], tiling, widen, r[1]))
+        results.sort()
+        print(f"bs {bs} ctx {ctx} fp8 (us, tiling, widen, TB/s): "
+              + "  ".join(f"{r[0]:.1f} {r[1]} {r[2]} {r[3] / 1e12:.2f}" for r in results), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="decode,prefill")
@@ -149,6 +259,12 @@ def main() -> None:
         decode_sweep()
     if "fp8" in only:
         fp8_sweep()
+    if "stages" in only:
+        stages_sweep()
+    if "splits" in only:
+        splits_probe()
+    if "widen" in only:
+        fp8_widen_probe()
     if "decode" not in only:
         return
     print(f"{'bs':>4} {'ctx':>6} {'heads':>6} {'splits':>6} {'us':>8} {'GB/s':>8} {'% copy bw':>9}")

@@ -3,7 +3,7 @@ one 512-token prefill (wall time against its GPU time), the nano-vllm workload (
 start-up time and graph memory, and the batch-8 qwen3-4b decode step with programmatic dependent launch on and off,
 with its GPU time by kernel. Prints one table.
 
-    python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,startup,decode]
+    python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,nanoprof,startup,decode]
 """
 
 from __future__ import annotations
@@ -138,6 +138,62 @@ def decode_breakdown(root: Path, batch: int = 8, **overrides) -> None:
     _free()
 
 
+def nano_breakdown(root: Path, **overrides) -> None:
+    """The nano-vllm workload once under torch.profiler (GPU activity only): GPU time by kernel over the whole run,
+    the GPU's busy share of the wall time, and the wall time by step kind."""
+    from engine_bench import bench_nano_requests
+
+    path = model_dir(root, "qwen3-0.6b")
+    prompts, params = bench_nano_requests()
+    llm = LLM(path, **overrides)
+    eng = llm.engine
+    for i, p in enumerate(prompts[:8]):
+        eng.add_request(f"w{i}", p, SamplingParams(max_tokens=8, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params[i])
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    out_tokens = 0
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = last = time.perf_counter()
+        while eng.has_unfinished():
+            outs = eng.step()
+            now = time.perf_counter()
+            out_tokens += sum(len(o.new_token_ids) for o in outs)
+            kinds[eng.last_step.kind if eng.last_step else "none"][0] += now - last
+            kinds[eng.last_step.kind if eng.last_step else "none"][1] += 1
+            last = now
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    spans = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name][0] += e.device_time
+            by_name[e.name][1] += 1
+            spans.append((e.time_range.start, e.time_range.end))
+    spans.sort()
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    total = sum(v[0] for v in by_name.values())
+    print(f"\nnano-vllm workload under the profiler {overrides}: {out_tokens} tokens in {wall:.2f} s "
+          f"({out_tokens / wall:.0f} tok/s); kernels {total / 1e6:.2f} s, GPU busy {busy / 1e6:.2f} s "
+          f"({100 * busy / 1e6 / wall:.0f}% of wall)")
+    for kind, (secs, n) in sorted(kinds.items()):
+        print(f"  steps {kind:>8}: {n:5d} steps, {secs:.2f} s of wall")
+    for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:16]:
+        print(f"  {us / 1e6:8.3f} s  {n:7d}x  {name[:100]}")
+    row(f"nano-vllm workload by kernel {overrides}", f"wall {wall:.2f} s, GPU busy {busy / 1e6:.2f} s, "
+        f"kernels {total / 1e6:.2f} s", "torch.profiler over the whole run; kernels listed above the table")
+    del llm, eng
+    _free()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/models"))
@@ -154,6 +210,8 @@ def main() -> None:
             print(f"nano-vllm workload, prefill_cuda_graphs={graphs} kv_cache_dtype={kv}", flush=True)
             bench_nano(args.models_dir, hf=False, prefill_cuda_graphs=graphs, kv_cache_dtype=kv)
 
+    if "nanoprof" in only:
+        nano_breakdown(args.models_dir, kv_cache_dtype="fp8")
     if "startup" in only:
         for preset in ("qwen3-0.6b", "qwen3-4b"):
             bench_startup(args.models_dir, preset)

@@ -300,16 +300,18 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor | None:
-        """Logits [requests that sample, vocab] in float32 (None when none samples); every rank runs this."""
+        """Logits [requests that sample, vocab] in the model's dtype (None when none samples); every rank runs this.
+        They are not widened to float32 here: greedy rows take their argmax as they are (the same index: widening
+        is exact), and a row that samples is widened by itself in the sampler."""
         with annotate("forward"):
             if self._graph_step(inputs):
-                return self.graphs.replay(inputs.batch_size).float()
+                return self.graphs.replay(inputs.batch_size)
             bucket = self._token_bucket(inputs)
             if bucket is not None:
                 hidden = self.token_graphs.replay(bucket, inputs.input_ids.size)
             else:
                 hidden = self.model(input_ids, positions, meta)
-            return self.model.compute_logits(hidden[logits_indices]).float() if logits_indices.numel() else None
+            return self.model.compute_logits(hidden[logits_indices]) if logits_indices.numel() else None
 
     def host_inputs(self, plan: StepPlan) -> StepInputs:
         """The plan as host arrays, computed per step rather than per token (no Python loop over tokens)."""

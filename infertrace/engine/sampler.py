@@ -19,8 +19,9 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> torch.Tensor:
-        """logits [B, V] float; one token id per row, as a long tensor on the logits' device (no host sync for
-        greedy rows, so a step's tokens can feed the next step before the host has seen them)."""
+        """logits [B, V] in the model's dtype; one token id per row, as a long tensor on the logits' device (no host
+        sync for greedy rows, so a step's tokens can feed the next step before the host has seen them). Greedy rows
+        take the argmax of the logits as they are; a row that samples is widened to float32 first."""
         tokens = torch.argmax(logits, dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:

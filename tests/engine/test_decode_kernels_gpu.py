@@ -59,6 +59,35 @@ def test_add_rmsnorm_reads_and_zeroes_a_float32_accumulator():
     assert not acc.any(), "the accumulator was not left zeroed"
 
 
+@pytest.mark.parametrize("t, hq, hkv, d", [(256, 16, 8, 128), (5, 32, 8, 128), (3, 10, 2, 64)])
+def test_qk_norm_rope_matches_the_unfused_model(t, hq, hkv, d):
+    """The fused kernel (several heads a program, head counts that do not fill its last tile) against the model's
+    own RMSNorm and rotary modules, which round at the same places."""
+    from infertrace.engine.kernels.fused import qk_norm_rope
+    from infertrace.engine.models.qwen3 import RMSNorm, RotaryEmbedding
+
+    torch.manual_seed(t + hq)
+    dt = torch.bfloat16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=dt)
+    q_norm, k_norm = RMSNorm(d, 1e-6, dt).cuda(), RMSNorm(d, 1e-6, dt).cuda()
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.randn(d) * 0.5 + 1)
+        k_norm.weight.copy_(torch.randn(d) * 0.5 + 1)
+    rope = RotaryEmbedding(d, 1e6, 4096, torch.device("cuda"))
+    positions = torch.randint(0, 4096, (t,), device="cuda")
+    q, k = qk_norm_rope(qkv, hq, hkv, d, q_norm.weight, k_norm.weight, 1e-6, rope.cos, rope.sin, positions)
+    with torch.no_grad():
+        q_in, k_in, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q_ref, k_ref = rope(positions, q_norm(q_in.reshape(t, hq, d)), k_norm(k_in.reshape(t, hkv, d)))
+    for got, want in ((q, q_ref), (k, k_ref)):
+        assert got.shape == want.shape
+        # the same roundings; only the float32 sum of squares may add in another order (and rsqrt round
+        # differently), which rarely moves an intermediate by one bf16 step
+        diff = (got.float() - want.float()).abs()
+        assert (diff > 0).float().mean() < 0.01, float((diff > 0).float().mean())
+        assert diff.max() <= 2**-6 * want.float().abs().max(), float(diff.max())
+
+
 def test_qk_norm_rope_writes_the_cache_like_the_store_kernel():
     from infertrace.engine.kernels.fused import qk_norm_rope
     from infertrace.engine.kernels.paged_attention import store_kvcache

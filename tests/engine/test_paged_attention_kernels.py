@@ -26,17 +26,20 @@ def _reference(q, k_cache, v_cache, q_lens, ctx_lens, block_tables, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("num_splits, min_split", [(1, 0), (4, 0), (4, 256)])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 64), (32, 8, 128), (16, 8, 128)])
-def test_paged_attention_matches_reference(dtype, num_splits, heads, kv_heads, dim):
+def test_paged_attention_matches_reference(dtype, num_splits, min_split, heads, kv_heads, dim):
     from infertrace.engine.kernels.paged_attention import paged_attention, store_kvcache
 
     torch.manual_seed(0)
     dev = "cuda"
     block_size, num_blocks = 16, 256
-    # decode rows, a fresh prefill, a prefill after a cached prefix, a chunk in the middle
-    q_lens = [1, 1, 37, 20, 1, 64]
-    ctx_lens = [1, 300, 37, 100, 17, 200]
+    if num_splits == 1:  # decode rows, a fresh prefill, a prefill after a cached prefix, a chunk in the middle
+        q_lens = [1, 1, 37, 20, 1, 64]
+        ctx_lens = [1, 300, 37, 100, 17, 200]
+    else:  # KV splits are for decode steps: contexts one split covers, some it does not, and empty splits
+        q_lens = [1] * 7
+        ctx_lens = [1, 300, 37, 100, 17, 500, 256]
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, device=dev, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     max_blocks = max((c + block_size - 1) // block_size for c in ctx_lens)
@@ -59,7 +62,8 @@ def test_paged_attention_matches_reference(dtype, num_splits, heads, kv_heads, d
     ctx = torch.tensor(ctx_lens, device=dev, dtype=torch.int32)
     scale = dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    paged_attention(q, k_cache, v_cache, cu, ctx, block_tables, max(q_lens), scale, out=out, num_splits=num_splits)
+    paged_attention(q, k_cache, v_cache, cu, ctx, block_tables, max(q_lens), scale, out=out, num_splits=num_splits,
+                    min_split_tokens=min_split)
     ref = _reference(q, k_cache, v_cache, q_lens, ctx_lens, block_tables, scale)
     err = (out.double() - ref).norm() / ref.norm()
     assert not out.isnan().any()
@@ -178,3 +182,7 @@ def test_float8_cache_reads_as_its_widened_values(dtype):
             ref = _reference(q, k_wide, v_wide, q_lens, ctx_lens, block_tables, dim ** -0.5)
             err = (out8.double() - ref).norm() / ref.norm()
             assert err < 1e-2, err
+            # the widening by the conversion instruction (the default here) gives the cast's float16 values
+            for widen in ("cast", "asm_kv"):
+                other = paged_attention(q, k8, v8, *args, num_splits=splits, widen=widen)
+                assert (other.float() - out8.float()).abs().max() <= 1e-3 * out8.float().abs().max(), widen

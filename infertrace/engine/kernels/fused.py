@@ -18,56 +18,60 @@ from infertrace.engine.kernels import launch
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr,
                          k_cache_ptr, v_cache_ptr, slot_ptr,
-                         qkv_stride, num_q_heads, num_kv_heads, eps, HALF: tl.constexpr, STORE_KV: tl.constexpr,
-                         PDL: tl.constexpr):
+                         qkv_stride, num_q_heads, num_kv_heads, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                         STORE_KV: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
         gdc_launch_dependents()
+    # a token's q and k heads, BLOCK_H at a time: each load is issued once for a whole tile of heads, so a program
+    # waits on memory a few times rather than a one-head program each time for every head
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    dtype = q_out_ptr.dtype.element_ty
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < num_q_heads + num_kv_heads
     is_q = h < num_q_heads
+    dtype = q_out_ptr.dtype.element_ty
     i = tl.arange(0, HALF)
-    base = qkv_ptr + t * qkv_stride + h * 2 * HALF
-    x1 = tl.load(base + i).to(tl.float32)
-    x2 = tl.load(base + HALF + i).to(tl.float32)
-    var = (tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF)
-    r = tl.math.rsqrt(var + eps)
-    if is_q:
-        w1 = tl.load(q_w_ptr + i).to(tl.float32)
-        w2 = tl.load(q_w_ptr + HALF + i).to(tl.float32)
-    else:
-        w1 = tl.load(k_w_ptr + i).to(tl.float32)
-        w2 = tl.load(k_w_ptr + HALF + i).to(tl.float32)
+    base = qkv_ptr + t * qkv_stride + h[:, None] * 2 * HALF + i[None, :]
+    x1 = tl.load(base, mask=h_ok[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=h_ok[:, None], other=0.0).to(tl.float32)
+    var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
+    r = tl.math.rsqrt(var + eps)[:, None]
+    w1 = tl.where(is_q[:, None], tl.load(q_w_ptr + i)[None, :], tl.load(k_w_ptr + i)[None, :]).to(tl.float32)
+    w2 = tl.where(is_q[:, None], tl.load(q_w_ptr + HALF + i)[None, :],
+                  tl.load(k_w_ptr + HALF + i)[None, :]).to(tl.float32)
     y1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     y2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     pos = tl.load(pos_ptr + t)
-    c1 = tl.load(cos_ptr + pos * 2 * HALF + i).to(dtype).to(tl.float32)
-    c2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + i).to(dtype).to(tl.float32)
-    s1 = tl.load(sin_ptr + pos * 2 * HALF + i).to(dtype).to(tl.float32)
-    s2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + i).to(dtype).to(tl.float32)
+    c1 = tl.load(cos_ptr + pos * 2 * HALF + i).to(dtype).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + i).to(dtype).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + pos * 2 * HALF + i).to(dtype).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + i).to(dtype).to(tl.float32)[None, :]
     o1 = (y1 * c1).to(dtype).to(tl.float32) + (-y2 * s1).to(dtype).to(tl.float32)
     o2 = (y2 * c2).to(dtype).to(tl.float32) + (y1 * s2).to(dtype).to(tl.float32)
     r1 = o1.to(dtype)
     r2 = o2.to(dtype)
-    if is_q:
-        out = q_out_ptr + (t * num_q_heads + h) * 2 * HALF
-    else:
-        out = k_out_ptr + (t * num_kv_heads + (h - num_q_heads)) * 2 * HALF
-    tl.store(out + i, r1)
-    tl.store(out + HALF + i, r2)
+    q_rows = is_q & h_ok
+    k_rows = (h >= num_q_heads) & h_ok
+    kv_head = h - num_q_heads  # negative on q rows, which every k-side access masks off
+    q_out = q_out_ptr + ((t * num_q_heads + h) * 2 * HALF)[:, None] + i[None, :]
+    k_out = k_out_ptr + ((t * num_kv_heads + kv_head) * 2 * HALF)[:, None] + i[None, :]
+    tl.store(q_out, r1, mask=q_rows[:, None])
+    tl.store(q_out + HALF, r2, mask=q_rows[:, None])
+    tl.store(k_out, r1, mask=k_rows[:, None])
+    tl.store(k_out + HALF, r2, mask=k_rows[:, None])
     if STORE_KV:
-        if not is_q:
-            slot = tl.load(slot_ptr + t)
-            if slot >= 0:  # -1: a padding row of a captured graph
-                kv_head = h - num_q_heads
-                dst = (slot * num_kv_heads + kv_head) * 2 * HALF
-                kv_type = k_cache_ptr.dtype.element_ty  # the model's dtype, or float8 e4m3 (rounded, saturated)
-                tl.store(k_cache_ptr + dst + i, r1.to(kv_type))
-                tl.store(k_cache_ptr + dst + HALF + i, r2.to(kv_type))
-                v_src = qkv_ptr + t * qkv_stride + (num_q_heads + num_kv_heads + kv_head) * 2 * HALF
-                tl.store(v_cache_ptr + dst + i, tl.load(v_src + i).to(kv_type))
-                tl.store(v_cache_ptr + dst + HALF + i, tl.load(v_src + HALF + i).to(kv_type))
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        kv_rows = (k_rows & (slot >= 0))[:, None]  # slot -1: a padding row of a captured graph
+        dst = ((slot * num_kv_heads + kv_head) * 2 * HALF)[:, None] + i[None, :]
+        kv_type = k_cache_ptr.dtype.element_ty  # the model's dtype, or float8 e4m3 (rounded, saturated)
+        tl.store(k_cache_ptr + dst, r1.to(kv_type), mask=kv_rows)
+        tl.store(k_cache_ptr + dst + HALF, r2.to(kv_type), mask=kv_rows)
+        v_src = qkv_ptr + t * qkv_stride + ((h + num_kv_heads) * 2 * HALF)[:, None] + i[None, :]
+        tl.store(v_cache_ptr + dst, tl.load(v_src, mask=kv_rows, other=0.0).to(kv_type), mask=kv_rows)
+        tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF, mask=kv_rows, other=0.0).to(kv_type), mask=kv_rows)
+
+
+QK_HEADS_PER_PROGRAM = 8
 
 
 def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor,
@@ -88,10 +92,11 @@ def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_di
             assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1:] == (num_kv_heads, head_dim)
         else:
             k_cache = v_cache = slots = k  # unused
-        _qk_norm_rope_kernel[(t, num_q_heads + num_kv_heads)](
+        block_h = QK_HEADS_PER_PROGRAM
+        _qk_norm_rope_kernel[(t, triton.cdiv(num_q_heads + num_kv_heads, block_h))](
             qkv, q, k, q_weight, k_weight, cos, sin, positions, k_cache, v_cache, slots, qkv.stride(0),
-            num_q_heads, num_kv_heads, eps, HALF=head_dim // 2, STORE_KV=kv_cache is not None,
-            PDL=launch.enabled(), num_warps=1, launch_pdl=launch.enabled(),
+            num_q_heads, num_kv_heads, eps, HALF=head_dim // 2, BLOCK_H=block_h, STORE_KV=kv_cache is not None,
+            PDL=launch.enabled(), num_warps=4, launch_pdl=launch.enabled(),
         )
     return q, k
 

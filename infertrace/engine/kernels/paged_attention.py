@@ -10,6 +10,8 @@ more programs; a second kernel merges the splits by log-sum-exp.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -50,7 +52,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, tile_seq_ptr, tile_index_ptr,
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -59,6 +61,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     TILE_LIST: tl.constexpr, PDL: tl.constexpr, F16_DOTS: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, WIDEN: tl.constexpr,
 ):
     if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
@@ -94,7 +97,9 @@ def _paged_attention_kernel(
         q = q.to(tl.float16)
 
     kv_end = tl.minimum(ctx, ctx - q_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
-    per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = _split_tokens(kv_end, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
+    if NUM_SPLITS > 1 and split > 0 and kv_end <= per_split:
+        return  # a context that one split covers: split 0 writes the output itself and the merge skips the row
     lo = split * per_split
     hi = tl.minimum(kv_end, lo + per_split)
 
@@ -107,7 +112,8 @@ def _paged_attention_kernel(
         n_ok = n < hi
         block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
         kv_off = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        k = _widen_f16(k) if WIDEN == 2 else k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -116,31 +122,51 @@ def _paged_attention_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        v = _widen_f16(v) if WIDEN >= 1 else v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if NUM_SPLITS == 1 or kv_end <= per_split:
         tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         # partial results in float32; lse in base 2, -inf for an empty split
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         base = split * stride_ls + (q_start + tok) * stride_lt + head * stride_lh
         tl.store(lse_ptr + base, lse, mask=row_ok)
-        tl.store(out_ptr + (base * HEAD_DIM)[:, None] + d[None, :], out, mask=row_ok[:, None])
+        tl.store(part_ptr + (base * HEAD_DIM)[:, None] + d[None, :], out, mask=row_ok[:, None])
 
 
 @triton.jit
-def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, num_heads, stride_ot, stride_oh, stride_ls,
-                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+def _widen_f16(x):
+    """float8 e4m3 -> float16 (exact), two values an instruction. Written as an opaque instruction so the compiler
+    keeps it where it stands: it otherwise moves the widening past the tile's trip through shared memory for the dot,
+    and V, whose rows run along the dot's output, then comes back one byte per load (the cast's code on Hopper)."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x.to(tl.uint8, bitcast=True)],
+                                     dtype=tl.float16, is_pure=False, pack=2)
+
+
+@triton.jit
+def _split_tokens(kv_end, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """KV tokens per split: an even share in whole tiles, but at least MIN_SPLIT, so a short context takes fewer
+    splits (one, when MIN_SPLIT covers it) while the grid stays the same."""
+    return tl.maximum(tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, context_lens_ptr, num_heads, stride_ot, stride_oh, stride_ls,
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         MIN_SPLIT: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
         gdc_launch_dependents()
-    t = tl.program_id(0)
+    t = tl.program_id(0)  # a decode step: token t is sequence t's only query token
     h = tl.program_id(1)
+    ctx = tl.load(context_lens_ptr + t)
+    if ctx <= _split_tokens(ctx, NUM_SPLITS, BLOCK_N, MIN_SPLIT):
+        return  # one split covered the context and wrote the output
     d = tl.arange(0, HEAD_DIM)
     row = t * num_heads + h
     m = float("-inf")
@@ -153,6 +179,23 @@ def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, num_heads, stride_ot, strid
         total += w
         acc += w * tl.load(part_ptr + (s * stride_ls + row) * HEAD_DIM + d)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _converts_float8(device_index: int | None) -> bool:
+    """Whether the GPU has the float8 conversion instructions (compute capability 8.9 and later)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+WIDEN_MODES = {"cast": 0, "asm_v": 1, "asm_kv": 2}  # how an 8-bit cache is widened to float16 for the dots
+
+
+def _default_tiling(eight_bit_decode: bool, widen: str) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, stages) when the caller gives none: decode over an 8-bit cache takes the fastest measured
+    for its widening at batch 256 and 128 (`benchmarks/kernels_bench.py --only fp8,widen`), everything else (64, 4, 2)."""
+    if not eight_bit_decode:
+        return 64, 4, 2
+    return (128, 4, 4) if widen == "cast" else (64, 4, 3)
 
 
 def paged_attention(
@@ -169,6 +212,8 @@ def paged_attention(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     tiling: tuple[int, int, int] | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    min_split_tokens: int = 0,
+    widen: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of new query tokens over a paged cache that already holds their K/V.
 
@@ -184,8 +229,9 @@ def paged_attention(
     sequences and their lengths change from replay to replay.
 
     An 8-bit (float8 e4m3) cache is widened where it is read. Under a 16-bit q the dots then run in float16 (the
-    cache's values are exact in it, q and the probabilities are rounded to it; sums stay float32), and a decode step
-    takes (128, 4, 4) by default, the fastest tiling measured at batch 256 (`benchmarks/kernels_bench.py --only fp8`).
+    cache's values are exact in it, q and the probabilities are rounded to it; sums stay float32). `widen` says how:
+    "asm_v" (the default where the GPU has the instruction) widens V by the conversion instruction and K by a cast,
+    "asm_kv" both by the instruction, "cast" both by casts (`_widen_f16` says why it matters).
     """
     total, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -194,7 +240,11 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(q)
     eight_bit = k_cache.element_size() == 1
-    block_n, num_warps, num_stages = tiling or ((128, 4, 4) if eight_bit and max_q_len == 1 else (64, 4, 2))
+    f16_dots = eight_bit and q.dtype != torch.float32
+    if widen == "auto":
+        widen = "asm_v" if f16_dots and _converts_float8(q.device.index) else "cast"
+    assert widen == "cast" or f16_dots, "the widening instruction is for an 8-bit cache under float16 dots"
+    block_n, num_warps, num_stages = tiling or _default_tiling(eight_bit and max_q_len == 1, widen)
     if tiles is None:
         block_m = prefill_block_m(max_q_len, group)
         tile_seq = tile_index = cu_seqlens_q  # unused
@@ -204,30 +254,32 @@ def paged_attention(
         assert num_splits == 1
         grid = (tile_seq.shape[0], 1, num_kv_heads)
     if num_splits == 1:
-        target, lse = out, out  # lse unused
+        parts, lse = out, out  # unused
         lse_strides = (0, 0, 0)
     else:
+        assert max_q_len == 1, "KV splits are for decode steps"
         if workspace is None:
             parts = torch.empty((num_splits, total, num_heads, head_dim), dtype=torch.float32, device=q.device)
             lse = torch.empty((num_splits, total, num_heads), dtype=torch.float32, device=q.device)
         else:
             parts, lse = workspace
-        target = parts
         lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
+    min_split = -(-min_split_tokens // block_n) * block_n if num_splits > 1 else 0
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, target, lse, cu_seqlens_q, context_lens, block_tables, tile_seq, tile_index, scale,
+        q, k_cache, v_cache, out, parts, lse, cu_seqlens_q, context_lens, block_tables, tile_seq, tile_index, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LIST=tiles is not None,
-        PDL=launch.enabled(), F16_DOTS=eight_bit and q.dtype != torch.float32,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
+        PDL=launch.enabled(), F16_DOTS=f16_dots, WIDEN=WIDEN_MODES[widen],
+        MIN_SPLIT=min_split, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
     )
     if num_splits > 1:
         _merge_splits_kernel[(total, num_heads)](
-            target, lse, out, num_heads, out.stride(0), out.stride(1), lse.stride(0),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=launch.enabled(), launch_pdl=launch.enabled(),
+            parts, lse, out, context_lens, num_heads, out.stride(0), out.stride(1), lse.stride(0),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n, MIN_SPLIT=min_split, PDL=launch.enabled(),
+            launch_pdl=launch.enabled(),
         )
     return out
 
