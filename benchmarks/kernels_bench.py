@@ -1,7 +1,7 @@
 """Attention kernel timing on a GPU machine: decode against the bytes it must read, prefill against the FLOPs it
 must do (ours over the paged cache, and PyTorch's built-in flash kernels over contiguous K/V for comparison).
 
-Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8,stages,splits,widen]
+Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8,stages,splits,widen,qknorm]
 """
 
 from __future__ import annotations
@@ -240,6 +240,26 @@ def fp8_widen_probe() -> None:
               + "  ".join(f"{r[0]:.1f} {r[1]} {r[2]} {r[3] / 1e12:.2f}" for r in results), flush=True)
 
 
+def qk_norm_timing() -> None:
+    """The fused q/k RMSNorm + RoPE with its KV write: one call replayed from a CUDA graph, at a decode batch of the
+    nano-vllm workload, a batch-8 qwen3-4b decode step and a 2,048-token prefill."""
+    from infertrace.engine.kernels.fused import qk_norm_rope
+
+    for t, hq, hkv, kv in ((256, 16, 8, torch.float8_e4m3fn), (8, 32, 8, torch.bfloat16), (2048, 16, 8, torch.bfloat16)):
+        d = 128
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(d, device="cuda", dtype=torch.bfloat16)
+        cos, sin = torch.randn(40960, d, device="cuda"), torch.randn(40960, d, device="cuda")
+        pos = torch.randint(0, 40960, (t,), device="cuda")
+        k_cache = torch.zeros(200000, hkv, d, device="cuda", dtype=kv)
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.randperm(200000, device="cuda")[:t]
+        ms = triton.testing.do_bench_cudagraph(
+            lambda: qk_norm_rope(qkv, hq, hkv, d, w, w, 1e-6, cos, sin, pos, kv_cache=(k_cache, v_cache, slots)),  # noqa: B023
+            return_mode="median")
+        print(f"qk_norm_rope {t} tokens, {hq} + {hkv} heads, {str(kv)[6:]} cache: {ms * 1e3:.2f} us", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="decode,prefill")
@@ -265,6 +285,8 @@ def main() -> None:
         splits_probe()
     if "widen" in only:
         fp8_widen_probe()
+    if "qknorm" in only:
+        qk_norm_timing()
     if "decode" not in only:
         return
     print(f"{'bs':>4} {'ctx':>6} {'heads':>6} {'splits':>6} {'us':>8} {'GB/s':>8} {'% copy bw':>9}")
