@@ -14,9 +14,9 @@ from pathlib import Path
 
 from infertrace.capture.manifest import CaptureManifest, StepRecord, device_info, runtime_versions
 from infertrace.capture.nsys import NSYS_OUTPUT_ENV
+from infertrace.engine.rank_profiler import TRACE_SUFFIX
 
 ACTIVITIES = ("CPU", "GPU", "MEM", "CUDA_PROFILER")
-TRACE_SUFFIX = ".pt.trace.json.gz"
 MANIFEST_SUFFIX = ".manifest.json"
 
 
