@@ -1,7 +1,7 @@
 """Attention kernel timing on a GPU machine: decode against the bytes it must read, prefill against the FLOPs it
 must do (ours over the paged cache, and PyTorch's built-in flash kernels over contiguous K/V for comparison).
 
-Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8,stages,splits,widen,qknorm]
+Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8,splits,widen,qknorm]
 """
 
 from __future__ import annotations
@@ -138,36 +138,8 @@ def _timed(fn, *args, **kwargs):
         return None
 
 
-def stages_sweep() -> None:
-    """Decode attention by pipeline depth. The kernel's K/V loads hang off a block-table load in the same loop, so
-    Triton splits the stages between the two: (num_stages - 1) // 2 K/V tiles are in flight ahead of the one in use.
-    The default tilings next to the best of BLOCK_N x warps x stages, at the shapes the engine's targets run."""
-    cases = [  # (label, bs, ctx, heads, kv_heads, splits options, kv dtype)
-        ("qwen3-0.6b bs256 ctx640 fp8", 256, 640, 16, 8, (1,), torch.float8_e4m3fn),
-        ("qwen3-0.6b bs256 ctx640 bf16", 256, 640, 16, 8, (1,), torch.bfloat16),
-        ("qwen3-0.6b bs64 ctx1100 fp8", 64, 1100, 16, 8, (1,), torch.float8_e4m3fn),
-        ("qwen3-4b bs8 ctx384 bf16", 8, 384, 32, 8, (1, 2, 4, 8), torch.bfloat16),
-    ]
-    for label, bs, ctx, heads, kvh, split_options, kv in cases:
-        default_splits = TritonAttention(batch_buckets=(bs,)).decode_splits(bs, kvh)
-        default = decode_case(bs, ctx, heads, kvh, 128, default_splits, None, kv)
-        results = []
-        for splits in split_options:
-            for block_n in (32, 64, 128):
-                for warps in (4, 8):
-                    for stages in (2, 3, 5, 7):
-                        r = _timed(decode_case, bs, ctx, heads, kvh, 128, splits, (block_n, warps, stages), kv)
-                        if r is not None:
-                            results.append((r[0], splits, block_n, warps, stages, r[1]))
-        results.sort()
-        print(f"{label}: default (splits {default_splits}) {default[0]:.1f} us ({default[1] / 1e12:.2f} TB/s); best "
-              "(us, splits, BLOCK_N, warps, stages, bytes/s): "
-              + "  ".join(f"{r[0]:.1f} {r[1:5]} {r[5] / 1e12:.2f}" for r in results[:5]), flush=True)
-
-
 def decode_layers_case(bs: int, ctx: int, heads: int, kv_heads: int, layers: int, splits: int,
-                       tiling: tuple[int, int, int] | None, min_split: int = 0,
-                       kv_dtype: torch.dtype = torch.bfloat16, **kernel_args) -> float:
+                       tiling: tuple[int, int, int] | None) -> float:
     """Microseconds per layer of a decode step's attention as the engine runs it: one CUDA graph of `layers`
     launches with programmatic dependent launch, each over its own layer's cache, so a layer's KV is no longer in L2
     when it is read again (a single repeated launch would read it from L2 at small batches)."""
@@ -176,8 +148,9 @@ def decode_layers_case(bs: int, ctx: int, heads: int, kv_heads: int, layers: int
     launch.set_enabled(True)
     dim, block_size = 128, 16
     blocks = bs * -(-ctx // block_size)
-    caches = [(torch.randn(blocks, block_size, kv_heads, dim, device="cuda").to(kv_dtype),
-               torch.randn(blocks, block_size, kv_heads, dim, device="cuda").to(kv_dtype)) for _ in range(layers)]
+    shape = (blocks, block_size, kv_heads, dim)
+    caches = [(torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+               torch.randn(shape, device="cuda", dtype=torch.bfloat16)) for _ in range(layers)]
     block_tables = torch.randperm(blocks, device="cuda").int().view(bs, -1)
     q = torch.randn(bs, heads, dim, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
@@ -188,8 +161,7 @@ def decode_layers_case(bs: int, ctx: int, heads: int, kv_heads: int, layers: int
     def step():
         for k, v in caches:
             paged_attention(q, k, v, cu, ctx_t, block_tables, 1, dim**-0.5, out=out, num_splits=splits,
-                            workspace=workspace if splits > 1 else None, tiling=tiling, min_split_tokens=min_split,
-                            **kernel_args)
+                            workspace=workspace if splits > 1 else None, tiling=tiling)
 
     step()
     torch.cuda.synchronize()
@@ -212,17 +184,17 @@ def splits_probe() -> None:
     """Batch-8 decode attention (qwen3-4b: 32 heads over 8 KV heads, 36 layers) as a decode graph runs it, at the
     benchmark's mean context: the engine's current choice and the best few of splits x tiling."""
     current = TritonAttention(batch_buckets=(8,))
-    for ctx in (384,):
-        base = decode_layers_case(8, ctx, 32, 8, 36, current.decode_splits(8, 8), None)
-        results = []
-        for splits in (1, 2, 3, 4, 5, 8):
-            for tiling in ((16, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 3)):
-                r = _timed(decode_layers_case, 8, ctx, 32, 8, 36, splits, tiling)
-                if r is not None:
-                    results.append((r, splits, tiling))
-        results.sort()
-        print(f"bs 8 ctx {ctx}: current {base:.2f} us a layer; best (us, splits, tiling): "
-              + "  ".join(f"{r[0]:.2f} {r[1:]}" for r in results[:6]), flush=True)
+    ctx = 384
+    base = decode_layers_case(8, ctx, 32, 8, 36, current.decode_splits(8, 8), None)
+    results = []
+    for splits in (1, 2, 3, 4, 5, 8):
+        for tiling in ((16, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 3)):
+            r = _timed(decode_layers_case, 8, ctx, 32, 8, 36, splits, tiling)
+            if r is not None:
+                results.append((r, splits, tiling))
+    results.sort()
+    print(f"bs 8 ctx {ctx}: current {base:.2f} us a layer; best (us, splits, tiling): "
+          + "  ".join(f"{r[0]:.2f} {r[1:]}" for r in results[:6]), flush=True)
 
 
 def fp8_widen_probe() -> None:
@@ -245,7 +217,8 @@ def qk_norm_timing() -> None:
     nano-vllm workload, a batch-8 qwen3-4b decode step and a 2,048-token prefill."""
     from infertrace.engine.kernels.fused import qk_norm_rope
 
-    for t, hq, hkv, kv in ((256, 16, 8, torch.float8_e4m3fn), (8, 32, 8, torch.bfloat16), (2048, 16, 8, torch.bfloat16)):
+    shapes = ((256, 16, 8, torch.float8_e4m3fn), (8, 32, 8, torch.bfloat16), (2048, 16, 8, torch.bfloat16))
+    for t, hq, hkv, kv in shapes:
         d = 128
         qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(d, device="cuda", dtype=torch.bfloat16)
@@ -275,18 +248,11 @@ def main() -> None:
             torch_cols = (f"{r['torch_ms']:>8.3f} {r['torch_tflops']:>8.0f}" if "torch_ms" in r else f"{'-':>8} {'-':>8}")
             print(f"{bs:>4} {prefix:>6} {new:>6} {heads:>6} {r['ours_ms']:>8.3f} {r['ours_tflops']:>8.0f} "
                   f"{torch_cols}  {r['torch']}")
-    if "sweep" in only:
-        decode_sweep()
-    if "fp8" in only:
-        fp8_sweep()
-    if "stages" in only:
-        stages_sweep()
-    if "splits" in only:
-        splits_probe()
-    if "widen" in only:
-        fp8_widen_probe()
-    if "qknorm" in only:
-        qk_norm_timing()
+    sweeps = {"sweep": decode_sweep, "fp8": fp8_sweep, "splits": splits_probe, "widen": fp8_widen_probe,
+              "qknorm": qk_norm_timing}
+    for name, sweep in sweeps.items():
+        if name in only:
+            sweep()
     if "decode" not in only:
         return
     print(f"{'bs':>4} {'ctx':>6} {'heads':>6} {'splits':>6} {'us':>8} {'GB/s':>8} {'% copy bw':>9}")

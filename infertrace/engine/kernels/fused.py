@@ -92,11 +92,10 @@ def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_di
             assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1:] == (num_kv_heads, head_dim)
         else:
             k_cache = v_cache = slots = k  # unused
-        block_h = QK_HEADS_PER_PROGRAM
-        _qk_norm_rope_kernel[(t, triton.cdiv(num_q_heads + num_kv_heads, block_h))](
+        _qk_norm_rope_kernel[(t, triton.cdiv(num_q_heads + num_kv_heads, QK_HEADS_PER_PROGRAM))](
             qkv, q, k, q_weight, k_weight, cos, sin, positions, k_cache, v_cache, slots, qkv.stride(0),
-            num_q_heads, num_kv_heads, eps, HALF=head_dim // 2, BLOCK_H=block_h, STORE_KV=kv_cache is not None,
-            PDL=launch.enabled(), num_warps=4, launch_pdl=launch.enabled(),
+            num_q_heads, num_kv_heads, eps, HALF=head_dim // 2, BLOCK_H=QK_HEADS_PER_PROGRAM,
+            STORE_KV=kv_cache is not None, PDL=launch.enabled(), num_warps=4, launch_pdl=launch.enabled(),
         )
     return q, k
 

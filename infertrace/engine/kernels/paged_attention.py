@@ -61,7 +61,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     TILE_LIST: tl.constexpr, PDL: tl.constexpr, F16_DOTS: tl.constexpr,
-    MIN_SPLIT: tl.constexpr, WIDEN: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
@@ -97,7 +97,7 @@ def _paged_attention_kernel(
         q = q.to(tl.float16)
 
     kv_end = tl.minimum(ctx, ctx - q_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
-    per_split = _split_tokens(kv_end, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
+    per_split = _split_tokens(kv_end, NUM_SPLITS, BLOCK_N)
     if NUM_SPLITS > 1 and split > 0 and kv_end <= per_split:
         return  # a context that one split covers: split 0 writes the output itself and the merge skips the row
     lo = split * per_split
@@ -149,23 +149,22 @@ def _widen_f16(x):
 
 
 @triton.jit
-def _split_tokens(kv_end, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """KV tokens per split: an even share in whole tiles, but at least MIN_SPLIT, so a short context takes fewer
-    splits (one, when MIN_SPLIT covers it) while the grid stays the same."""
-    return tl.maximum(tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+def _split_tokens(kv_end, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """KV tokens per split: an even share in whole tiles (so a context of at most one tile takes one split)."""
+    return tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
 
 
 @triton.jit
 def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, context_lens_ptr, num_heads, stride_ot, stride_oh, stride_ls,
                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         MIN_SPLIT: tl.constexpr, PDL: tl.constexpr):
+                         PDL: tl.constexpr):
     if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
         gdc_launch_dependents()
     t = tl.program_id(0)  # a decode step: token t is sequence t's only query token
     h = tl.program_id(1)
     ctx = tl.load(context_lens_ptr + t)
-    if ctx <= _split_tokens(ctx, NUM_SPLITS, BLOCK_N, MIN_SPLIT):
+    if ctx <= _split_tokens(ctx, NUM_SPLITS, BLOCK_N):
         return  # one split covered the context and wrote the output
     d = tl.arange(0, HEAD_DIM)
     row = t * num_heads + h
@@ -192,7 +191,7 @@ WIDEN_MODES = {"cast": 0, "asm_v": 1, "asm_kv": 2}  # how an 8-bit cache is wide
 
 def _default_tiling(eight_bit_decode: bool, widen: str) -> tuple[int, int, int]:
     """(BLOCK_N, warps, stages) when the caller gives none: decode over an 8-bit cache takes the fastest measured
-    for its widening at batch 256 and 128 (`benchmarks/kernels_bench.py --only fp8,widen`), everything else (64, 4, 2)."""
+    for its widening at batch 256 and 128 (`benchmarks/kernels_bench.py --only fp8,widen`), the rest (64, 4, 2)."""
     if not eight_bit_decode:
         return 64, 4, 2
     return (128, 4, 4) if widen == "cast" else (64, 4, 3)
@@ -212,7 +211,6 @@ def paged_attention(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     tiling: tuple[int, int, int] | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-    min_split_tokens: int = 0,
     widen: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of new query tokens over a paged cache that already holds their K/V.
@@ -264,7 +262,6 @@ def paged_attention(
         else:
             parts, lse = workspace
         lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
-    min_split = -(-min_split_tokens // block_n) * block_n if num_splits > 1 else 0
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, parts, lse, cu_seqlens_q, context_lens, block_tables, tile_seq, tile_index, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -273,12 +270,12 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LIST=tiles is not None,
         PDL=launch.enabled(), F16_DOTS=f16_dots, WIDEN=WIDEN_MODES[widen],
-        MIN_SPLIT=min_split, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
     )
     if num_splits > 1:
         _merge_splits_kernel[(total, num_heads)](
             parts, lse, out, context_lens, num_heads, out.stride(0), out.stride(1), lse.stride(0),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n, MIN_SPLIT=min_split, PDL=launch.enabled(),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n, PDL=launch.enabled(),
             launch_pdl=launch.enabled(),
         )
     return out
