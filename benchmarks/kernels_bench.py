@@ -1,7 +1,7 @@
 """Attention kernel timing on a GPU machine: decode against the bytes it must read, prefill against the FLOPs it
 must do (ours over the paged cache, and PyTorch's built-in flash kernels over contiguous K/V for comparison).
 
-Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8,splits,widen,qknorm]
+Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8,splits,widen,qknorm,order]
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import triton
 
 from infertrace.engine.attention import TritonAttention
 from infertrace.engine.kernels.paged_attention import paged_attention
+from infertrace.engine.kernels.tiles import decode_order
 
 
 def copy_bandwidth() -> float:
@@ -23,22 +24,27 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 2 / (ms * 1e-3)
 
 
-def decode_case(bs: int, ctx: int, heads: int, kv_heads: int, dim: int, splits: int,
+def decode_case(bs: int, ctx: int | list[int], heads: int, kv_heads: int, dim: int, splits: int,
                 tiling: tuple[int, int, int] | None = None,
-                kv_dtype: torch.dtype = torch.bfloat16, **kernel_args) -> tuple[float, float]:
+                kv_dtype: torch.dtype = torch.bfloat16, ordered: bool = False, **kernel_args) -> tuple[float, float]:
+    """(microseconds, bytes/s of K/V read) of one decode step's attention replayed from a CUDA graph. `ctx` is every
+    row's context, or a list of one per row (`bs` is then its length); `ordered` launches them longest first."""
     block_size = 16
-    blocks_per_seq = (ctx + block_size - 1) // block_size
+    lens = [ctx] * bs if isinstance(ctx, int) else list(ctx)
+    bs = len(lens)
+    blocks_per_seq = (max(lens) + block_size - 1) // block_size
     k_cache = torch.randn(bs * blocks_per_seq + 8, block_size, kv_heads, dim, device="cuda").to(kv_dtype)
     v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(kv_dtype)
     block_tables = torch.randperm(bs * blocks_per_seq, device="cuda").int().view(bs, blocks_per_seq)
     q = torch.randn(bs, heads, dim, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(bs + 1, device="cuda", dtype=torch.int32)
-    ctx_t = torch.full((bs,), ctx, device="cuda", dtype=torch.int32)
+    ctx_t = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    order = torch.from_numpy(decode_order(lens, bs)).cuda() if ordered else None
     out = torch.empty_like(q)
     fn = lambda: paged_attention(q, k_cache, v_cache, cu, ctx_t, block_tables, 1, dim**-0.5, out=out,
-                                 num_splits=splits, tiling=tiling, **kernel_args)
+                                 num_splits=splits, tiling=tiling, seq_order=order, **kernel_args)
     ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
-    nbytes = 2 * bs * ctx * kv_heads * dim * k_cache.element_size()
+    nbytes = 2 * sum(lens) * kv_heads * dim * k_cache.element_size()
     return ms * 1e3, nbytes / (ms * 1e-3)
 
 
@@ -212,6 +218,23 @@ def fp8_widen_probe() -> None:
               + "  ".join(f"{r[0]:.1f} {r[1]} {r[2]} {r[3] / 1e12:.2f}" for r in results), flush=True)
 
 
+def order_probe() -> None:
+    """Decode attention over mixed contexts (qwen3-0.6b heads, contexts uniform in [200, 2000] as late in the
+    nano-vllm workload) launched in row order and longest context first, with the engine's split count."""
+    import random
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for kv_dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        for bs in (256, 128, 64, 32, 16):
+            rng = random.Random(bs)
+            lens = [rng.randint(200, 2000) for _ in range(bs)]
+            splits = max(1, min(TritonAttention.MAX_SPLITS, -(-2 * sms // (bs * 8))))
+            row_us, row_bw = decode_case(bs, lens, 16, 8, 128, splits, kv_dtype=kv_dtype)
+            first_us, first_bw = decode_case(bs, lens, 16, 8, 128, splits, kv_dtype=kv_dtype, ordered=True)
+            print(f"{str(kv_dtype)[6:]} bs {bs} splits {splits}: row order {row_us:.1f} us ({row_bw / 1e12:.2f} TB/s), "
+                  f"longest first {first_us:.1f} us ({first_bw / 1e12:.2f} TB/s), {row_us / first_us:.3f}x", flush=True)
+
+
 def qk_norm_timing() -> None:
     """The fused q/k RMSNorm + RoPE with its KV write: one call replayed from a CUDA graph, at a decode batch of the
     nano-vllm workload, a batch-8 qwen3-4b decode step and a 2,048-token prefill."""
@@ -249,7 +272,7 @@ def main() -> None:
             print(f"{bs:>4} {prefix:>6} {new:>6} {heads:>6} {r['ours_ms']:>8.3f} {r['ours_tflops']:>8.0f} "
                   f"{torch_cols}  {r['torch']}")
     sweeps = {"sweep": decode_sweep, "fp8": fp8_sweep, "splits": splits_probe, "widen": fp8_widen_probe,
-              "qknorm": qk_norm_timing}
+              "qknorm": qk_norm_timing, "order": order_probe}
     for name, sweep in sweeps.items():
         if name in only:
             sweep()

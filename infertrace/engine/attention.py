@@ -34,6 +34,8 @@ class AttentionMetadata:
     # a step captured per token-count bucket: (tile_seq, tile_index, block_m) of `attention_tiles`, the Triton
     # kernel's grid; max_query_len and the host lists then describe the bucket, not the step
     tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    # a decode step's rows, longest context first: the Triton kernel launches their programs in this order
+    decode_order: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -204,6 +206,7 @@ class TritonAttention:
             return self._kernels.paged_attention(
                 q, paged_k, paged_v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 meta.max_query_len, scale, out=out, num_splits=splits, workspace=workspace,
+                seq_order=meta.decode_order if meta.max_query_len == 1 else None,
             )
         for b, qlen in enumerate(meta.query_lens_list):
             # the kernel indexes q through query_start_loc, so a request is a one-row view of the batch tensors

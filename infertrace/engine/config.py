@@ -65,6 +65,9 @@ class EngineConfig:
     # programmatic dependent launch of the Triton kernels on Hopper and later (compute capability 9.0): a kernel's
     # programs start while the one before drains, and wait for its results on the device. No effect elsewhere
     pdl: bool = True
+    # decode attention (Triton backend) launches its sequences' programs longest context first: over mixed context
+    # lengths a long context launched last otherwise runs on alone while the rest of the GPU idles
+    decode_longest_first: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
     cuda_graph_token_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_TOKEN_SIZES
     # CPU KV offload

@@ -2,7 +2,7 @@
 prefill and mixed steps per token-count bucket.
 
 A decode step of B requests replays the graph of the smallest bucket >= B with the extra rows padded (they write no
-KV and attend to one key). A prefill or mixed step of T tokens replays the graph of the smallest token bucket >= T:
+KV and attend to one key, and come last in the attention's launch order). A prefill or mixed step of T tokens replays the graph of the smallest token bucket >= T:
 the padding tokens write no KV (slot -1), and the paged attention inside the graph runs over a tile list whose
 length the bucket fixes (`attention_tiles`), so the same graph serves any mix of sequences and lengths. Steps above
 the largest bucket run eagerly.
@@ -25,10 +25,12 @@ def _smallest_at_least(buckets: list[int], n: int) -> int | None:
 
 
 class DecodeGraphs:
-    def __init__(self, model, buffers: StepBuffers, bucket_sizes: tuple[int, ...], max_seqs: int, block_size: int):
+    def __init__(self, model, buffers: StepBuffers, bucket_sizes: tuple[int, ...], max_seqs: int, block_size: int,
+                 ordered: bool = False):
         self.model = model
         self.buffers = buffers
         self.block_size = block_size
+        self.ordered = ordered  # the attention launches rows in the buffers' decode_order
         self.buckets = sorted(b for b in bucket_sizes if b <= max_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -44,6 +46,7 @@ class DecodeGraphs:
             max_query_len=1,
             max_seq_len=1,
             block_size=self.block_size,
+            decode_order=b.decode_order[:bs] if self.ordered else None,
         )
 
     @torch.inference_mode()

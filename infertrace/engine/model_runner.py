@@ -18,7 +18,7 @@ import torch
 from infertrace.engine.annotate import annotate, step_range_name
 from infertrace.engine.attention import AttentionMetadata, make_attention_backend
 from infertrace.engine.config import EngineConfig
-from infertrace.engine.kernels.tiles import attention_tile_array
+from infertrace.engine.kernels.tiles import attention_tile_array, decode_order
 from infertrace.engine.models.loader import load_weights
 from infertrace.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from infertrace.engine.parallel import SINGLE, TensorParallel
@@ -124,6 +124,8 @@ class ModelRunner:
         self.num_kv_heads = self.spec.num_key_value_heads // tp.size  # this rank's
         self.block_size = config.block_size
         self.attention = make_attention_backend(config, self.device)
+        # decode attention launched longest context first (the Triton kernel's `seq_order`)
+        self._ordered_decode = config.decode_longest_first and self.attention.name == "triton"
 
         with torch.device("meta"):
             model = Qwen3ForCausalLM(self.spec, self.dtype, tp)
@@ -196,7 +198,7 @@ class ModelRunner:
             pool = self.token_graphs.capture(pool)
         if decode:
             self.graphs = DecodeGraphs(self.model, self.buffers, config.cuda_graph_batch_sizes, config.max_num_seqs,
-                                       self.block_size)
+                                       self.block_size, ordered=self._ordered_decode)
             self.graphs.capture(pool)
         self.graph_capture_s = time.perf_counter() - t0
         torch.cuda.empty_cache()  # the warm-ups' eager activations
@@ -364,11 +366,17 @@ class ModelRunner:
         seq_lens = buffers.put("seq_lens", np.asarray(inputs.seq_lens, dtype=np.int64))
         buffers.put("block_tables", inputs.block_tables)
         logits_indices = buffers.put("logits_indices", inputs.logits_indices)
+        order = None
         if self._graph_step(inputs):
             query_start_loc = buffers.decode_query_start_loc[: num_seqs + 1]
-            buffers.put_decode_padding(num_seqs, self.graphs.bucket_for(num_seqs))
+            rows = self.graphs.bucket_for(num_seqs)
+            buffers.put_decode_padding(num_seqs, rows)
+            if self._ordered_decode:  # the graph reads the order from the buffer
+                buffers.put("decode_order", decode_order(inputs.seq_lens, rows))
         else:
             query_start_loc = buffers.put("query_start_loc", inputs.query_start_loc)
+            if self._ordered_decode and max(inputs.query_lens) == 1:
+                order = buffers.put("decode_order", decode_order(inputs.seq_lens, num_seqs))
         bucket = self._token_bucket(inputs)
         if bucket is not None:
             # padding tokens write no KV; their ids and positions are whatever earlier steps left (valid values)
@@ -389,7 +397,7 @@ class ModelRunner:
         buffers.commit()
         if fed is not None:
             self._feed_tokens(input_ids, *fed)
-        meta = self._metadata(inputs, slot_mapping, query_start_loc, seq_lens, buffers.block_tables[:num_seqs])
+        meta = self._metadata(inputs, slot_mapping, query_start_loc, seq_lens, buffers.block_tables[:num_seqs], order)
         return input_ids, positions, meta, logits_indices
 
     def _fresh_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -398,12 +406,16 @@ class ModelRunner:
         def tensor(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(values).to(self.device, non_blocking=True)
 
+        order = None
+        if self._ordered_decode and max(inputs.query_lens) == 1:
+            order = tensor(decode_order(inputs.seq_lens, len(inputs.seq_lens)))
         meta = self._metadata(inputs, tensor(inputs.slot_mapping), tensor(inputs.query_start_loc),
-                              tensor(np.asarray(inputs.seq_lens, dtype=np.int64)), tensor(inputs.block_tables))
+                              tensor(np.asarray(inputs.seq_lens, dtype=np.int64)), tensor(inputs.block_tables), order)
         return tensor(inputs.input_ids), tensor(inputs.positions), meta, tensor(inputs.logits_indices)
 
     def _metadata(self, inputs: StepInputs, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
-                  seq_lens: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
+                  seq_lens: torch.Tensor, block_tables: torch.Tensor, order: torch.Tensor | None = None
+                  ) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=query_start_loc,
@@ -414,6 +426,7 @@ class ModelRunner:
             max_query_len=max(inputs.query_lens),
             max_seq_len=max(inputs.seq_lens),
             block_size=self.block_size,
+            decode_order=order,
         )
 
     @staticmethod

@@ -28,6 +28,7 @@ class StepBuffers:
             "seq_lens": (max_seqs,),
             "block_tables": (max_seqs, max_blocks_per_seq),
             "logits_indices": (max_seqs,),
+            "decode_order": (max_seqs,),  # a decode step's rows, longest context first (`decode_order`)
             # the attention tile list of a step replayed from a token-count graph (see TokenGraphs)
             "attn_tile_seq": (max_tiles,),
             "attn_tile_index": (max_tiles,),
@@ -46,6 +47,7 @@ class StepBuffers:
             offset += size
         # decode steps have one query token per request: their cu_seqlens never change
         self.decode_query_start_loc = torch.arange(max_seqs + 1, dtype=torch.long, device=device)
+        self.decode_order.copy_(self.decode_query_start_loc[:max_seqs])  # a permutation before any step sets one
 
         self._staged = device.type == "cuda"
         if self._staged:

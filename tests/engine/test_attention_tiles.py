@@ -3,6 +3,7 @@ the bucket fixes (no GPU needed)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -40,3 +41,15 @@ def test_any_step_of_a_bucket_fits_its_tile_count(group):
 def test_too_short_a_list_is_refused():
     with pytest.raises(AssertionError):
         attention_tiles([64, 64], group=2, block_m=64, length=3)
+
+
+def test_decode_order_is_longest_context_first_then_padding():
+    from infertrace.engine.kernels.tiles import decode_order
+
+    # ties keep row order; rows 4 and 5 pad the batch to its graph's bucket
+    assert decode_order([30, 700, 30, 1200], 6).tolist() == [3, 1, 0, 2, 4, 5]
+    rng = random.Random(0)
+    lens = [rng.randint(1, 2048) for _ in range(256)]
+    order = decode_order(lens, 256).tolist()
+    assert sorted(order) == list(range(256))
+    assert all(lens[a] >= lens[b] for a, b in itertools.pairwise(order))

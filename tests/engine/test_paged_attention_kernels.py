@@ -69,6 +69,51 @@ def test_paged_attention_matches_reference(dtype, num_splits, heads, kv_heads, d
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("heads, kv_heads", [(16, 8), (32, 8), (64, 2)])
+def test_decode_launched_longest_first_gives_the_same_values(kv_dtype, num_splits, heads, kv_heads):
+    """A decode step's programs launched in `decode_order` (longest context first, padding rows last) compute
+    exactly what the grid in row order does, in eager calls and replayed from a CUDA graph after the contexts
+    changed (a group of 32 heads puts two row tiles in each sequence)."""
+    from infertrace.engine.kernels.paged_attention import paged_attention
+    from infertrace.engine.kernels.tiles import decode_order
+
+    torch.manual_seed(2)
+    dev, dim, block_size, rows = "cuda", 128, 16, 12
+    num_blocks = rows * 2048 // block_size
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, device=dev).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, device=dev).to(kv_dtype)
+    block_tables = torch.randperm(num_blocks, device=dev).view(rows, -1)
+    q = torch.randn(rows, heads, dim, device=dev, dtype=torch.bfloat16)
+    cu = torch.arange(rows + 1, device=dev)
+    ctx = torch.ones(rows, dtype=torch.long, device=dev)
+    order = torch.arange(rows, device=dev)
+    out = torch.full_like(q, float("nan"))
+
+    def run():
+        paged_attention(q, k_cache, v_cache, cu, ctx, block_tables, 1, dim ** -0.5, out=out, num_splits=num_splits,
+                        seq_order=order)
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for lens in ([5, 2048, 17, 640, 1, 1300, 64, 900], [1, 1, 2000, 3, 33, 128, 1024, 700, 1999, 12]):
+        n = len(lens)  # rows past n are the padding of a graph's bucket: context 1
+        ctx.copy_(torch.tensor(lens + [1] * (rows - n)))
+        order.copy_(torch.from_numpy(decode_order(lens, rows)))
+        want = paged_attention(q, k_cache, v_cache, cu, ctx, block_tables, 1, dim ** -0.5, num_splits=num_splits)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, want)
+        out.fill_(float("nan"))
+        run()
+        assert torch.equal(out, want)
+        ref = _reference(q[:n], k_cache.float(), v_cache.float(), [1] * n, lens, block_tables, dim ** -0.5)
+        assert (out[:n].double() - ref).norm() / ref.norm() < 1e-2
+
+
 @pytest.mark.parametrize("q_len", [64, 8192])
 def test_paged_attention_over_a_64k_context(q_len):
     """A prefill chunk at the end of a 65,536-token context (bf16, 16 heads over 8 KV heads): the last query rows

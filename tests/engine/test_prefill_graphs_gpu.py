@@ -149,3 +149,27 @@ def test_padding_tokens_write_no_kv(qwen06_dirs):
     # the first request takes the first free blocks: slots 0..99 are its 100 tokens
     assert set(written.nonzero()[:, 2].tolist()) == set(range(100))
     _free(engine)
+
+
+def test_decode_longest_first_changes_no_logit(qwen06_dirs):
+    """Decode attention launched longest context first computes every program as the row-order launch does: the
+    same tokens and bit-identical logits over decode steps of mixed context lengths, graph-replayed and eager."""
+    import torch
+
+    from infertrace.engine import SamplingParams
+
+    waves = _waves(5, [[700, 12, 300, 1500, 64], [5, 900, 260]])
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    runs = {}
+    for ordered in (True, False):
+        for graphs in (True, False):
+            got, kinds, logits, engine = _run(qwen06_dirs["bfloat16"], waves, params, kv_cache_tokens=16384,
+                                              decode_longest_first=ordered, cuda_graphs=graphs)
+            assert engine.runner._ordered_decode is ordered
+            assert kinds.count("decode") > 20
+            _free(engine)
+            runs[ordered, graphs] = got, logits
+    for graphs in (True, False):
+        (got, logits), (want, want_logits) = runs[True, graphs], runs[False, graphs]
+        assert got == want and len(logits) == len(want_logits)
+        assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))

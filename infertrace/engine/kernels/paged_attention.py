@@ -5,7 +5,9 @@ after a cached prefix, chunked prefill and decode: each program takes a tile of 
 rows of one sequence and one KV head, walks that sequence's block table and keeps an online softmax. Folding
 the group's heads into the rows lets decode (one query token) still fill a tensor-core tile, and reads each K/V
 block once per group. An optional split of the KV range (flash-decoding) spreads small decode batches over
-more programs; a second kernel merges the splits by log-sum-exp.
+more programs; a second kernel merges the splits by log-sum-exp. A decode step may launch its sequences in a
+given order (`seq_order`, longest context first): the GPU starts programs in launch order, so a long context
+launched last would otherwise run on alone while the rest of the GPU idles.
 """
 
 from __future__ import annotations
@@ -53,14 +55,14 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr,
-    cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, tile_seq_ptr, tile_index_ptr,
+    cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, tile_seq_ptr, tile_index_ptr, seq_order_ptr,
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_bt, stride_cb, stride_cs, stride_ch,
     stride_ls, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    TILE_LIST: tl.constexpr, PDL: tl.constexpr, F16_DOTS: tl.constexpr,
+    TILE_LIST: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, F16_DOTS: tl.constexpr,
     WIDEN: tl.constexpr,
 ):
     if PDL:  # the kernel before has finished and its writes are visible past this point
@@ -71,10 +73,15 @@ def _paged_attention_kernel(
         if seq < 0:
             return
         tile = tl.load(tile_index_ptr + tl.program_id(0))
+        pid2 = tl.program_id(2)
+    elif ORDERED:  # the grid's fastest axis is (KV head, split), so a sequence's programs launch together
+        pid2 = tl.program_id(0)
+        seq = tl.load(seq_order_ptr + tl.program_id(1))
+        tile = tl.program_id(2)
     else:
         tile = tl.program_id(0)
         seq = tl.program_id(1)
-    pid2 = tl.program_id(2)
+        pid2 = tl.program_id(2)
     kv_head = pid2 // NUM_SPLITS
     split = pid2 % NUM_SPLITS
 
@@ -212,6 +219,7 @@ def paged_attention(
     tiling: tuple[int, int, int] | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     widen: str = "auto",
+    seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over a paged cache that already holds their K/V.
 
@@ -225,6 +233,9 @@ def paged_attention(
     (`infertrace.engine.kernels.tiles.attention_tiles`): program i computes tile tile_index[i] of sequence tile_seq[i], and entries of sequence -1
     exit at once. The grid is then the list's length, which a CUDA graph fixes per token-count bucket while the
     sequences and their lengths change from replay to replay.
+
+    `seq_order` ([num_seqs], a permutation of the sequences; decode only) launches sequence seq_order[0]'s programs
+    first, then seq_order[1]'s, and so on (`decode_order` gives longest context first).
 
     An 8-bit (float8 e4m3) cache is widened where it is read. Under a 16-bit q the dots then run in float16 (the
     cache's values are exact in it, q and the probabilities are rounded to it; sums stay float32). `widen` says how:
@@ -247,9 +258,12 @@ def paged_attention(
         block_m = prefill_block_m(max_q_len, group)
         tile_seq = tile_index = cu_seqlens_q  # unused
         grid = (triton.cdiv(max_q_len * group, block_m), num_seqs, num_kv_heads * num_splits)
+        if seq_order is not None:
+            assert max_q_len == 1, "a launch order is for decode steps"
+            grid = grid[::-1]
     else:
         tile_seq, tile_index, block_m = tiles
-        assert num_splits == 1
+        assert num_splits == 1 and seq_order is None
         grid = (tile_seq.shape[0], 1, num_kv_heads)
     if num_splits == 1:
         parts, lse = out, out  # unused
@@ -263,13 +277,14 @@ def paged_attention(
             parts, lse = workspace
         lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, parts, lse, cu_seqlens_q, context_lens, block_tables, tile_seq, tile_index, scale,
+        q, k_cache, v_cache, out, parts, lse, cu_seqlens_q, context_lens, block_tables, tile_seq, tile_index,
+        cu_seqlens_q if seq_order is None else seq_order, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LIST=tiles is not None,
-        PDL=launch.enabled(), F16_DOTS=f16_dots, WIDEN=WIDEN_MODES[widen],
+        ORDERED=seq_order is not None, PDL=launch.enabled(), F16_DOTS=f16_dots, WIDEN=WIDEN_MODES[widen],
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
     )
     if num_splits > 1:

@@ -36,3 +36,13 @@ def attention_tile_array(query_lens: np.ndarray, group: int, block_m: int, lengt
     first = np.cumsum(per_seq) - per_seq  # each sequence's first entry
     tiles[1, :used] = np.arange(used) - np.repeat(first, per_seq)
     return tiles
+
+
+def decode_order(context_lens: np.ndarray, length: int) -> np.ndarray:
+    """A decode step's launch order for `paged_attention(seq_order=...)`: its rows by context length, longest
+    first (ties in row order), then the padding rows up to `length` as they are."""
+    n = len(context_lens)
+    order = np.empty(length, dtype=np.int64)
+    order[:n] = np.argsort(-np.asarray(context_lens, dtype=np.int64), kind="stable")
+    order[n:] = np.arange(n, length)
+    return order
