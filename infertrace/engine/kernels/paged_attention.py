@@ -196,13 +196,12 @@ def _converts_float8(device_index: int | None) -> bool:
 WIDEN_MODES = {"cast": 0, "asm_v": 1, "asm_kv": 2}  # how an 8-bit cache is widened to float16 for the dots
 
 
-def _default_tiling(eight_bit_decode: bool, widen: str, split_decode: bool = False) -> tuple[int, int, int]:
+def _default_tiling(eight_bit_decode: bool, widen: str) -> tuple[int, int, int]:
     """(BLOCK_N, warps, stages) when the caller gives none: decode over an 8-bit cache takes the fastest measured
-    for its widening at batch 256 and 128 (`benchmarks/kernels_bench.py --only fp8,widen`), a split decode over a
-    16-bit cache the fastest at batch 8 of qwen3-4b (`--only splits`), the rest (64, 4, 2)."""
-    if eight_bit_decode:
-        return (128, 4, 4) if widen == "cast" else (64, 4, 3)
-    return (128, 4, 3) if split_decode else (64, 4, 2)
+    for its widening at batch 256 and 128 (`benchmarks/kernels_bench.py --only fp8,widen`), the rest (64, 4, 2)."""
+    if not eight_bit_decode:
+        return 64, 4, 2
+    return (128, 4, 4) if widen == "cast" else (64, 4, 3)
 
 
 def paged_attention(
@@ -254,7 +253,7 @@ def paged_attention(
     if widen == "auto":
         widen = "asm_v" if f16_dots and _converts_float8(q.device.index) else "cast"
     assert widen == "cast" or f16_dots, "the widening instruction is for an 8-bit cache under float16 dots"
-    block_n, num_warps, num_stages = tiling or _default_tiling(eight_bit and max_q_len == 1, widen, num_splits > 1)
+    block_n, num_warps, num_stages = tiling or _default_tiling(eight_bit and max_q_len == 1, widen)
     if tiles is None:
         block_m = prefill_block_m(max_q_len, group)
         tile_seq = tile_index = cu_seqlens_q  # unused

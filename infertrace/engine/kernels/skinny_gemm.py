@@ -3,9 +3,7 @@
 At batch 8 a projection is a matrix-vector product in disguise: the time is the time to read W once. The kernel
 gives each program a band of output columns (and, with split-K, a slice of the reduction), streams that band's
 weights through shared memory with a deep pipeline and multiplies by all rows of x at once; split-K programs add
-their fp32 partial sums into a zeroed fp32 accumulator, so no separate reduction pass reads them back. A gated
-GEMM (the MLP's down projection) takes x as [gate | up] and forms SiLU(gate) * up as it loads it, rounded as the
-SiLU-and-multiply kernel rounds, so that kernel and its launch drop out of the step.
+their fp32 partial sums into a zeroed fp32 accumulator, so no separate reduction pass reads them back.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from infertrace.engine.kernels import launch
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # x and the zeroed accumulator come from the kernels before
         gdc_wait()
         gdc_launch_dependents()
@@ -45,14 +43,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
             k_ok = (k_begin + k + ks) < K
             x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if GATED:  # x holds the gate; up sits K columns further on
-            if EVEN_K:
-                up = tl.load(x_ptrs + K, mask=row_ok[:, None], other=0.0)
-            else:
-                up = tl.load(x_ptrs + K, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = x.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(w.dtype).to(tl.float32)
-            x = (act * up.to(tl.float32)).to(w.dtype)
         acc += tl.dot(x, tl.trans(w))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -65,17 +55,13 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int = 32,
-                block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
-                gated: bool = False) -> torch.Tensor:
-    """x [M, K] (M <= 16) times weight [N, K] transposed; `gated`: x is [M, 2K], gate then up, and the product is
-    `silu_mul(x) @ weight.T` (the same values).
+                block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """x [M, K] (M <= 16) times weight [N, K] transposed.
 
     With split_k > 1, `out` must be a zeroed float32 [M, N] tensor the partial sums are added to (and is returned
     as is); split_k = 2 stays deterministic (0 + a + b is the same sum in either order).
     """
     m, k = x.shape
-    if gated:
-        k //= 2
     n = weight.shape[0]
     assert m <= 16 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
     if out is None:
@@ -85,7 +71,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     grid = (triton.cdiv(n, block_n), split_k)
     _skinny_gemm_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                               BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                              EVEN_K=k % (block_k * split_k) == 0, GATED=gated, PDL=launch.enabled(),
+                              EVEN_K=k % (block_k * split_k) == 0, PDL=launch.enabled(),
                               num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
     return out
 

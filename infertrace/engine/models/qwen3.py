@@ -118,17 +118,14 @@ def _skinny_kernels():
     return decode_config, skinny_gemm
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None = None,
-                  gated: bool = False) -> torch.Tensor:
-    """x @ weight.T by the skinny GEMM with its tuned tiling; into `acc` (float32, zeroed) when the shape splits K.
-    `gated`: x is [gate | up] and the product is SiLU(gate) * up @ weight.T."""
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T by the skinny GEMM with its tuned tiling; into `acc` (float32, zeroed) when the shape splits K."""
     decode_config, skinny_gemm = _skinny_kernels()
     n, k = weight.shape
     block_n, block_k, split_k, stages = decode_config(n, k)
     if acc is None or split_k == 1:
-        return skinny_gemm(x, weight, block_n=block_n, block_k=block_k, num_stages=stages, gated=gated)
-    return skinny_gemm(x, weight, acc, block_n=block_n, block_k=block_k, split_k=split_k, num_stages=stages,
-                       gated=gated)
+        return skinny_gemm(x, weight, block_n=block_n, block_k=block_k, num_stages=stages)
+    return skinny_gemm(x, weight, acc, block_n=block_n, block_k=block_k, split_k=split_k, num_stages=stages)
 
 
 class Qwen3Attention(nn.Module):
@@ -188,8 +185,8 @@ class Qwen3MLP(nn.Module):
         if fused:
             from infertrace.engine.kernels.fused import silu_mul
 
-            if skinny:  # the down projection forms SiLU(gate) * up as it loads its input
-                return decode_linear(decode_linear(x, self.gate_up_proj.weight), self.down_proj.weight, acc, gated=True)
+            if skinny:
+                return decode_linear(silu_mul(decode_linear(x, self.gate_up_proj.weight)), self.down_proj.weight, acc)
             return self.down_proj(silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
