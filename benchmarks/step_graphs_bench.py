@@ -3,7 +3,10 @@ one 512-token prefill (wall time against its GPU time), the nano-vllm workload (
 start-up time and graph memory, and the batch-8 qwen3-4b decode step with programmatic dependent launch on and off,
 with its GPU time by kernel. Prints one table.
 
-    python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,nanoprof,startup,decode]
+    python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,nanoprof,nanoorder,startup,decode]
+
+`nanoorder`: the nano-vllm workload over an 8-bit cache with decode attention launched longest context first and in
+row order, alternating, three runs each in one process.
 """
 
 from __future__ import annotations
@@ -210,6 +213,10 @@ def main() -> None:
             print(f"nano-vllm workload, prefill_cuda_graphs={graphs} kv_cache_dtype={kv}", flush=True)
             bench_nano(args.models_dir, hf=False, prefill_cuda_graphs=graphs, kv_cache_dtype=kv)
 
+    if "nanoorder" in only:
+        for _ in range(3):
+            for ordered in (True, False):
+                bench_nano(args.models_dir, hf=False, kv_cache_dtype="fp8", decode_longest_first=ordered)
     if "nanoprof" in only:
         nano_breakdown(args.models_dir, kv_cache_dtype="fp8")
     if "startup" in only:
