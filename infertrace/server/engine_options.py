@@ -32,6 +32,8 @@ FIELD_HELP = {
     "async_scheduling": "Plan and queue the next step while the current one runs: auto (on for CUDA), on or off.",
     "pdl": "Programmatic dependent launch of the Triton kernels (Hopper and later): each starts while the one "
            "before drains.",
+    "decode_longest_first": "Decode attention launches its requests' programs longest context first (Triton "
+                            "backend).",
     "skinny_gemm": "Projections of small decode steps as weight-streaming Triton GEMMs (CUDA, 16-bit, fused norm).",
     "attention": "batched: one attention kernel for the batch; looped: one request at a time (ablation).",
     "attention_backend": "Attention kernels: auto, torch, triton or flash_attn.",

@@ -11,7 +11,7 @@ from infertrace.ablate.command import ablate
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 SHIPPED = ("attention_batched_vs_looped", "decode_path", "prefix_cache", "chunked_prefill", "cpu_offload",
-           "tensor_parallel", "prefill_graphs")
+           "tensor_parallel", "prefill_graphs", "decode_order")
 
 
 def invoke(*args):
