@@ -9,8 +9,10 @@ token (docs/benchmarks.md).
 Sends never block: each front end's socket is non-blocking, and what it has not taken yet waits in a buffer of
 its own, flushed when the socket is writable, so a front end that stops reading (stopped, hung, swamped) costs
 only its own streams; the step loop and the other front ends go on. A front end whose backlog passes
-MAX_BACKLOG_BYTES is dropped: its requests are aborted (their KV freed), its backlog discarded after the frame in
-flight, and it is told why (a "dropped" message) before its socket is closed; so memory stays bounded.
+MAX_BACKLOG_BYTES, or whose socket has taken nothing for MAX_STALL_S while outputs wait for it, is dropped: its
+requests are aborted (their KV and batch slots freed), its backlog discarded after the frame in flight, and it is
+told why (a "dropped" message) before its socket is closed; so memory stays bounded, and a front end that stalls
+with few streams does not hold them for ever.
 
 Lifetime: the process ends when every front end has closed its socket (requests still running are aborted first),
 when its parent process dies (a watcher thread), or after telling the front ends why its loop failed. It ignores
@@ -29,6 +31,7 @@ import os
 import selectors
 import signal
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +50,9 @@ RECV_BYTES = 1 << 20
 # Outputs a front end may leave unread before it is dropped: minutes of a busy batch's steps (a step message is
 # tens of bytes per stream), far beyond any pause of a working front end, and bounded memory per front end.
 MAX_BACKLOG_BYTES = 64 << 20
+# Seconds a front end's socket may take nothing while outputs wait for it: far beyond any pause of a working front
+# end (its event loop reads every few milliseconds), short enough that a hung one soon gives back its requests' KV.
+MAX_STALL_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +106,7 @@ class _Peer:
     """One front end: its socket, what it has sent so far, the requests it owns, and the frames it has not taken
     yet (the first `sent` bytes of the first frame already went out)."""
 
-    __slots__ = ("backlog", "backlog_bytes", "dropped", "reader", "requests", "sent", "sock", "writing")
+    __slots__ = ("backlog", "backlog_bytes", "dropped", "progress", "reader", "requests", "sent", "sock", "writing")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -111,6 +117,7 @@ class _Peer:
         self.sent = 0
         self.writing = False  # the selector watches the socket for room to write
         self.dropped = False  # told why it was dropped; closed once that is flushed
+        self.progress = time.monotonic()  # when the socket last took bytes, or the backlog last began
 
     def flush(self) -> None:
         """Send what the socket takes now, without blocking. OSError when the front end is gone."""
@@ -118,6 +125,8 @@ class _Peer:
         while backlog:
             head = backlog[0]
             n = self.sock.send(memoryview(head)[self.sent:]) if self.sent else self.sock.send(head)
+            if n:
+                self.progress = time.monotonic()
             self.sent += n
             self.backlog_bytes -= n
             if self.sent < len(head):
@@ -137,10 +146,11 @@ class _Peer:
 
 class EngineLoop:
     def __init__(self, engine: Any, services: Any, socks: list[socket.socket],
-                 max_backlog_bytes: int = MAX_BACKLOG_BYTES) -> None:
+                 max_backlog_bytes: int = MAX_BACKLOG_BYTES, max_stall_s: float = MAX_STALL_S) -> None:
         self.engine = engine
         self.services = services
         self.max_backlog_bytes = max_backlog_bytes
+        self.max_stall_s = max_stall_s
         self.peers = {sock: _Peer(sock) for sock in socks}
         self.owner: dict[str, _Peer] = {}
         self.selector = selectors.DefaultSelector()
@@ -259,12 +269,11 @@ class EngineLoop:
             self.selector.unregister(peer.sock)
             peer.sock.close()
 
-    def _drop(self, peer: _Peer) -> None:
-        """A front end past its backlog bound: its requests are aborted and it is told why, after the frame in
-        flight; its socket closes once that is sent. It no longer counts among the front ends."""
-        mib = self.max_backlog_bytes / (1 << 20)
-        why = (f"this front end fell more than {mib:g} MiB of outputs behind the engine (it stopped reading); "
-               f"its {len(peer.requests)} request(s) were aborted")
+    def _drop(self, peer: _Peer, behind: str) -> None:
+        """A front end past its backlog or stall bound (`behind` says which): its requests are aborted and it is
+        told why, after the frame in flight; its socket closes once that is sent. It no longer counts among the
+        front ends."""
+        why = f"this front end {behind} (it stopped reading); its {len(peer.requests)} request(s) were aborted"
         log.error("dropping a front end: %s", why)
         self.peers.pop(peer.sock, None)
         self._abort_all(peer)
@@ -307,11 +316,15 @@ class EngineLoop:
             return
         self._queue(peer, frame(message))
         if peer.backlog_bytes > self.max_backlog_bytes:
-            self._drop(peer)
+            self._drop(peer, f"fell more than {self.max_backlog_bytes / (1 << 20):g} MiB of outputs behind the engine")
+        elif peer.backlog and time.monotonic() - peer.progress > self.max_stall_s:
+            self._drop(peer, f"took no output for more than {self.max_stall_s:g} s while outputs waited")
 
     def _queue(self, peer: _Peer, data: bytes) -> None:
         """Send `data` after what `peer` has not taken yet, as far as its socket takes it now; the rest waits."""
         was_waiting = bool(peer.backlog)
+        if not was_waiting:
+            peer.progress = time.monotonic()  # a stall is counted from when something waits
         peer.backlog.append(data)
         peer.backlog_bytes += len(data)
         if not was_waiting:

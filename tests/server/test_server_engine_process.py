@@ -461,6 +461,31 @@ def test_a_front_end_past_its_backlog_bound_is_dropped_and_its_requests_aborted(
     assert not thread.is_alive()
 
 
+def test_a_front_end_that_takes_nothing_past_the_stall_bound_is_dropped_though_under_its_backlog_bound():
+    """One stream that never ends, never read: once the socket's buffer is full and nothing leaves for the stall
+    bound (0.5 s here), the front end is dropped with its request aborted, long before 64 MiB piles up."""
+    from infertrace.server.messages import ToEngine, frame
+
+    engine = _ScriptedEngine(tokens=10**9)
+    loop, thread, (idle, stuck) = _engine_loop(engine, 2, max_stall_s=0.5)  # idle keeps the loop serving
+    try:
+        started = time.monotonic()
+        stuck.sendall(frame(ToEngine("add", request_id="stuck-0", prompt=[1])))
+        while "stuck-0" not in engine.aborted and time.monotonic() - started < 20:
+            time.sleep(0.01)
+        assert engine.aborted == ["stuck-0"] and engine.running == {}
+        assert time.monotonic() - started < 10
+        backlog = _messages(stuck, lambda msgs: False, deadline_s=5)
+        last = backlog[-1]
+        assert last.kind == "dropped" and "took no output for more than 0.5 s" in last.error["message"]
+        assert all(m.kind == "step" for m in backlog[:-1])
+        assert len(loop.peers) == 1
+    finally:
+        idle.close(), stuck.close()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
 async def test_a_front_end_that_stops_reading_leaves_the_engine_process_serving_the_others(tiny_model_dir):
     """The real engine process with two front ends: ours, and a bare socket that reads while `reading` is set,
     its requests' outputs made large (64 KiB a step) by their request ids. When it stops reading, its outputs pile
