@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from click.testing import CliRunner
 
 from infertrace.cli import main
-from infertrace.load.observe.observer import Observed, profiled_window, run_findings
+from infertrace.load.observe.observer import Observed, ProfiledWindow, profiled_window, run_findings
 
 
 def bench(*args):
@@ -119,3 +119,16 @@ def test_a_profiled_window_not_on_this_host_is_a_note_not_an_analysis():
     window = profiled_window(record)
     assert window.phases is None and window.trace_span_s is None and "not on this host" in window.note
     assert profiled_window(_profiled_record([], report="run.html")) is None
+
+
+def test_the_result_json_carries_the_reports_profiled_window():
+    """The result JSON's profile_window is the report's band: start to stop while the trace's span is unknown, the
+    start call plus the span once the traces were read."""
+    observed = Observed(origin=100.0, profile_window=(130.0, 140.0))
+    unknown = observed.to_json()["profile_window"]
+    assert unknown["window_s"] == [30.0, 40.0] and unknown["calls_s"] == [30.0, 40.0]
+    assert unknown["trace_span_s"] is None and "span is unknown" in unknown["label"]
+    observed.profiled = ProfiledWindow(trace_span_s=2.5)
+    known = observed.to_json()["profile_window"]
+    assert known["window_s"] == [30.0, 32.5] and known["calls_s"] == [30.0, 40.0] and known["trace_span_s"] == 2.5
+    assert Observed(origin=100.0).to_json()["profile_window"] is None

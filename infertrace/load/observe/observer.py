@@ -40,11 +40,29 @@ class Observed:
         return {
             "server_metrics": self.scrape.to_json(self.origin, start, end) if self.scrape is not None else None,
             "gpu_telemetry": self.telemetry.to_json(self.origin) if self.telemetry is not None else None,
-            "profile_window_s": None if self.profile_window is None else
-            [t - self.origin for t in self.profile_window],
+            # the report's band: the start call plus the trace's span once the traces were read (with --report)
+            "profile_window": None if self.profile_window is None else profiled_span(
+                self.profile_window, self.origin, self.profiled.trace_span_s if self.profiled else None),
             "notes": self.notes + (self.scrape.notes if self.scrape else []) +
             (self.telemetry.notes if self.telemetry else []),
         }
+
+
+def profiled_span(calls: tuple[float, float], origin: float, trace_span_s: float | None) -> dict:
+    """The span the profiler's trace covers, in seconds after `origin`. The start and stop calls are timed on the
+    client's clock, the trace on the server's, and only the trace's length carries over: the band starts at the
+    start call and lasts the trace's span (first event's start to last event's end), so a capture that stopped by
+    itself (`--profile-steps`) ends where its trace ends, not at bench's stop call. It can start early by the
+    start call's round trip. A span longer than start to stop (clocks that disagree) is cut at the stop call; with
+    no span known the band is start to stop, and its label says so."""
+    start, stop = calls[0] - origin, calls[1] - origin
+    window = {"window_s": [start, stop], "calls_s": [start, stop], "trace_span_s": trace_span_s}
+    if trace_span_s is None:
+        return {**window, "label": "profiler start to stop (the trace's span is unknown)"}
+    if start + trace_span_s > stop:
+        return {**window, "label": f"profiled window ({trace_span_s:.2f} s traced, cut at the stop call)"}
+    return {**window, "window_s": [start, start + trace_span_s],
+            "label": f"profiled window ({trace_span_s:.2f} s traced, from the start call)"}
 
 
 class Observer:

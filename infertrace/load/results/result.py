@@ -96,9 +96,10 @@ def point_result(record: PointRecord) -> dict:
     if record.observed is not None:  # the server's metrics and GPU telemetry on the run's time axis (docs/report.md)
         from infertrace.load.observe.observer import run_findings
 
+        findings = run_findings(record)  # first: with --report it reads the traces, whose span the window takes
         # deltas over every scrape: the first is taken before the measured window opens, the last after it closes
         out.update(record.observed.to_json())
-        out["findings"] = [f.to_json() for f in run_findings(record)]
+        out["findings"] = [f.to_json() for f in findings]
     return out
 
 
