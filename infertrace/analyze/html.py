@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from infertrace.analyze.kernels import CATEGORIES
-from infertrace.analyze.render import TITLES
+from infertrace.analyze.render import LABELS, TITLES
 from infertrace.analyze.report import Report
 from infertrace.analyze.timeline import phases_data, phases_figure
 
@@ -70,17 +70,20 @@ def html_report(report: Report) -> str:
 
 def display(name: str, table: pd.DataFrame) -> pd.DataFrame:
     """The table as a person reads it: shares as percentages, the kernel's readable name, names in words with
-    their units."""
+    their units (the terminal's header where it has one, `render.LABELS`)."""
     if name == "top_kernels":
         table = table.drop(columns=["name"]).rename(columns={"short_name": "kernel"})
+    labels = LABELS.get(name, {})
     out = table.copy()
     for column in out.columns:
         text = str(column)
         if pd.api.types.is_numeric_dtype(out[column]) and ("share" in text or text.endswith("_pctg")):
             scale = 1.0 if text.endswith("_pctg") else 100.0
             out[column] = [None if v is None or pd.isna(v) else f"{scale * v:.1f}%" for v in out[column]]
-            out = out.rename(columns={column: text.replace("_pctg", "").replace("_", " ") + " (%)"})
-    return out.rename(columns=lambda c: str(c).replace("_", " "))  # words, not identifiers: "kernels per step"
+            if column not in labels:
+                labels = {**labels, column: text.replace("_pctg", "").replace("_", " ") + " (%)"}
+    # words, not identifiers: "cpu mean (ms)"
+    return out.rename(columns=lambda c: labels.get(c, str(c).replace("_", " ")))
 
 
 def _steps_timeline(steps: pd.DataFrame) -> str:

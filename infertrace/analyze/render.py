@@ -28,6 +28,15 @@ TITLES = {
     "step_skew": "Cross-rank skew of step ends (the straggler ends each step last)",
 }
 
+# column headers shared by the terminal and the HTML page (`html.display`), where the table's field names read badly
+LABELS = {
+    "phases": {
+        "type": "step type", "step_mean (ms)": "step mean (ms)", "step_p50 (ms)": "step p50 (ms)",
+        "step_p99 (ms)": "step p99 (ms)", "spacing_p50 (ms)": "spacing p50 (ms)", "gpu_busy_share": "GPU busy",
+        "host_wait_share": "host wait", "kernels_per_step": "kernels/step",
+    },
+}
+
 
 def render(report: Report, fit: bool = True) -> RenderableType:
     """The report's tables. `fit` caps label columns (kernel names at 56 characters, others at 24, cut with `…`)
@@ -171,8 +180,10 @@ def _phases(df: pd.DataFrame) -> Table:
         caption += ("spacing: from the previous step's last kernel to this one's, the rate steps complete at (also "
                     "when a step is queued before the one ahead ends); ")
     caption += "CPU-bound: the GPU waited for launches at least as long as it worked"
-    table = _new(TITLES["phases"], "step type", "steps", "bs", "toks", "mean (ms)", "p50 (ms)", "p99 (ms)",
-                 *(["spacing p50"] if spacing else []), "GPU busy", "host wait", "kernels/step", "verdict", text=1,
+    label = LABELS["phases"]
+    table = _new(TITLES["phases"], label["type"], "steps", "bs", "toks", label["step_mean (ms)"],
+                 label["step_p50 (ms)"], label["step_p99 (ms)"], *([label["spacing_p50 (ms)"]] if spacing else []),
+                 label["gpu_busy_share"], label["host_wait_share"], label["kernels_per_step"], "verdict", text=1,
                  caption=caption)
     for r in df.to_dict("records"):
         verdict = r["verdict"]
