@@ -11,8 +11,15 @@ import socket
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from infertrace.capture.peers import (SERVER_ACTIVITIES, Flavour, ProfileOptions, likely_cause, sglang_body,
-                                      vllm_body, vllm_takes_options)
+from infertrace.capture.peers import (
+    SERVER_ACTIVITIES,
+    Flavour,
+    ProfileOptions,
+    likely_cause,
+    sglang_body,
+    vllm_body,
+    vllm_takes_options,
+)
 
 __all__ = ["SERVER_ACTIVITIES", "Flavour", "ProfileOptions", "ProfilerClient", "ProfilerError", "StartResult",
            "StopResult", "is_local_url"]

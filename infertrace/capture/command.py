@@ -9,10 +9,10 @@ from pathlib import Path
 
 import click
 
+from infertrace.auth import request_headers, server_auth_options
 from infertrace.capture.peers import SERVER_ACTIVITIES, Flavour
 from infertrace.capture.session import WHERE_UNKNOWN
 from infertrace.console import err_console, out_console
-from infertrace.auth import request_headers, server_auth_options
 
 FLAVOURS = ("vllm", "sglang", "infertrace")
 ACTIVITY_NAMES = ", ".join(SERVER_ACTIVITIES)

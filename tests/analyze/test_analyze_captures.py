@@ -33,8 +33,9 @@ def test_vllm_ranks_and_frontend(tmp_path):
     assert report.table("frontend")["name"].tolist() == ["detokenize"]
     assert report.table("frontend")["sum (us)"].tolist() == [12.0]
     assert any("frontend" in n for n in report.notes)
-    from infertrace.analyze.render import render
     from rich.console import Console
+
+    from infertrace.analyze.render import render
 
     console = Console(width=200, record=True)
     console.print(render(report, fit=False))

@@ -91,8 +91,8 @@ def test_greedy_tokens_match_hf_in_float32(which, tiny_model_dir, qwen06_dirs):
 def test_bfloat16_first_step_logits_within_2e_2(qwen06_dirs):
     import torch
 
-    from infertrace.engine.engine import Engine
     from infertrace.engine.config import EngineConfig
+    from infertrace.engine.engine import Engine
 
     path = qwen06_dirs["bfloat16"]
     prompt = _prompts(1, seed=3)[0]
@@ -109,13 +109,13 @@ def test_bfloat16_first_step_logits_within_2e_2(qwen06_dirs):
                                     dict(async_scheduling="off"),
                                     dict(attention="looped", cuda_graphs=False)])
 def test_switches_give_identical_tokens(qwen06_dirs, switch):
-    import torch
-
-    from infertrace.engine import LLM, SamplingParams
-
     # float32: the switches change only rounding-free structure (graphs, buffers, launches) or, for the fusions,
     # the order of a reduction; in bfloat16 one rounding step apart flips near-tied tokens of random weights
     import gc
+
+    import torch
+
+    from infertrace.engine import LLM, SamplingParams
 
     prompts = _prompts(12, seed=5)
     params = SamplingParams(**GREEDY)
@@ -131,9 +131,9 @@ def test_switches_give_identical_tokens(qwen06_dirs, switch):
 def test_decode_steps_allocate_nothing(qwen06_dirs):
     import torch
 
+    from infertrace.engine import SamplingParams
     from infertrace.engine.config import EngineConfig
     from infertrace.engine.engine import Engine
-    from infertrace.engine import SamplingParams
 
     engine = Engine(qwen06_dirs["bfloat16"], EngineConfig(gpu_memory_utilization=0.4))
     for i in range(8):

@@ -143,8 +143,8 @@ def test_tile_list_grid_matches_the_per_sequence_grid(dtype, heads, kv_heads):
     """The grid of a token-count graph: a tile list padded with empty entries (sequence -1), replayed from a CUDA
     graph after the list and the lengths changed, gives the per-sequence grid's values (same BLOCK_M) and writes
     no row of a padding token."""
-    from infertrace.engine.kernels.tiles import attention_tiles, max_attention_tiles, prefill_block_m
     from infertrace.engine.kernels.paged_attention import paged_attention
+    from infertrace.engine.kernels.tiles import attention_tiles, max_attention_tiles, prefill_block_m
 
     torch.manual_seed(1)
     dev, dim, block_size, bucket, max_seqs = "cuda", 128, 16, 512, 32

@@ -82,7 +82,6 @@ SCENARIOS = {
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_graphs_give_the_eager_tokens_and_logits(qwen06_dirs, scenario):
-    import torch
 
     from infertrace.engine import SamplingParams
 
@@ -112,7 +111,6 @@ def test_graphs_give_the_eager_tokens_and_logits(qwen06_dirs, scenario):
 def test_bfloat16_logits_within_rounding_of_eager(qwen06_dirs):
     """One 512-token prefill and a mixed step (new prompts beside decodes) in bfloat16: the logits the graphs give
     against the eager path's."""
-    import torch
 
     from infertrace.engine import SamplingParams
 

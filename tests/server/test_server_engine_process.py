@@ -491,7 +491,6 @@ async def test_a_front_end_that_stops_reading_leaves_the_engine_process_serving_
     its requests' outputs made large (64 KiB a step) by their request ids. When it stops reading, its outputs pile
     up unread, and our stream goes on at the speed it had before; when it reads again, it gets whole frames."""
     import dataclasses
-    import socket
     import threading
 
     from infertrace.engine import EngineConfig
