@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,21 +52,8 @@ class Trace:
         prefix cache of unbounded size could serve); None without block hashes."""
         if self.block_tokens is None:
             return None
-        seen: set[int] = set()
-        reused = total = 0
-        for req in self.requests:
-            total += req.input_len
-            leading = True
-            for k, h in enumerate(req.hash_ids or ()):
-                size = min(self.block_tokens, req.input_len - k * self.block_tokens)
-                if size <= 0:
-                    break
-                if leading and h in seen:
-                    reused += size
-                else:
-                    leading = False
-                seen.add(h)
-        return reused / total if total else None
+        total = sum(req.input_len for req in self.requests)
+        return sum(covered for _, covered in self._seen_prefixes()) / total if total else None
 
     def servable_prefix_reuse(self, cache_block_tokens: int) -> float | None:
         """The implied reuse a paged prefix cache of `cache_block_tokens`-token blocks can serve: of each prompt's
@@ -73,10 +61,15 @@ class Trace:
         token is always computed: its logits give the first output token). None without block hashes."""
         if self.block_tokens is None:
             return None
+        total = sum(req.input_len for req in self.requests)
+        served = sum(min(covered, req.input_len - 1) // cache_block_tokens * cache_block_tokens
+                     for req, covered in self._seen_prefixes())
+        return served / total if total else None
+
+    def _seen_prefixes(self) -> Iterator[tuple[TraceRequest, int]]:
+        """Each request with its prompt tokens in leading blocks an earlier request of the trace already had."""
         seen: set[int] = set()
-        served = total = 0
         for req in self.requests:
-            total += req.input_len
             leading, covered = True, 0
             for k, h in enumerate(req.hash_ids or ()):
                 size = min(self.block_tokens, req.input_len - k * self.block_tokens)
@@ -85,8 +78,7 @@ class Trace:
                 leading = leading and h in seen
                 covered += size if leading else 0
                 seen.add(h)
-            served += min(covered, req.input_len - 1) // cache_block_tokens * cache_block_tokens
-        return served / total if total else None
+            yield req, covered
 
 
 def read_trace(path: str | Path, time_scale: float = 1.0, token_scale: float = 1.0,
