@@ -44,16 +44,18 @@ ENGINE_EXIT_TIMEOUT_S = 30.0
 
 
 class EngineFailure(RuntimeError):
-    """The engine process could not start, or died while serving; the server exits non-zero."""
+    """The engine process could not start, or died while serving, or a front end died: the server exits non-zero."""
 
 
 async def serve_until_signal(app: web.Application, host: str, port: int,
                              on_listening: Callable[[str], None] | None = None,
                              on_draining: Callable[[int], None] | None = None,
                              reuse_port: bool = False,
-                             on_signal: Callable[[int], None] | None = None) -> int:
-    """Serve `app` on host:port (0 picks a free port) until a signal or the engine's death; returns how many
-    requests were aborted. `on_signal(n)` hears of the n-th signal (1: drain, 2: abort at once)."""
+                             on_signal: Callable[[int], None] | None = None,
+                             stop: asyncio.Event | None = None) -> int:
+    """Serve `app` on host:port (0 picks a free port) until a signal, the engine's death or `stop` is set (then it
+    drains as on a signal); returns how many requests were aborted. `on_signal(n)` hears of the n-th signal (1:
+    drain, 2: abort at once)."""
     state = app[STATE]
     runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, access_log=None,
                            shutdown_timeout=5.0)
@@ -69,7 +71,7 @@ async def serve_until_signal(app: web.Application, host: str, port: int,
         on_listening(f"http://{bound_host}:{bound_port}")
 
     loop = asyncio.get_running_loop()
-    stop, abort_now = asyncio.Event(), asyncio.Event()
+    stop, abort_now = stop or asyncio.Event(), asyncio.Event()
     state.engine.on_death(stop.set)
 
     def signalled() -> None:
@@ -125,6 +127,9 @@ async def run_split(settings: ServerSettings, spec: EngineSpec, api_servers: int
     engine = ProcessEngine(socks[0], describe_exit=lambda: describe_exit(proc))
     children: list[multiprocessing.Process] = []
     signalled: list[int] = []  # signals forwarded to the other front ends
+    stop = asyncio.Event()
+    lost: list[str] = []  # a front end that exited while serving: the server drains and exits non-zero
+    watch: list[asyncio.Task] = []
     try:
         tokenizer = await asyncio.to_thread(FrontendTokenizer, settings.model_dir)  # while the engine loads
         try:
@@ -140,8 +145,16 @@ async def run_split(settings: ServerSettings, spec: EngineSpec, api_servers: int
             children.extend(_start_frontends(replace(settings, port=port), socks[1:], api_servers))
             for sock in socks[1:]:
                 sock.close()  # the children hold them now
+            if children:
+                watch.append(asyncio.create_task(_watch_frontends(children, frontend_exited)))
             if on_listening is not None:
                 on_listening(url)
+
+        def frontend_exited(why: str) -> None:
+            if not signalled and not stop.is_set():  # not an exit our own shutdown asked for
+                log.error("%s; draining and stopping the server", why)
+                lost.append(why)
+                stop.set()
 
         def forward(n: int) -> None:
             signalled.append(n)
@@ -150,14 +163,32 @@ async def run_split(settings: ServerSettings, spec: EngineSpec, api_servers: int
                     os.kill(child.pid, signal.SIGTERM)
 
         aborted = await serve_until_signal(app, settings.host, settings.port, listening, on_draining,
-                                           reuse_port=api_servers > 1, on_signal=forward)
+                                           reuse_port=api_servers > 1, on_signal=forward, stop=stop)
         if engine.error is not None:
             raise EngineFailure(str(engine.error))
+        if lost:
+            raise EngineFailure(lost[0])
         return aborted
     finally:
+        stop.set()  # from here on the front ends' exits are ours
         await _stop_children(children, settings.drain_timeout_s, signal_them=not signalled)
+        for task in watch:  # the children are gone: each watch has ended
+            await task
         await engine.close()  # the engine aborts what is left and exits once every front end is gone
         await _reap(proc)
+
+
+async def _watch_frontends(children: list[multiprocessing.Process], exited: Callable[[str], None]) -> None:
+    """Tell `exited` how the first of the other front ends to end ended (the shutdown's own exits included: the
+    caller tells them apart)."""
+    first = (await asyncio.to_thread(multiprocessing.connection.wait, [c.sentinel for c in children]))[0]
+    child = next(c for c in children if c.sentinel == first)
+    await asyncio.to_thread(child.join, 1.0)
+    code = child.exitcode
+    how = f"exited with code {code}"
+    if code is not None and code < 0:
+        how = f"was killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"got signal {-code}"
+    exited(f"front end {child.name} (pid {child.pid}) {how}")
 
 
 def _start_frontends(settings: ServerSettings, socks: list[socket.socket], count: int) -> list:

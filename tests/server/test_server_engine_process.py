@@ -246,6 +246,20 @@ def test_a_sigkilled_front_end_leaves_no_engine_behind(tiny_model_dir):
 
 
 @pytest.mark.slow
+def test_a_front_end_that_dies_ends_the_server_with_a_non_zero_exit(tiny_model_dir):
+    """With two front ends, the second one SIGKILLed: the first drains, stops the engine and exits 1 naming it."""
+    served = Served(tiny_model_dir, "--api-server-count", "2")
+    children = [int(p) for p in Path(f"/proc/{served.proc.pid}/task/{served.proc.pid}/children").read_text().split()]
+    frontends = [pid for pid in children if pid != served.engine_pid and b"spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(frontends) == 1, [Path(f"/proc/{p}/cmdline").read_bytes() for p in children]
+    os.kill(frontends[0], signal.SIGKILL)
+    code, log = served.finish(timeout=60)
+    assert code == 1, log
+    assert f"Error: front end infertrace-frontend1 (pid {frontends[0]}) was killed by SIGKILL" in log
+    assert _gone(served.engine_pid)
+
+
+@pytest.mark.slow
 def test_two_front_ends_share_one_port(tiny_model_dir):
     served = Served(tiny_model_dir, "--api-server-count", "2")
 
