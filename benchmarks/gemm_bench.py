@@ -44,15 +44,14 @@ def timed(fn_for_weight, weights) -> float:
 
 def engine_calls(m: int, peak: float) -> None:
     """The projections exactly as the model's decode path calls them (decode_linear: tuned tiling, split-K into
-    float32 slices), against cuBLAS, over 36 layers' worth of weights."""
+    the float32 accumulator), against cuBLAS, over 36 layers' worth of weights."""
     from infertrace.engine.kernels.fused import silu_mul
-    from infertrace.engine.kernels.skinny_gemm import MAX_SPLIT_K
     from infertrace.engine.models.qwen3 import decode_linear
 
     layers = 36
     print(f"\nas the engine calls them ({layers} weight copies, {m} rows):")
     hidden = 2560
-    acc = torch.empty(MAX_SPLIT_K, m, hidden, device="cuda", dtype=torch.float32)
+    acc = torch.zeros(m, hidden, device="cuda", dtype=torch.float32)
     for name, (n, k) in SHAPES.items():
         if name == "lm_head":
             continue
@@ -70,6 +69,7 @@ def engine_calls(m: int, peak: float) -> None:
             target = acc if name == "o_proj" else None
             rows.append(("decode_linear" + (" into acc" if target is not None else ""),
                          timed(lambda w: decode_linear(x, w, target), weights)))
+        acc.zero_()
         for label, t in rows:
             print(f"  {name:<14} {label:<44} {t * 1e6:8.1f} us  {100 * nbytes / t / peak:5.1f}% of copy bw")
         del weights
@@ -113,6 +113,7 @@ def main() -> None:
         if args.quick:
             grid = itertools.product((16, 32, 64), (256,), (1, 2, 4), (4,), (4,))
         skinny: list[tuple[tuple, float]] = []
+        acc = torch.zeros(m, n, device="cuda", dtype=torch.float32)
         for bn, bk, sk, warps, stages in grid:
             if k % (bk * sk):
                 continue
@@ -121,10 +122,13 @@ def main() -> None:
                 if sk == 1:
                     got = skinny_gemm(x, weights[0], **cfg).float()
                     fn = lambda w, cfg=cfg: skinny_gemm(x, w, **cfg)
-                else:  # float32 slices; their sum is read by the next kernel, as in the model
-                    acc = torch.empty(sk, m, n, device="cuda", dtype=torch.float32)
-                    got = skinny_gemm(x, weights[0], acc, **cfg).sum(0)
-                    fn = lambda w, cfg=cfg, acc=acc: skinny_gemm(x, w, acc, **cfg)
+                else:
+                    acc.zero_()
+                    got = skinny_gemm(x, weights[0], acc, **cfg).clone()
+
+                    def fn(w, cfg=cfg):
+                        acc.zero_()
+                        skinny_gemm(x, w, acc, **cfg)
                 err = float((got - ref).abs().max() / ref.abs().max())
                 if err > 2e-2:
                     print(f"  {name} {cfg}: wrong result (rel err {err:.3g})")

@@ -15,9 +15,8 @@ from infertrace.engine.kernels import launch
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, slice_stride, eps,
-                        HAS_RESIDUAL: tl.constexpr, X_IS_ACC: tl.constexpr, SLICES: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
+def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, eps,
+                        HAS_RESIDUAL: tl.constexpr, X_IS_ACC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
         gdc_launch_dependents()
@@ -26,10 +25,8 @@ def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, slice_
     mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
-    if X_IS_ACC:  # a split-K GEMM's float32 sums, its slices added in order, rounded as its output would have been
-        for s in tl.static_range(1, SLICES):
-            x += tl.load(x_ptr + s * slice_stride + row * n_cols + cols, mask=mask, other=0.0)
-        x = x.to(dtype)
+    if X_IS_ACC:
+        x = x.to(dtype)  # a split-K GEMM's float32 sums, rounded as its output would have been
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * n_cols + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
@@ -40,22 +37,22 @@ def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, slice_
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
              mask=mask)
+    if X_IS_ACC:
+        tl.store(x_ptr + row * n_cols + cols, tl.zeros([BLOCK], tl.float32), mask=mask)  # ready for the next GEMM
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Returns rmsnorm(x + residual) * weight; when `residual` is given it is updated in place to x + residual.
 
-    A float32 `x` beside a lower-precision `residual` holds a split-K GEMM's sums, [rows, cols] or its slices
-    [slices, rows, cols] (`skinny_gemm`), added in order: it is rounded to the residual's dtype first.
+    A float32 `x` beside a lower-precision `residual` is a split-K accumulator: it is rounded to the residual's
+    dtype first, and left zeroed.
     """
     assert x.is_contiguous() and (residual is None or residual.is_contiguous())
-    n_rows, n_cols = x.shape[-2:]
+    n_rows, n_cols = x.shape
     is_acc = residual is not None and x.dtype == torch.float32 and residual.dtype != torch.float32
-    slices = x.shape[0] if x.dim() == 3 else 1
-    assert x.dim() == 2 or is_acc, "slices are a split-K GEMM's float32 sums"
     out = torch.empty_like(x if residual is None else residual)
-    _add_rmsnorm_kernel[(n_rows,)](x, residual if residual is not None else x, weight, out, n_cols, n_rows * n_cols,
-                                   eps, HAS_RESIDUAL=residual is not None, X_IS_ACC=is_acc, SLICES=slices,
+    _add_rmsnorm_kernel[(n_rows,)](x, residual if residual is not None else x, weight, out, n_cols, eps,
+                                   HAS_RESIDUAL=residual is not None, X_IS_ACC=is_acc,
                                    BLOCK=triton.next_power_of_2(n_cols),
                                    PDL=launch.enabled(), num_warps=4 if n_cols <= 2048 else 8,
                                    launch_pdl=launch.enabled())

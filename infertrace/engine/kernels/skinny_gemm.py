@@ -2,10 +2,8 @@
 
 At batch 8 a projection is a matrix-vector product in disguise: the time is the time to read W once. The kernel
 gives each program a band of output columns (and, with split-K, a slice of the reduction), streams that band's
-weights through shared memory with a deep pipeline and multiplies by all rows of x at once. Split-K programs write
-their float32 partial sums to slices of their own, which the next kernel (the residual add + RMSNorm) adds in
-order as it reads them: no separate reduction pass, no zeroing, and the same sums in every run however many
-slices a shape takes (what lets a projection with few output columns split its reduction enough to fill the GPU).
+weights through shared memory with a deep pipeline and multiplies by all rows of x at once; split-K programs add
+their fp32 partial sums into a zeroed fp32 accumulator, so no separate reduction pass reads them back.
 """
 
 from __future__ import annotations
@@ -19,10 +17,10 @@ from infertrace.engine.kernels import launch
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # x comes from the kernels before
+    if PDL:  # x and the zeroed accumulator come from the kernels before
         gdc_wait()
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -48,43 +46,42 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         acc += tl.dot(x, tl.trans(w))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    y_ptrs = y_ptr + pid_k * stride_ys + rows[:, None] * stride_ym + cols[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)  # with split-K: this slice's float32 sums
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(y_ptrs, acc, mask=mask, sem="relaxed")
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int = 32,
                 block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """x [M, K] (M <= 16) times weight [N, K] transposed: [M, N] in x's dtype, or with split_k > 1 the float32
-    partial sums [split_k, M, N] whose sum over the first dimension is the product (`out`, when given, is filled:
-    every element of every slice is written).
+    """x [M, K] (M <= 16) times weight [N, K] transposed.
+
+    With split_k > 1, `out` must be a zeroed float32 [M, N] tensor the partial sums are added to (and is returned
+    as is); split_k = 2 stays deterministic (0 + a + b is the same sum in either order).
     """
     m, k = x.shape
     n = weight.shape[0]
     assert m <= 16 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
-    shape, dtype = ((m, n), x.dtype) if split_k == 1 else ((split_k, m, n), torch.float32)
     if out is None:
-        out = torch.empty(shape, dtype=dtype, device=x.device)
-    assert out.shape == shape and out.dtype == dtype and out.is_contiguous()
+        out = torch.empty((m, n), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
+        if split_k > 1:
+            out.zero_()
     grid = (triton.cdiv(n, block_n), split_k)
-    _skinny_gemm_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(-2), m * n,
+    _skinny_gemm_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                               BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                               EVEN_K=k % (block_k * split_k) == 0, PDL=launch.enabled(),
                               num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
     return out
 
 
-MAX_SPLIT_K = 8  # the most slices decode_config asks for (the model's slice buffer holds this many)
-
-
 # (N, K) of a projection -> (block_n, block_k, split_k, num_stages), from benchmarks/gemm_bench.py on an H100
-# (qwen3-4b shapes, 8 rows, weights cold in L2)
+# (qwen3-4b shapes, 8 rows, weights cold in L2); split_k is at most 2 so the sums stay deterministic
 def decode_config(n: int, k: int) -> tuple[int, int, int, int]:
     if n <= 4096:
-        # few output columns (the hidden size: o_proj, down_proj): split the reduction into slices, about 160
-        # programs at qwen3-4b's 2,560 columns and 128 at qwen3-0.6b's 1,024
-        split = 4 if n >= 2048 else 8
-        return (64, 128, split, 4) if k % (128 * split) == 0 else (64, 128, 1, 5)
+        # few output columns: split the reduction to fill the SMs
+        return (64, 256, 2, 4) if k % 512 == 0 else (64, 128, 1, 5)
     if n <= 8192:
         return 64, 128, 1, 5
     return (32, 128, 1, 3) if n < 65536 else (64, 256, 1, 4)

@@ -119,15 +119,13 @@ def _skinny_kernels():
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T by the skinny GEMM with its tuned tiling. With `acc` (float32 [MAX_SPLIT_K, T, N]) a shape that
-    splits K returns its partial sums, the first split_k slices of it, for `add_rmsnorm` to add."""
+    """x @ weight.T by the skinny GEMM with its tuned tiling; into `acc` (float32, zeroed) when the shape splits K."""
     decode_config, skinny_gemm = _skinny_kernels()
     n, k = weight.shape
     block_n, block_k, split_k, stages = decode_config(n, k)
     if acc is None or split_k == 1:
         return skinny_gemm(x, weight, block_n=block_n, block_k=block_k, num_stages=stages)
-    return skinny_gemm(x, weight, acc[:split_k], block_n=block_n, block_k=block_k, split_k=split_k,
-                       num_stages=stages)
+    return skinny_gemm(x, weight, acc, block_n=block_n, block_k=block_k, split_k=split_k, num_stages=stages)
 
 
 class Qwen3Attention(nn.Module):
@@ -150,7 +148,7 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata,
                 fused: bool = False, acc: torch.Tensor | None = None, skinny: bool = False):
-        """With `skinny`, the projections run as weight-streaming GEMMs, the output one's split-K slices in `acc`."""
+        """With `skinny`, the projections run as weight-streaming GEMMs, the output one adding into `acc`."""
         qkv = decode_linear(x, self.qkv_proj.weight) if skinny else self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         stored = False
@@ -245,7 +243,7 @@ class Qwen3ForCausalLM(nn.Module):
         backend allows) and SiLU-and-multiply as one Triton kernel each. `skinny_gemm` (CUDA, 16-bit weights, with
         `fused_norm`) runs the projections of steps of at most 16 tokens as weight-streaming Triton GEMMs; it is off
         with tensor parallelism, whose row-parallel partial sums must be all-reduced before the residual add reads
-        them, which the split-K slices the residual add reads bypass.
+        them, which the split-K accumulator it adds into bypasses.
         """
         self.attn = attn
         self.rope = RotaryEmbedding(self.spec.head_dim, self.spec.rope_theta, max_positions, device)
@@ -271,11 +269,8 @@ class Qwen3ForCausalLM(nn.Module):
         layers = self.model.layers
         residual = x  # updated in place by every add_rmsnorm below
         skinny = self.skinny_gemm and x.shape[0] <= SKINNY_MAX_ROWS
-        acc = None
-        if skinny:  # split-K projections write their float32 slices here, and the add_rmsnorm after each adds them
-            from infertrace.engine.kernels.skinny_gemm import MAX_SPLIT_K
-
-            acc = torch.empty((MAX_SPLIT_K, *x.shape), dtype=torch.float32, device=x.device)
+        # split-K projections add into this; each add_rmsnorm that reads it leaves it zeroed
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if skinny else None
         h = add_rmsnorm(x, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         for i, layer in enumerate(layers):
             a = layer.self_attn(h, positions, self.rope, self.attn, meta, fused=True, acc=acc, skinny=skinny)
