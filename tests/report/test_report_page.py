@@ -50,10 +50,10 @@ def test_phases_table_is_analyze_s_own(run):
     html = render_html(_doc(run))
     # the very table `infertrace analyze --html` draws: shares in percent, its column names
     assert _table(_display("phases", run["phases"])) in html
-    assert "gpu busy share (%)" in html and "91.0%" in html and "gpu_busy_share" not in html
+    assert ">GPU busy</th>" in html and "91.0%" in html and "gpu_busy_share" not in html
     assert ">0.91<" not in html
     # names in words with their units, no identifiers
-    assert "kernels per step" in html and "step mean (ms)" in html and "kernels_per_step" not in html
+    assert "kernels/step" in html and "step mean (ms)" in html and "kernels_per_step" not in html
     # from the document alone (its JSON holds the fractions, nulls for NaN)
     assert _table(_display("phases", pd.DataFrame(_doc(run)["phases"]))) in html
 
@@ -85,7 +85,7 @@ def test_charts_draw_in_headless_chromium_without_errors(run, tmp_path, browse):
     bands = re.findall(r'class="shape-group"[^>]*><path[^>]* d="M([\d.]+),[\d.]+H([\d.]+)V[^"]*" style="[^"]*'
                        r'fill: rgb\(255, 165, 0\)', done.stdout)
     assert bands and all(float(x1) > float(x0) for x0, x1 in bands)  # one drawn band a panel, of some width
-    assert "gpu busy share (%)" in done.stdout and "91.0%" in done.stdout
+    assert ">GPU busy</th>" in done.stdout and "91.0%" in done.stdout
     assert "Uncaught" not in done.stderr and not re.search(r"CONSOLE.*(Error|error)", done.stderr)
 
 
