@@ -223,12 +223,11 @@ def order_probe() -> None:
     nano-vllm workload) launched in row order and longest context first, with the engine's split count."""
     import random
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for kv_dtype in (torch.float8_e4m3fn, torch.bfloat16):
         for bs in (256, 128, 64, 32, 16):
             rng = random.Random(bs)
             lens = [rng.randint(200, 2000) for _ in range(bs)]
-            splits = max(1, min(TritonAttention.MAX_SPLITS, -(-2 * sms // (bs * 8))))
+            splits = TritonAttention(batch_buckets=(bs,)).decode_splits(bs, 8)
             row_us, row_bw = decode_case(bs, lens, 16, 8, 128, splits, kv_dtype=kv_dtype)
             first_us, first_bw = decode_case(bs, lens, 16, 8, 128, splits, kv_dtype=kv_dtype, ordered=True)
             print(f"{str(kv_dtype)[6:]} bs {bs} splits {splits}: row order {row_us:.1f} us ({row_bw / 1e12:.2f} TB/s), "

@@ -206,7 +206,7 @@ class TritonAttention:
             return self._kernels.paged_attention(
                 q, paged_k, paged_v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 meta.max_query_len, scale, out=out, num_splits=splits, workspace=workspace,
-                seq_order=meta.decode_order if meta.max_query_len == 1 else None,
+                seq_order=meta.decode_order,  # set for decode steps only
             )
         for b, qlen in enumerate(meta.query_lens_list):
             # the kernel indexes q through query_start_loc, so a request is a one-row view of the batch tensors

@@ -2,10 +2,10 @@
 prefill and mixed steps per token-count bucket.
 
 A decode step of B requests replays the graph of the smallest bucket >= B with the extra rows padded (they write no
-KV and attend to one key, and come last in the attention's launch order). A prefill or mixed step of T tokens replays the graph of the smallest token bucket >= T:
-the padding tokens write no KV (slot -1), and the paged attention inside the graph runs over a tile list whose
-length the bucket fixes (`attention_tiles`), so the same graph serves any mix of sequences and lengths. Steps above
-the largest bucket run eagerly.
+KV, attend to one key and come last in the attention's launch order). A prefill or mixed step of T tokens replays
+the graph of the smallest token bucket >= T: the padding tokens write no KV (slot -1), and the paged attention
+inside the graph runs over a tile list whose length the bucket fixes (`attention_tiles`), so the same graph serves
+any mix of sequences and lengths. Steps above the largest bucket run eagerly.
 """
 
 from __future__ import annotations

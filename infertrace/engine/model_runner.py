@@ -371,12 +371,12 @@ class ModelRunner:
             query_start_loc = buffers.decode_query_start_loc[: num_seqs + 1]
             rows = self.graphs.bucket_for(num_seqs)
             buffers.put_decode_padding(num_seqs, rows)
-            if self._ordered_decode:  # the graph reads the order from the buffer
-                buffers.put("decode_order", decode_order(inputs.seq_lens, rows))
+            if (launch := self._launch_order(inputs, rows)) is not None:  # the graph reads it from the buffer
+                buffers.put("decode_order", launch)
         else:
             query_start_loc = buffers.put("query_start_loc", inputs.query_start_loc)
-            if self._ordered_decode and max(inputs.query_lens) == 1:
-                order = buffers.put("decode_order", decode_order(inputs.seq_lens, num_seqs))
+            if (launch := self._launch_order(inputs, num_seqs)) is not None:
+                order = buffers.put("decode_order", launch)
         bucket = self._token_bucket(inputs)
         if bucket is not None:
             # padding tokens write no KV; their ids and positions are whatever earlier steps left (valid values)
@@ -406,9 +406,8 @@ class ModelRunner:
         def tensor(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(values).to(self.device, non_blocking=True)
 
-        order = None
-        if self._ordered_decode and max(inputs.query_lens) == 1:
-            order = tensor(decode_order(inputs.seq_lens, len(inputs.seq_lens)))
+        launch = self._launch_order(inputs, len(inputs.seq_lens))
+        order = None if launch is None else tensor(launch)
         meta = self._metadata(inputs, tensor(inputs.slot_mapping), tensor(inputs.query_start_loc),
                               tensor(np.asarray(inputs.seq_lens, dtype=np.int64)), tensor(inputs.block_tables), order)
         return tensor(inputs.input_ids), tensor(inputs.positions), meta, tensor(inputs.logits_indices)
@@ -428,6 +427,13 @@ class ModelRunner:
             block_size=self.block_size,
             decode_order=order,
         )
+
+    def _launch_order(self, inputs: StepInputs, rows: int) -> np.ndarray | None:
+        """The decode attention's launch order over `rows` rows (the step's, then padding), longest context first;
+        None when the step has a longer query or the order is off."""
+        if not self._ordered_decode or max(inputs.query_lens) > 1:
+            return None
+        return decode_order(inputs.seq_lens, rows)
 
     @staticmethod
     def _feed_tokens(input_ids: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor | None,

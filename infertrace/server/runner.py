@@ -187,7 +187,8 @@ async def _watch_frontends(children: list[multiprocessing.Process], exited: Call
     code = child.exitcode
     how = f"exited with code {code}"
     if code is not None and code < 0:
-        how = f"was killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"got signal {-code}"
+        known = -code in signal.valid_signals()
+        how = f"was killed by {signal.Signals(-code).name}" if known else f"was killed by signal {-code}"
     exited(f"front end {child.name} (pid {child.pid}) {how}")
 
 

@@ -71,3 +71,13 @@ def test_host_inputs_match_the_per_token_definition():
         assert inputs.query_lens == [s.num_new_tokens for s in plan.scheduled]
         assert all(getattr(inputs, n).dtype == np.int64 for n in ("input_ids", "slot_mapping", "block_tables"))
         assert not inputs.decode
+
+
+def test_decode_steps_get_a_launch_order_and_others_none():
+    """The attention's launch order: a decode step's rows longest context first, then its graph's padding rows;
+    none for a step with a longer query, or when the switch is off."""
+    runner = SimpleNamespace(_ordered_decode=True)
+    decode = SimpleNamespace(query_lens=[1, 1, 1], seq_lens=[40, 900, 120])
+    assert ModelRunner._launch_order(runner, decode, 4).tolist() == [1, 2, 0, 3]
+    assert ModelRunner._launch_order(runner, SimpleNamespace(query_lens=[1, 7], seq_lens=[40, 900]), 2) is None
+    assert ModelRunner._launch_order(SimpleNamespace(_ordered_decode=False), decode, 3) is None
