@@ -171,3 +171,68 @@ def test_decode_longest_first_changes_no_logit(qwen06_dirs):
         (got, logits), (want, want_logits) = runs[True, graphs], runs[False, graphs]
         assert got == want and len(logits) == len(want_logits)
         assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
+
+
+def test_splits_merged_in_the_attention_kernel_change_no_logit(qwen06_dirs):
+    """Decode attention whose KV splits the last split merges (`decode_split_merge="last"`) gives the tokens and
+    bit-identical logits of the separate merge kernel, graph-replayed and eager, at batches small enough to split."""
+    import torch
+
+    from infertrace.engine import SamplingParams
+
+    waves = _waves(6, [[700, 12, 300], [5, 900]])
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for graphs in (True, False):
+        runs = {}
+        for merge in ("last", "kernel"):
+            got, kinds, logits, engine = _run(qwen06_dirs["bfloat16"], waves, params, kv_cache_tokens=16384,
+                                              decode_split_merge=merge, cuda_graphs=graphs)
+            assert engine.runner.attention.split_merge == merge and engine.runner.attention.decode_splits(5, 8) > 1
+            assert kinds.count("decode") > 20
+            _free(engine)
+            runs[merge] = got, logits
+        (got, logits), (want, want_logits) = runs["last"], runs["kernel"]
+        assert got == want and len(logits) == len(want_logits)
+        assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
+
+
+def test_decode_norm_in_attention_gives_the_separate_kernels_tokens(qwen06_dirs, monkeypatch):
+    """Decode attention that applies q/k RMSNorm and RoPE and stores the new K/V itself
+    (`decode_norm_in_attention`) against the q/k-norm kernel and the store before it: the same tokens and logits
+    within float32 rounding over decode steps of mixed contexts (graph-replayed and eager), and bfloat16 logits of
+    the first decode steps within bfloat16 rounding. The fused path is taken exactly when switched on."""
+
+    from infertrace.engine import SamplingParams
+    from infertrace.engine.kernels import paged_attention as kernels
+
+    calls = {"new_token": 0}
+    attend = kernels.paged_attention
+
+    def counted(*args, **kwargs):
+        calls["new_token"] += kwargs.get("new_token") is not None
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "paged_attention", counted)
+    waves = _waves(7, [[700, 12, 300, 1500, 64], [5, 900, 260]])
+    for dtype, steps, tol in (("float32", 40, 1e-4), ("bfloat16", 4, 1e-2)):
+        params = SamplingParams(max_tokens=steps, ignore_eos=True)
+        for graphs in (True, False):
+            runs = {}
+            for fused in (True, False):
+                calls["new_token"] = 0
+                got, kinds, logits, engine = _run(qwen06_dirs[dtype], waves, params, kv_cache_tokens=16384,
+                                                  dtype=dtype, decode_norm_in_attention=fused, cuda_graphs=graphs)
+                assert (calls["new_token"] > 0) is fused
+                _free(engine)
+                runs[fused] = got, kinds, logits
+            (got, kinds, logits), (want, want_kinds, want_logits) = runs[True], runs[False]
+            assert "decode" in kinds
+            if dtype == "float32":
+                assert got == want and kinds == want_kinds and len(logits) == len(want_logits)
+                pairs = list(zip(logits, want_logits))
+            else:  # later steps may follow different tokens in bfloat16
+                first = kinds.index("decode")
+                pairs = list(zip(logits[first : first + 2], want_logits[first : first + 2]))
+            for ours, ref in pairs:
+                assert ours.shape == ref.shape
+                assert float((ours - ref).norm() / ref.norm()) < tol

@@ -13,6 +13,7 @@ launched last would otherwise run on alone while the rest of the GPU idles.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -54,16 +55,17 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr, arrived_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, tile_seq_ptr, tile_index_ptr, seq_order_ptr,
+    q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, slot_ptr, eps,
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_bt, stride_cb, stride_cs, stride_ch,
-    stride_ls, stride_lt, stride_lh,
+    stride_ls, stride_lt, stride_lh, num_kv_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     TILE_LIST: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, F16_DOTS: tl.constexpr,
-    WIDEN: tl.constexpr,
+    WIDEN: tl.constexpr, LAST_MERGES: tl.constexpr, NEW_TOKEN: tl.constexpr,
 ):
     if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
@@ -98,8 +100,12 @@ def _paged_attention_kernel(
     q_pos = ctx - q_len + tok
 
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q_rows = q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
+    turned = (d + HEAD_DIM // 2) % HEAD_DIM  # each half of a head meets the other half in RoPE
+    if NEW_TOKEN:  # a decode step's raw projections: q's RMSNorm and RoPE happen here, at position ctx - 1
+        q_turned = tl.load(q_rows + turned[None, :], mask=row_ok[:, None], other=0.0)
+        q = _norm_rope(q, q_turned, q_w_ptr, cos_ptr, sin_ptr, ctx - 1, eps, HEAD_DIM)
     if F16_DOTS:  # an 8-bit cache widens to float16 exactly, in one instruction; q and p are rounded to meet it
         q = q.to(tl.float16)
 
@@ -107,8 +113,13 @@ def _paged_attention_kernel(
     per_split = _split_tokens(kv_end, NUM_SPLITS, BLOCK_N)
     if NUM_SPLITS > 1 and split > 0 and kv_end <= per_split:
         return  # a context that one split covers: split 0 writes the output itself and the merge skips the row
+    splits_used = tl.cdiv(kv_end, per_split)
+    if LAST_MERGES and split >= splits_used:
+        return  # an empty split: the merge below reads only the splits in use
     lo = split * per_split
     hi = tl.minimum(kv_end, lo + per_split)
+    if NEW_TOKEN:
+        hi = tl.minimum(hi, ctx - 1)  # the new token's K/V are not in the cache yet: they come last, below
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -133,6 +144,28 @@ def _paged_attention_kernel(
         v = _widen_f16(v) if WIDEN >= 1 else v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if NEW_TOKEN and split == splits_used - 1:  # the split whose range ends at the new token
+        # its k normalised and rotated as q was, k and v rounded to the cache's dtype as stored, written to the
+        # cache once (by the first row tile) for the steps after this one
+        kv_row = q_ptr + q_start * stride_qt + (GROUP * num_kv_heads + kv_head) * HEAD_DIM
+        k_new = _norm_rope(tl.load(kv_row + d[None, :]), tl.load(kv_row + turned[None, :]), k_w_ptr, cos_ptr,
+                           sin_ptr, ctx - 1, eps, HEAD_DIM).to(k_cache_ptr.dtype.element_ty)
+        v_new = tl.load(kv_row + num_kv_heads * HEAD_DIM + d[None, :]).to(v_cache_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        if tile == 0 and slot >= 0:  # slot -1: a padding row of a captured graph
+            dst = slot * stride_cs + kv_head * stride_ch + d[None, :]
+            tl.store(k_cache_ptr + dst, k_new)
+            tl.store(v_cache_ptr + dst, v_new)
+        k = _widen_f16(k_new) if WIDEN == 2 else k_new.to(q.dtype)
+        v = _widen_f16(v_new) if WIDEN >= 1 else v_new.to(q.dtype)
+        # one more step of the online softmax, over one key: the products are exact in float32, as in the dots
+        s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * qk_scale
+        m_new = tl.maximum(m_i, s)
+        p = tl.math.exp2(s - m_new)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v.to(tl.float32)
+        m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if NUM_SPLITS == 1 or kv_end <= per_split:
@@ -144,6 +177,36 @@ def _paged_attention_kernel(
         base = split * stride_ls + (q_start + tok) * stride_lt + head * stride_lh
         tl.store(lse_ptr + base, lse, mask=row_ok)
         tl.store(part_ptr + (base * HEAD_DIM)[:, None] + d[None, :], out, mask=row_ok[:, None])
+        if LAST_MERGES:
+            # the split that finishes last merges them all, so no second kernel runs: every thread's stores above
+            # come before the count (the barrier, then a release), and its loads after it (acquire, then L2)
+            tl.debug_barrier()
+            arrived = arrived_ptr + seq * num_kv_heads + kv_head
+            if tl.atomic_add(arrived, 1, sem="acq_rel", scope="gpu") == splits_used - 1:
+                tl.atomic_xchg(arrived, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+                merged = _merge_rows(part_ptr, lse_ptr, (q_start + tok) * stride_lt + head * stride_lh, stride_ls,
+                                     row_ok, splits_used, NUM_SPLITS, BLOCK_M, HEAD_DIM)
+                tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                         merged.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _norm_rope(x, x_turned, w_ptr, cos_ptr, sin_ptr, pos, eps, HEAD_DIM: tl.constexpr):
+    """Heads [rows, HEAD_DIM] RMS-normalised (weight at w_ptr) and rotated to position `pos`, rounded to their
+    dtype where the unfused model rounds (as `fused.qk_norm_rope` does). `x_turned`: the same heads with their two
+    halves swapped."""
+    dtype = x.dtype
+    d = tl.arange(0, HEAD_DIM)
+    half = HEAD_DIM // 2
+    xf = x.to(tl.float32)
+    r = tl.math.rsqrt(tl.sum(xf * xf, 1) / HEAD_DIM + eps)[:, None]
+    y = (tl.load(w_ptr + d).to(tl.float32)[None, :] * (xf * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    w_turned = tl.load(w_ptr + (d + half) % HEAD_DIM).to(tl.float32)[None, :]
+    y_turned = (w_turned * (x_turned.to(tl.float32) * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    sign = tl.where(d < half, -1.0, 1.0)[None, :]  # the first half takes -x2 sin, the second +x1 sin
+    c = tl.load(cos_ptr + pos * HEAD_DIM + d).to(dtype).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * HEAD_DIM + d).to(dtype).to(tl.float32)[None, :]
+    return ((y * c).to(dtype).to(tl.float32) + (sign * y_turned * s).to(dtype).to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -153,6 +216,32 @@ def _widen_f16(x):
     and V, whose rows run along the dot's output, then comes back one byte per load (the cast's code on Hopper)."""
     return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x.to(tl.uint8, bitcast=True)],
                                      dtype=tl.float16, is_pure=False, pack=2)
+
+
+@triton.jit
+def _merge_rows(part_ptr, lse_ptr, row_off, stride_ls, row_ok, splits_used, NUM_SPLITS: tl.constexpr,
+                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The splits' partial outputs of a tile's rows combined by their log-sum-exp, in split order: the same sums as
+    `_merge_splits_kernel`, whose skipped empty splits add nothing. Read through L2 (`.cg`): other programs wrote
+    them during this kernel."""
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(NUM_SPLITS):
+        ok = row_ok & (s < splits_used)
+        m = tl.maximum(m, tl.load(lse_ptr + s * stride_ls + row_off, mask=ok, other=float("-inf"),
+                                  cache_modifier=".cg"))
+    m = tl.where(m == float("-inf"), 0.0, m)  # rows past the query's, all masked
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for s in range(NUM_SPLITS):
+        ok = row_ok & (s < splits_used)
+        w = tl.math.exp2(tl.load(lse_ptr + s * stride_ls + row_off, mask=ok, other=float("-inf"),
+                                 cache_modifier=".cg") - m)
+        total += w
+        part = tl.load(part_ptr + ((s * stride_ls + row_off) * HEAD_DIM)[:, None] + d[None, :], mask=ok[:, None],
+                       other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * part
+    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 @triton.jit
@@ -185,6 +274,18 @@ def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, context_lens_ptr, num_heads
         total += w
         acc += w * tl.load(part_ptr + (s * stride_ls + row) * HEAD_DIM + d)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty))
+
+
+class NewToken(NamedTuple):
+    """What `paged_attention(new_token=...)` needs to finish a decode step's raw q and k: the q/k RMSNorm weights
+    and epsilon, the RoPE tables ([positions, head_dim] float32), and each token's cache slot (-1 writes nothing)."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 @functools.cache
@@ -220,13 +321,16 @@ def paged_attention(
     tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     widen: str = "auto",
     seq_order: torch.Tensor | None = None,
+    merge: str = "kernel",
+    new_token: NewToken | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over a paged cache that already holds their K/V.
 
     q: [total_q_tokens, num_heads, head_dim]; cu_seqlens_q: [num_seqs + 1] int32; context_lens: [num_seqs] int32
     (cached + new tokens); block_tables: [num_seqs, max_blocks] int32. `max_q_len` bounds the grid (1 for decode),
     so the launch shape depends only on host integers, which keeps it capturable in a CUDA graph.
-    `workspace` (partials, lse) may be passed in to avoid allocating when num_splits > 1. `tiling` is
+    `workspace` (partials, lse, arrivals) may be passed in to avoid allocating when num_splits > 1; arrivals
+    ([num_seqs * num_kv_heads] int32, zero) is read only with merge="last" and left zero. `tiling` is
     (BLOCK_N, num_warps, num_stages), `_default_tiling` when not given.
 
     `tiles` = (tile_seq, tile_index, block_m) replaces the grid over (tiles of max_q_len, sequences) by a list
@@ -241,6 +345,14 @@ def paged_attention(
     cache's values are exact in it, q and the probabilities are rounded to it; sums stay float32). `widen` says how:
     "asm_v" (the default where the GPU has the instruction) widens V by the conversion instruction and K by a cast,
     "asm_kv" both by the instruction, "cast" both by casts (`_widen_f16` says why it matters).
+
+    `new_token` (decode only) takes a decode step's raw projections: q is then the query part of the qkv
+    projection's output [T, (H + 2 Hkv) * D] (viewed [T, H, D]), with each token's raw k and v after it in the same
+    row. The kernel applies q's and k's RMSNorm and RoPE itself, writes the new K/V at their slots, and attends to
+    the new token from registers, so neither a q/k-norm kernel nor a cache store runs before it.
+
+    `merge` says who combines the KV splits: "kernel", a second kernel; "last", the split of each (sequence, KV
+    head) that finishes last, counted on the arrivals, which saves the second launch. Both give the same values.
     """
     total, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -265,29 +377,43 @@ def paged_attention(
         tile_seq, tile_index, block_m = tiles
         assert num_splits == 1 and seq_order is None
         grid = (tile_seq.shape[0], 1, num_kv_heads)
+    assert merge in ("kernel", "last"), merge
+    if new_token is not None:
+        assert max_q_len == 1 and tiles is None, "the new token's norm and RoPE are fused into decode steps only"
+        assert q.stride(2) == 1 and q.stride(1) == head_dim and q.stride(0) >= (num_heads + 2 * num_kv_heads) * head_dim
+        assert new_token.cos.stride(0) == head_dim and new_token.sin.stride(0) == head_dim
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        norm_args = (new_token.q_weight, new_token.k_weight, new_token.cos, new_token.sin, new_token.slot_mapping,
+                     new_token.eps)
+    else:
+        norm_args = (q, q, q, q, cu_seqlens_q, 0.0)  # unused
+    last_merges = num_splits > 1 and merge == "last"
     if num_splits == 1:
-        parts, lse = out, out  # unused
+        parts, lse, arrived = out, out, out  # unused
         lse_strides = (0, 0, 0)
     else:
         assert max_q_len == 1, "KV splits are for decode steps"
         if workspace is None:
             parts = torch.empty((num_splits, total, num_heads, head_dim), dtype=torch.float32, device=q.device)
             lse = torch.empty((num_splits, total, num_heads), dtype=torch.float32, device=q.device)
+            arrived = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=q.device) if last_merges else lse
         else:
-            parts, lse = workspace
+            parts, lse, *rest = workspace
+            arrived = rest[0] if rest else lse
+        assert not last_merges or (arrived.dtype == torch.int32 and arrived.numel() >= num_seqs * num_kv_heads)
         lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, parts, lse, cu_seqlens_q, context_lens, block_tables, tile_seq, tile_index,
-        cu_seqlens_q if seq_order is None else seq_order, scale,
+        q, k_cache, v_cache, out, parts, lse, arrived, cu_seqlens_q, context_lens, block_tables, tile_seq, tile_index,
+        cu_seqlens_q if seq_order is None else seq_order, *norm_args, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        *lse_strides,
+        *lse_strides, num_kv_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LIST=tiles is not None,
         ORDERED=seq_order is not None, PDL=launch.enabled(), F16_DOTS=f16_dots, WIDEN=WIDEN_MODES[widen],
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
+        LAST_MERGES=last_merges, NEW_TOKEN=new_token is not None, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not last_merges:
         _merge_splits_kernel[(total, num_heads)](
             parts, lse, out, context_lens, num_heads, out.stride(0), out.stride(1), lse.stride(0),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n, PDL=launch.enabled(),
