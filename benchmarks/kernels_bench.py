@@ -1,7 +1,7 @@
 """Attention kernel timing on a GPU machine: decode against the bytes it must read, prefill against the FLOPs it
 must do (ours over the paged cache, and PyTorch's built-in flash kernels over contiguous K/V for comparison).
 
-Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8,splits,widen,qknorm,order,merge]
+Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8,splits,widen,qknorm,order]
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def _timed(fn, *args, **kwargs):
 
 
 def decode_layers_case(bs: int, ctx: int, heads: int, kv_heads: int, layers: int, splits: int,
-                       tiling: tuple[int, int, int] | None, merge: str = "kernel") -> float:
+                       tiling: tuple[int, int, int] | None) -> float:
     """Microseconds per layer of a decode step's attention as the engine runs it: one CUDA graph of `layers`
     launches with programmatic dependent launch, each over its own layer's cache, so a layer's KV is no longer in L2
     when it is read again (a single repeated launch would read it from L2 at small batches)."""
@@ -162,13 +162,12 @@ def decode_layers_case(bs: int, ctx: int, heads: int, kv_heads: int, layers: int
     out = torch.empty_like(q)
     cu = torch.arange(bs + 1, device="cuda", dtype=torch.int32)
     ctx_t = torch.full((bs,), ctx, device="cuda", dtype=torch.int32)
-    workspace = (torch.empty((splits, bs, heads, dim), device="cuda"), torch.empty((splits, bs, heads), device="cuda"),
-                 torch.zeros(bs * kv_heads, device="cuda", dtype=torch.int32))
+    workspace = (torch.empty((splits, bs, heads, dim), device="cuda"), torch.empty((splits, bs, heads), device="cuda"))
 
     def step():
         for k, v in caches:
             paged_attention(q, k, v, cu, ctx_t, block_tables, 1, dim**-0.5, out=out, num_splits=splits,
-                            workspace=workspace if splits > 1 else None, tiling=tiling, merge=merge)
+                            workspace=workspace if splits > 1 else None, tiling=tiling)
 
     step()
     torch.cuda.synchronize()
@@ -202,19 +201,6 @@ def splits_probe() -> None:
     results.sort()
     print(f"bs 8 ctx {ctx}: current {base:.2f} us a layer; best (us, splits, tiling): "
           + "  ".join(f"{r[0]:.2f} {r[1:]}" for r in results[:6]), flush=True)
-
-
-def merge_probe() -> None:
-    """Decode attention with its KV splits merged by a second kernel or by the split that finishes last, as a
-    decode graph runs it (36 layers, PDL): qwen3-4b heads at batch 8 over the decode benchmark's contexts, and
-    qwen3-0.6b heads at smaller and larger batches, each at the engine's split count and tiling."""
-    cases = [(8, ctx, 32) for ctx in (128, 384, 640)] + [(bs, 1024, 16) for bs in (1, 4, 16, 32, 64)]
-    for bs, ctx, heads in cases:
-        splits = TritonAttention(batch_buckets=(bs,)).decode_splits(bs, 8)
-        kernel = decode_layers_case(bs, ctx, heads, 8, 36, splits, None, merge="kernel")
-        last = decode_layers_case(bs, ctx, heads, 8, 36, splits, None, merge="last")
-        print(f"bs {bs} ctx {ctx} heads {heads} splits {splits}: merge kernel {kernel:.2f} us a layer, "
-              f"last split {last:.2f} us ({kernel - last:+.2f})", flush=True)
 
 
 def fp8_widen_probe() -> None:
@@ -285,7 +271,7 @@ def main() -> None:
             print(f"{bs:>4} {prefix:>6} {new:>6} {heads:>6} {r['ours_ms']:>8.3f} {r['ours_tflops']:>8.0f} "
                   f"{torch_cols}  {r['torch']}")
     sweeps = {"sweep": decode_sweep, "fp8": fp8_sweep, "splits": splits_probe, "widen": fp8_widen_probe,
-              "qknorm": qk_norm_timing, "order": order_probe, "merge": merge_probe}
+              "qknorm": qk_norm_timing, "order": order_probe}
     for name, sweep in sweeps.items():
         if name in only:
             sweep()

@@ -5,9 +5,9 @@ with its GPU time by kernel. Prints one table.
 
     python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,nanoprof,nanoorder,startup,decode,decodefuse,nanofuse]
 
-`decodefuse`: the batch-8 qwen3-4b decode with decode attention merging its own KV splits and applying the q/k
-norm itself, each alone and both, against neither. `nanofuse`: the nano-vllm workload over an 8-bit cache with both
-and with neither, alternating, two runs each.
+`decodefuse`: the batch-8 qwen3-4b decode with decode attention applying the q/k norm and RoPE and storing the new
+K/V itself, and with the separate kernel before it, alternating. `nanofuse`: the same two over the nano-vllm workload
+(8-bit cache), two runs each.
 
 `nanoorder`: the nano-vllm workload over an 8-bit cache with decode attention launched longest context first and in
 row order, alternating, three runs each in one process.
@@ -224,20 +224,16 @@ def main() -> None:
     if "nanofuse" in only:
         for _ in range(2):
             for fused in (True, False):
-                bench_nano(args.models_dir, hf=False, kv_cache_dtype="fp8", decode_norm_in_attention=fused,
-                           decode_split_merge="last" if fused else "kernel")
+                bench_nano(args.models_dir, hf=False, kv_cache_dtype="fp8", decode_norm_in_attention=fused)
     if "nanoprof" in only:
         nano_breakdown(args.models_dir, kv_cache_dtype="fp8")
     if "startup" in only:
         for preset in ("qwen3-0.6b", "qwen3-4b"):
             bench_startup(args.models_dir, preset)
     if "decodefuse" in only:
-        # the split merge and the q/k norm moved into decode attention: both, neither, the merge alone, both again
-        both = dict(decode_split_merge="last", decode_norm_in_attention=True)
-        neither = dict(decode_split_merge="kernel", decode_norm_in_attention=False)
-        merge_only = dict(decode_split_merge="last", decode_norm_in_attention=False)
-        for overrides in (both, neither, merge_only, both):
-            bench_decode(args.models_dir, bw, repeats=3, **overrides)
+        # q/k norm, RoPE and the K/V store inside decode attention, and before it, alternating
+        for fused in (True, False, True, False):
+            bench_decode(args.models_dir, bw, repeats=3, decode_norm_in_attention=fused)
     if "decode" in only:
         bench_decode(args.models_dir, bw, pdl=True)
         bench_decode(args.models_dir, bw, pdl=False)

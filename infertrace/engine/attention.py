@@ -151,7 +151,7 @@ class TritonAttention:
     fuses_kv_store = True  # the model's fused q/k-norm + RoPE kernel may write K/V into the cache for it
 
     def __init__(self, mode: str = "batched", block_size: int = 16, batch_buckets: tuple[int, ...] = (),
-                 max_num_seqs: int = 256, split_merge: str = "last", norm_in_decode: bool = True):
+                 max_num_seqs: int = 256, norm_in_decode: bool = True):
         from infertrace.engine.kernels import paged_attention as kernels
 
         assert mode in ("batched", "looped")
@@ -160,10 +160,9 @@ class TritonAttention:
         self._kernels = kernels
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.max_num_seqs = max_num_seqs
-        self.split_merge = split_merge
         self.norm_in_decode = norm_in_decode
         self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        self._workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def decode_splits(self, batch_size: int, num_kv_heads: int) -> int:
         """KV splits for a decode batch: enough programs to cover the GPU twice. Chosen from the batch's CUDA-graph
@@ -171,18 +170,15 @@ class TritonAttention:
         bucket = next((b for b in self.batch_buckets if b >= batch_size), batch_size)
         return max(1, min(self.MAX_SPLITS, -(-2 * self.num_sms // (bucket * num_kv_heads))))
 
-    def _split_workspace(self, q: torch.Tensor, splits: int, num_kv_heads: int,
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _split_workspace(self, q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._workspace is None:  # once: graphs and eager decode steps all use views of it
             _, heads, dim = q.shape
             self._workspace = (
                 torch.empty((self.MAX_SPLITS, self.max_num_seqs, heads, dim), dtype=torch.float32, device=q.device),
                 torch.empty((self.MAX_SPLITS, self.max_num_seqs, heads), dtype=torch.float32, device=q.device),
-                # split arrivals per (sequence, KV head) for merge="last"; each launch leaves them zero
-                torch.zeros(self.max_num_seqs * num_kv_heads, dtype=torch.int32, device=q.device),
             )
-        parts, lse, arrived = self._workspace
-        return parts[:splits, : q.shape[0]], lse[:splits, : q.shape[0]], arrived
+        parts, lse = self._workspace
+        return parts[:splits, : q.shape[0]], lse[:splits, : q.shape[0]]
 
     def prepare(self, meta: AttentionMetadata) -> None:
         pass
@@ -216,12 +212,12 @@ class TritonAttention:
             splits, workspace = 1, None
             if meta.max_query_len == 1 and q.shape[0] <= self.max_num_seqs:
                 splits = self.decode_splits(q.shape[0], num_heads_kv)
-                workspace = self._split_workspace(q, splits, num_heads_kv) if splits > 1 else None
+                workspace = self._split_workspace(q, splits) if splits > 1 else None
             return self._kernels.paged_attention(
                 q, paged_k, paged_v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 meta.max_query_len, scale, out=out, num_splits=splits, workspace=workspace,
                 seq_order=meta.decode_order,  # set for decode steps only
-                merge=self.split_merge, new_token=new_token,
+                new_token=new_token,
             )
         for b, qlen in enumerate(meta.query_lens_list):
             # the kernel indexes q through query_start_loc, so a request is a one-row view of the batch tensors
@@ -241,5 +237,5 @@ def make_attention_backend(config: EngineConfig, device: torch.device) -> TorchA
         raise ValueError("attention_backend='flash_attn' is not available in this build; use 'triton', 'torch' or 'auto'")
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
         return TritonAttention(config.attention, config.block_size, config.cuda_graph_batch_sizes, config.max_num_seqs,
-                               config.decode_split_merge, config.decode_norm_in_attention)
+                               config.decode_norm_in_attention)
     return TorchAttention(config.attention)

@@ -15,7 +15,6 @@ SCHEDULING_POLICIES = ("fcfs",)
 ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-SPLIT_MERGES = ("last", "kernel")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # token counts of prefill and mixed steps: steps of 16 above 16 apart up to 256 tokens (the decodes a mixed step
 # carries), then about an eighth apart, so a step pads by at most about 12%; sizes above max_num_batched_tokens are
@@ -69,9 +68,6 @@ class EngineConfig:
     # decode attention (Triton backend) launches its sequences' programs longest context first: over mixed context
     # lengths a long context launched last otherwise runs on alone while the rest of the GPU idles
     decode_longest_first: bool = True
-    # who combines a decode step's KV splits (Triton backend): "last", the split of each sequence and KV head that
-    # finishes last, in the attention kernel; "kernel", a second kernel after it (one more launch a layer)
-    decode_split_merge: str = "last"
     # with fused_norm, decode attention (Triton backend) takes the raw q/k/v projections: it applies q's and the new
     # k's RMSNorm and RoPE and writes the new K/V itself, so no q/k-norm kernel runs before it
     decode_norm_in_attention: bool = True
@@ -115,7 +111,6 @@ class EngineConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
-        _check_choice("decode_split_merge", self.decode_split_merge, SPLIT_MERGES)
         _check_choice("async_scheduling", self.async_scheduling, ASYNC_SCHEDULING)
         _check_choice("attention", self.attention, ATTENTION_MODES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)

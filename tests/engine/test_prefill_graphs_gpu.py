@@ -173,29 +173,6 @@ def test_decode_longest_first_changes_no_logit(qwen06_dirs):
         assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
 
 
-def test_splits_merged_in_the_attention_kernel_change_no_logit(qwen06_dirs):
-    """Decode attention whose KV splits the last split merges (`decode_split_merge="last"`) gives the tokens and
-    bit-identical logits of the separate merge kernel, graph-replayed and eager, at batches small enough to split."""
-    import torch
-
-    from infertrace.engine import SamplingParams
-
-    waves = _waves(6, [[700, 12, 300], [5, 900]])
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    for graphs in (True, False):
-        runs = {}
-        for merge in ("last", "kernel"):
-            got, kinds, logits, engine = _run(qwen06_dirs["bfloat16"], waves, params, kv_cache_tokens=16384,
-                                              decode_split_merge=merge, cuda_graphs=graphs)
-            assert engine.runner.attention.split_merge == merge and engine.runner.attention.decode_splits(5, 8) > 1
-            assert kinds.count("decode") > 20
-            _free(engine)
-            runs[merge] = got, logits
-        (got, logits), (want, want_logits) = runs["last"], runs["kernel"]
-        assert got == want and len(logits) == len(want_logits)
-        assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
-
-
 def test_decode_norm_in_attention_gives_the_separate_kernels_tokens(qwen06_dirs, monkeypatch):
     """Decode attention that applies q/k RMSNorm and RoPE and stores the new K/V itself
     (`decode_norm_in_attention`) against the q/k-norm kernel and the store before it: the same tokens and logits

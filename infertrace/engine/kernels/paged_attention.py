@@ -55,7 +55,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr, arrived_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, tile_seq_ptr, tile_index_ptr, seq_order_ptr,
     q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, slot_ptr, eps,
     scale,
@@ -65,7 +65,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     TILE_LIST: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, F16_DOTS: tl.constexpr,
-    WIDEN: tl.constexpr, LAST_MERGES: tl.constexpr, NEW_TOKEN: tl.constexpr,
+    WIDEN: tl.constexpr, NEW_TOKEN: tl.constexpr,
 ):
     if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
@@ -114,8 +114,6 @@ def _paged_attention_kernel(
     if NUM_SPLITS > 1 and split > 0 and kv_end <= per_split:
         return  # a context that one split covers: split 0 writes the output itself and the merge skips the row
     splits_used = tl.cdiv(kv_end, per_split)
-    if LAST_MERGES and split >= splits_used:
-        return  # an empty split: the merge below reads only the splits in use
     lo = split * per_split
     hi = tl.minimum(kv_end, lo + per_split)
     if NEW_TOKEN:
@@ -177,17 +175,6 @@ def _paged_attention_kernel(
         base = split * stride_ls + (q_start + tok) * stride_lt + head * stride_lh
         tl.store(lse_ptr + base, lse, mask=row_ok)
         tl.store(part_ptr + (base * HEAD_DIM)[:, None] + d[None, :], out, mask=row_ok[:, None])
-        if LAST_MERGES:
-            # the split that finishes last merges them all, so no second kernel runs: every thread's stores above
-            # come before the count (the barrier, then a release), and its loads after it (acquire, then L2)
-            tl.debug_barrier()
-            arrived = arrived_ptr + seq * num_kv_heads + kv_head
-            if tl.atomic_add(arrived, 1, sem="acq_rel", scope="gpu") == splits_used - 1:
-                tl.atomic_xchg(arrived, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-                merged = _merge_rows(part_ptr, lse_ptr, (q_start + tok) * stride_lt + head * stride_lh, stride_ls,
-                                     row_ok, splits_used, NUM_SPLITS, BLOCK_M, HEAD_DIM)
-                tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                         merged.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -216,32 +203,6 @@ def _widen_f16(x):
     and V, whose rows run along the dot's output, then comes back one byte per load (the cast's code on Hopper)."""
     return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x.to(tl.uint8, bitcast=True)],
                                      dtype=tl.float16, is_pure=False, pack=2)
-
-
-@triton.jit
-def _merge_rows(part_ptr, lse_ptr, row_off, stride_ls, row_ok, splits_used, NUM_SPLITS: tl.constexpr,
-                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The splits' partial outputs of a tile's rows combined by their log-sum-exp, in split order: the same sums as
-    `_merge_splits_kernel`, whose skipped empty splits add nothing. Read through L2 (`.cg`): other programs wrote
-    them during this kernel."""
-    d = tl.arange(0, HEAD_DIM)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
-        ok = row_ok & (s < splits_used)
-        m = tl.maximum(m, tl.load(lse_ptr + s * stride_ls + row_off, mask=ok, other=float("-inf"),
-                                  cache_modifier=".cg"))
-    m = tl.where(m == float("-inf"), 0.0, m)  # rows past the query's, all masked
-    total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for s in range(NUM_SPLITS):
-        ok = row_ok & (s < splits_used)
-        w = tl.math.exp2(tl.load(lse_ptr + s * stride_ls + row_off, mask=ok, other=float("-inf"),
-                                 cache_modifier=".cg") - m)
-        total += w
-        part = tl.load(part_ptr + ((s * stride_ls + row_off) * HEAD_DIM)[:, None] + d[None, :], mask=ok[:, None],
-                       other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * part
-    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 @triton.jit
@@ -321,7 +282,6 @@ def paged_attention(
     tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     widen: str = "auto",
     seq_order: torch.Tensor | None = None,
-    merge: str = "kernel",
     new_token: NewToken | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over a paged cache that already holds their K/V.
@@ -329,8 +289,7 @@ def paged_attention(
     q: [total_q_tokens, num_heads, head_dim]; cu_seqlens_q: [num_seqs + 1] int32; context_lens: [num_seqs] int32
     (cached + new tokens); block_tables: [num_seqs, max_blocks] int32. `max_q_len` bounds the grid (1 for decode),
     so the launch shape depends only on host integers, which keeps it capturable in a CUDA graph.
-    `workspace` (partials, lse, arrivals) may be passed in to avoid allocating when num_splits > 1; arrivals
-    ([num_seqs * num_kv_heads] int32, zero) is read only with merge="last" and left zero. `tiling` is
+    `workspace` (partials, lse) may be passed in to avoid allocating when num_splits > 1. `tiling` is
     (BLOCK_N, num_warps, num_stages), `_default_tiling` when not given.
 
     `tiles` = (tile_seq, tile_index, block_m) replaces the grid over (tiles of max_q_len, sequences) by a list
@@ -350,9 +309,6 @@ def paged_attention(
     projection's output [T, (H + 2 Hkv) * D] (viewed [T, H, D]), with each token's raw k and v after it in the same
     row. The kernel applies q's and k's RMSNorm and RoPE itself, writes the new K/V at their slots, and attends to
     the new token from registers, so neither a q/k-norm kernel nor a cache store runs before it.
-
-    `merge` says who combines the KV splits: "kernel", a second kernel; "last", the split of each (sequence, KV
-    head) that finishes last, counted on the arrivals, which saves the second launch. Both give the same values.
     """
     total, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -377,33 +333,30 @@ def paged_attention(
         tile_seq, tile_index, block_m = tiles
         assert num_splits == 1 and seq_order is None
         grid = (tile_seq.shape[0], 1, num_kv_heads)
-    assert merge in ("kernel", "last"), merge
     if new_token is not None:
         assert max_q_len == 1 and tiles is None, "the new token's norm and RoPE are fused into decode steps only"
-        assert q.stride(2) == 1 and q.stride(1) == head_dim and q.stride(0) >= (num_heads + 2 * num_kv_heads) * head_dim
+        # (a one-token view may report any stride for its token axis; the kernel then never uses it)
+        assert q.stride(2) == 1 and q.stride(1) == head_dim
+        assert total == 1 or q.stride(0) >= (num_heads + 2 * num_kv_heads) * head_dim
         assert new_token.cos.stride(0) == head_dim and new_token.sin.stride(0) == head_dim
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
         norm_args = (new_token.q_weight, new_token.k_weight, new_token.cos, new_token.sin, new_token.slot_mapping,
                      new_token.eps)
     else:
         norm_args = (q, q, q, q, cu_seqlens_q, 0.0)  # unused
-    last_merges = num_splits > 1 and merge == "last"
     if num_splits == 1:
-        parts, lse, arrived = out, out, out  # unused
+        parts, lse = out, out  # unused
         lse_strides = (0, 0, 0)
     else:
         assert max_q_len == 1, "KV splits are for decode steps"
         if workspace is None:
             parts = torch.empty((num_splits, total, num_heads, head_dim), dtype=torch.float32, device=q.device)
             lse = torch.empty((num_splits, total, num_heads), dtype=torch.float32, device=q.device)
-            arrived = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=q.device) if last_merges else lse
         else:
-            parts, lse, *rest = workspace
-            arrived = rest[0] if rest else lse
-        assert not last_merges or (arrived.dtype == torch.int32 and arrived.numel() >= num_seqs * num_kv_heads)
+            parts, lse = workspace
         lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, parts, lse, arrived, cu_seqlens_q, context_lens, block_tables, tile_seq, tile_index,
+        q, k_cache, v_cache, out, parts, lse, cu_seqlens_q, context_lens, block_tables, tile_seq, tile_index,
         cu_seqlens_q if seq_order is None else seq_order, *norm_args, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -411,9 +364,9 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LIST=tiles is not None,
         ORDERED=seq_order is not None, PDL=launch.enabled(), F16_DOTS=f16_dots, WIDEN=WIDEN_MODES[widen],
-        LAST_MERGES=last_merges, NEW_TOKEN=new_token is not None, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
+        NEW_TOKEN=new_token is not None, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
     )
-    if num_splits > 1 and not last_merges:
+    if num_splits > 1:
         _merge_splits_kernel[(total, num_heads)](
             parts, lse, out, context_lens, num_heads, out.stride(0), out.stride(1), lse.stride(0),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n, PDL=launch.enabled(),
