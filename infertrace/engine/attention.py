@@ -119,7 +119,7 @@ class TorchAttention:
         _, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         group = num_heads // num_kv_heads
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty_like(q)
         start = 0
         for b, (qlen, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
             qb = q[start : start + qlen].view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
@@ -151,7 +151,7 @@ class TritonAttention:
     fuses_kv_store = True  # the model's fused q/k-norm + RoPE kernel may write K/V into the cache for it
 
     def __init__(self, mode: str = "batched", block_size: int = 16, batch_buckets: tuple[int, ...] = (),
-                 max_num_seqs: int = 256, norm_in_decode: bool = True):
+                 max_num_seqs: int = 256):
         from infertrace.engine.kernels import paged_attention as kernels
 
         assert mode in ("batched", "looped")
@@ -160,7 +160,6 @@ class TritonAttention:
         self._kernels = kernels
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.max_num_seqs = max_num_seqs
-        self.norm_in_decode = norm_in_decode
         self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -183,24 +182,15 @@ class TritonAttention:
     def prepare(self, meta: AttentionMetadata) -> None:
         pass
 
-    def takes_new_token(self, meta: AttentionMetadata) -> bool:
-        """Whether this step's attention takes the raw q/k/v projections (`forward(new_token=...)`): decode steps
-        of the batched kernel, with `norm_in_decode`."""
-        return self.norm_in_decode and self.mode == "batched" and meta.tiles is None and meta.max_query_len == 1
-
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                kv_stored: bool = False, new_token=None) -> torch.Tensor:
-        """`kv_stored`: the step's K/V are already in the cache (written by the fused q/k-norm + RoPE kernel).
-        `new_token` (a `paged_attention.NewToken`, when `takes_new_token`): q is the raw query of the qkv output,
-        normalised, rotated and stored with its k and v by the attention kernel itself."""
+                kv_stored: bool = False) -> torch.Tensor:
+        """`kv_stored`: the step's K/V are already in the cache (written by the fused q/k-norm + RoPE kernel)."""
         num_heads_kv, head_dim = k_cache.shape[1], k_cache.shape[2]
         paged_k = k_cache.view(-1, self.block_size, num_heads_kv, head_dim)
         paged_v = v_cache.view(-1, self.block_size, num_heads_kv, head_dim)
-        if new_token is not None:
-            assert self.takes_new_token(meta)
-        elif not kv_stored:
+        if not kv_stored:
             self._kernels.store_kvcache(k, v, paged_k, paged_v, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty_like(q)
         if meta.tiles is not None:
             # rows of padding tokens stay unwritten: every other kernel of the step works row by row, so they reach
             # no real token
@@ -217,7 +207,6 @@ class TritonAttention:
                 q, paged_k, paged_v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 meta.max_query_len, scale, out=out, num_splits=splits, workspace=workspace,
                 seq_order=meta.decode_order,  # set for decode steps only
-                new_token=new_token,
             )
         for b, qlen in enumerate(meta.query_lens_list):
             # the kernel indexes q through query_start_loc, so a request is a one-row view of the batch tensors
@@ -236,6 +225,5 @@ def make_attention_backend(config: EngineConfig, device: torch.device) -> TorchA
     if backend == "flash_attn":
         raise ValueError("attention_backend='flash_attn' is not available in this build; use 'triton', 'torch' or 'auto'")
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
-        return TritonAttention(config.attention, config.block_size, config.cuda_graph_batch_sizes, config.max_num_seqs,
-                               config.decode_norm_in_attention)
+        return TritonAttention(config.attention, config.block_size, config.cuda_graph_batch_sizes, config.max_num_seqs)
     return TorchAttention(config.attention)

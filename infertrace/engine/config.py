@@ -68,9 +68,6 @@ class EngineConfig:
     # decode attention (Triton backend) launches its sequences' programs longest context first: over mixed context
     # lengths a long context launched last otherwise runs on alone while the rest of the GPU idles
     decode_longest_first: bool = True
-    # with fused_norm, decode attention (Triton backend) takes the raw q/k/v projections: it applies q's and the new
-    # k's RMSNorm and RoPE and writes the new K/V itself, so no q/k-norm kernel runs before it
-    decode_norm_in_attention: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
     cuda_graph_token_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_TOKEN_SIZES
     # CPU KV offload

@@ -34,8 +34,6 @@ FIELD_HELP = {
            "before drains.",
     "decode_longest_first": "Decode attention launches its requests' programs longest context first (Triton "
                             "backend).",
-    "decode_norm_in_attention": "Decode attention applies q/k RMSNorm and RoPE and writes the new K/V itself "
-                                "(Triton backend, fused norm): one kernel fewer a layer.",
     "skinny_gemm": "Projections of small decode steps as weight-streaming Triton GEMMs (CUDA, 16-bit, fused norm).",
     "attention": "batched: one attention kernel for the batch; looped: one request at a time (ablation).",
     "attention_backend": "Attention kernels: auto, torch, triton or flash_attn.",

@@ -114,67 +114,6 @@ def test_decode_launched_longest_first_gives_the_same_values(kv_dtype, num_split
         assert (out[:n].double() - ref).norm() / ref.norm() < 1e-2
 
 
-
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_from_raw_projections_matches_norm_kernel_then_attention(kv_dtype, num_splits):
-    """`new_token`: the attention kernel normalises and rotates q and the new k itself, stores the new K/V and
-    attends to them from registers. Against `qk_norm_rope` storing K/V and then attention: V stored bit for bit,
-    K within one bfloat16 rounding, the output within bfloat16 rounding; eagerly and replayed from a CUDA graph;
-    a padding row (slot -1) writes nothing."""
-    from infertrace.engine.kernels.fused import qk_norm_rope
-    from infertrace.engine.kernels.paged_attention import NewToken, paged_attention
-
-    torch.manual_seed(4)
-    dev, dim, block_size, heads, kv_heads = "cuda", 128, 16, 32, 8
-    lens = [1, 2, 17, 300, 1000, 64, 65, 2]  # the last row is padding: context 2, slot -1
-    rows, num_blocks = len(lens), 1024
-    k_cache = torch.randn(num_blocks * block_size, kv_heads, dim, device=dev).to(kv_dtype)
-    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(kv_dtype)
-    block_tables = torch.randperm(num_blocks, device=dev, dtype=torch.int32)[: rows * 64].view(rows, 64)
-    ctx = torch.tensor(lens, device=dev, dtype=torch.int32)
-    slots = torch.tensor([int(block_tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
-                          for i, n in enumerate(lens)], device=dev)
-    slots[-1] = -1
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=dev, dtype=torch.bfloat16)
-    q_w = torch.rand(dim, device=dev, dtype=torch.bfloat16) + 0.5
-    k_w = torch.rand(dim, device=dev, dtype=torch.bfloat16) + 0.5
-    angles = torch.outer(torch.arange(4096.0), 1e6 ** (-torch.arange(0, dim, 2.0) / dim)).repeat(1, 2).to(dev)
-    cos, sin = angles.cos(), angles.sin()
-    cu = torch.arange(rows + 1, device=dev, dtype=torch.int32)
-    paged = lambda c: c.view(-1, block_size, kv_heads, dim)  # noqa: E731
-
-    k_want, v_want = k_cache.clone(), v_cache.clone()
-    q, _ = qk_norm_rope(qkv, heads, kv_heads, dim, q_w, k_w, 1e-6, cos, sin, (ctx - 1).long(),
-                        kv_cache=(k_want, v_want, slots))
-    want = paged_attention(q, paged(k_want), paged(v_want), cu, ctx, block_tables, 1, dim ** -0.5,
-                           num_splits=num_splits)
-    k_got, v_got = k_cache.clone(), v_cache.clone()
-    out = torch.full_like(q, float("nan"))
-
-    def run():
-        paged_attention(qkv[:, : heads * dim].view(rows, heads, dim), paged(k_got), paged(v_got), cu, ctx,
-                        block_tables, 1, dim ** -0.5, out=out, num_splits=num_splits,
-                        new_token=NewToken(q_w, k_w, 1e-6, cos, sin, slots))
-
-    run()
-    n = rows - 1
-    assert torch.equal(v_got, v_want)
-    written = (k_got.float() != k_cache.float()).flatten(1).any(1).nonzero().flatten()
-    assert set(written.tolist()) <= set(slots[:n].tolist())
-    # k rounded once more or less in bfloat16 (and so at most one 8-bit step apart in an 8-bit cache)
-    step = 2 ** -7 if kv_dtype == torch.bfloat16 else 2 ** -3
-    diff = (k_got.float() - k_want.float()).abs()
-    assert bool((diff <= k_want.float().abs() * step + 2 ** -9).all())
-    assert (out[:n].float() - want[:n].float()).norm() / want[:n].float().norm() < 1e-2
-    eager = out.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    out.fill_(float("nan"))
-    graph.replay()
-    assert torch.equal(out, eager)
-
 @pytest.mark.parametrize("q_len", [64, 8192])
 def test_paged_attention_over_a_64k_context(q_len):
     """A prefill chunk at the end of a 65,536-token context (bf16, 16 heads over 8 KV heads): the last query rows

@@ -20,9 +20,6 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_pt
                          k_cache_ptr, v_cache_ptr, slot_ptr,
                          qkv_stride, num_q_heads, num_kv_heads, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                          STORE_KV: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the kernel before has finished and its writes are visible past this point
-        gdc_wait()
-        gdc_launch_dependents()
     # a token's q and k heads, BLOCK_H at a time: each load is issued once for a whole tile of heads, so a program
     # waits on memory a few times rather than a one-head program each time for every head
     t = tl.program_id(0).to(tl.int64)
@@ -31,21 +28,26 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_pt
     is_q = h < num_q_heads
     dtype = q_out_ptr.dtype.element_ty
     i = tl.arange(0, HALF)
-    base = qkv_ptr + t * qkv_stride + h[:, None] * 2 * HALF + i[None, :]
-    x1 = tl.load(base, mask=h_ok[:, None], other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=h_ok[:, None], other=0.0).to(tl.float32)
-    var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
-    r = tl.math.rsqrt(var + eps)[:, None]
+    # the weights, the position (a host input of the step) and its RoPE row need nothing from the kernel before: read
+    # while it drains
     w1 = tl.where(is_q[:, None], tl.load(q_w_ptr + i)[None, :], tl.load(k_w_ptr + i)[None, :]).to(tl.float32)
     w2 = tl.where(is_q[:, None], tl.load(q_w_ptr + HALF + i)[None, :],
                   tl.load(k_w_ptr + HALF + i)[None, :]).to(tl.float32)
-    y1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    y2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     pos = tl.load(pos_ptr + t)
     c1 = tl.load(cos_ptr + pos * 2 * HALF + i).to(dtype).to(tl.float32)[None, :]
     c2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + i).to(dtype).to(tl.float32)[None, :]
     s1 = tl.load(sin_ptr + pos * 2 * HALF + i).to(dtype).to(tl.float32)[None, :]
     s2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + i).to(dtype).to(tl.float32)[None, :]
+    if PDL:  # the kernel before has finished and its writes are visible past this point
+        gdc_wait()
+        gdc_launch_dependents()
+    base = qkv_ptr + t * qkv_stride + h[:, None] * 2 * HALF + i[None, :]
+    x1 = tl.load(base, mask=h_ok[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=h_ok[:, None], other=0.0).to(tl.float32)
+    var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
+    r = tl.math.rsqrt(var + eps)[:, None]
+    y1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     o1 = (y1 * c1).to(dtype).to(tl.float32) + (-y2 * s1).to(dtype).to(tl.float32)
     o2 = (y2 * c2).to(dtype).to(tl.float32) + (y1 * s2).to(dtype).to(tl.float32)
     r1 = o1.to(dtype)

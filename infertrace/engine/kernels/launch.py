@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 _enabled = False
+_early = 1
 
 
 def set_enabled(on: bool) -> bool:
@@ -27,3 +28,15 @@ def set_enabled(on: bool) -> bool:
 
 def enabled() -> bool:
     return _enabled
+
+
+
+def set_early(level: int) -> None:
+    """What decode attention does before its wait (with PDL): 0 nothing, 1 reads its step inputs, 2 also asks L2 for
+    its first K/V lines."""
+    global _early
+    _early = int(level)
+
+
+def early() -> int:
+    return _early

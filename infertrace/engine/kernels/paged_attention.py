@@ -13,7 +13,6 @@ launched last would otherwise run on alone while the rest of the GPU idles.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
@@ -57,17 +56,16 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr, tile_seq_ptr, tile_index_ptr, seq_order_ptr,
-    q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, slot_ptr, eps,
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_bt, stride_cb, stride_cs, stride_ch,
-    stride_ls, stride_lt, stride_lh, num_kv_heads,
+    stride_ls, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     TILE_LIST: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, F16_DOTS: tl.constexpr,
-    WIDEN: tl.constexpr, NEW_TOKEN: tl.constexpr,
+    WIDEN: tl.constexpr, EARLY: tl.constexpr,
 ):
-    if PDL:  # the kernel before has finished and its writes are visible past this point
+    if PDL and EARLY == 0:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
         gdc_launch_dependents()
     if TILE_LIST:  # program i takes the (sequence, tile) of entry i; -1 pads a grid fixed by a graph's bucket
@@ -100,24 +98,22 @@ def _paged_attention_kernel(
     q_pos = ctx - q_len + tok
 
     d = tl.arange(0, HEAD_DIM)
-    q_rows = q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
-    q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
-    turned = (d + HEAD_DIM // 2) % HEAD_DIM  # each half of a head meets the other half in RoPE
-    if NEW_TOKEN:  # a decode step's raw projections: q's RMSNorm and RoPE happen here, at position ctx - 1
-        q_turned = tl.load(q_rows + turned[None, :], mask=row_ok[:, None], other=0.0)
-        q = _norm_rope(q, q_turned, q_w_ptr, cos_ptr, sin_ptr, ctx - 1, eps, HEAD_DIM)
-    if F16_DOTS:  # an 8-bit cache widens to float16 exactly, in one instruction; q and p are rounded to meet it
-        q = q.to(tl.float16)
-
     kv_end = tl.minimum(ctx, ctx - q_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
     per_split = _split_tokens(kv_end, NUM_SPLITS, BLOCK_N)
     if NUM_SPLITS > 1 and split > 0 and kv_end <= per_split:
         return  # a context that one split covers: split 0 writes the output itself and the merge skips the row
-    splits_used = tl.cdiv(kv_end, per_split)
     lo = split * per_split
     hi = tl.minimum(kv_end, lo + per_split)
-    if NEW_TOKEN:
-        hi = tl.minimum(hi, ctx - 1)  # the new token's K/V are not in the cache yet: they come last, below
+    if EARLY:
+        if EARLY == 2:
+            _prefetch_kv(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, lo, hi, kv_head, stride_cb,
+                         stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, PREFETCH_TOKENS)
+        gdc_wait()  # q and this step's K/V come from the kernels before
+        gdc_launch_dependents()
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if F16_DOTS:  # an 8-bit cache widens to float16 exactly, in one instruction; q and p are rounded to meet it
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -142,28 +138,6 @@ def _paged_attention_kernel(
         v = _widen_f16(v) if WIDEN >= 1 else v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    if NEW_TOKEN and split == splits_used - 1:  # the split whose range ends at the new token
-        # its k normalised and rotated as q was, k and v rounded to the cache's dtype as stored, written to the
-        # cache once (by the first row tile) for the steps after this one
-        kv_row = q_ptr + q_start * stride_qt + (GROUP * num_kv_heads + kv_head) * HEAD_DIM
-        k_new = _norm_rope(tl.load(kv_row + d[None, :]), tl.load(kv_row + turned[None, :]), k_w_ptr, cos_ptr,
-                           sin_ptr, ctx - 1, eps, HEAD_DIM).to(k_cache_ptr.dtype.element_ty)
-        v_new = tl.load(kv_row + num_kv_heads * HEAD_DIM + d[None, :]).to(v_cache_ptr.dtype.element_ty)
-        slot = tl.load(slot_ptr + q_start).to(tl.int64)
-        if tile == 0 and slot >= 0:  # slot -1: a padding row of a captured graph
-            dst = slot * stride_cs + kv_head * stride_ch + d[None, :]
-            tl.store(k_cache_ptr + dst, k_new)
-            tl.store(v_cache_ptr + dst, v_new)
-        k = _widen_f16(k_new) if WIDEN == 2 else k_new.to(q.dtype)
-        v = _widen_f16(v_new) if WIDEN >= 1 else v_new.to(q.dtype)
-        # one more step of the online softmax, over one key: the products are exact in float32, as in the dots
-        s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * qk_scale
-        m_new = tl.maximum(m_i, s)
-        p = tl.math.exp2(s - m_new)
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + p
-        acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v.to(tl.float32)
-        m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if NUM_SPLITS == 1 or kv_end <= per_split:
@@ -178,22 +152,23 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _norm_rope(x, x_turned, w_ptr, cos_ptr, sin_ptr, pos, eps, HEAD_DIM: tl.constexpr):
-    """Heads [rows, HEAD_DIM] RMS-normalised (weight at w_ptr) and rotated to position `pos`, rounded to their
-    dtype where the unfused model rounds (as `fused.qk_norm_rope` does). `x_turned`: the same heads with their two
-    halves swapped."""
-    dtype = x.dtype
-    d = tl.arange(0, HEAD_DIM)
-    half = HEAD_DIM // 2
-    xf = x.to(tl.float32)
-    r = tl.math.rsqrt(tl.sum(xf * xf, 1) / HEAD_DIM + eps)[:, None]
-    y = (tl.load(w_ptr + d).to(tl.float32)[None, :] * (xf * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    w_turned = tl.load(w_ptr + (d + half) % HEAD_DIM).to(tl.float32)[None, :]
-    y_turned = (w_turned * (x_turned.to(tl.float32) * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    sign = tl.where(d < half, -1.0, 1.0)[None, :]  # the first half takes -x2 sin, the second +x1 sin
-    c = tl.load(cos_ptr + pos * HEAD_DIM + d).to(dtype).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + pos * HEAD_DIM + d).to(dtype).to(tl.float32)[None, :]
-    return ((y * c).to(dtype).to(tl.float32) + (sign * y_turned * s).to(dtype).to(tl.float32)).to(dtype)
+def _prefetch_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, lo, hi, kv_head, stride_cb, stride_cs, stride_ch,
+                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr):
+    """Ask for the K and V lines of the first TOKENS positions of [lo, hi) to be brought into L2. It reads only the
+    step's host inputs (block table) and the cache, so it runs before the wait on the kernel before: a decode
+    program's chain of loads (context, block table, K/V) then starts while that kernel drains. Lines the kernel before
+    is writing (the new token's) are safe: L2 is where its writes land."""
+    line: tl.constexpr = 128 // k_cache_ptr.dtype.element_ty.primitive_bitwidth * 8  # elements a 128-byte line
+    n = lo + tl.arange(0, TOKENS)
+    n_ok = n < hi
+    block = tl.load(block_row_ptr + n // BLOCK_SIZE, mask=n_ok, other=0)
+    off = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    lines = off[:, None] + (tl.arange(0, HEAD_DIM // line) * line)[None, :]
+    ok = n_ok[:, None] & (lines >= 0)  # every line of a position in range
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } // $0 unused",
+                              "=r,l,r", [k_cache_ptr + lines, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } // $0 unused",
+                              "=r,l,r", [v_cache_ptr + lines, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -215,14 +190,14 @@ def _split_tokens(kv_end, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, context_lens_ptr, num_heads, stride_ot, stride_oh, stride_ls,
                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
                          PDL: tl.constexpr):
+    t = tl.program_id(0)  # a decode step: token t is sequence t's only query token
+    h = tl.program_id(1)
+    ctx = tl.load(context_lens_ptr + t)  # a host input of the step: read before the wait
+    if ctx <= _split_tokens(ctx, NUM_SPLITS, BLOCK_N):
+        return  # one split covered the context and wrote the output
     if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
         gdc_launch_dependents()
-    t = tl.program_id(0)  # a decode step: token t is sequence t's only query token
-    h = tl.program_id(1)
-    ctx = tl.load(context_lens_ptr + t)
-    if ctx <= _split_tokens(ctx, NUM_SPLITS, BLOCK_N):
-        return  # one split covered the context and wrote the output
     d = tl.arange(0, HEAD_DIM)
     row = t * num_heads + h
     m = float("-inf")
@@ -237,23 +212,14 @@ def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, context_lens_ptr, num_heads
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty))
 
 
-class NewToken(NamedTuple):
-    """What `paged_attention(new_token=...)` needs to finish a decode step's raw q and k: the q/k RMSNorm weights
-    and epsilon, the RoPE tables ([positions, head_dim] float32), and each token's cache slot (-1 writes nothing)."""
-
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    eps: float
-    cos: torch.Tensor
-    sin: torch.Tensor
-    slot_mapping: torch.Tensor
-
-
 @functools.cache
 def _converts_float8(device_index: int | None) -> bool:
     """Whether the GPU has the float8 conversion instructions (compute capability 8.9 and later)."""
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
+
+# decode positions (of a program's KV range) whose K/V lines a program asks L2 for before it waits on the kernel before
+PREFETCH_TOKENS = tl.constexpr(256)
 
 WIDEN_MODES = {"cast": 0, "asm_v": 1, "asm_kv": 2}  # how an 8-bit cache is widened to float16 for the dots
 
@@ -282,7 +248,6 @@ def paged_attention(
     tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     widen: str = "auto",
     seq_order: torch.Tensor | None = None,
-    new_token: NewToken | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over a paged cache that already holds their K/V.
 
@@ -304,11 +269,6 @@ def paged_attention(
     cache's values are exact in it, q and the probabilities are rounded to it; sums stay float32). `widen` says how:
     "asm_v" (the default where the GPU has the instruction) widens V by the conversion instruction and K by a cast,
     "asm_kv" both by the instruction, "cast" both by casts (`_widen_f16` says why it matters).
-
-    `new_token` (decode only) takes a decode step's raw projections: q is then the query part of the qkv
-    projection's output [T, (H + 2 Hkv) * D] (viewed [T, H, D]), with each token's raw k and v after it in the same
-    row. The kernel applies q's and k's RMSNorm and RoPE itself, writes the new K/V at their slots, and attends to
-    the new token from registers, so neither a q/k-norm kernel nor a cache store runs before it.
     """
     total, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -333,17 +293,6 @@ def paged_attention(
         tile_seq, tile_index, block_m = tiles
         assert num_splits == 1 and seq_order is None
         grid = (tile_seq.shape[0], 1, num_kv_heads)
-    if new_token is not None:
-        assert max_q_len == 1 and tiles is None, "the new token's norm and RoPE are fused into decode steps only"
-        # (a one-token view may report any stride for its token axis; the kernel then never uses it)
-        assert q.stride(2) == 1 and q.stride(1) == head_dim
-        assert total == 1 or q.stride(0) >= (num_heads + 2 * num_kv_heads) * head_dim
-        assert new_token.cos.stride(0) == head_dim and new_token.sin.stride(0) == head_dim
-        assert k_cache.is_contiguous() and v_cache.is_contiguous()
-        norm_args = (new_token.q_weight, new_token.k_weight, new_token.cos, new_token.sin, new_token.slot_mapping,
-                     new_token.eps)
-    else:
-        norm_args = (q, q, q, q, cu_seqlens_q, 0.0)  # unused
     if num_splits == 1:
         parts, lse = out, out  # unused
         lse_strides = (0, 0, 0)
@@ -357,14 +306,15 @@ def paged_attention(
         lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, parts, lse, cu_seqlens_q, context_lens, block_tables, tile_seq, tile_index,
-        cu_seqlens_q if seq_order is None else seq_order, *norm_args, scale,
+        cu_seqlens_q if seq_order is None else seq_order, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        *lse_strides, num_kv_heads,
+        *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LIST=tiles is not None,
         ORDERED=seq_order is not None, PDL=launch.enabled(), F16_DOTS=f16_dots, WIDEN=WIDEN_MODES[widen],
-        NEW_TOKEN=new_token is not None, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
+        EARLY=launch.early() if launch.enabled() and max_q_len == 1 and tiles is None else 0,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
     )
     if num_splits > 1:
         _merge_splits_kernel[(total, num_heads)](

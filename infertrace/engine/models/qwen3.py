@@ -150,39 +150,27 @@ class Qwen3Attention(nn.Module):
                 fused: bool = False, acc: torch.Tensor | None = None, skinny: bool = False):
         """With `skinny`, the projections run as weight-streaming GEMMs, the output one adding into `acc`."""
         qkv = decode_linear(x, self.qkv_proj.weight) if skinny else self.qkv_proj(x)
-        if fused and getattr(attn, "fuses_kv_store", False) and attn.takes_new_token(meta):
-            from infertrace.engine.kernels.paged_attention import NewToken
-
-            # a decode step: the attention kernel normalises, rotates and stores q and the new k and v itself
-            q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
-            new = NewToken(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin,
-                           meta.slot_mapping)
-            out = attn.forward(q, None, None, self.k_cache, self.v_cache, meta, self.scale, new_token=new)
-        else:
-            out = self._attend(qkv, positions, rope, attn, meta, fused)
-        if skinny:
-            return decode_linear(out.reshape(-1, self.q_size), self.o_proj.weight, acc)
-        return self.o_proj(out.reshape(-1, self.q_size))
-
-    def _attend(self, qkv, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata,
-                fused: bool) -> torch.Tensor:
-        """Attention over the qkv projection's output, q and k normalised and rotated first."""
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        if not fused:
+        stored = False
+        if fused:
+            from infertrace.engine.kernels.fused import qk_norm_rope
+
+            stored = getattr(attn, "fuses_kv_store", False)
+            q, k = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
+                                self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin, positions,
+                                kv_cache=(self.k_cache, self.v_cache, meta.slot_mapping) if stored else None)
+        else:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
             q, k = rope(positions, q, k)
-            return attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        from infertrace.engine.kernels.fused import qk_norm_rope
-
-        stored = getattr(attn, "fuses_kv_store", False)
-        q, k = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
-                            self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin, positions,
-                            kv_cache=(self.k_cache, self.v_cache, meta.slot_mapping) if stored else None)
         if stored:
-            return attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, kv_stored=True)
-        return attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+            out = attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, kv_stored=True)
+        else:
+            out = attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        if skinny:
+            return decode_linear(out.reshape(-1, self.q_size), self.o_proj.weight, acc)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class Qwen3MLP(nn.Module):
