@@ -3,10 +3,10 @@ one 512-token prefill (wall time against its GPU time), the nano-vllm workload (
 start-up time and graph memory, and the batch-8 qwen3-4b decode step with programmatic dependent launch on and off,
 with its GPU time by kernel. Prints one table.
 
-    python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,nanoprof,nanoorder,startup,decode,prefetch,nanoprefetch]
+    python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,nanoprof,nanoorder,startup,decode,early,nanoearly]
 
-`prefetch`: the batch-8 qwen3-4b decode with decode attention asking L2 for its first K/V lines before it waits on
-the kernel before, and without, alternating; `nanoprefetch`: the same over the nano-vllm workload (8-bit cache).
+`early`: the batch-8 qwen3-4b decode with decode attention reading its step inputs before it waits on the kernel
+before, and after, alternating; `nanoearly`: the same over the nano-vllm workload (8-bit cache).
 
 `nanoorder`: the nano-vllm workload over an 8-bit cache with decode attention launched longest context first and in
 row order, alternating, three runs each in one process.
@@ -220,26 +220,26 @@ def main() -> None:
         for _ in range(3):
             for ordered in (True, False):
                 bench_nano(args.models_dir, hf=False, kv_cache_dtype="fp8", decode_longest_first=ordered)
-    if "nanoprefetch" in only:
+    if "nanoearly" in only:
         from infertrace.engine.kernels import launch
 
-        for level in (1, 0, 1):
-            launch.set_early(level)
-            bench_nano(args.models_dir, hf=False, kv_cache_dtype="fp8", note=f" attention_early={level}")
-        launch.set_early(1)
+        for on in (True, False, True, False):
+            launch.set_early_inputs(on)
+            bench_nano(args.models_dir, hf=False, kv_cache_dtype="fp8", note=f" attention_early_inputs={on}")
+        launch.set_early_inputs(True)
     if "nanoprof" in only:
         nano_breakdown(args.models_dir, kv_cache_dtype="fp8")
     if "startup" in only:
         for preset in ("qwen3-0.6b", "qwen3-4b"):
             bench_startup(args.models_dir, preset)
-    if "prefetch" in only:
-        # decode attention asking L2 for its first K/V lines before its wait, and not, alternating
+    if "early" in only:
+        # decode attention reading its step inputs before its wait, and after it, alternating
         from infertrace.engine.kernels import launch
 
-        for level in (1, 0, 2, 1):
-            launch.set_early(level)
-            bench_decode(args.models_dir, bw, repeats=3, note=f" attention_early={level}")
-        launch.set_early(1)
+        for on in (True, False, True, False):
+            launch.set_early_inputs(on)
+            bench_decode(args.models_dir, bw, repeats=3, note=f" attention_early_inputs={on}")
+        launch.set_early_inputs(True)
     if "decode" in only:
         bench_decode(args.models_dir, bw, pdl=True)
         bench_decode(args.models_dir, bw, pdl=False)

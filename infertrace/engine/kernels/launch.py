@@ -2,10 +2,13 @@
 
 A kernel launched with PDL may start while the kernel before it in the stream still runs: its programs become
 resident once every program of that kernel has called `gdc_launch_dependents`, and block in `gdc_wait` until it has
-finished and its writes are visible. Every kernel here calls `gdc_wait` first, before it reads or writes any
-memory, so what overlaps the kernel before is only the launch and the programs' start: about a microsecond a kernel,
-which adds up over the few hundred small kernels of a decode step. (Prefetching a GEMM's first weights into L2 before
-the wait measured no faster on an H100, so the kernels do not.)
+finished and its writes are visible. What overlaps the kernel before is the launch, the programs' start, and whatever
+a kernel reads before its wait: only what no kernel of the step writes, the step's host inputs (positions, context
+lengths, block tables, launch order, copied in before the graph or step starts) and constants (norm weights, RoPE
+tables). The q/k-norm kernel, decode attention and the split merge read theirs there; the rest wait first. About a
+microsecond a kernel, which adds up over the few hundred small kernels of a decode step. (Asking L2 for a GEMM's first
+weights, or decode attention's first K/V lines, before the wait measured slower or no faster on an H100, so the
+kernels do not.)
 
 The switch is process-wide (`EngineConfig.pdl`, set by the model runner); a CUDA graph keeps the launches as they
 were when it was captured.
@@ -16,7 +19,7 @@ from __future__ import annotations
 import torch
 
 _enabled = False
-_early = 1
+_early_inputs = True
 
 
 def set_enabled(on: bool) -> bool:
@@ -31,12 +34,13 @@ def enabled() -> bool:
 
 
 
-def set_early(level: int) -> None:
-    """What decode attention does before its wait (with PDL): 0 nothing, 1 reads its step inputs, 2 also asks L2 for
-    its first K/V lines."""
-    global _early
-    _early = int(level)
+
+def set_early_inputs(on: bool) -> None:
+    """Whether decode attention reads its step inputs before its wait (the default; `step_graphs_bench --only early`
+    compares)."""
+    global _early_inputs
+    _early_inputs = bool(on)
 
 
-def early() -> int:
-    return _early
+def early_inputs() -> bool:
+    return _early_inputs

@@ -65,7 +65,7 @@ def _paged_attention_kernel(
     TILE_LIST: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, F16_DOTS: tl.constexpr,
     WIDEN: tl.constexpr, EARLY: tl.constexpr,
 ):
-    if PDL and EARLY == 0:  # the kernel before has finished and its writes are visible past this point
+    if PDL and not EARLY:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
         gdc_launch_dependents()
     if TILE_LIST:  # program i takes the (sequence, tile) of entry i; -1 pads a grid fixed by a graph's bucket
@@ -104,11 +104,8 @@ def _paged_attention_kernel(
         return  # a context that one split covers: split 0 writes the output itself and the merge skips the row
     lo = split * per_split
     hi = tl.minimum(kv_end, lo + per_split)
-    if EARLY:
-        if EARLY == 2:
-            _prefetch_kv(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, lo, hi, kv_head, stride_cb,
-                         stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, PREFETCH_TOKENS)
-        gdc_wait()  # q and this step's K/V come from the kernels before
+    if PDL and EARLY:  # the program's place (sequence, context, split range) came from step inputs, read while the
+        gdc_wait()  # kernel before drained; q and this step's K/V come from the kernels before
         gdc_launch_dependents()
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
@@ -149,26 +146,6 @@ def _paged_attention_kernel(
         base = split * stride_ls + (q_start + tok) * stride_lt + head * stride_lh
         tl.store(lse_ptr + base, lse, mask=row_ok)
         tl.store(part_ptr + (base * HEAD_DIM)[:, None] + d[None, :], out, mask=row_ok[:, None])
-
-
-@triton.jit
-def _prefetch_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, lo, hi, kv_head, stride_cb, stride_cs, stride_ch,
-                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr):
-    """Ask for the K and V lines of the first TOKENS positions of [lo, hi) to be brought into L2. It reads only the
-    step's host inputs (block table) and the cache, so it runs before the wait on the kernel before: a decode
-    program's chain of loads (context, block table, K/V) then starts while that kernel drains. Lines the kernel before
-    is writing (the new token's) are safe: L2 is where its writes land."""
-    line: tl.constexpr = 128 // k_cache_ptr.dtype.element_ty.primitive_bitwidth * 8  # elements a 128-byte line
-    n = lo + tl.arange(0, TOKENS)
-    n_ok = n < hi
-    block = tl.load(block_row_ptr + n // BLOCK_SIZE, mask=n_ok, other=0)
-    off = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-    lines = off[:, None] + (tl.arange(0, HEAD_DIM // line) * line)[None, :]
-    ok = n_ok[:, None] & (lines >= 0)  # every line of a position in range
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } // $0 unused",
-                              "=r,l,r", [k_cache_ptr + lines, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } // $0 unused",
-                              "=r,l,r", [v_cache_ptr + lines, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -217,9 +194,6 @@ def _converts_float8(device_index: int | None) -> bool:
     """Whether the GPU has the float8 conversion instructions (compute capability 8.9 and later)."""
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
-
-# decode positions (of a program's KV range) whose K/V lines a program asks L2 for before it waits on the kernel before
-PREFETCH_TOKENS = tl.constexpr(256)
 
 WIDEN_MODES = {"cast": 0, "asm_v": 1, "asm_kv": 2}  # how an 8-bit cache is widened to float16 for the dots
 
@@ -313,7 +287,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LIST=tiles is not None,
         ORDERED=seq_order is not None, PDL=launch.enabled(), F16_DOTS=f16_dots, WIDEN=WIDEN_MODES[widen],
-        EARLY=launch.early() if launch.enabled() and max_q_len == 1 and tiles is None else 0,
+        EARLY=launch.enabled() and launch.early_inputs() and max_q_len == 1 and tiles is None,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
     )
     if num_splits > 1:
