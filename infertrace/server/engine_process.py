@@ -14,7 +14,8 @@ requests are aborted (their KV and batch slots freed), its backlog discarded aft
 told why (a "dropped" message) before its socket is closed; so memory stays bounded, and a front end that stalls
 with few streams does not hold them for ever.
 
-Lifetime: the process ends when every front end has closed its socket (requests still running are aborted first),
+Lifetime: the process ends when every front end has closed its socket or been dropped (requests still running are
+aborted first; a dropped front end gets FAREWELL_S more to take why once no live one is left),
 when its parent process dies (a watcher thread), or after telling the front ends why its loop failed. It ignores
 SIGINT and SIGTERM: the front ends own shutdown (they drain, then close their sockets), so a signal sent to the
 whole process group does not cut their in-flight requests short.
@@ -53,6 +54,8 @@ MAX_BACKLOG_BYTES = 64 << 20
 # Seconds a front end's socket may take nothing while outputs wait for it: far beyond any pause of a working front
 # end (its event loop reads every few milliseconds), short enough that a hung one soon gives back its requests' KV.
 MAX_STALL_S = 60.0
+# How long front ends dropped before the last live one left still get to take why, before the engine process exits.
+FAREWELL_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,7 @@ class EngineLoop:
         self.max_backlog_bytes = max_backlog_bytes
         self.max_stall_s = max_stall_s
         self.peers = {sock: _Peer(sock) for sock in socks}
+        self.leaving: dict[socket.socket, _Peer] = {}  # dropped, not yet told why
         self.owner: dict[str, _Peer] = {}
         self.selector = selectors.DefaultSelector()
         for sock, peer in self.peers.items():
@@ -172,11 +176,23 @@ class EngineLoop:
                         self._read(peer)
                 if engine.has_unfinished():
                     self._step()
+            self._farewell()
             return 0
         except BaseException as e:  # the loop must never die silently: every front end hears why
             log.exception("the engine loop failed")
             self._tell_all(FromEngine("dead", error={"message": f"{type(e).__name__}: {e}"}))
             return 1
+
+    def _farewell(self, within_s: float = FAREWELL_S) -> None:
+        """Every live front end is gone: the ones dropped before get `within_s` to take why, then the loop ends."""
+        deadline = time.monotonic() + within_s
+        while self.leaving and (left := deadline - time.monotonic()) > 0:
+            for key, events in self.selector.select(timeout=left):
+                peer = key.data
+                if events & selectors.EVENT_WRITE:
+                    self._flush(peer)
+                if events & selectors.EVENT_READ and peer.sock.fileno() != -1:
+                    self._read(peer)  # its end of the socket closing closes ours
 
     def _tell_all(self, message: FromEngine) -> None:
         """`message` to every front end, after the frame in flight, waiting at most a second on each one."""
@@ -262,6 +278,7 @@ class EngineLoop:
     def _close(self, peer: _Peer) -> None:
         """A front end is gone (or done with): abort its requests and forget it."""
         self.peers.pop(peer.sock, None)
+        self.leaving.pop(peer.sock, None)
         self._abort_all(peer)
         peer.backlog.clear()
         peer.backlog_bytes = 0
@@ -276,6 +293,7 @@ class EngineLoop:
         why = f"this front end {behind} (it stopped reading); its {len(peer.requests)} request(s) were aborted"
         log.error("dropping a front end: %s", why)
         self.peers.pop(peer.sock, None)
+        self.leaving[peer.sock] = peer
         self._abort_all(peer)
         peer.discard_backlog()
         peer.dropped = True

@@ -500,6 +500,30 @@ def test_a_front_end_that_takes_nothing_past_the_stall_bound_is_dropped_though_u
     assert not thread.is_alive()
 
 
+
+def test_a_lone_front_end_that_is_dropped_still_hears_why_before_the_loop_ends():
+    """The only front end stops reading and is dropped past the stall bound: the loop, with no live front end left,
+    waits for it to take the "dropped" message (up to FAREWELL_S) before it ends, instead of ending at once."""
+    from infertrace.server.messages import ToEngine, frame
+
+    engine = _ScriptedEngine(tokens=10**9)
+    loop, thread, (stuck,) = _engine_loop(engine, 1, max_stall_s=0.5)
+    try:
+        started = time.monotonic()
+        stuck.sendall(frame(ToEngine("add", request_id="alone-0", prompt=[1])))
+        while "alone-0" not in engine.aborted and time.monotonic() - started < 20:
+            time.sleep(0.01)
+        assert engine.aborted == ["alone-0"] and loop.peers == {}
+        assert thread.is_alive()  # still waiting for the dropped front end to read why
+        backlog = _messages(stuck, lambda msgs: False, deadline_s=5)
+        assert backlog and backlog[-1].kind == "dropped"
+        assert "took no output for more than 0.5 s" in backlog[-1].error["message"]
+        thread.join(5)
+        assert not thread.is_alive() and loop.leaving == {}
+    finally:
+        stuck.close()
+        thread.join(10)
+
 async def test_a_front_end_that_stops_reading_leaves_the_engine_process_serving_the_others(tiny_model_dir):
     """The real engine process with two front ends: ours, and a bare socket that reads while `reading` is set,
     its requests' outputs made large (64 KiB a step) by their request ids. When it stops reading, its outputs pile
