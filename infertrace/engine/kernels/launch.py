@@ -33,8 +33,6 @@ def enabled() -> bool:
     return _enabled
 
 
-
-
 def set_early_inputs(on: bool) -> None:
     """Whether decode attention reads its step inputs before its wait (the default; `step_graphs_bench --only early`
     compares)."""
