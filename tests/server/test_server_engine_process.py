@@ -404,6 +404,17 @@ def _engine_loop(engine, count: int, **limits):
     return loop, thread, [ours for ours, _ in pairs]
 
 
+def _add_until_aborted(engine, sock, request_id: str, within_s: float = 20.0) -> float:
+    """Add `request_id` from front end `sock` and wait until the engine aborts it; the seconds that took."""
+    from infertrace.server.messages import ToEngine, frame
+
+    started = time.monotonic()
+    sock.sendall(frame(ToEngine("add", request_id=request_id, prompt=[1])))
+    while request_id not in engine.aborted and time.monotonic() - started < within_s:
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
 def _messages(sock, until, deadline_s: float) -> list:
     """Messages read from `sock` until `until(messages)` holds, the peer closes, or the deadline passes."""
     from infertrace.server.messages import FrameReader, decode_from_engine
@@ -455,10 +466,7 @@ def test_a_front_end_past_its_backlog_bound_is_dropped_and_its_requests_aborted(
     engine = _ScriptedEngine(tokens=100)
     loop, thread, (fast, stuck) = _engine_loop(engine, 2, max_backlog_bytes=1 << 20)
     try:
-        stuck.sendall(frame(ToEngine("add", request_id="stuck-0", prompt=[1])))
-        deadline = time.monotonic() + 20
-        while "stuck-0" not in engine.aborted and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _add_until_aborted(engine, stuck, "stuck-0")
         assert engine.aborted == ["stuck-0"] and engine.running == {}  # its KV is free
         fast.sendall(frame(ToEngine("add", request_id="fast-0", prompt=[1])))
         got = _messages(fast, _finished("fast-0"), deadline_s=20)
@@ -478,17 +486,13 @@ def test_a_front_end_past_its_backlog_bound_is_dropped_and_its_requests_aborted(
 def test_a_front_end_that_takes_nothing_past_the_stall_bound_is_dropped_though_under_its_backlog_bound():
     """One stream that never ends, never read: once the socket's buffer is full and nothing leaves for the stall
     bound (0.5 s here), the front end is dropped with its request aborted, long before 64 MiB piles up."""
-    from infertrace.server.messages import ToEngine, frame
 
     engine = _ScriptedEngine(tokens=10**9)
     loop, thread, (idle, stuck) = _engine_loop(engine, 2, max_stall_s=0.5)  # idle keeps the loop serving
     try:
-        started = time.monotonic()
-        stuck.sendall(frame(ToEngine("add", request_id="stuck-0", prompt=[1])))
-        while "stuck-0" not in engine.aborted and time.monotonic() - started < 20:
-            time.sleep(0.01)
+        took = _add_until_aborted(engine, stuck, "stuck-0")
         assert engine.aborted == ["stuck-0"] and engine.running == {}
-        assert time.monotonic() - started < 10
+        assert took < 10
         backlog = _messages(stuck, lambda msgs: False, deadline_s=5)
         last = backlog[-1]
         assert last.kind == "dropped" and "took no output for more than 0.5 s" in last.error["message"]
@@ -500,19 +504,13 @@ def test_a_front_end_that_takes_nothing_past_the_stall_bound_is_dropped_though_u
     assert not thread.is_alive()
 
 
-
 def test_a_lone_front_end_that_is_dropped_still_hears_why_before_the_loop_ends():
     """The only front end stops reading and is dropped past the stall bound: the loop, with no live front end left,
     waits for it to take the "dropped" message (up to FAREWELL_S) before it ends, instead of ending at once."""
-    from infertrace.server.messages import ToEngine, frame
-
     engine = _ScriptedEngine(tokens=10**9)
     loop, thread, (stuck,) = _engine_loop(engine, 1, max_stall_s=0.5)
     try:
-        started = time.monotonic()
-        stuck.sendall(frame(ToEngine("add", request_id="alone-0", prompt=[1])))
-        while "alone-0" not in engine.aborted and time.monotonic() - started < 20:
-            time.sleep(0.01)
+        _add_until_aborted(engine, stuck, "alone-0")
         assert engine.aborted == ["alone-0"] and loop.peers == {}
         assert thread.is_alive()  # still waiting for the dropped front end to read why
         backlog = _messages(stuck, lambda msgs: False, deadline_s=5)
