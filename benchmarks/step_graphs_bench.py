@@ -3,10 +3,13 @@ one 512-token prefill (wall time against its GPU time), the nano-vllm workload (
 start-up time and graph memory, and the batch-8 qwen3-4b decode step with programmatic dependent launch on and off,
 with its GPU time by kernel. Prints one table.
 
-    python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,nanoprof,nanoorder,startup,decode,early,nanoearly]
+    python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,nanoprof,nanoorder,startup,decode,early,nanoearly,increments]
 
 `early`: the batch-8 qwen3-4b decode with decode attention reading its step inputs before it waits on the kernel
 before, and after, alternating; `nanoearly`: the same over the nano-vllm workload (8-bit cache).
+
+`increments`: the batch-8 qwen3-4b decode graph by what each kernel adds to the step's time, with the bytes each
+GEMM and the attention read against the copy bandwidth.
 
 `nanoorder`: the nano-vllm workload over an 8-bit cache with decode attention launched longest context first and in
 row order, alternating, three runs each in one process.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import statistics
 import sys
@@ -144,6 +148,83 @@ def decode_breakdown(root: Path, batch: int = 8, **overrides) -> None:
     _free()
 
 
+KERNEL_NAMES = {"_add_rmsnorm_kernel": "norm", "_skinny_gemm_kernel": "gemm", "_qk_norm_rope_kernel": "qknorm",
+                "_paged_attention_kernel": "attention", "_merge_splits_kernel": "merge", "_silu_mul_kernel": "silu"}
+
+
+def kernel_increments(kernels: list[tuple[float, float, str]], replays: int) -> dict[str, list[float]]:
+    """How much each kernel of a graph replay extends it: its end minus the end of the kernel before it in the
+    stream, by kernel (a GEMM named by the kernels around it, e.g. gemm[silu>norm]). `kernels` is (start, end,
+    name) of every kernel of `replays` back-to-back replays. With programmatic dependent launch a kernel's span opens
+    when its programs are resident and waiting, so spans overlap and their sum overstates the step; the increments
+    add up to the replay exactly."""
+    short = [next((v for k, v in KERNEL_NAMES.items() if k in name), name[:40]) for _, _, name in kernels]
+    ends = [end for _, end, _ in kernels]
+    per = len(kernels) // replays
+    out: dict[str, list[float]] = defaultdict(list)
+    for r in range(replays):
+        for i in range(r * per + 1, (r + 1) * per):
+            label = short[i]
+            if label == "gemm":
+                after = short[i + 1] if i + 1 < (r + 1) * per else "-"
+                label = f"gemm[{short[i - 1]}>{after}]"
+            out[label].append(ends[i] - ends[i - 1])
+    return out
+
+
+def decode_increments(root: Path, batch: int = 8, replays: int = 5) -> None:
+    """The batch-8 qwen3-4b decode graph (mean context 385) by what each kernel adds to the replay, with the bytes
+    each GEMM and the attention read against the copy bandwidth."""
+    path = model_dir(root, "qwen3-4b")
+    cfg = json.loads((path / "config.json").read_text())
+    llm = LLM(path, prefill_cuda_graphs=False)
+    eng = llm.engine
+    rng = random.Random(0)
+    for i in range(batch):
+        eng.add_request(f"r{i}", [rng.randrange(1000, 3000) for _ in range(128)],
+                        SamplingParams(max_tokens=300, ignore_eos=True))
+    for _ in range(257):  # one prefill, then 256 decode steps: every context 385 at the replays below
+        eng.step()
+    graphs = eng.runner.graphs
+    for _ in range(5):
+        graphs.replay(batch)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(40):
+            graphs.replay(batch)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / 40)
+    replay = statistics.median(times)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graphs.replay(batch)
+        torch.cuda.synchronize()
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
+    inc = kernel_increments(kernels, replays)
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    layer_kv = batch * 385 * 2 * kv * 2  # K and V of every context token, one layer
+    reads = {"gemm[norm>silu]": 2 * inter * hidden * 2, "gemm[silu>norm]": inter * hidden * 2,
+             "gemm[norm>qknorm]": (q + 2 * kv) * hidden * 2, "gemm[merge>norm]": q * hidden * 2,
+             "gemm[norm>-]": vocab * hidden * 2, "attention": layer_kv}
+    bw = copy_bandwidth()
+    print(f"\ndecode graph bs={batch} qwen3-4b, context 385: replay {1e3 * replay:.3f} ms, increments "
+          f"{sum(map(sum, inc.values())) / replays / 1e3:.3f} ms; copy bw {bw / 1e12:.2f} TB/s")
+    print("| kernel | ms a step | launches | us each | bytes each | % of copy bw |\n| --- | --- | --- | --- | --- | --- |")
+    for label, us in sorted(inc.items(), key=lambda kv: -sum(kv[1])):
+        each = statistics.mean(us)
+        share = f"{100 * reads[label] / (each * 1e-6) / bw:.0f}%" if label in reads else ""
+        nbytes = f"{reads[label] / 1e6:.1f} MB" if label in reads else ""
+        print(f"| {label} | {sum(us) / replays / 1e3:.3f} | {len(us) // replays} | {each:.2f} | {nbytes} | {share} |")
+    row(f"decode graph bs={batch} qwen3-4b by kernel increments", f"replay {1e3 * replay:.2f} ms",
+        "table above: each kernel's end minus the end of the one before")
+    del llm, eng, graphs
+    _free()
+
+
 def nano_breakdown(root: Path, **overrides) -> None:
     """The nano-vllm workload once under torch.profiler (GPU activity only): GPU time by kernel over the whole run,
     the GPU's busy share of the wall time, and the wall time by step kind."""
@@ -240,6 +321,8 @@ def main() -> None:
             launch.set_early_inputs(on)
             bench_decode(args.models_dir, bw, repeats=3, note=f" attention_early_inputs={on}")
         launch.set_early_inputs(True)
+    if "increments" in only:
+        decode_increments(args.models_dir)
     if "decode" in only:
         bench_decode(args.models_dir, bw, pdl=True)
         bench_decode(args.models_dir, bw, pdl=False)
