@@ -199,15 +199,13 @@ class TritonAttention:
                 meta.max_query_len, scale, out=out, tiles=meta.tiles,
             )
         if self.mode == "batched":
-            splits, workspace, tiling = 1, None, None
+            splits, workspace = 1, None
             if meta.max_query_len == 1 and q.shape[0] <= self.max_num_seqs:
                 splits = self.decode_splits(q.shape[0], num_heads_kv)
-                if DECODE_OVERRIDE is not None:
-                    splits, tiling = DECODE_OVERRIDE
                 workspace = self._split_workspace(q, splits) if splits > 1 else None
             return self._kernels.paged_attention(
                 q, paged_k, paged_v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                meta.max_query_len, scale, out=out, num_splits=splits, workspace=workspace, tiling=tiling,
+                meta.max_query_len, scale, out=out, num_splits=splits, workspace=workspace,
                 seq_order=meta.decode_order,  # set for decode steps only
             )
         for b, qlen in enumerate(meta.query_lens_list):
@@ -217,9 +215,6 @@ class TritonAttention:
                 meta.block_tables[b : b + 1], qlen, scale, out=out,
             )
         return out
-
-
-DECODE_OVERRIDE = None  # experiment: (splits, tiling) for decode
 
 
 def make_attention_backend(config: EngineConfig, device: torch.device) -> TorchAttention | TritonAttention:

@@ -103,11 +103,8 @@ def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_di
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr = False):
-    if PDL and TRIGGER_FIRST:
-        gdc_launch_dependents()
-        gdc_wait()
-    elif PDL:  # the kernel before has finished and its writes are visible past this point
+def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
         gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
@@ -127,6 +124,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
     if t:
         block = 1024
-        _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, PDL=launch.enabled(), TRIGGER_FIRST=launch.trigger_first(),
+        _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, PDL=launch.enabled(),
                                                              num_warps=4, launch_pdl=launch.enabled())
     return out

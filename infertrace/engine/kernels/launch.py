@@ -20,9 +20,6 @@ import torch
 
 _enabled = False
 _early_inputs = True
-_trigger_first = False  # experiment: kernels before a GEMM let it launch before they wait
-_gemm_prefetch_bytes = 0  # experiment: bytes of weights a skinny GEMM asks L2 for before its wait
-_gemm_preload = False  # experiment: a skinny GEMM loads its first weight tile into registers before its wait
 
 
 def set_enabled(on: bool) -> bool:
@@ -45,26 +42,3 @@ def set_early_inputs(on: bool) -> None:
 
 def early_inputs() -> bool:
     return _early_inputs
-
-
-def set_experiment(trigger_first: bool | None = None, gemm_prefetch_bytes: int | None = None,
-                   gemm_preload: bool | None = None) -> None:
-    global _trigger_first, _gemm_prefetch_bytes, _gemm_preload
-    if trigger_first is not None:
-        _trigger_first = bool(trigger_first)
-    if gemm_prefetch_bytes is not None:
-        _gemm_prefetch_bytes = int(gemm_prefetch_bytes)
-    if gemm_preload is not None:
-        _gemm_preload = bool(gemm_preload)
-
-
-def trigger_first() -> bool:
-    return _enabled and _trigger_first
-
-
-def gemm_prefetch_bytes() -> int:
-    return _gemm_prefetch_bytes if _enabled else 0
-
-
-def gemm_preload() -> bool:
-    return _enabled and _gemm_preload

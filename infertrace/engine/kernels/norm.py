@@ -16,11 +16,8 @@ from infertrace.engine.kernels import launch
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, eps,
-                        HAS_RESIDUAL: tl.constexpr, X_IS_ACC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr = False):
-    if PDL and TRIGGER_FIRST:
-        gdc_launch_dependents()
-        gdc_wait()
-    elif PDL:  # the kernel before has finished and its writes are visible past this point
+                        HAS_RESIDUAL: tl.constexpr, X_IS_ACC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -57,6 +54,6 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     _add_rmsnorm_kernel[(n_rows,)](x, residual if residual is not None else x, weight, out, n_cols, eps,
                                    HAS_RESIDUAL=residual is not None, X_IS_ACC=is_acc,
                                    BLOCK=triton.next_power_of_2(n_cols),
-                                   PDL=launch.enabled(), TRIGGER_FIRST=launch.trigger_first(), num_warps=4 if n_cols <= 2048 else 8,
+                                   PDL=launch.enabled(), num_warps=4 if n_cols <= 2048 else 8,
                                    launch_pdl=launch.enabled())
     return out

@@ -166,16 +166,13 @@ def _split_tokens(kv_end, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, context_lens_ptr, num_heads, stride_ot, stride_oh, stride_ls,
                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr = False):
+                         PDL: tl.constexpr):
     t = tl.program_id(0)  # a decode step: token t is sequence t's only query token
     h = tl.program_id(1)
     ctx = tl.load(context_lens_ptr + t)  # a host input of the step: read before the wait
     if ctx <= _split_tokens(ctx, NUM_SPLITS, BLOCK_N):
         return  # one split covered the context and wrote the output
-    if PDL and TRIGGER_FIRST:
-        gdc_launch_dependents()
-        gdc_wait()
-    elif PDL:  # the kernel before has finished and its writes are visible past this point
+    if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
         gdc_launch_dependents()
     d = tl.arange(0, HEAD_DIM)
@@ -296,7 +293,7 @@ def paged_attention(
     if num_splits > 1:
         _merge_splits_kernel[(total, num_heads)](
             parts, lse, out, context_lens, num_heads, out.stride(0), out.stride(1), lse.stride(0),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n, PDL=launch.enabled(), TRIGGER_FIRST=launch.trigger_first(),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n, PDL=launch.enabled(),
             launch_pdl=launch.enabled(),
         )
     return out

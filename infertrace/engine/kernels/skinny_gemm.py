@@ -19,8 +19,10 @@ from infertrace.engine.kernels import launch
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                        PREFETCH_K: tl.constexpr = 0, PRELOAD: tl.constexpr = False):
+                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # x and the zeroed accumulator come from the kernels before
+        gdc_wait()
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -30,28 +32,10 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     col_ok = cols < N
     span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_begin = pid_k * span
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + ks)[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + (k_begin + ks)[None, :]
-    if PREFETCH_K > 0:
-        lines = tl.minimum(k_begin + tl.arange(0, PREFETCH_K // 64) * 64, K - 1)
-        band = tl.minimum(cols, N - 1).to(tl.int64)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l",
-                                  [w_ptr + band[:, None] * stride_wn + lines[None, :]],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    if PRELOAD:
-        k0_ok = (k_begin + ks) < K
-        w_first = tl.load(w_ptrs, mask=col_ok[:, None] & k0_ok[None, :], other=0.0)
-    if PDL:  # x and the zeroed accumulator come from the kernels before
-        gdc_wait()
-        gdc_launch_dependents()
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    start = 0
-    if PRELOAD:
-        x_first = tl.load(x_ptrs, mask=row_ok[:, None] & k0_ok[None, :], other=0.0)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        start = BLOCK_K
-    for k in range(start, span, BLOCK_K):
+    for k in range(0, span, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
@@ -62,8 +46,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         acc += tl.dot(x, tl.trans(w))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if PRELOAD:
-        acc += tl.dot(x_first, tl.trans(w_first))
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1:
@@ -90,16 +72,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     _skinny_gemm_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                               BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                               EVEN_K=k % (block_k * split_k) == 0, PDL=launch.enabled(),
-                              PREFETCH_K=prefetch_k(n, k, split_k), PRELOAD=launch.gemm_preload(),
                               num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
     return out
-
-
-def prefetch_k(n: int, k: int, split_k: int) -> int:
-    budget = launch.gemm_prefetch_bytes()
-    line = 64
-    lines = min(budget // (n * split_k * 128), -(-k // split_k) // line)
-    return 0 if lines < 1 else line * (1 << (lines.bit_length() - 1))
 
 
 # (N, K) of a projection -> (block_n, block_k, split_k, num_stages), from benchmarks/gemm_bench.py on an H100

@@ -128,13 +128,6 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | Non
     return skinny_gemm(x, weight, acc, block_n=block_n, block_k=block_k, split_k=split_k, num_stages=stages)
 
 
-def _prefetch_o_proj(weight: torch.Tensor, here: str) -> None:
-    from infertrace.engine.kernels import prefetch
-
-    if prefetch.where() == here:
-        prefetch.l2_prefetch(weight)
-
-
 class Qwen3Attention(nn.Module):
     def __init__(self, spec: Qwen3Spec, dtype: torch.dtype, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -157,8 +150,6 @@ class Qwen3Attention(nn.Module):
                 fused: bool = False, acc: torch.Tensor | None = None, skinny: bool = False):
         """With `skinny`, the projections run as weight-streaming GEMMs, the output one adding into `acc`."""
         qkv = decode_linear(x, self.qkv_proj.weight) if skinny else self.qkv_proj(x)
-        if skinny:
-            _prefetch_o_proj(self.o_proj.weight, "norm")
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         stored = False
         if fused:
@@ -173,8 +164,6 @@ class Qwen3Attention(nn.Module):
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
             q, k = rope(positions, q, k)
-        if skinny:
-            _prefetch_o_proj(self.o_proj.weight, "attention")
         if stored:
             out = attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, kv_stored=True)
         else:
