@@ -63,7 +63,12 @@ def test_dependent_kernels_read_what_the_one_before_wrote():
         assert torch.equal(eager_or_replay_off, with_pdl)
 
 
-def test_engine_logits_with_and_without_pdl(tmp_path):
+@pytest.mark.parametrize("lengths,first_max,more", [
+    ([300, 7, 64, 129, 5, 1000, 33, 80], 40, 10),
+    # every context within one KV split for the whole run: no program of the split merge has anything to merge
+    ([7, 5, 12, 3, 20, 9, 2, 15], 30, 1),
+], ids=["mixed", "one-split-contexts"])
+def test_engine_logits_with_and_without_pdl(tmp_path, lengths, first_max, more):
     """bfloat16 qwen3-0.6b (skinny GEMMs, decode and token-count graphs, async scheduling): every sampled row's logits
     are identical with PDL on and off."""
     from infertrace.engine import Engine, EngineConfig, SamplingParams
@@ -71,14 +76,14 @@ def test_engine_logits_with_and_without_pdl(tmp_path):
     from tests.engine.conftest import random_prompts, spy_logits
 
     path = init_model("qwen3-0.6b", tmp_path / "m", seed=0, dtype="bfloat16")
-    prompts = random_prompts([300, 7, 64, 129, 5, 1000, 33, 80])
+    prompts = random_prompts(lengths)
     seen = {}
     for pdl in (False, True):
         engine = Engine(path, EngineConfig(pdl=pdl, kv_cache_tokens=32768))
         assert engine.decode_path()["pdl"] == (pdl and torch.cuda.get_device_capability() >= (9, 0))
         seen[pdl] = spy_logits(engine)
         for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=40 + 10 * i, ignore_eos=True))
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=first_max + more * i, ignore_eos=True))
             engine.step()
         while engine.has_unfinished():
             engine.step()
@@ -86,6 +91,6 @@ def test_engine_logits_with_and_without_pdl(tmp_path):
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    assert len(seen[True]) == len(seen[False]) > 40
+    assert len(seen[True]) == len(seen[False]) > first_max
     for a, b in zip(seen[True], seen[False]):
         assert torch.equal(a, b)

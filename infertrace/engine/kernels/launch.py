@@ -10,6 +10,11 @@ microsecond a kernel, which adds up over the few hundred small kernels of a deco
 weights, or decode attention's first K/V lines, before the wait measured slower or no faster on an H100, so the
 kernels do not.)
 
+A kernel must not end before the kernel before it: the next kernel's wait is a wait on this one, and the engine does
+not rely on it reaching further back. So in every kernel some program waits whatever the step's inputs are (decode attention's first split always does, the
+split merge's programs all do, even those with nothing to merge), and no program returns early in a way that could
+leave none waiting.
+
 The switch is process-wide (`EngineConfig.pdl`, set by the model runner); a CUDA graph keeps the launches as they
 were when it was captured.
 """

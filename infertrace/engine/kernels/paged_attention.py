@@ -170,11 +170,14 @@ def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, context_lens_ptr, num_heads
     t = tl.program_id(0)  # a decode step: token t is sequence t's only query token
     h = tl.program_id(1)
     ctx = tl.load(context_lens_ptr + t)  # a host input of the step: read before the wait
-    if ctx <= _split_tokens(ctx, NUM_SPLITS, BLOCK_N):
-        return  # one split covered the context and wrote the output
     if PDL:  # the kernel before has finished and its writes are visible past this point
+        # every program waits, even one with nothing to merge: a kernel ends only after the one before it has, so
+        # the next kernel's wait on this one covers the attention too (were every context within one split, a merge
+        # whose programs all returned first could end while the attention still writes the output)
         gdc_wait()
         gdc_launch_dependents()
+    if ctx <= _split_tokens(ctx, NUM_SPLITS, BLOCK_N):
+        return  # one split covered the context and wrote the output
     d = tl.arange(0, HEAD_DIM)
     row = t * num_heads + h
     m = float("-inf")
