@@ -112,16 +112,7 @@ def bench_startup(root: Path, preset: str) -> None:
 
 def decode_breakdown(root: Path, batch: int = 8, **overrides) -> None:
     """GPU time of the batch-8 qwen3-4b decode graph by kernel, and the gaps between kernels."""
-    path = model_dir(root, "qwen3-4b")
-    llm = LLM(path, **overrides)
-    eng = llm.engine
-    rng = random.Random(0)
-    for i in range(batch):
-        eng.add_request(f"r{i}", [rng.randrange(1000, 3000) for _ in range(128)],
-                        SamplingParams(max_tokens=300, ignore_eos=True))
-    for _ in range(260):  # the mean context of the decode benchmark (128 + 256)
-        eng.step()
-    graphs = eng.runner.graphs
+    llm, graphs = _decode_graph(root, batch, 260, **overrides)  # about the decode benchmark's mean context
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(50):
@@ -144,8 +135,21 @@ def decode_breakdown(root: Path, batch: int = 8, **overrides) -> None:
         print(f"  {us / 1e3:8.3f} ms  {n:5.0f}x  {name[:90]}")
     row(f"decode graph bs=8 qwen3-4b by kernel {overrides}", f"replay {1e3 * replay:.2f} ms = kernels {total / 1e3:.2f} ms + "
         f"gaps {1e3 * replay - total / 1e3:.2f} ms", "torch.profiler over 10 replays; kernels listed above the table")
-    del llm, eng, graphs
+    del llm, graphs
     _free()
+
+
+def _decode_graph(root: Path, batch: int, steps: int, **overrides) -> tuple[LLM, object]:
+    """A qwen3-4b engine with `batch` requests of 128 prompt tokens run `steps` steps (one prefill, then decode), and
+    its decode graphs, to replay at that context."""
+    llm = LLM(model_dir(root, "qwen3-4b"), **overrides)
+    rng = random.Random(0)
+    for i in range(batch):
+        llm.engine.add_request(f"r{i}", [rng.randrange(1000, 3000) for _ in range(128)],
+                               SamplingParams(max_tokens=300, ignore_eos=True))
+    for _ in range(steps):
+        llm.engine.step()
+    return llm, llm.engine.runner.graphs
 
 
 KERNEL_NAMES = {"_add_rmsnorm_kernel": "norm", "_skinny_gemm_kernel": "gemm", "_qk_norm_rope_kernel": "qknorm",
@@ -175,17 +179,9 @@ def kernel_increments(kernels: list[tuple[float, float, str]], replays: int) -> 
 def decode_increments(root: Path, batch: int = 8, replays: int = 5) -> None:
     """The batch-8 qwen3-4b decode graph (mean context 385) by what each kernel adds to the replay, with the bytes
     each GEMM and the attention read against the copy bandwidth."""
-    path = model_dir(root, "qwen3-4b")
-    cfg = json.loads((path / "config.json").read_text())
-    llm = LLM(path, prefill_cuda_graphs=False)
-    eng = llm.engine
-    rng = random.Random(0)
-    for i in range(batch):
-        eng.add_request(f"r{i}", [rng.randrange(1000, 3000) for _ in range(128)],
-                        SamplingParams(max_tokens=300, ignore_eos=True))
-    for _ in range(257):  # one prefill, then 256 decode steps: every context 385 at the replays below
-        eng.step()
-    graphs = eng.runner.graphs
+    cfg = json.loads((model_dir(root, "qwen3-4b") / "config.json").read_text())
+    # one prefill, then 256 decode steps: every context 385 at the replays below
+    llm, graphs = _decode_graph(root, batch, 257, prefill_cuda_graphs=False)
     for _ in range(5):
         graphs.replay(batch)
     torch.cuda.synchronize()
@@ -221,7 +217,7 @@ def decode_increments(root: Path, batch: int = 8, replays: int = 5) -> None:
         print(f"| {label} | {sum(us) / replays / 1e3:.3f} | {len(us) // replays} | {each:.2f} | {nbytes} | {share} |")
     row(f"decode graph bs={batch} qwen3-4b by kernel increments", f"replay {1e3 * replay:.2f} ms",
         "table above: each kernel's end minus the end of the one before")
-    del llm, eng, graphs
+    del llm, graphs
     _free()
 
 
