@@ -3,13 +3,22 @@ one 512-token prefill (wall time against its GPU time), the nano-vllm workload (
 start-up time and graph memory, and the batch-8 qwen3-4b decode step with programmatic dependent launch on and off,
 with its GPU time by kernel. Prints one table.
 
-    python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,nanoprof,nanoorder,startup,decode,early,nanoearly,increments]
+    python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,nanoprof,nanoorder,startup,
+        decode,early,nanoearly,increments,variants,wholerun,between]
 
 `early`: the batch-8 qwen3-4b decode with decode attention reading its step inputs before it waits on the kernel
 before, and after, alternating; `nanoearly`: the same over the nano-vllm workload (8-bit cache).
 
 `increments`: the batch-8 qwen3-4b decode graph by what each kernel adds to the step's time, with the bytes each
 GEMM and the attention read against the copy bandwidth.
+
+`variants`: the batch-8 qwen3-4b decode graph captured under each of `--variants` (DECODE_VARIANTS: kernel
+switches) over the same step inputs, replayed alternating at contexts 385 and 640; `wholerun`: the issue's decode
+measure (`engine_bench.bench_decode`) under each of `--wholerun`, alternating.
+
+`between`: the decode loop as the engine runs it, under torch.profiler: what the GPU runs each step besides the
+decode layers' kernels (the embedding lookup; input copies, sampling and the copy of the tokens back outside the
+graph) and how long it idles.
 
 `nanoorder`: the nano-vllm workload over an 8-bit cache with decode attention launched longest context first and in
 row order, alternating, three runs each in one process.
@@ -221,6 +230,120 @@ def decode_increments(root: Path, batch: int = 8, replays: int = 5) -> None:
     _free()
 
 
+DECODE_VARIANTS = {  # name -> residual add + RMSNorm reads its weight before its wait
+    "base": False,
+    "normw": True,  # the engine's default
+}
+
+
+def _set_variant(name: str) -> None:
+    from infertrace.engine.kernels import launch
+
+    launch.set_early_weights(DECODE_VARIANTS[name])
+
+
+@torch.inference_mode()
+def _capture_decode(graphs, bs: int) -> torch.cuda.CUDAGraph:
+    """A decode graph of `bs` rows over the buffers as they stand (the last step's inputs, no padding)."""
+    b, model = graphs.buffers, graphs.model
+    meta = graphs.decode_meta(bs)
+    model.compute_logits(model(b.input_ids[:bs], b.positions[:bs], meta))  # compiles, and writes the same K/V
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model.compute_logits(model(b.input_ids[:bs], b.positions[:bs], meta))
+    return graph
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 5, each: int = 40) -> float:
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(each):
+            graph.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / each)
+    return 1e3 * statistics.median(times)
+
+
+def decode_variants(root: Path, names: list[str], contexts=(385, 640), rounds: int = 3, batch: int = 8) -> None:
+    """The batch-8 qwen3-4b decode graph captured under each variant of DECODE_VARIANTS at the same step inputs,
+    replayed alternating, at each context; one engine (the variants change only kernels' switches)."""
+    _set_variant("base")
+    llm = LLM(model_dir(root, "qwen3-4b"), prefill_cuda_graphs=False)
+    rng = random.Random(0)
+    for i in range(batch):
+        llm.engine.add_request(f"v{i}", [rng.randrange(1000, 3000) for _ in range(128)],
+                               SamplingParams(max_tokens=max(contexts), ignore_eos=True))
+    graphs, done = llm.engine.runner.graphs, 0
+    results: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for ctx in contexts:
+        while done < 1 + ctx - 128:  # one prefill, then a decode step a token: its inputs at context `ctx`
+            llm.engine.step()
+            done += 1
+        for _ in range(rounds):
+            for name in names:
+                _set_variant(name)
+                graph = _capture_decode(graphs, batch)
+                results[(name, ctx)].append(_replay_ms(graph))
+                del graph
+        print(f"context {ctx}: " + "  ".join(
+            f"{n} {' '.join(f'{t:.3f}' for t in results[(n, ctx)])}" for n in names), flush=True)
+    _set_variant("normw")  # the engine's defaults
+    print("| variant | " + " | ".join(f"replay ms, context {c}" for c in contexts) + " |")
+    print("| --- |" + " --- |" * len(contexts))
+    for n in names:
+        print(f"| {n} | " + " | ".join(", ".join(f"{t:.3f}" for t in results[(n, c)]) for c in contexts) + " |")
+    del llm, graphs
+    _free()
+
+
+def decode_between(root: Path, batch: int = 8, steps: int = 30) -> None:
+    """The batch-8 qwen3-4b decode loop as the engine runs it (one step after another), under torch.profiler: per
+    step, what the GPU runs besides the decode layers' kernels (the embedding lookup at the graph's start; outside
+    the graph the input copies, sampling and the copy of the tokens back), and the time the GPU runs nothing."""
+    llm = LLM(model_dir(root, "qwen3-4b"), prefill_cuda_graphs=False)
+    rng = random.Random(0)
+    for i in range(batch):
+        llm.engine.add_request(f"w{i}", [rng.randrange(1000, 3000) for _ in range(128)],
+                               SamplingParams(max_tokens=400, ignore_eos=True))
+    for _ in range(200):
+        llm.engine.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.engine.step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    events = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
+    span = events[-1][1] - events[0][0]
+    busy, cur_start, cur_end = 0.0, events[0][0], events[0][1]
+    for start, end, _ in events[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    graph_names = tuple(KERNEL_NAMES)
+    outside: dict[str, list[float]] = defaultdict(list)
+    for start, end, name in events:
+        if not name.startswith(graph_names):
+            outside[name[:70]].append(end - start)
+    print(f"\ndecode loop bs={batch} qwen3-4b, {steps} steps under the profiler: {1e3 * wall / steps:.3f} ms a step "
+          f"(wall), GPU span {span / steps / 1e3:.3f} ms a step, GPU idle {(span - busy) / steps:.1f} us a step")
+    print("| besides the layers' kernels | count a step | us each |\n| --- | --- | --- |")
+    for name, us in sorted(outside.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {name} | {len(us) / steps:.1f} | {statistics.mean(us):.2f} |")
+    del llm
+    _free()
+
+
 def nano_breakdown(root: Path, **overrides) -> None:
     """The nano-vllm workload once under torch.profiler (GPU activity only): GPU time by kernel over the whole run,
     the GPU's busy share of the wall time, and the wall time by step kind."""
@@ -281,6 +404,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/models"))
     ap.add_argument("--only", default="prefill,nano,startup,decode")
+    ap.add_argument("--variants", default=",".join(DECODE_VARIANTS), help="for --only variants")
+    ap.add_argument("--wholerun", default="base,normw", help="for --only wholerun")
     args = ap.parse_args()
     only = set(args.only.split(","))
     bw = copy_bandwidth()
@@ -317,8 +442,19 @@ def main() -> None:
             launch.set_early_inputs(on)
             bench_decode(args.models_dir, bw, repeats=3, note=f" attention_early_inputs={on}")
         launch.set_early_inputs(True)
+    if "variants" in only:
+        decode_variants(args.models_dir, args.variants.split(","))
+    if "wholerun" in only:
+        # the issue's decode measure, alternating the listed variants in one process
+        for _ in range(2):
+            for name in args.wholerun.split(","):
+                _set_variant(name)
+                bench_decode(args.models_dir, bw, repeats=3, note=f" variant={name}")
+        _set_variant("normw")  # the engine's defaults
     if "increments" in only:
         decode_increments(args.models_dir)
+    if "between" in only:
+        decode_between(args.models_dir)
     if "decode" in only:
         bench_decode(args.models_dir, bw, pdl=True)
         bench_decode(args.models_dir, bw, pdl=False)

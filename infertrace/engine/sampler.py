@@ -22,7 +22,12 @@ class Sampler:
         """logits [B, V] in the model's dtype; one token id per row, as a long tensor on the logits' device (no host
         sync for greedy rows, so a step's tokens can feed the next step before the host has seen them). Greedy rows
         take the argmax of the logits as they are; a row that samples is widened to float32 first."""
-        tokens = torch.argmax(logits, dim=-1)
+        if logits.is_cuda:
+            from infertrace.engine.kernels.argmax import argmax_rows
+
+            tokens = argmax_rows(logits)
+        else:
+            tokens = torch.argmax(logits, dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             tokens = tokens.clone()

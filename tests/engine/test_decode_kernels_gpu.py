@@ -139,3 +139,44 @@ def test_qk_norm_rope_rounds_k_and_v_into_a_float8_cache():
     assert k.abs().max() > 448  # saturation is exercised
     assert torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
+
+
+def test_embed_rmsnorm_is_the_lookup_then_the_norm():
+    from infertrace.engine.kernels.norm import add_rmsnorm, embed_rmsnorm
+
+    torch.manual_seed(4)
+    table = torch.randn(1000, 2560, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(2560, device="cuda", dtype=torch.bfloat16)
+    ids = torch.tensor([5, 0, 999, 5, 17, 0, 0, 640], device="cuda")  # repeats, and graph padding's id 0
+    acc = torch.randn(8, 2560, device="cuda", dtype=torch.float32)
+    h, residual = embed_rmsnorm(ids, table, weight, 1e-6, acc)
+    want_residual = torch.nn.functional.embedding(ids, table)
+    assert torch.equal(residual, want_residual)
+    assert torch.equal(h, add_rmsnorm(want_residual.clone(), None, weight, 1e-6))
+    assert not acc.any(), "the accumulator was not zeroed"
+    h2, _ = embed_rmsnorm(ids, table, weight, 1e-6)  # without an accumulator
+    assert torch.equal(h2, h)
+
+
+@pytest.mark.parametrize("rows, vocab, dtype", [(8, 151936, torch.bfloat16), (3, 1000, torch.bfloat16),
+                                                (5, 9000, torch.float32), (1, 4096, torch.float16)])
+def test_argmax_rows_is_torch_argmax_with_ties_to_the_first(rows, vocab, dtype):
+    from infertrace.engine.kernels.argmax import CHUNK, argmax_rows
+
+    torch.manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab, device="cuda").to(dtype)
+    top = logits.max() + 1
+    # ties at the maximum: within a chunk, across a chunk boundary, and the last column alone
+    logits[0, [vocab - 1, 7, 3]] = top
+    if rows > 1:
+        logits[1, [min(CHUNK, vocab - 1), CHUNK - 1 if vocab > CHUNK else 1]] = top
+    if rows > 2:
+        logits[2, vocab - 1] = top
+    if rows > 3:
+        logits[3] = float("-inf")  # nothing above -inf: index 0, as torch gives
+    got = argmax_rows(logits)
+    assert got.dtype == torch.long
+    assert torch.equal(got, torch.argmax(logits, dim=-1))
+    assert int(got[0]) == 3
+    view = torch.randn(rows, vocab + 64, device="cuda").to(dtype)[:, :vocab]  # rows apart by more than the vocab
+    assert torch.equal(argmax_rows(view), torch.argmax(view, dim=-1))

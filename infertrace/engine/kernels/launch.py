@@ -5,15 +5,15 @@ resident once every program of that kernel has called `gdc_launch_dependents`, a
 finished and its writes are visible. What overlaps the kernel before is the launch, the programs' start, and whatever
 a kernel reads before its wait: only what no kernel of the step writes, the step's host inputs (positions, context
 lengths, block tables, launch order, copied in before the graph or step starts) and constants (norm weights, RoPE
-tables). The q/k-norm kernel, decode attention and the split merge read theirs there; the rest wait first. About a
-microsecond a kernel, which adds up over the few hundred small kernels of a decode step. (Asking L2 for a GEMM's first
-weights, or decode attention's first K/V lines, before the wait measured slower or no faster on an H100, so the
-kernels do not.)
+tables). The RMSNorm kernels (their weight), the q/k-norm kernel, decode attention and the split merge read theirs
+there; the GEMMs and SiLU-and-multiply wait first. About a microsecond a kernel, which adds up over the few hundred
+small kernels of a decode step. (Asking L2 for a GEMM's first weights, or decode attention's first K/V lines, before
+the wait measured slower or no faster on an H100, so the kernels do not.)
 
 A kernel must not end before the kernel before it: the next kernel's wait is a wait on this one, and the engine does
-not rely on it reaching further back. So in every kernel some program waits whatever the step's inputs are (decode attention's first split always does, the
-split merge's programs all do, even those with nothing to merge), and no program returns early in a way that could
-leave none waiting.
+not rely on it reaching further back. So in every kernel some program waits whatever the step's inputs are (decode
+attention's first split always does, the split merge's programs all do, even those with nothing to merge), and no
+program returns early in a way that could leave none waiting.
 
 The switch is process-wide (`EngineConfig.pdl`, set by the model runner); a CUDA graph keeps the launches as they
 were when it was captured.
@@ -47,3 +47,17 @@ def set_early_inputs(on: bool) -> None:
 
 def early_inputs() -> bool:
     return _early_inputs
+
+
+_early_weights = True
+
+
+def set_early_weights(on: bool) -> None:
+    """Whether residual add + RMSNorm reads its weight before its wait (the default; `step_graphs_bench --only
+    variants,wholerun` compares)."""
+    global _early_weights
+    _early_weights = bool(on)
+
+
+def early_weights() -> bool:
+    return _early_weights

@@ -16,14 +16,17 @@ from infertrace.engine.kernels import launch
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, eps,
-                        HAS_RESIDUAL: tl.constexpr, X_IS_ACC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the kernel before has finished and its writes are visible past this point
-        gdc_wait()
-        gdc_launch_dependents()
+                        HAS_RESIDUAL: tl.constexpr, X_IS_ACC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                        EARLY_WEIGHT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty
+    if EARLY_WEIGHT:  # a constant: read while the kernel before drains
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    if PDL:  # the kernel before has finished and its writes are visible past this point
+        gdc_wait()
+        gdc_launch_dependents()
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if X_IS_ACC:
         x = x.to(dtype)  # a split-K GEMM's float32 sums, rounded as its output would have been
@@ -34,7 +37,8 @@ def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, eps,
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / n_cols
     normed = (xf * tl.math.rsqrt(var + eps)).to(dtype)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    if not EARLY_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
              mask=mask)
     if X_IS_ACC:
@@ -54,6 +58,49 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     _add_rmsnorm_kernel[(n_rows,)](x, residual if residual is not None else x, weight, out, n_cols, eps,
                                    HAS_RESIDUAL=residual is not None, X_IS_ACC=is_acc,
                                    BLOCK=triton.next_power_of_2(n_cols),
-                                   PDL=launch.enabled(), num_warps=4 if n_cols <= 2048 else 8,
+                                   PDL=launch.enabled(), EARLY_WEIGHT=launch.early_weights(),
+                                   num_warps=4 if n_cols <= 2048 else 8,
                                    launch_pdl=launch.enabled())
     return out
+
+
+@triton.jit
+def _embed_rmsnorm_kernel(ids_ptr, table_ptr, weight_ptr, residual_ptr, out_ptr, acc_ptr, vocab, n_cols, eps,
+                          ZERO_ACC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dtype = out_ptr.dtype.element_ty
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # a constant: read while the kernel before drains
+    if PDL:  # past this point the op before has finished (the ids may be the step before's samples, copied in)
+        gdc_wait()
+        gdc_launch_dependents()
+    token = tl.load(ids_ptr + row)
+    ok = mask & (token >= 0) & (token < vocab)
+    x = tl.load(table_ptr + token.to(tl.int64) * n_cols + cols, mask=ok, other=0.0)
+    tl.store(residual_ptr + row * n_cols + cols, x, mask=mask)  # the residual stream starts as the embedding
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n_cols
+    normed = (xf * tl.math.rsqrt(var + eps)).to(dtype)
+    tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=mask)
+    if ZERO_ACC:
+        tl.store(acc_ptr + row * n_cols + cols, tl.zeros([BLOCK], tl.float32), mask=mask)
+
+
+def embed_rmsnorm(input_ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float,
+                  acc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(table[input_ids]) * weight, table[input_ids]): the embedding lookup and the first layer's norm in
+    one kernel; the second is the residual stream the later `add_rmsnorm`s update. `acc` (float32 [T, hidden]), when
+    given, is zeroed for the split-K projections that add into it. Ids outside the table embed as zeros (the engine
+    checks ids before they reach the model)."""
+    assert input_ids.dim() == 1 and input_ids.is_contiguous() and table.is_contiguous()
+    n_rows, (vocab, n_cols) = input_ids.shape[0], table.shape
+    residual = torch.empty((n_rows, n_cols), dtype=table.dtype, device=table.device)
+    out = torch.empty_like(residual)
+    if n_rows:
+        assert acc is None or (acc.is_contiguous() and acc.shape == residual.shape)
+        _embed_rmsnorm_kernel[(n_rows,)](input_ids, table, weight, residual, out, acc if acc is not None else out,
+                                         vocab, n_cols, eps, ZERO_ACC=acc is not None,
+                                         BLOCK=triton.next_power_of_2(n_cols), PDL=launch.enabled(),
+                                         num_warps=4 if n_cols <= 2048 else 8, launch_pdl=launch.enabled())
+    return out, residual

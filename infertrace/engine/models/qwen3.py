@@ -256,22 +256,29 @@ class Qwen3ForCausalLM(nn.Module):
             layer.self_attn.v_cache = v_cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
         if self.fused_norm:
-            return self._forward_fused(x, positions, meta)
+            return self._forward_fused(input_ids, positions, meta)
+        x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, self.rope, self.attn, meta)
         return self.model.norm(x)
 
-    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        from infertrace.engine.kernels.norm import add_rmsnorm
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                       ) -> torch.Tensor:
+        from infertrace.engine.kernels.norm import add_rmsnorm, embed_rmsnorm
 
         layers = self.model.layers
-        residual = x  # updated in place by every add_rmsnorm below
-        skinny = self.skinny_gemm and x.shape[0] <= SKINNY_MAX_ROWS
+        first = layers[0].input_layernorm
+        skinny = self.skinny_gemm and input_ids.shape[0] <= SKINNY_MAX_ROWS
         # split-K projections add into this; each add_rmsnorm that reads it leaves it zeroed
-        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if skinny else None
-        h = add_rmsnorm(x, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        acc = torch.empty((input_ids.shape[0], self.spec.hidden_size), dtype=torch.float32,
+                          device=input_ids.device) if skinny else None
+        if self.tp.size == 1:  # the lookup, the first norm and the accumulator's zeroing in one kernel
+            h, residual = embed_rmsnorm(input_ids, self.model.embed_tokens.weight, first.weight, first.eps, acc)
+        else:  # (no accumulator: the skinny GEMMs are off with tensor parallelism)
+            residual = self.model.embed_tokens(input_ids)
+            h = add_rmsnorm(residual, None, first.weight, first.eps)
+        # `residual` is updated in place by every add_rmsnorm below
         for i, layer in enumerate(layers):
             a = layer.self_attn(h, positions, self.rope, self.attn, meta, fused=True, acc=acc, skinny=skinny)
             h = add_rmsnorm(a, residual, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
