@@ -127,8 +127,8 @@ def bench_decode(root: Path, bw: float, attention: str = "batched", cuda_graphs:
         mean_ctx = 128 + 256
         step_bytes = weight_bytes + 8 * mean_ctx * kv_bytes_per_token(cfg)
         achieved = step_bytes / dt
-        row("decode steps/s (median spacing of decode steps)", f"{1 / dt:.0f}", label)
-        row("decode achieved bytes/s", f"{achieved / 1e12:.2f} TB/s = {100 * achieved / bw:.0f}% of copy bw",
+        row("decode steps/s (median spacing of decode steps)", f"{1 / dt:.1f}", label)
+        row("decode achieved bytes/s", f"{achieved / 1e12:.3f} TB/s = {100 * achieved / bw:.1f}% of copy bw",
             "weights + mean KV read per step / median step time")
     spread = f", median of {repeats}: {rates[0]:.0f}..{rates[-1]:.0f}" if repeats > 1 else ""
     row("output tok/s", f"{tok_s:.0f}", label + f" (wall, incl. prefill{spread})")
