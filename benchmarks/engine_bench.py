@@ -9,8 +9,10 @@ with the device, the date and this command.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -47,6 +49,22 @@ def copy_bandwidth() -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return 2 * x.numel() / sorted(times)[len(times) // 2]
+
+
+def replay_ms(replay, reps: int = 5, each: int = 40) -> float:
+    """Milliseconds a call of `replay` (a CUDA graph replay) takes back to back: the median of `reps` rounds of
+    `each` calls."""
+    for _ in range(5):
+        replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(each):
+            replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / each)
+    return 1e3 * statistics.median(times)
 
 
 def run_steps(llm: LLM, prompts, params) -> dict:
@@ -135,14 +153,7 @@ def bench_decode(root: Path, bw: float, attention: str = "batched", cuda_graphs:
     graphs = llm.engine.runner.graphs
     if graphs is not None:
         # the decode graph alone, replayed back to back: the step's GPU time without the host's share
-        for _ in range(3):
-            graphs.replay(8)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(50):
-            graphs.replay(8)
-        torch.cuda.synchronize()
-        gpu = (time.perf_counter() - t) / 50
+        gpu = replay_ms(functools.partial(graphs.replay, 8)) / 1e3
         row("decode graph replay alone (bs=8)", f"{1e3 * gpu:.2f} ms = {step_bytes / gpu / 1e12:.2f} TB/s",
             "GPU time of one decode step without host work")
         if profile_host:

@@ -27,6 +27,7 @@ row order, alternating, three runs each in one process.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import random
@@ -40,7 +41,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_bench import ROWS, bench_decode, bench_nano, copy_bandwidth, model_dir, row  # noqa: E402
+from engine_bench import ROWS, bench_decode, bench_nano, copy_bandwidth, model_dir, replay_ms, row  # noqa: E402
 
 from infertrace.engine import LLM, SamplingParams  # noqa: E402
 
@@ -122,12 +123,7 @@ def bench_startup(root: Path, preset: str) -> None:
 def decode_breakdown(root: Path, batch: int = 8, **overrides) -> None:
     """GPU time of the batch-8 qwen3-4b decode graph by kernel, and the gaps between kernels."""
     llm, graphs = _decode_graph(root, batch, 260, **overrides)  # about the decode benchmark's mean context
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(50):
-        graphs.replay(batch)
-    torch.cuda.synchronize()
-    replay = (time.perf_counter() - t) / 50
+    replay = replay_ms(functools.partial(graphs.replay, batch)) / 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             graphs.replay(batch)
@@ -191,17 +187,7 @@ def decode_increments(root: Path, batch: int = 8, replays: int = 5) -> None:
     cfg = json.loads((model_dir(root, "qwen3-4b") / "config.json").read_text())
     # one prefill, then 256 decode steps: every context 385 at the replays below
     llm, graphs = _decode_graph(root, batch, 257, prefill_cuda_graphs=False)
-    for _ in range(5):
-        graphs.replay(batch)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(40):
-            graphs.replay(batch)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / 40)
-    replay = statistics.median(times)
+    replay = replay_ms(functools.partial(graphs.replay, batch)) / 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graphs.replay(batch)
@@ -255,20 +241,6 @@ def _capture_decode(graphs, bs: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 5, each: int = 40) -> float:
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(each):
-            graph.replay()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / each)
-    return 1e3 * statistics.median(times)
-
-
 def decode_variants(root: Path, names: list[str], contexts=(385, 640), rounds: int = 3, batch: int = 8) -> None:
     """The batch-8 qwen3-4b decode graph captured under each variant of DECODE_VARIANTS at the same step inputs,
     replayed alternating, at each context; one engine (the variants change only kernels' switches)."""
@@ -288,7 +260,7 @@ def decode_variants(root: Path, names: list[str], contexts=(385, 640), rounds: i
             for name in names:
                 _set_variant(name)
                 graph = _capture_decode(graphs, batch)
-                results[(name, ctx)].append(_replay_ms(graph))
+                results[(name, ctx)].append(replay_ms(graph.replay))
                 del graph
         print(f"context {ctx}: " + "  ".join(
             f"{n} {' '.join(f'{t:.3f}' for t in results[(n, ctx)])}" for n in names), flush=True)
