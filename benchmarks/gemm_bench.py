@@ -1,6 +1,6 @@
 """Decode-shaped GEMMs (8 rows) against the bytes they must read: cuBLAS variants and the skinny Triton kernel.
 
-    python benchmarks/gemm_bench.py [--rows 8] [--quick]
+    python benchmarks/gemm_bench.py [--rows 8] [--quick | --engine-only | --split-sweep]
 
 Each timing cycles through enough copies of the weight that none is served from L2, as in a real decode step
 where 36 layers of weights pass through the cache. Prints, per shape, each variant's time and its share of the
@@ -43,15 +43,13 @@ def timed(fn_for_weight, weights) -> float:
 
 
 def engine_calls(m: int, peak: float) -> None:
-    """The projections exactly as the model's decode path calls them (decode_linear: tuned tiling, split-K into
-    the float32 accumulator), against cuBLAS, over 36 layers' worth of weights."""
+    """The projections exactly as the model's decode path calls them (decode_linear: tuned tiling, split-K as
+    float32 partial-sum planes), against cuBLAS, over 36 layers' worth of weights."""
     from infertrace.engine.kernels.fused import silu_mul
     from infertrace.engine.models.qwen3 import decode_linear
 
     layers = 36
     print(f"\nas the engine calls them ({layers} weight copies, {m} rows):")
-    hidden = 2560
-    acc = torch.zeros(m, hidden, device="cuda", dtype=torch.float32)
     for name, (n, k) in SHAPES.items():
         if name == "lm_head":
             continue
@@ -62,18 +60,84 @@ def engine_calls(m: int, peak: float) -> None:
         if name == "down_proj":
             rows.append(("cuBLAS after silu_mul kernel",
                          timed(lambda w: torch.nn.functional.linear(silu_mul(x), w), weights)))
-            rows.append(("silu_mul kernel + decode_linear into acc",
-                         timed(lambda w: decode_linear(silu_mul(x), w, acc), weights)))
+            rows.append(("silu_mul kernel + decode_linear (split-K planes)",
+                         timed(lambda w: decode_linear(silu_mul(x), w, planes=True), weights)))
         else:
             rows.append(("cuBLAS", timed(lambda w: torch.nn.functional.linear(x, w), weights)))
-            target = acc if name == "o_proj" else None
-            rows.append(("decode_linear" + (" into acc" if target is not None else ""),
-                         timed(lambda w: decode_linear(x, w, target), weights)))
-        acc.zero_()
+            planes = name == "o_proj"
+            rows.append(("decode_linear" + (" (split-K planes)" if planes else ""),
+                         timed(lambda w: decode_linear(x, w, planes=planes), weights)))
         for label, t in rows:
             print(f"  {name:<14} {label:<44} {t * 1e6:8.1f} us  {100 * nbytes / t / peak:5.1f}% of copy bw")
         del weights
         torch.cuda.empty_cache()
+
+
+ROW_REDUCING = {  # projections back to the hidden size, whose split-K planes the residual add + RMSNorm adds up
+    "o_proj": (2560, 4096),
+    "down_proj": (2560, 9728),
+    "o_proj 0.6b": (1024, 2048),
+    "down_proj 0.6b": (1024, 3072),
+}
+
+
+def split_sweep(m: int, peak: float, top: int = 4) -> dict[str, tuple[int, int, int, int]]:
+    """The projections to the hidden size followed by the residual add + RMSNorm that reads their split-K planes,
+    36 pairs (each its own weight copy) in one CUDA graph with programmatic dependent launch, as in a decode graph:
+    time per pair for tilings at 4 stages, then the best `top` at other stage counts. Returns the best tiling of
+    each shape."""
+    from infertrace.engine.kernels import launch
+    from infertrace.engine.kernels.norm import add_rmsnorm
+    from infertrace.engine.kernels.skinny_gemm import decode_config, skinny_gemm
+
+    launch.set_enabled(True)
+    layers, best = 36, {}
+    for name, (n, k) in ROW_REDUCING.items():
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        residual = torch.zeros(m, n, device="cuda", dtype=torch.bfloat16)
+        norm_w = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x, weights[0]).float()
+
+        def time_tiling(bn, bk, sk, stages, weights=weights, x=x, residual=residual, norm_w=norm_w, ref=ref):
+            cfg = dict(block_n=bn, block_k=bk, split_k=sk, num_stages=stages)
+            got = skinny_gemm(x, weights[0], **cfg).float()
+            err = float(((got if sk == 1 else got.sum(0)) - ref).abs().max() / ref.abs().max())
+            if err > 2e-2:
+                raise ValueError(f"wrong result (rel err {err:.3g})")
+            return timed(lambda w: add_rmsnorm(skinny_gemm(x, w, **cfg), residual, norm_w, 1e-6), weights)
+
+        tried: dict[tuple, float] = {}
+        # K divisible into whole tiles a slice: a slice ending in a partial tile loads without the pipeline
+        grid = [(bn, bk, sk, 4) for bn, bk, sk in itertools.product((32, 64), (64, 128, 256), (1, 2, 4, 8))
+                if k % (bk * sk) == 0 and (bk > 64 or k % (128 * sk))]
+        engine = decode_config(n, k, planes=True)
+        for cfg in grid + [engine]:
+            if cfg in tried:
+                continue
+            try:
+                tried[cfg] = time_tiling(*cfg)
+            except Exception as exc:  # noqa: BLE001 - a configuration that does not compile or run is skipped
+                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+        for cfg in sorted(tried, key=tried.get)[:top]:
+            for stages in (3, 5, 6):
+                alt = cfg[:3] + (stages,)
+                if alt not in tried:
+                    try:
+                        tried[alt] = time_tiling(*alt)
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"  {name} {alt}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+        nbytes = n * k * 2
+        print(f"\n{name}: N={n} K={k}, GEMM + add_rmsnorm pairs, {layers} in a graph with PDL, {m} rows "
+              f"(engine's tiling {engine}: {tried[engine] * 1e6:.2f} us)")
+        print("| block_n, block_k, split_k, stages | us a pair | weights' share of copy bw |\n| --- | --- | --- |")
+        for cfg in sorted(tried, key=tried.get)[:8]:
+            print(f"| {cfg} | {tried[cfg] * 1e6:.2f} | {100 * nbytes / tried[cfg] / peak:.1f}% |", flush=True)
+        best[name] = min(tried, key=tried.get)
+        del weights
+        torch.cuda.empty_cache()
+    launch.set_enabled(False)
+    return best
 
 
 def main() -> None:
@@ -81,11 +145,16 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="fewer skinny-kernel configurations")
     ap.add_argument("--engine-only", action="store_true", help="only the projections as the engine calls them")
+    ap.add_argument("--split-sweep", action="store_true",
+                    help="only the projections to the hidden size with the norm that adds their split-K planes")
     args = ap.parse_args()
     torch.manual_seed(0)
     peak = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {peak / 1e12:.2f} TB/s  rows={args.rows}")
     m = args.rows
+    if args.split_sweep:
+        split_sweep(m, peak)
+        return
     engine_calls(m, peak)
     if args.engine_only:
         return
@@ -113,22 +182,15 @@ def main() -> None:
         if args.quick:
             grid = itertools.product((16, 32, 64), (256,), (1, 2, 4), (4,), (4,))
         skinny: list[tuple[tuple, float]] = []
-        acc = torch.zeros(m, n, device="cuda", dtype=torch.float32)
         for bn, bk, sk, warps, stages in grid:
             if k % (bk * sk):
                 continue
             cfg = dict(block_n=bn, block_k=bk, split_k=sk, num_warps=warps, num_stages=stages)
             try:
-                if sk == 1:
-                    got = skinny_gemm(x, weights[0], **cfg).float()
-                    fn = lambda w, cfg=cfg: skinny_gemm(x, w, **cfg)
-                else:
-                    acc.zero_()
-                    got = skinny_gemm(x, weights[0], acc, **cfg).clone()
-
-                    def fn(w, cfg=cfg):
-                        acc.zero_()
-                        skinny_gemm(x, w, acc, **cfg)
+                out = None if sk == 1 else torch.empty((sk, m, n), device="cuda", dtype=torch.float32)
+                got = skinny_gemm(x, weights[0], out, **cfg).float()
+                got = got if sk == 1 else got.sum(0)
+                fn = lambda w, cfg=cfg, out=out: skinny_gemm(x, w, out, **cfg)
                 err = float((got - ref).abs().max() / ref.abs().max())
                 if err > 2e-2:
                     print(f"  {name} {cfg}: wrong result (rel err {err:.3g})")

@@ -13,7 +13,7 @@ before, and after, alternating; `nanoearly`: the same over the nano-vllm workloa
 GEMM and the attention read against the copy bandwidth.
 
 `variants`: the batch-8 qwen3-4b decode graph captured under each of `--variants` (DECODE_VARIANTS: kernel
-switches) over the same step inputs, replayed alternating at contexts 385 and 640; `wholerun`: the issue's decode
+switches; or projection tilings such as `o=64.256.4.4+d=64.128.4.5`, see PROJECTIONS) over the same step inputs, replayed alternating at contexts 385 and 640; `wholerun`: the issue's decode
 measure (`engine_bench.bench_decode`) under each of `--wholerun`, alternating.
 
 `between`: the decode loop as the engine runs it, under torch.profiler: what the GPU runs each step besides the
@@ -220,12 +220,22 @@ DECODE_VARIANTS = {  # name -> residual add + RMSNorm reads its weight before it
     "base": False,
     "normw": True,  # the engine's default
 }
+# qwen3-4b projections by letter, for variants named by their tilings: "o=64.256.4.4+d=64.128.4.5" runs the output
+# projection at (block_n, block_k, split_k, num_stages) = (64, 256, 4, 4) and the down projection at (64, 128, 4, 5)
+PROJECTIONS = {"q": (6144, 2560), "g": (19456, 2560), "o": (2560, 4096), "d": (2560, 9728)}
 
 
 def _set_variant(name: str) -> None:
-    from infertrace.engine.kernels import launch
+    from infertrace.engine.kernels import launch, skinny_gemm
 
-    launch.set_early_weights(DECODE_VARIANTS[name])
+    skinny_gemm.TUNED.clear()
+    if name in DECODE_VARIANTS:
+        launch.set_early_weights(DECODE_VARIANTS[name])
+        return
+    launch.set_early_weights(True)
+    for part in name.split("+"):
+        letter, _, tiling = part.partition("=")
+        skinny_gemm.TUNED[PROJECTIONS[letter]] = tuple(int(v) for v in tiling.split("."))
 
 
 @torch.inference_mode()

@@ -15,8 +15,8 @@ from infertrace.engine.kernels import launch
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, eps,
-                        HAS_RESIDUAL: tl.constexpr, X_IS_ACC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, plane_stride, eps,
+                        HAS_RESIDUAL: tl.constexpr, PLANES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
                         EARLY_WEIGHT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -28,8 +28,10 @@ def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, eps,
         gdc_wait()
         gdc_launch_dependents()
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
-    if X_IS_ACC:
-        x = x.to(dtype)  # a split-K GEMM's float32 sums, rounded as its output would have been
+    if PLANES > 0:  # a split-K GEMM's float32 partial sums: added plane by plane, in order, then rounded
+        for p in tl.static_range(1, PLANES):
+            x += tl.load(x_ptr + p * plane_stride + row * n_cols + cols, mask=mask, other=0.0)
+        x = x.to(dtype)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * n_cols + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
@@ -41,22 +43,21 @@ def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, eps,
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
              mask=mask)
-    if X_IS_ACC:
-        tl.store(x_ptr + row * n_cols + cols, tl.zeros([BLOCK], tl.float32), mask=mask)  # ready for the next GEMM
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Returns rmsnorm(x + residual) * weight; when `residual` is given it is updated in place to x + residual.
 
-    A float32 `x` beside a lower-precision `residual` is a split-K accumulator: it is rounded to the residual's
-    dtype first, and left zeroed.
+    A float32 `x` of shape [planes, rows, cols] beside a lower-precision `residual` is a split-K GEMM's partial
+    sums (`skinny_gemm`): the planes are added in order and the sum rounded to the residual's dtype first.
     """
     assert x.is_contiguous() and (residual is None or residual.is_contiguous())
-    n_rows, n_cols = x.shape
-    is_acc = residual is not None and x.dtype == torch.float32 and residual.dtype != torch.float32
+    planes = x.shape[0] if x.dim() == 3 else 0
+    assert planes == 0 or (residual is not None and x.dtype == torch.float32 and x.shape[1:] == residual.shape)
+    n_rows, n_cols = x.shape[-2:]
     out = torch.empty_like(x if residual is None else residual)
-    _add_rmsnorm_kernel[(n_rows,)](x, residual if residual is not None else x, weight, out, n_cols, eps,
-                                   HAS_RESIDUAL=residual is not None, X_IS_ACC=is_acc,
+    _add_rmsnorm_kernel[(n_rows,)](x, residual if residual is not None else x, weight, out, n_cols,
+                                   n_rows * n_cols, eps, HAS_RESIDUAL=residual is not None, PLANES=planes,
                                    BLOCK=triton.next_power_of_2(n_cols),
                                    PDL=launch.enabled(), EARLY_WEIGHT=launch.early_weights(),
                                    num_warps=4 if n_cols <= 2048 else 8,
@@ -65,8 +66,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 
 @triton.jit
-def _embed_rmsnorm_kernel(ids_ptr, table_ptr, weight_ptr, residual_ptr, out_ptr, acc_ptr, vocab, n_cols, eps,
-                          ZERO_ACC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _embed_rmsnorm_kernel(ids_ptr, table_ptr, weight_ptr, residual_ptr, out_ptr, vocab, n_cols, eps,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -83,24 +84,19 @@ def _embed_rmsnorm_kernel(ids_ptr, table_ptr, weight_ptr, residual_ptr, out_ptr,
     var = tl.sum(xf * xf, 0) / n_cols
     normed = (xf * tl.math.rsqrt(var + eps)).to(dtype)
     tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=mask)
-    if ZERO_ACC:
-        tl.store(acc_ptr + row * n_cols + cols, tl.zeros([BLOCK], tl.float32), mask=mask)
 
 
-def embed_rmsnorm(input_ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float,
-                  acc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def embed_rmsnorm(input_ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(table[input_ids]) * weight, table[input_ids]): the embedding lookup and the first layer's norm in
-    one kernel; the second is the residual stream the later `add_rmsnorm`s update. `acc` (float32 [T, hidden]), when
-    given, is zeroed for the split-K projections that add into it. Ids outside the table embed as zeros (the engine
-    checks ids before they reach the model)."""
+    one kernel; the second is the residual stream the later `add_rmsnorm`s update. Ids outside the table embed as
+    zeros (the engine checks ids before they reach the model)."""
     assert input_ids.dim() == 1 and input_ids.is_contiguous() and table.is_contiguous()
     n_rows, (vocab, n_cols) = input_ids.shape[0], table.shape
     residual = torch.empty((n_rows, n_cols), dtype=table.dtype, device=table.device)
     out = torch.empty_like(residual)
     if n_rows:
-        assert acc is None or (acc.is_contiguous() and acc.shape == residual.shape)
-        _embed_rmsnorm_kernel[(n_rows,)](input_ids, table, weight, residual, out, acc if acc is not None else out,
-                                         vocab, n_cols, eps, ZERO_ACC=acc is not None,
+        _embed_rmsnorm_kernel[(n_rows,)](input_ids, table, weight, residual, out, vocab, n_cols, eps,
                                          BLOCK=triton.next_power_of_2(n_cols), PDL=launch.enabled(),
                                          num_warps=4 if n_cols <= 2048 else 8, launch_pdl=launch.enabled())
     return out, residual

@@ -2,8 +2,10 @@
 
 At batch 8 a projection is a matrix-vector product in disguise: the time is the time to read W once. The kernel
 gives each program a band of output columns (and, with split-K, a slice of the reduction), streams that band's
-weights through shared memory with a deep pipeline and multiplies by all rows of x at once; split-K programs add
-their fp32 partial sums into a zeroed fp32 accumulator, so no separate reduction pass reads them back.
+weights through shared memory with a deep pipeline and multiplies by all rows of x at once. With split-K each slice
+of the reduction stores its float32 partial sums in its own plane of a workspace; the kernel after the GEMM (the
+residual add + RMSNorm) adds the planes in a fixed order as it reads them, so no reduction pass runs, nothing needs
+zeroing, and the sum is the same bit for bit from run to run whatever the split.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from infertrace.engine.kernels import launch
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # x and the zeroed accumulator come from the kernels before
+    if PDL:  # x comes from the kernel before, and the workspace planes are read by the kernel after it
         gdc_wait()
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -46,42 +48,52 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         acc += tl.dot(x, tl.trans(w))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(y_ptrs, acc, mask=mask, sem="relaxed")
+    y_ptrs = y_ptr + pid_k * stride_ys + rows[:, None] * stride_ym + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int = 32,
                 block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """x [M, K] (M <= 16) times weight [N, K] transposed.
 
-    With split_k > 1, `out` must be a zeroed float32 [M, N] tensor the partial sums are added to (and is returned
-    as is); split_k = 2 stays deterministic (0 + a + b is the same sum in either order).
+    With split_k > 1 the result is the float32 partial sums [split_k, M, N], one plane a slice of K, to be added
+    plane by plane (`.sum(0)`, or the residual add + RMSNorm that reads them); `out`, when given, is a float32
+    workspace of at least split_k planes of [M, N], and its first split_k planes are returned.
     """
     m, k = x.shape
     n = weight.shape[0]
     assert m <= 16 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
-        if split_k > 1:
-            out.zero_()
+    if split_k == 1:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+        assert out.shape == (m, n) and out.stride(1) == 1
+        plane_stride = 0
+    else:
+        out = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if out is None else out[:split_k]
+        assert out.dtype == torch.float32 and out.shape == (split_k, m, n) and out.stride(2) == 1
+        plane_stride = out.stride(0)
+    row_stride = out.stride(-2)
     grid = (triton.cdiv(n, block_n), split_k)
-    _skinny_gemm_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+    _skinny_gemm_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), row_stride, plane_stride,
                               BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                               EVEN_K=k % (block_k * split_k) == 0, PDL=launch.enabled(),
                               num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
     return out
 
 
-# (N, K) of a projection -> (block_n, block_k, split_k, num_stages), from benchmarks/gemm_bench.py on an H100
-# (qwen3-4b shapes, 8 rows, weights cold in L2); split_k is at most 2 so the sums stay deterministic
-def decode_config(n: int, k: int) -> tuple[int, int, int, int]:
-    if n <= 4096:
-        # few output columns: split the reduction to fill the SMs
-        return (64, 256, 2, 4) if k % 512 == 0 else (64, 128, 1, 5)
+# (N, K) -> (block_n, block_k, split_k, num_stages) ahead of decode_config's rules (benchmarks try tilings with it)
+TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+
+
+def decode_config(n: int, k: int, planes: bool = False) -> tuple[int, int, int, int]:
+    """(block_n, block_k, split_k, num_stages) for an [8-16, K] x [N, K]^T projection, from benchmarks/gemm_bench.py
+    on an H100 (qwen3 shapes, 8 rows, weights cold in L2). `planes`: the kernel after it adds split-K partial sums
+    (the projections back to the hidden size, read by the residual add + RMSNorm); otherwise split_k is 1."""
+    if (n, k) in TUNED:
+        return TUNED[(n, k)]
+    if n <= 4096 and k % 512 == 0:
+        # few output columns: split the reduction 4 ways to fill the SMs (`--split-sweep`: qwen3-4b's down
+        # projection 22.5 -> 21.4 us with its norm, 0.6b's 8.3 -> 5.8-5.9 us)
+        return (32, 128, 4, 4) if planes else (64, 256, 1, 4)
     if n <= 8192:
         return 64, 128, 1, 5
     return (32, 128, 1, 3) if n < 65536 else (64, 256, 1, 4)

@@ -118,14 +118,14 @@ def _skinny_kernels():
     return decode_config, skinny_gemm
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T by the skinny GEMM with its tuned tiling; into `acc` (float32, zeroed) when the shape splits K."""
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, planes: bool = False) -> torch.Tensor:
+    """x @ weight.T by the skinny GEMM with its tuned tiling. With `planes`, a shape whose tiling splits K returns
+    its float32 partial sums [split, T, N] for the residual add + RMSNorm after it to add up."""
     decode_config, skinny_gemm = _skinny_kernels()
     n, k = weight.shape
-    block_n, block_k, split_k, stages = decode_config(n, k)
-    if acc is None or split_k == 1:
-        return skinny_gemm(x, weight, block_n=block_n, block_k=block_k, num_stages=stages)
-    return skinny_gemm(x, weight, acc, block_n=block_n, block_k=block_k, split_k=split_k, num_stages=stages)
+    block_n, block_k, split_k, stages = decode_config(n, k, planes)
+    return skinny_gemm(x, weight, block_n=block_n, block_k=block_k, split_k=split_k if planes else 1,
+                       num_stages=stages)
 
 
 class Qwen3Attention(nn.Module):
@@ -147,8 +147,9 @@ class Qwen3Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata,
-                fused: bool = False, acc: torch.Tensor | None = None, skinny: bool = False):
-        """With `skinny`, the projections run as weight-streaming GEMMs, the output one adding into `acc`."""
+                fused: bool = False, skinny: bool = False):
+        """With `skinny`, the projections run as weight-streaming GEMMs, the output one returning split-K partial
+        sums where its tiling splits K (the residual add + RMSNorm after it adds them)."""
         qkv = decode_linear(x, self.qkv_proj.weight) if skinny else self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         stored = False
@@ -169,7 +170,7 @@ class Qwen3Attention(nn.Module):
         else:
             out = attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         if skinny:
-            return decode_linear(out.reshape(-1, self.q_size), self.o_proj.weight, acc)
+            return decode_linear(out.reshape(-1, self.q_size), self.o_proj.weight, planes=True)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -180,13 +181,13 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [spec.intermediate_size] * 2, False, dtype, tp)
         self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, False, dtype, tp)
 
-    def forward(self, x: torch.Tensor, fused: bool = False, acc: torch.Tensor | None = None,
-                skinny: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False, skinny: bool = False) -> torch.Tensor:
         if fused:
             from infertrace.engine.kernels.fused import silu_mul
 
             if skinny:
-                return decode_linear(silu_mul(decode_linear(x, self.gate_up_proj.weight)), self.down_proj.weight, acc)
+                return decode_linear(silu_mul(decode_linear(x, self.gate_up_proj.weight)), self.down_proj.weight,
+                                     planes=True)
             return self.down_proj(silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -243,7 +244,7 @@ class Qwen3ForCausalLM(nn.Module):
         backend allows) and SiLU-and-multiply as one Triton kernel each. `skinny_gemm` (CUDA, 16-bit weights, with
         `fused_norm`) runs the projections of steps of at most 16 tokens as weight-streaming Triton GEMMs; it is off
         with tensor parallelism, whose row-parallel partial sums must be all-reduced before the residual add reads
-        them, which the split-K accumulator it adds into bypasses.
+        them, which the split-K partial sums the residual add reads directly bypass.
         """
         self.attn = attn
         self.rope = RotaryEmbedding(self.spec.head_dim, self.spec.rope_theta, max_positions, device)
@@ -270,19 +271,16 @@ class Qwen3ForCausalLM(nn.Module):
         layers = self.model.layers
         first = layers[0].input_layernorm
         skinny = self.skinny_gemm and input_ids.shape[0] <= SKINNY_MAX_ROWS
-        # split-K projections add into this; each add_rmsnorm that reads it leaves it zeroed
-        acc = torch.empty((input_ids.shape[0], self.spec.hidden_size), dtype=torch.float32,
-                          device=input_ids.device) if skinny else None
-        if self.tp.size == 1:  # the lookup, the first norm and the accumulator's zeroing in one kernel
-            h, residual = embed_rmsnorm(input_ids, self.model.embed_tokens.weight, first.weight, first.eps, acc)
-        else:  # (no accumulator: the skinny GEMMs are off with tensor parallelism)
+        if self.tp.size == 1:  # the lookup and the first norm in one kernel
+            h, residual = embed_rmsnorm(input_ids, self.model.embed_tokens.weight, first.weight, first.eps)
+        else:  # the lookup is sharded and all-reduced
             residual = self.model.embed_tokens(input_ids)
             h = add_rmsnorm(residual, None, first.weight, first.eps)
         # `residual` is updated in place by every add_rmsnorm below
         for i, layer in enumerate(layers):
-            a = layer.self_attn(h, positions, self.rope, self.attn, meta, fused=True, acc=acc, skinny=skinny)
+            a = layer.self_attn(h, positions, self.rope, self.attn, meta, fused=True, skinny=skinny)
             h = add_rmsnorm(a, residual, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-            m = layer.mlp(h, fused=True, acc=acc, skinny=skinny)
+            m = layer.mlp(h, fused=True, skinny=skinny)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h = add_rmsnorm(m, residual, norm.weight, norm.eps)
         return h
