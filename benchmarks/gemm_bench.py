@@ -73,39 +73,59 @@ def engine_calls(m: int, peak: float) -> None:
         torch.cuda.empty_cache()
 
 
-ROW_REDUCING = {  # projections back to the hidden size, whose split-K planes the residual add + RMSNorm adds up
-    "o_proj": (2560, 4096),
-    "down_proj": (2560, 9728),
-    "o_proj 0.6b": (1024, 2048),
-    "down_proj 0.6b": (1024, 3072),
+SPLIT_SHAPES = {  # projections whose split-K planes the kernel after them adds up: (N, K, that kernel)
+    "o_proj": (2560, 4096, "norm"),  # the residual add + RMSNorm
+    "down_proj": (2560, 9728, "norm"),
+    "o_proj 0.6b": (1024, 2048, "norm"),
+    "down_proj 0.6b": (1024, 3072, "norm"),
+    "qkv_proj": (6144, 2560, "qknorm"),  # the q/k norm + RoPE writing K and V to the cache (32 q, 8 KV heads)
+    "qkv_proj 0.6b": (4096, 1024, "qknorm"),  # (16 q, 8 KV heads)
 }
 
 
-def split_sweep(m: int, peak: float, top: int = 4) -> dict[str, tuple[int, int, int, int]]:
-    """The projections to the hidden size followed by the residual add + RMSNorm that reads their split-K planes,
-    36 pairs (each its own weight copy) in one CUDA graph with programmatic dependent launch, as in a decode graph:
-    time per pair for tilings at 4 stages, then the best `top` at other stage counts. Returns the best tiling of
-    each shape."""
-    from infertrace.engine.kernels import launch
+def _consumer(kind: str, m: int, n: int):
+    """The kernel that reads a projection's output in a decode layer, as a function of that output."""
+    from infertrace.engine.kernels.fused import qk_norm_rope
     from infertrace.engine.kernels.norm import add_rmsnorm
+
+    dev, dt = "cuda", torch.bfloat16
+    if kind == "norm":
+        residual = torch.zeros(m, n, device=dev, dtype=dt)
+        norm_w = torch.ones(n, device=dev, dtype=dt)
+        return lambda out: add_rmsnorm(out, residual, norm_w, 1e-6)
+    kv_heads, d = 8, 128
+    q_heads = n // d - 2 * kv_heads
+    qk_w = torch.ones(d, device=dev, dtype=dt)
+    cos, sin = torch.randn(4096, d, device=dev), torch.randn(4096, d, device=dev)
+    positions = torch.arange(100, 100 + m, device=dev)
+    cache = (torch.zeros(1024, kv_heads, d, device=dev, dtype=dt), torch.zeros(1024, kv_heads, d, device=dev, dtype=dt),
+             torch.arange(m, device=dev) * 7)
+    return lambda out: qk_norm_rope(out, q_heads, kv_heads, d, qk_w, qk_w, 1e-6, cos, sin, positions, kv_cache=cache)
+
+
+def split_sweep(m: int, peak: float, names: list[str], top: int = 4) -> dict[str, tuple[int, int, int, int]]:
+    """Projections followed by the kernel that adds their split-K planes (SPLIT_SHAPES), 36 pairs (each its own
+    weight copy) in one CUDA graph with programmatic dependent launch, as in a decode graph: time per pair for
+    tilings at 4 stages, then the best `top` at other stage counts. Returns the best tiling of each shape."""
+    from infertrace.engine.kernels import launch
     from infertrace.engine.kernels.skinny_gemm import decode_config, skinny_gemm
 
     launch.set_enabled(True)
     layers, best = 36, {}
-    for name, (n, k) in ROW_REDUCING.items():
+    for name in names:
+        n, k, kind = SPLIT_SHAPES[name]
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        residual = torch.zeros(m, n, device="cuda", dtype=torch.bfloat16)
-        norm_w = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+        consume = _consumer(kind, m, n)
         ref = torch.nn.functional.linear(x, weights[0]).float()
 
-        def time_tiling(bn, bk, sk, stages, weights=weights, x=x, residual=residual, norm_w=norm_w, ref=ref):
+        def time_tiling(bn, bk, sk, stages, weights=weights, x=x, consume=consume, ref=ref):
             cfg = dict(block_n=bn, block_k=bk, split_k=sk, num_stages=stages)
             got = skinny_gemm(x, weights[0], **cfg).float()
             err = float(((got if sk == 1 else got.sum(0)) - ref).abs().max() / ref.abs().max())
             if err > 2e-2:
                 raise ValueError(f"wrong result (rel err {err:.3g})")
-            return timed(lambda w: add_rmsnorm(skinny_gemm(x, w, **cfg), residual, norm_w, 1e-6), weights)
+            return timed(lambda w: consume(skinny_gemm(x, w, **cfg)), weights)
 
         tried: dict[tuple, float] = {}
         # K divisible into whole tiles a slice: a slice ending in a partial tile loads without the pipeline
@@ -128,7 +148,7 @@ def split_sweep(m: int, peak: float, top: int = 4) -> dict[str, tuple[int, int, 
                     except Exception as exc:  # noqa: BLE001
                         print(f"  {name} {alt}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
         nbytes = n * k * 2
-        print(f"\n{name}: N={n} K={k}, GEMM + add_rmsnorm pairs, {layers} in a graph with PDL, {m} rows "
+        print(f"\n{name}: N={n} K={k}, GEMM + {kind} pairs, {layers} in a graph with PDL, {m} rows "
               f"(engine's tiling {engine}: {tried[engine] * 1e6:.2f} us)")
         print("| block_n, block_k, split_k, stages | us a pair | weights' share of copy bw |\n| --- | --- | --- |")
         for cfg in sorted(tried, key=tried.get)[:8]:
@@ -145,15 +165,16 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="fewer skinny-kernel configurations")
     ap.add_argument("--engine-only", action="store_true", help="only the projections as the engine calls them")
-    ap.add_argument("--split-sweep", action="store_true",
-                    help="only the projections to the hidden size with the norm that adds their split-K planes")
+    ap.add_argument("--split-sweep", nargs="?", const=",".join(SPLIT_SHAPES), metavar="SHAPES",
+                    help="only projections with the kernel that adds their split-K planes (SPLIT_SHAPES; all by "
+                    "default, or a comma-separated list)")
     args = ap.parse_args()
     torch.manual_seed(0)
     peak = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {peak / 1e12:.2f} TB/s  rows={args.rows}")
     m = args.rows
     if args.split_sweep:
-        split_sweep(m, peak)
+        split_sweep(m, peak, args.split_sweep.split(","))
         return
     engine_calls(m, peak)
     if args.engine_only:

@@ -126,6 +126,38 @@ def test_qk_norm_rope_writes_the_cache_like_the_store_kernel():
     assert torch.equal(k_cache, k_want.view_as(k_cache)) and torch.equal(v_cache, v_want.view_as(v_cache))
 
 
+@pytest.mark.parametrize("planes", [2, 4])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_qk_norm_rope_adds_split_k_planes_in_order(planes, cache_dtype):
+    """Partial sums of a split-K qkv projection give what their in-order sum, rounded to bf16, gives: q, k, and the
+    K/V written to the cache."""
+    from infertrace.engine.kernels.fused import qk_norm_rope
+
+    torch.manual_seed(planes)
+    t, hq, hkv, d = 8, 32, 8, 128
+    parts = torch.randn(planes, t, (hq + 2 * hkv) * d, device="cuda") * 3
+    parts[0, :, ::7] += 1e4  # large terms: a different order of the sum rounds differently
+    parts[-1, :, ::7] -= 1e4
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total += p
+    qw = torch.randn(d, device="cuda", dtype=torch.bfloat16)
+    kw = torch.randn(d, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(50, 50 + t, device="cuda")
+    cos, sin = torch.randn(128, d, device="cuda"), torch.randn(128, d, device="cuda")
+    slots = torch.tensor([5, 17, 40, -1, 3, 64, 65, 100], device="cuda")
+    caches = {}
+    for name, qkv in (("planes", parts), ("summed", total.to(torch.bfloat16))):
+        k_cache = torch.zeros(128, hkv, d, device="cuda", dtype=cache_dtype)
+        v_cache = torch.zeros_like(k_cache)
+        q, k = qk_norm_rope(qkv, hq, hkv, d, qw, kw, 1e-6, cos, sin, positions, kv_cache=(k_cache, v_cache, slots))
+        assert q.dtype == k.dtype == torch.bfloat16
+        caches[name] = (q, k, k_cache.view(torch.uint8), v_cache.view(torch.uint8))
+    assert caches["summed"][3].any()
+    for got, want in zip(caches["planes"], caches["summed"], strict=True):
+        assert torch.equal(got, want)
+
+
 def test_qk_norm_rope_rounds_k_and_v_into_a_float8_cache():
     from infertrace.engine.kernels.fused import qk_norm_rope
 

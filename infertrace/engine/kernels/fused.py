@@ -16,10 +16,22 @@ from infertrace.engine.kernels import launch
 
 
 @triton.jit
+def _load_projection(ptrs, mask, plane_stride, PLANES: tl.constexpr, dtype: tl.constexpr):
+    """float32 values of the projection's output at `ptrs`: as stored, or (PLANES > 0) its split-K partial sums
+    added plane by plane in order and rounded to the model dtype, as the projection would have stored them."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if PLANES > 0:
+        for p in tl.static_range(1, PLANES):
+            x += tl.load(ptrs + p * plane_stride, mask=mask, other=0.0)
+        x = x.to(dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr,
                          k_cache_ptr, v_cache_ptr, slot_ptr,
-                         qkv_stride, num_q_heads, num_kv_heads, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                         STORE_KV: tl.constexpr, PDL: tl.constexpr):
+                         qkv_stride, plane_stride, num_q_heads, num_kv_heads, eps, HALF: tl.constexpr,
+                         BLOCK_H: tl.constexpr, PLANES: tl.constexpr, STORE_KV: tl.constexpr, PDL: tl.constexpr):
     # a token's q and k heads, BLOCK_H at a time: each load is issued once for a whole tile of heads, so a program
     # waits on memory a few times rather than a one-head program each time for every head
     t = tl.program_id(0).to(tl.int64)
@@ -42,8 +54,8 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_pt
         gdc_wait()
         gdc_launch_dependents()
     base = qkv_ptr + t * qkv_stride + h[:, None] * 2 * HALF + i[None, :]
-    x1 = tl.load(base, mask=h_ok[:, None], other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=h_ok[:, None], other=0.0).to(tl.float32)
+    x1 = _load_projection(base, h_ok[:, None], plane_stride, PLANES, dtype)
+    x2 = _load_projection(base + HALF, h_ok[:, None], plane_stride, PLANES, dtype)
     var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
     r = tl.math.rsqrt(var + eps)[:, None]
     y1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
@@ -69,8 +81,10 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_pt
         tl.store(k_cache_ptr + dst, r1.to(kv_type), mask=kv_rows)
         tl.store(k_cache_ptr + dst + HALF, r2.to(kv_type), mask=kv_rows)
         v_src = qkv_ptr + t * qkv_stride + ((h + num_kv_heads) * 2 * HALF)[:, None] + i[None, :]
-        tl.store(v_cache_ptr + dst, tl.load(v_src, mask=kv_rows, other=0.0).to(kv_type), mask=kv_rows)
-        tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF, mask=kv_rows, other=0.0).to(kv_type), mask=kv_rows)
+        v1 = _load_projection(v_src, kv_rows, plane_stride, PLANES, dtype)
+        v2 = _load_projection(v_src + HALF, kv_rows, plane_stride, PLANES, dtype)
+        tl.store(v_cache_ptr + dst, v1.to(dtype).to(kv_type), mask=kv_rows)
+        tl.store(v_cache_ptr + dst + HALF, v2.to(dtype).to(kv_type), mask=kv_rows)
 
 
 QK_HEADS_PER_PROGRAM = 8
@@ -84,10 +98,17 @@ def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_di
 
     With `kv_cache` = (k_cache, v_cache, slot_mapping), caches [num_slots, Hkv, D], the rotated K and the V of
     every token are also written at its slot (slot -1 writes nothing), so no separate store kernel runs.
+
+    A float32 `qkv` of shape [planes, T, width] is a split-K projection's partial sums (`skinny_gemm`): they are
+    added in order and rounded to the weights' dtype, the dtype of q and k. It needs `kv_cache` (V is read from
+    it nowhere else).
     """
-    t = qkv.shape[0]
-    q = torch.empty((t, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((t, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    planes = qkv.shape[0] if qkv.dim() == 3 else 0
+    assert planes == 0 or (kv_cache is not None and qkv.dtype == torch.float32 and qkv.is_contiguous())
+    t = qkv.shape[-2]
+    dtype = q_weight.dtype if planes else qkv.dtype
+    q = torch.empty((t, num_q_heads, head_dim), dtype=dtype, device=qkv.device)
+    k = torch.empty((t, num_kv_heads, head_dim), dtype=dtype, device=qkv.device)
     if t:
         if kv_cache is not None:
             k_cache, v_cache, slots = kv_cache
@@ -95,9 +116,10 @@ def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_di
         else:
             k_cache = v_cache = slots = k  # unused
         _qk_norm_rope_kernel[(t, triton.cdiv(num_q_heads + num_kv_heads, QK_HEADS_PER_PROGRAM))](
-            qkv, q, k, q_weight, k_weight, cos, sin, positions, k_cache, v_cache, slots, qkv.stride(0),
-            num_q_heads, num_kv_heads, eps, HALF=head_dim // 2, BLOCK_H=QK_HEADS_PER_PROGRAM,
-            STORE_KV=kv_cache is not None, PDL=launch.enabled(), num_warps=4, launch_pdl=launch.enabled(),
+            qkv, q, k, q_weight, k_weight, cos, sin, positions, k_cache, v_cache, slots, qkv.stride(-2),
+            qkv.stride(0) if planes else 0, num_q_heads, num_kv_heads, eps, HALF=head_dim // 2,
+            BLOCK_H=QK_HEADS_PER_PROGRAM, PLANES=planes, STORE_KV=kv_cache is not None, PDL=launch.enabled(),
+            num_warps=4, launch_pdl=launch.enabled(),
         )
     return q, k
 

@@ -87,13 +87,20 @@ TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 def decode_config(n: int, k: int, planes: bool = False) -> tuple[int, int, int, int]:
     """(block_n, block_k, split_k, num_stages) for an [8-16, K] x [N, K]^T projection, from benchmarks/gemm_bench.py
     on an H100 (qwen3 shapes, 8 rows, weights cold in L2). `planes`: the kernel after it adds split-K partial sums
-    (the projections back to the hidden size, read by the residual add + RMSNorm); otherwise split_k is 1."""
+    (the residual add + RMSNorm after a projection back to the hidden size, the fused q/k norm after the qkv
+    projection); otherwise split_k is 1."""
     if (n, k) in TUNED:
         return TUNED[(n, k)]
-    if n <= 4096 and k % 512 == 0:
-        # few output columns: split the reduction 4 ways to fill the SMs (`--split-sweep`: qwen3-4b's down
-        # projection 22.5 -> 21.4 us with its norm, 0.6b's 8.3 -> 5.8-5.9 us)
-        return (32, 128, 4, 4) if planes else (64, 256, 1, 4)
+    if planes and n <= 4096 and k >= n and k % 512 == 0:
+        # few output columns for a long reduction: split it 4 ways to fill the SMs (`--split-sweep`: qwen3-4b's
+        # down projection with its norm 22.5 -> 21.4 us, 0.6b's 8.3 -> 5.8-5.9 us)
+        return 32, 128, 4, 4
+    if planes and n <= 4096 and k % 256 == 0:
+        # qwen3-0.6b's qkv projection with the q/k norm that adds its planes: 7.02 -> 6.07 us split 2 ways; at
+        # qwen3-4b's (6144 x 2560) splitting gains nothing (13.96 against 14.02 us)
+        return 64, 128, 2, 4
+    if n <= 4096:
+        return (64, 256, 1, 4) if k % 512 == 0 else (64, 128, 1, 5)
     if n <= 8192:
         return 64, 128, 1, 5
     return (32, 128, 1, 3) if n < 65536 else (64, 256, 1, 4)

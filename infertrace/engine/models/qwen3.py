@@ -148,15 +148,16 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata,
                 fused: bool = False, skinny: bool = False):
-        """With `skinny`, the projections run as weight-streaming GEMMs, the output one returning split-K partial
-        sums where its tiling splits K (the residual add + RMSNorm after it adds them)."""
-        qkv = decode_linear(x, self.qkv_proj.weight) if skinny else self.qkv_proj(x)
-        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        stored = False
+        """With `skinny`, the projections run as weight-streaming GEMMs. Where a tiling splits K, the qkv projection
+        returns split-K partial sums to the fused q/k norm (when it also writes K and V to the cache) and the output
+        projection to the residual add + RMSNorm after it; each adds them up as it reads them."""
+        stored = fused and getattr(attn, "fuses_kv_store", False)  # the fused q/k norm writes K and V to the cache
+        # split-K partial sums only where that kernel reads V too
+        qkv = decode_linear(x, self.qkv_proj.weight, planes=stored) if skinny else self.qkv_proj(x)
+        v = None if qkv.dim() == 3 else qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if fused:
             from infertrace.engine.kernels.fused import qk_norm_rope
 
-            stored = getattr(attn, "fuses_kv_store", False)
             q, k = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
                                 self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin, positions,
                                 kv_cache=(self.k_cache, self.v_cache, meta.slot_mapping) if stored else None)
