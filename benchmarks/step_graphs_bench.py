@@ -13,8 +13,9 @@ before, and after, alternating; `nanoearly`: the same over the nano-vllm workloa
 GEMM and the attention read against the copy bandwidth.
 
 `variants`: the batch-8 qwen3-4b decode graph captured under each of `--variants` (DECODE_VARIANTS: kernel
-switches; or projection tilings such as `o=64.256.4.4+d=64.128.4.5`, see PROJECTIONS) over the same step inputs, replayed alternating at contexts 385 and 640; `wholerun`: the issue's decode
-measure (`engine_bench.bench_decode`) under each of `--wholerun`, alternating.
+switches; or projection tilings such as `o=64.256.4.4+d=64.128.4.5`, see PROJECTIONS) over the same step inputs,
+replayed alternating at contexts 385 and 640; `wholerun`: the issue's decode measure (`engine_bench.bench_decode`)
+under each of `--wholerun`, alternating.
 
 `between`: the decode loop as the engine runs it, under torch.profiler: what the GPU runs each step besides the
 decode layers' kernels (the embedding lookup; input copies, sampling and the copy of the tokens back outside the

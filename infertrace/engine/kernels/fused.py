@@ -13,18 +13,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from infertrace.engine.kernels import launch
-
-
-@triton.jit
-def _load_projection(ptrs, mask, plane_stride, PLANES: tl.constexpr, dtype: tl.constexpr):
-    """float32 values of the projection's output at `ptrs`: as stored, or (PLANES > 0) its split-K partial sums
-    added plane by plane in order and rounded to the model dtype, as the projection would have stored them."""
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    if PLANES > 0:
-        for p in tl.static_range(1, PLANES):
-            x += tl.load(ptrs + p * plane_stride, mask=mask, other=0.0)
-        x = x.to(dtype)
-    return x.to(tl.float32)
+from infertrace.engine.kernels.skinny_gemm import load_planes
 
 
 @triton.jit
@@ -54,8 +43,8 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_pt
         gdc_wait()
         gdc_launch_dependents()
     base = qkv_ptr + t * qkv_stride + h[:, None] * 2 * HALF + i[None, :]
-    x1 = _load_projection(base, h_ok[:, None], plane_stride, PLANES, dtype)
-    x2 = _load_projection(base + HALF, h_ok[:, None], plane_stride, PLANES, dtype)
+    x1 = load_planes(base, h_ok[:, None], plane_stride, PLANES, dtype)
+    x2 = load_planes(base + HALF, h_ok[:, None], plane_stride, PLANES, dtype)
     var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
     r = tl.math.rsqrt(var + eps)[:, None]
     y1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
@@ -81,8 +70,8 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_pt
         tl.store(k_cache_ptr + dst, r1.to(kv_type), mask=kv_rows)
         tl.store(k_cache_ptr + dst + HALF, r2.to(kv_type), mask=kv_rows)
         v_src = qkv_ptr + t * qkv_stride + ((h + num_kv_heads) * 2 * HALF)[:, None] + i[None, :]
-        v1 = _load_projection(v_src, kv_rows, plane_stride, PLANES, dtype)
-        v2 = _load_projection(v_src + HALF, kv_rows, plane_stride, PLANES, dtype)
+        v1 = load_planes(v_src, kv_rows, plane_stride, PLANES, dtype)
+        v2 = load_planes(v_src + HALF, kv_rows, plane_stride, PLANES, dtype)
         tl.store(v_cache_ptr + dst, v1.to(dtype).to(kv_type), mask=kv_rows)
         tl.store(v_cache_ptr + dst + HALF, v2.to(dtype).to(kv_type), mask=kv_rows)
 

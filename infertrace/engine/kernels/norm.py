@@ -12,6 +12,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from infertrace.engine.kernels import launch
+from infertrace.engine.kernels.skinny_gemm import load_planes
 
 
 @triton.jit
@@ -27,11 +28,7 @@ def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, plane_
     if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
         gdc_launch_dependents()
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
-    if PLANES > 0:  # a split-K GEMM's float32 partial sums: added plane by plane, in order, then rounded
-        for p in tl.static_range(1, PLANES):
-            x += tl.load(x_ptr + p * plane_stride + row * n_cols + cols, mask=mask, other=0.0)
-        x = x.to(dtype)
+    x = load_planes(x_ptr + row * n_cols + cols, mask, plane_stride, PLANES, dtype)  # a split-K GEMM: its planes added
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * n_cols + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)

@@ -4,8 +4,9 @@ At batch 8 a projection is a matrix-vector product in disguise: the time is the 
 gives each program a band of output columns (and, with split-K, a slice of the reduction), streams that band's
 weights through shared memory with a deep pipeline and multiplies by all rows of x at once. With split-K each slice
 of the reduction stores its float32 partial sums in its own plane of a workspace; the kernel after the GEMM (the
-residual add + RMSNorm) adds the planes in a fixed order as it reads them, so no reduction pass runs, nothing needs
-zeroing, and the sum is the same bit for bit from run to run whatever the split.
+residual add + RMSNorm, or the fused q/k norm) adds the planes in a fixed order as it reads them (`load_planes`), so
+no reduction pass runs, nothing needs zeroing, and the sum is the same bit for bit from run to run whatever the
+split.
 """
 
 from __future__ import annotations
@@ -52,12 +53,25 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def load_planes(ptrs, mask, plane_stride, PLANES: tl.constexpr, dtype: tl.constexpr):
+    """For the kernel that reads a projection's output: float32 values at `ptrs`, as stored (PLANES == 0), or the
+    split-K partial sums of PLANES planes added in order and rounded to `dtype`, as the projection unsplit would
+    have stored them."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if PLANES > 0:
+        for p in tl.static_range(1, PLANES):
+            x += tl.load(ptrs + p * plane_stride, mask=mask, other=0.0)
+        x = x.to(dtype)
+    return x.to(tl.float32)
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int = 32,
                 block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """x [M, K] (M <= 16) times weight [N, K] transposed.
 
     With split_k > 1 the result is the float32 partial sums [split_k, M, N], one plane a slice of K, to be added
-    plane by plane (`.sum(0)`, or the residual add + RMSNorm that reads them); `out`, when given, is a float32
+    plane by plane (`.sum(0)`, or the kernel that reads them with `load_planes`); `out`, when given, is a float32
     workspace of at least split_k planes of [M, N], and its first split_k planes are returned.
     """
     m, k = x.shape

@@ -120,7 +120,7 @@ def _skinny_kernels():
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, planes: bool = False) -> torch.Tensor:
     """x @ weight.T by the skinny GEMM with its tuned tiling. With `planes`, a shape whose tiling splits K returns
-    its float32 partial sums [split, T, N] for the residual add + RMSNorm after it to add up."""
+    its float32 partial sums [split, T, N] for the kernel after it to add up as it reads them."""
     decode_config, skinny_gemm = _skinny_kernels()
     n, k = weight.shape
     block_n, block_k, split_k, stages = decode_config(n, k, planes)
