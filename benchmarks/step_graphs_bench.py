@@ -222,20 +222,32 @@ DECODE_VARIANTS = {  # name -> residual add + RMSNorm reads its weight before it
     "normw": True,  # the engine's default
 }
 # qwen3-4b projections by letter, for variants named by their tilings: "o=64.256.4.4+d=64.128.4.5" runs the output
-# projection at (block_n, block_k, split_k, num_stages) = (64, 256, 4, 4) and the down projection at (64, 128, 4, 5)
+# projection at (block_n, block_k, split_k, num_stages) = (64, 256, 4, 4) and the down projection at (64, 128, 4, 5);
+# "f=128.5.4" runs the qkv projection, q/k norm, RoPE and K/V write as one kernel (fused.qkv_norm_rope) at (block_k,
+# num_stages, num_warps) = (128, 5, 4), "s=32.128.3.4" the gate/up projection with SiLU-and-multiply as one kernel
+# (fused.gate_up_silu) at (block_n, block_k, num_stages, num_warps); "f=off" / "s=off": two kernels each
 PROJECTIONS = {"q": (6144, 2560), "g": (19456, 2560), "o": (2560, 4096), "d": (2560, 9728)}
 
 
 def _set_variant(name: str) -> None:
-    from infertrace.engine.kernels import launch, skinny_gemm
+    from infertrace.engine.kernels import fused, launch, skinny_gemm
 
     skinny_gemm.TUNED.clear()
+    fused.QKV_TUNED.clear()
+    fused.GATE_UP_TUNED.clear()
     if name in DECODE_VARIANTS:
         launch.set_early_weights(DECODE_VARIANTS[name])
         return
     launch.set_early_weights(True)
     for part in name.split("+"):
         letter, _, tiling = part.partition("=")
+        if letter == "f":  # the qkv projection fused with the q/k norm at (block_k, num_stages, num_warps), or "off"
+            fused.QKV_TUNED[PROJECTIONS["q"]] = None if tiling == "off" else tuple(int(v) for v in tiling.split("."))
+            continue
+        if letter == "s":  # the gate/up projection fused with SiLU-and-multiply at (block_n, block_k, stages, warps)
+            fused.GATE_UP_TUNED[PROJECTIONS["g"]] = (None if tiling == "off"
+                                                    else tuple(int(v) for v in tiling.split(".")))
+            continue
         skinny_gemm.TUNED[PROJECTIONS[letter]] = tuple(int(v) for v in tiling.split("."))
 
 

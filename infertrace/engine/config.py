@@ -62,6 +62,9 @@ class EngineConfig:
     # with fused_norm, on CUDA with 16-bit weights: projections of steps of <= 16 tokens as weight-streaming Triton
     # GEMMs (split-K sums added in float32 and read by the next residual add + RMSNorm)
     skinny_gemm: bool = True
+    # with skinny_gemm: the qkv projection with the q/k norm, RoPE and K/V write, and the gate/up projection with
+    # SiLU-and-multiply, one kernel each, at the shapes measured to gain (kernels/fused.py; qwen3-4b's today)
+    fused_projections: bool = True
     # programmatic dependent launch of the Triton kernels on Hopper and later (compute capability 9.0): a kernel's
     # programs start while the one before drains, and wait for its results on the device. No effect elsewhere
     pdl: bool = True

@@ -295,6 +295,7 @@ class Engine:
                 "cuda_graph_capture_s": round(runner.graph_capture_s, 3),
                 "cuda_graph_memory_bytes": runner.graph_memory_bytes,
                 "fused_norm": runner.model.fused_norm, "skinny_gemm": runner.model.skinny_gemm,
+                "fused_projections": runner.model.fused_projections,
                 "async_scheduling": self._async, "pdl": runner.pdl,
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch.")}
 

@@ -35,6 +35,8 @@ FIELD_HELP = {
     "decode_longest_first": "Decode attention launches its requests' programs longest context first (Triton "
                             "backend).",
     "skinny_gemm": "Projections of small decode steps as weight-streaming Triton GEMMs (CUDA, 16-bit, fused norm).",
+    "fused_projections": "With --skinny-gemm: the qkv projection with its q/k norm and RoPE, and the gate/up "
+                         "projection with SiLU, as one kernel each where measured faster (qwen3-4b's shapes).",
     "attention": "batched: one attention kernel for the batch; looped: one request at a time (ablation).",
     "attention_backend": "Attention kernels: auto, torch, triton or flash_attn.",
     "cuda_graphs": "Capture decode steps in CUDA graphs per batch-size bucket (no effect on CPU).",

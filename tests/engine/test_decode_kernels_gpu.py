@@ -158,6 +158,55 @@ def test_qk_norm_rope_adds_split_k_planes_in_order(planes, cache_dtype):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("rows, hidden, hq, hkv, block_k", [(8, 2560, 32, 8, 128), (3, 1024, 16, 8, 64),
+                                                            (16, 1000, 4, 2, 128)])
+def test_qkv_norm_rope_is_the_skinny_gemm_then_the_qk_norm(cache_dtype, rows, hidden, hq, hkv, block_k):
+    """One kernel a head against the unsplit skinny GEMM then qk_norm_rope: V (no norm) bit for bit; q and K through
+    the same roundings, their norms' sums perhaps added in another order (within a bf16 rounding step)."""
+    from infertrace.engine.kernels.fused import qk_norm_rope, qkv_norm_rope
+    from infertrace.engine.kernels.skinny_gemm import skinny_gemm
+
+    torch.manual_seed(rows + hidden)
+    d = 128
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn((hq + 2 * hkv) * d, hidden, device="cuda", dtype=torch.bfloat16) * 0.05
+    q_w, k_w = [(torch.rand(d, device="cuda") + 0.5).to(torch.bfloat16) for _ in range(2)]
+    cos, sin = torch.randn(4096, d, device="cuda"), torch.randn(4096, d, device="cuda")
+    positions = torch.arange(rows, device="cuda") * 37 + 5
+    slots = torch.randperm(64, device="cuda")[:rows]
+    slots[-1] = -1  # a padding row: writes nothing
+    caches = [[torch.full((64, hkv, d), 0.25, device="cuda").to(cache_dtype) for _ in range(2)] for _ in range(2)]
+    qkv = skinny_gemm(x, w, block_n=64, block_k=block_k)
+    q_ref, _ = qk_norm_rope(qkv, hq, hkv, d, q_w, k_w, 1e-6, cos, sin, positions, kv_cache=(*caches[0], slots))
+    q = qkv_norm_rope(x, w, hq, hkv, d, q_w, k_w, 1e-6, cos, sin, positions, (*caches[1], slots), block_k=block_k)
+    assert q.shape == q_ref.shape and q.dtype == torch.bfloat16
+    assert torch.equal(caches[1][1].float(), caches[0][1].float())  # V
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=2**-7, atol=1e-5)
+    # a K one bf16 step apart can round to neighbouring float8 values (2**-3 apart)
+    torch.testing.assert_close(caches[1][0].float(), caches[0][0].float(), atol=1e-5,
+                               rtol=2**-7 if cache_dtype == torch.bfloat16 else 2**-3)
+    untouched = torch.ones(64, dtype=torch.bool, device="cuda")
+    untouched[slots[:-1]] = False
+    assert (caches[1][0][untouched].float() == 0.25).all() and (caches[1][1][untouched].float() == 0.25).all()
+
+
+@pytest.mark.parametrize("rows, hidden, inter, block_n, block_k", [(8, 2560, 9728, 64, 128), (3, 1024, 3072, 32, 128),
+                                                                    (16, 1000, 700, 64, 256)])
+def test_gate_up_silu_is_the_skinny_gemm_then_silu_mul(rows, hidden, inter, block_n, block_k):
+    """The same tiles in the same order, then silu_mul's roundings: bit for bit (with a partial column band and,
+    at hidden 1000, a partial last K tile)."""
+    from infertrace.engine.kernels.fused import gate_up_silu, silu_mul
+    from infertrace.engine.kernels.skinny_gemm import skinny_gemm
+
+    torch.manual_seed(rows + inter)
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.05
+    ref = silu_mul(skinny_gemm(x, w, block_n=32, block_k=block_k))
+    got = gate_up_silu(x, w, block_n=block_n, block_k=block_k)
+    assert got.shape == (rows, inter) and torch.equal(got, ref)
+
+
 def test_qk_norm_rope_rounds_k_and_v_into_a_float8_cache():
     from infertrace.engine.kernels.fused import qk_norm_rope
 

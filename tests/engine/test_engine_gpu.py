@@ -149,7 +149,26 @@ def test_decode_steps_allocate_nothing(qwen06_dirs):
     assert torch.cuda.memory_allocated() == before
 
 
-def test_bfloat16_decode_tokens_are_hf_argmax_within_rounding(qwen06_dirs):
+# qwen3-0.6b's qkv (4096 x 1024) and gate/up (6144 x 1024) projections: the engine fuses them with the kernels after
+# them only at qwen3-4b's shapes, so the tests name tilings to run the one-kernel forms at these
+QKV_06B, GATE_UP_06B = (4096, 1024), (6144, 1024)
+
+
+@pytest.fixture(params=["two kernels", "one kernel"])
+def projection_fusions(request):
+    """Decode projections as the skinny GEMM then the kernel after it, or fused with it (fused.qkv_norm_rope,
+    fused.gate_up_silu), at qwen3-0.6b's shapes."""
+    from infertrace.engine.kernels import fused
+
+    on = request.param == "one kernel"
+    fused.QKV_TUNED[QKV_06B] = (128, 5, 4) if on else None
+    fused.GATE_UP_TUNED[GATE_UP_06B] = (32, 128, 3, 4) if on else None
+    yield request.param
+    fused.QKV_TUNED.clear()
+    fused.GATE_UP_TUNED.clear()
+
+
+def test_bfloat16_decode_tokens_are_hf_argmax_within_rounding(qwen06_dirs, projection_fusions):
     """The whole bf16 decode path (skinny GEMMs, fused kernels, graphs, async scheduling): every generated token
     is, by Hugging Face's own logits over the same sequence, the argmax or within bf16 rounding of it."""
     import torch

@@ -118,6 +118,14 @@ def _skinny_kernels():
     return decode_config, skinny_gemm
 
 
+@functools.cache
+def _fusions():
+    """The fused decode kernels (Triton), imported on first use."""
+    from infertrace.engine.kernels import fused
+
+    return fused
+
+
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, planes: bool = False) -> torch.Tensor:
     """x @ weight.T by the skinny GEMM with its tuned tiling. With `planes`, a shape whose tiling splits K returns
     its float32 partial sums [split, T, N] for the kernel after it to add up as it reads them."""
@@ -147,32 +155,48 @@ class Qwen3Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata,
-                fused: bool = False, skinny: bool = False):
+                fused: bool = False, skinny: bool = False, fuse_projections: bool = False):
         """With `skinny`, the projections run as weight-streaming GEMMs. Where a tiling splits K, the qkv projection
         returns split-K partial sums to the fused q/k norm (when it also writes K and V to the cache) and the output
-        projection to the residual add + RMSNorm after it; each adds them up as it reads them."""
+        projection to the residual add + RMSNorm after it; each adds them up as it reads them. With
+        `fuse_projections` (and `skinny`), a qkv shape measured to gain runs the projection, the q/k norm + RoPE and
+        the K/V write as one kernel (`fused.qkv_norm_rope`)."""
         stored = fused and getattr(attn, "fuses_kv_store", False)  # the fused q/k norm writes K and V to the cache
-        # split-K partial sums only where that kernel reads V too
+        one_kernel = None
+        if stored and fuse_projections:
+            one_kernel = _fusions().qkv_fused_config(*self.qkv_proj.weight.shape)
+        if one_kernel is not None:
+            block_k, stages, warps = one_kernel
+            q = _fusions().qkv_norm_rope(x, self.qkv_proj.weight, self.num_heads, self.num_kv_heads, self.head_dim,
+                                         self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin,
+                                         positions, (self.k_cache, self.v_cache, meta.slot_mapping), block_k=block_k,
+                                         num_stages=stages, num_warps=warps)
+            out = attn.forward(q, None, None, self.k_cache, self.v_cache, meta, self.scale, kv_stored=True)
+        else:
+            out = self._attend(x, positions, rope, attn, meta, fused, skinny, stored)
+        if skinny:
+            return decode_linear(out.reshape(-1, self.q_size), self.o_proj.weight, planes=True)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _attend(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata, fused: bool,
+                skinny: bool, stored: bool) -> torch.Tensor:
+        """The qkv projection, the q/k norm + RoPE and the attention, each its own kernel (or torch ops)."""
+        # split-K partial sums only where the q/k norm reads V too
         qkv = decode_linear(x, self.qkv_proj.weight, planes=stored) if skinny else self.qkv_proj(x)
         v = None if qkv.dim() == 3 else qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if fused:
-            from infertrace.engine.kernels.fused import qk_norm_rope
-
-            q, k = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
-                                self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin, positions,
-                                kv_cache=(self.k_cache, self.v_cache, meta.slot_mapping) if stored else None)
+            q, k = _fusions().qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
+                                           self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin, positions,
+                                           kv_cache=(self.k_cache, self.v_cache, meta.slot_mapping) if stored
+                                           else None)
         else:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
             q, k = rope(positions, q, k)
         if stored:
-            out = attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, kv_stored=True)
-        else:
-            out = attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        if skinny:
-            return decode_linear(out.reshape(-1, self.q_size), self.o_proj.weight, planes=True)
-        return self.o_proj(out.reshape(-1, self.q_size))
+            return attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, kv_stored=True)
+        return attn.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
 
 
 class Qwen3MLP(nn.Module):
@@ -182,14 +206,23 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [spec.intermediate_size] * 2, False, dtype, tp)
         self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, False, dtype, tp)
 
-    def forward(self, x: torch.Tensor, fused: bool = False, skinny: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False, skinny: bool = False,
+                fuse_projections: bool = False) -> torch.Tensor:
+        """With `fuse_projections` (and `skinny`), a gate/up shape measured to gain runs the projection and
+        SiLU-and-multiply as one kernel (`fused.gate_up_silu`)."""
         if fused:
-            from infertrace.engine.kernels.fused import silu_mul
-
+            kernels = _fusions()
             if skinny:
-                return decode_linear(silu_mul(decode_linear(x, self.gate_up_proj.weight)), self.down_proj.weight,
-                                     planes=True)
-            return self.down_proj(silu_mul(self.gate_up_proj(x)))
+                w = self.gate_up_proj.weight
+                one_kernel = kernels.gate_up_silu_config(*w.shape) if fuse_projections else None
+                if one_kernel is not None:
+                    block_n, block_k, stages, warps = one_kernel
+                    act = kernels.gate_up_silu(x, w, block_n=block_n, block_k=block_k, num_stages=stages,
+                                               num_warps=warps)
+                else:
+                    act = kernels.silu_mul(decode_linear(x, w))
+                return decode_linear(act, self.down_proj.weight, planes=True)
+            return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -236,21 +269,25 @@ class Qwen3ForCausalLM(nn.Module):
         self.attn: TorchAttention | None = None
         self.fused_norm = False
         self.skinny_gemm = False
+        self.fused_projections = False
 
     def setup(self, attn: TorchAttention, max_positions: int, device: torch.device, fused_norm: bool = False,
-              skinny_gemm: bool = False) -> None:
+              skinny_gemm: bool = False, fused_projections: bool = False) -> None:
         """Attach the attention backend and build the RoPE tables (after the weights are on `device`).
 
         `fused_norm` (CUDA only) runs residual add + RMSNorm, q/k RMSNorm + RoPE (with the K/V cache write when the
         backend allows) and SiLU-and-multiply as one Triton kernel each. `skinny_gemm` (CUDA, 16-bit weights, with
         `fused_norm`) runs the projections of steps of at most 16 tokens as weight-streaming Triton GEMMs; it is off
         with tensor parallelism, whose row-parallel partial sums must be all-reduced before the residual add reads
-        them, which the split-K partial sums the residual add reads directly bypass.
+        them, which the split-K partial sums the residual add reads directly bypass. `fused_projections` (with
+        `skinny_gemm`) runs the qkv projection with the q/k norm, RoPE and K/V write, and the gate/up projection
+        with SiLU-and-multiply, as one kernel each at the shapes measured to gain from it (the rest keep two).
         """
         self.attn = attn
         self.rope = RotaryEmbedding(self.spec.head_dim, self.spec.rope_theta, max_positions, device)
         self.fused_norm = fused_norm
         self.skinny_gemm = skinny_gemm and fused_norm and not self.spec.attention_bias and self.tp.size == 1
+        self.fused_projections = fused_projections and self.skinny_gemm
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
@@ -272,6 +309,7 @@ class Qwen3ForCausalLM(nn.Module):
         layers = self.model.layers
         first = layers[0].input_layernorm
         skinny = self.skinny_gemm and input_ids.shape[0] <= SKINNY_MAX_ROWS
+        one_kernel = skinny and self.fused_projections
         if self.tp.size == 1:  # the lookup and the first norm in one kernel
             h, residual = embed_rmsnorm(input_ids, self.model.embed_tokens.weight, first.weight, first.eps)
         else:  # the lookup is sharded and all-reduced
@@ -279,9 +317,10 @@ class Qwen3ForCausalLM(nn.Module):
             h = add_rmsnorm(residual, None, first.weight, first.eps)
         # `residual` is updated in place by every add_rmsnorm below
         for i, layer in enumerate(layers):
-            a = layer.self_attn(h, positions, self.rope, self.attn, meta, fused=True, skinny=skinny)
+            a = layer.self_attn(h, positions, self.rope, self.attn, meta, fused=True, skinny=skinny,
+                                fuse_projections=one_kernel)
             h = add_rmsnorm(a, residual, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-            m = layer.mlp(h, fused=True, skinny=skinny)
+            m = layer.mlp(h, fused=True, skinny=skinny, fuse_projections=one_kernel)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h = add_rmsnorm(m, residual, norm.weight, norm.eps)
         return h
