@@ -1,6 +1,6 @@
 """Decode-shaped GEMMs (8 rows) against the bytes they must read: cuBLAS variants and the skinny Triton kernel.
 
-    python benchmarks/gemm_bench.py [--rows 8] [--quick | --engine-only | --split-sweep]
+    python benchmarks/gemm_bench.py [--rows 8] [--quick | --engine-only | --split-sweep | --fused-qkv]
 
 Each timing cycles through enough copies of the weight that none is served from L2, as in a real decode step
 where 36 layers of weights pass through the cache. Prints, per shape, each variant's time and its share of the
@@ -160,6 +160,64 @@ def split_sweep(m: int, peak: float, names: list[str], top: int = 4) -> dict[str
     return best
 
 
+def fused_qkv(m: int, configs=((128, 4, 4), (128, 5, 4), (128, 6, 4), (64, 8, 4), (256, 4, 8), (128, 6, 8)),
+              rounds: int = 2) -> None:
+    """The qkv projection and the q/k norm + RoPE + K/V write after it (the skinny GEMM at the engine's tiling, then
+    `qk_norm_rope`) against the one kernel `qkv_norm_rope` at each (block_k, num_stages, num_warps): 36 layers, each
+    an add + RMSNorm then the projection over its own weights, in one CUDA graph with PDL; us a layer. First the
+    outputs of both compared (q, and the K and V written to the cache)."""
+    from infertrace.engine.kernels import launch
+    from infertrace.engine.kernels.fused import qk_norm_rope, qkv_norm_rope
+    from infertrace.engine.kernels.norm import add_rmsnorm
+    from infertrace.engine.kernels.skinny_gemm import decode_config
+
+    launch.set_enabled(True)
+    dev, dt, d, layers = "cuda", torch.bfloat16, 128, 36
+    for label, hidden, hq, hkv in (("qwen3-4b", 2560, 32, 8), ("qwen3-0.6b", 1024, 16, 8)):
+        n = (hq + 2 * hkv) * d
+        weights = [torch.randn(n, hidden, device=dev, dtype=dt) * 0.02 for _ in range(layers)]
+        h = torch.randn(m, hidden, device=dev, dtype=dt)
+        norm_w = torch.ones(hidden, device=dev, dtype=dt)
+        q_w, k_w = [(torch.rand(d, device=dev) + 0.5).to(dt) for _ in range(2)]
+        cos, sin = torch.randn(4096, d, device=dev), torch.randn(4096, d, device=dev)
+        positions = torch.arange(100, 100 + m, device=dev) * 3
+        slots = torch.arange(m, device=dev) * 7
+        slots[-1] = -1
+        caches = [(torch.zeros(1024, hkv, d, device=dev, dtype=dt), torch.zeros(1024, hkv, d, device=dev, dtype=dt),
+                   slots) for _ in range(2)]
+        tiling = decode_config(n, hidden, planes=True)
+        bn, bk, sk, st = tiling
+
+        def pair(w):
+            out = skinny_gemm(add_rmsnorm(h, None, norm_w, 1e-6), w, block_n=bn, block_k=bk, split_k=sk,
+                              num_stages=st)
+            return qk_norm_rope(out, hq, hkv, d, q_w, k_w, 1e-6, cos, sin, positions, kv_cache=caches[0])[0]
+
+        def one(w, cfg=(128, 5, 4)):
+            return qkv_norm_rope(add_rmsnorm(h, None, norm_w, 1e-6), w, hq, hkv, d, q_w, k_w, 1e-6, cos, sin,
+                                 positions, caches[1], block_k=cfg[0], num_stages=cfg[1], num_warps=cfg[2])
+
+        q0, q1 = pair(weights[0]), one(weights[0])
+        same = [torch.equal(a, b) for a, b in ((q0, q1), (caches[0][0], caches[1][0]), (caches[0][1], caches[1][1]))]
+        print(f"\n{label}: qkv {n} x {hidden}, engine's tiling {tiling}; one kernel (128, 5, 4) bit-equal to the two: "
+              f"q {same[0]}, K {same[1]}, V {same[2]}")
+        times: dict[str, list[float]] = {"two kernels": [], **{str(c): [] for c in configs}}
+        for _ in range(rounds):
+            times["two kernels"].append(timed(pair, weights))
+            for c in configs:
+                try:
+                    times[str(c)].append(timed(lambda w, c=c: one(w, c), weights))
+                except Exception as exc:  # noqa: BLE001 - a tiling that does not fit is reported and skipped
+                    print(f"  {c}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+        for name, ts in times.items():
+            if ts:
+                print(f"  {name:<14} " + ", ".join(f"{t * 1e6:.2f}" for t in ts) + " us a layer (with its add + norm)",
+                      flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    launch.set_enabled(False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=8)
@@ -168,11 +226,16 @@ def main() -> None:
     ap.add_argument("--split-sweep", nargs="?", const=",".join(SPLIT_SHAPES), metavar="SHAPES",
                     help="only projections with the kernel that adds their split-K planes (SPLIT_SHAPES; all by "
                     "default, or a comma-separated list)")
+    ap.add_argument("--fused-qkv", action="store_true",
+                    help="only the qkv projection + q/k norm as two kernels against the one-kernel qkv_norm_rope")
     args = ap.parse_args()
     torch.manual_seed(0)
     peak = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {peak / 1e12:.2f} TB/s  rows={args.rows}")
     m = args.rows
+    if args.fused_qkv:
+        fused_qkv(m)
+        return
     if args.split_sweep:
         split_sweep(m, peak, args.split_sweep.split(","))
         return
