@@ -159,7 +159,8 @@ def _decode_graph(root: Path, batch: int, steps: int, **overrides) -> tuple[LLM,
 
 
 KERNEL_NAMES = {"_add_rmsnorm_kernel": "norm", "_skinny_gemm_kernel": "gemm", "_qk_norm_rope_kernel": "qknorm",
-                "_paged_attention_kernel": "attention", "_merge_splits_kernel": "merge", "_silu_mul_kernel": "silu"}
+                "_paged_attention_kernel": "attention", "_merge_splits_kernel": "merge", "_silu_mul_kernel": "silu",
+                "_qkv_norm_rope_kernel": "qkv+qknorm", "_gate_up_silu_kernel": "gate_up+silu"}
 
 
 def kernel_increments(kernels: list[tuple[float, float, str]], replays: int) -> dict[str, list[float]]:
@@ -201,7 +202,10 @@ def decode_increments(root: Path, batch: int = 8, replays: int = 5) -> None:
     layer_kv = batch * 385 * 2 * kv * 2  # K and V of every context token, one layer
     reads = {"gemm[norm>silu]": 2 * inter * hidden * 2, "gemm[silu>norm]": inter * hidden * 2,
              "gemm[norm>qknorm]": (q + 2 * kv) * hidden * 2, "gemm[merge>norm]": q * hidden * 2,
-             "gemm[norm>-]": vocab * hidden * 2, "attention": layer_kv}
+             "gemm[norm>-]": vocab * hidden * 2, "attention": layer_kv,
+             # the one-kernel forms (fused.qkv_norm_rope, fused.gate_up_silu) and the down projection after the latter
+             "qkv+qknorm": (q + 2 * kv) * hidden * 2, "gate_up+silu": 2 * inter * hidden * 2,
+             "gemm[gate_up+silu>norm]": inter * hidden * 2}
     bw = copy_bandwidth()
     print(f"\ndecode graph bs={batch} qwen3-4b, context 385: replay {1e3 * replay:.3f} ms, increments "
           f"{sum(map(sum, inc.values())) / replays / 1e3:.3f} ms; copy bw {bw / 1e12:.2f} TB/s")
