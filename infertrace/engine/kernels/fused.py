@@ -17,6 +17,20 @@ from infertrace.engine.kernels.skinny_gemm import load_planes
 
 
 @triton.jit
+def _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, HALF: tl.constexpr, dtype: tl.constexpr):
+    """Heads given as their two halves (a row each of x1, x2, float32): RMSNorm with the weight halves w1, w2, then
+    RoPE with the cos/sin halves, each intermediate rounded to `dtype` where the unfused model rounds it; returns
+    the rotated halves in `dtype`."""
+    var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
+    r = tl.math.rsqrt(var + eps)[:, None]
+    y1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    o1 = (y1 * c1).to(dtype).to(tl.float32) + (-y2 * s1).to(dtype).to(tl.float32)
+    o2 = (y2 * c2).to(dtype).to(tl.float32) + (y1 * s2).to(dtype).to(tl.float32)
+    return o1.to(dtype), o2.to(dtype)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr,
                          k_cache_ptr, v_cache_ptr, slot_ptr,
                          qkv_stride, plane_stride, num_q_heads, num_kv_heads, eps, HALF: tl.constexpr,
@@ -45,14 +59,7 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr, cos_pt
     base = qkv_ptr + t * qkv_stride + h[:, None] * 2 * HALF + i[None, :]
     x1 = load_planes(base, h_ok[:, None], plane_stride, PLANES, dtype)
     x2 = load_planes(base + HALF, h_ok[:, None], plane_stride, PLANES, dtype)
-    var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
-    r = tl.math.rsqrt(var + eps)[:, None]
-    y1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    y2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    o1 = (y1 * c1).to(dtype).to(tl.float32) + (-y2 * s1).to(dtype).to(tl.float32)
-    o2 = (y2 * c2).to(dtype).to(tl.float32) + (y1 * s2).to(dtype).to(tl.float32)
-    r1 = o1.to(dtype)
-    r2 = o2.to(dtype)
+    r1, r2 = _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, HALF, dtype)
     q_rows = is_q & h_ok
     k_rows = (h >= num_q_heads) & h_ok
     kv_head = h - num_q_heads  # negative on q rows, which every k-side access masks off
@@ -164,13 +171,8 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, q_out_ptr, q_w_ptr, k_w_ptr, cos_ptr, si
     x2 = acc2.to(dtype).to(tl.float32)
     kv_type = k_cache_ptr.dtype.element_ty  # the model's dtype, or float8 e4m3 (rounded, saturated)
     kv_rows = (slot >= 0)[:, None]  # slot -1: a padding row of a captured graph
-    if kv_head < num_kv_heads:  # a q or a K head: RMSNorm, then RoPE, each rounded as the unfused model rounds
-        var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
-        r = tl.math.rsqrt(var + eps)[:, None]
-        y1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        y2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        r1 = ((y1 * c1).to(dtype).to(tl.float32) + (-y2 * s1).to(dtype).to(tl.float32)).to(dtype)
-        r2 = ((y2 * c2).to(dtype).to(tl.float32) + (y1 * s2).to(dtype).to(tl.float32)).to(dtype)
+    if kv_head < num_kv_heads:  # a q or a K head: RMSNorm, then RoPE
+        r1, r2 = _norm_rope(x1, x2, w1, w2, c1, c2, s1, s2, eps, HALF, dtype)
         if is_q:
             q_out = q_out_ptr + (rows * num_q_heads + h).to(tl.int64)[:, None] * 2 * HALF + i[None, :]
             tl.store(q_out, r1, mask=row_ok[:, None])
