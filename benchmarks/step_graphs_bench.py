@@ -243,16 +243,12 @@ def _set_variant(name: str) -> None:
         launch.set_early_weights(DECODE_VARIANTS[name])
         return
     launch.set_early_weights(True)
+    # f: the qkv projection fused with the q/k norm; s: the gate/up projection fused with SiLU; others: skinny GEMMs
+    tables = {"f": (fused.QKV_TUNED, "q"), "s": (fused.GATE_UP_TUNED, "g")}
     for part in name.split("+"):
         letter, _, tiling = part.partition("=")
-        if letter == "f":  # the qkv projection fused with the q/k norm at (block_k, num_stages, num_warps), or "off"
-            fused.QKV_TUNED[PROJECTIONS["q"]] = None if tiling == "off" else tuple(int(v) for v in tiling.split("."))
-            continue
-        if letter == "s":  # the gate/up projection fused with SiLU-and-multiply at (block_n, block_k, stages, warps)
-            fused.GATE_UP_TUNED[PROJECTIONS["g"]] = (None if tiling == "off"
-                                                    else tuple(int(v) for v in tiling.split(".")))
-            continue
-        skinny_gemm.TUNED[PROJECTIONS[letter]] = tuple(int(v) for v in tiling.split("."))
+        table, shape = tables.get(letter, (skinny_gemm.TUNED, letter))
+        table[PROJECTIONS[shape]] = None if tiling == "off" else tuple(int(v) for v in tiling.split("."))
 
 
 @torch.inference_mode()

@@ -193,8 +193,9 @@ def qkv_norm_rope(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, num_k
                   block_k: int = 128, num_stages: int = 4, num_warps: int = 4) -> torch.Tensor:
     """The qkv projection of a few rows (x [T <= 16, hidden] @ weight.T) and `qk_norm_rope` after it, one kernel:
     a program a head streams that head's weights, then normalises and rotates its q or K head, or takes its V
-    head, and writes K and V into the cache at `kv_cache`'s slots. Returns q [T, Hq, D]; the same values as the
-    skinny GEMM unsplit followed by `qk_norm_rope`."""
+    head, and writes K and V into the cache at `kv_cache`'s slots. Returns q [T, Hq, D]. Against the skinny GEMM
+    unsplit (same block_k) followed by `qk_norm_rope`: V the same bit for bit, q and K through the same roundings,
+    the norm's sums perhaps added in another order."""
     t, hidden = x.shape
     assert t <= 16 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == hidden
     assert weight.shape[0] == (num_q_heads + 2 * num_kv_heads) * head_dim
@@ -224,6 +225,14 @@ def qkv_fused_config(n: int, k: int) -> tuple[int, int, int] | None:
     if (n, k) in QKV_TUNED:
         return QKV_TUNED[(n, k)]
     return (128, 5, 4) if (n, k) == (6144, 2560) else None
+
+
+@triton.jit
+def _silu_times(g, u, dtype: tl.constexpr):
+    """silu(g) * u in `dtype` from float32 gate and up values, silu's result rounded to `dtype` first, as the
+    unfused model rounds it."""
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (act * u).to(dtype)
 
 
 @triton.jit
@@ -263,8 +272,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, K, inter, stride_xm, stride_w
     dtype = out_ptr.dtype.element_ty
     g = acc_g.to(dtype).to(tl.float32)  # gate and up as the projection stores them, then `silu_mul`'s roundings
     u = acc_u.to(dtype).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], (act * u).to(dtype),
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], _silu_times(g, u, dtype),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -311,8 +319,7 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.c
     dtype = out_ptr.dtype.element_ty
     g = tl.load(gate_up_ptr + t * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_up_ptr + t * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + t * inter + cols, (act * u).to(dtype), mask=mask)
+    tl.store(out_ptr + t * inter + cols, _silu_times(g, u, dtype), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
