@@ -30,6 +30,9 @@ CATEGORIES = ("attention", "GEMM", "norm", "activation", "elementwise", "communi
 _CATEGORY_RULES: tuple[tuple[str, re.Pattern], ...] = (
     ("memcpy/memset", re.compile(r"^(Memcpy|Memset|dma)", re.IGNORECASE)),
     ("communication", COMM_RE),
+    # a projection fused with the kernel after it streams the projection's weights, so it is a GEMM: the bundled
+    # engine's one-kernel qkv + q/k norm + RoPE + K/V write, and gate/up + SiLU-and-multiply
+    ("GEMM", re.compile(r"qkv_norm_rope|gate_up_silu", re.IGNORECASE)),
     ("norm", re.compile(r"qk_?norm", re.IGNORECASE)),  # a QK norm fused with RoPE is a norm, not attention
     ("attention", re.compile(
         r"flash_?attn|flash_fwd|flash_bwd|flash::|pytorch_flash|fmha|attention|attn|mha|paged_?kv|batch_?decode"

@@ -53,6 +53,8 @@ def test_category(name, expected):
     ("_add_rmsnorm_kernel", "norm"),
     ("_qk_norm_rope_kernel", "norm"),  # QK RMSNorm fused with RoPE
     ("_silu_mul_kernel", "activation"),
+    ("_qkv_norm_rope_kernel", "GEMM"),  # the qkv projection with the q/k norm, RoPE and K/V write after it
+    ("_gate_up_silu_kernel", "GEMM"),  # the gate/up projection with SiLU-and-multiply after it
     # their counterparts elsewhere
     ("void flashinfer::MergeStatesKernel<8u, 16u, 8u, 4u, __nv_bfloat16, __nv_bfloat16>(__nv_bfloat16*, float*)",
      "attention"),
