@@ -66,43 +66,48 @@ def bench_prefill(root: Path, repeats: int = 30) -> None:
     path = model_dir(root, "qwen3-0.6b")
     gpu_s = None
     for graphs in (True, False):
-        llm = LLM(path, prefill_cuda_graphs=graphs)
-        runner = llm.engine.runner
-        label = f"qwen3-0.6b bf16, prefill_cuda_graphs={graphs}"
-        rng = random.Random(7)
-        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        gpu_s = _prefill_engine(path, graphs, repeats, gpu_s)
+        _free()  # the engine of one path is gone before the next starts: each sizes its KV cache from free memory
 
-        def one(llm: LLM = llm) -> float:  # bound now: the loop deletes its name at the end
-            prompt = [rng.randrange(1000, 100000) for _ in range(512)]  # fresh tokens: no prefix-cache hit
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            llm.generate([prompt], params)
-            torch.cuda.synchronize()
-            return time.perf_counter() - t
 
+def _prefill_engine(path: Path, graphs: bool, repeats: int, gpu_s: float | None) -> float:
+    """bench_prefill's figures for one engine; returns the GPU time of the 512-token forward (measured with
+    graphs, passed through without). Every reference to the engine ends with this call."""
+    llm = LLM(path, prefill_cuda_graphs=graphs)
+    label = f"qwen3-0.6b bf16, prefill_cuda_graphs={graphs}"
+    rng = random.Random(7)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def one() -> float:
+        prompt = [rng.randrange(1000, 100000) for _ in range(512)]  # fresh tokens: no prefix-cache hit
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate([prompt], params)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    for _ in range(5):
+        one()
+    wall = statistics.median([one() for _ in range(repeats)])
+    if graphs:
+        graph, _ = llm.engine.runner.token_graphs.graphs[512]
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(50):
+            graph.replay()
+        torch.cuda.synchronize()
+        gpu_s = (time.perf_counter() - t) / 50
+        row("512-token forward on the GPU (its graph replayed back to back)", f"{1e3 * gpu_s:.2f} ms", label)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             one()
-        wall = statistics.median([one() for _ in range(repeats)])
-        if graphs:
-            graph, _ = runner.token_graphs.graphs[512]
-            for _ in range(3):
-                graph.replay()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(50):
-                graph.replay()
-            torch.cuda.synchronize()
-            gpu_s = (time.perf_counter() - t) / 50
-            row("512-token forward on the GPU (its graph replayed back to back)", f"{1e3 * gpu_s:.2f} ms", label)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                one()
-        kernels, launches = _launches(prof)
-        row(f"one 512-token prefill, LLM.generate max_tokens=1 (median of {repeats})",
-            f"{1e3 * wall:.2f} ms = {wall / gpu_s:.2f}x the GPU time",
-            f"{label}; {kernels / 5:.0f} kernels, {launches / 5:.0f} launch calls per call (torch.profiler, 5 calls)")
-        del llm, runner
-        _free()
+    kernels, launches = _launches(prof)
+    row(f"one 512-token prefill, LLM.generate max_tokens=1 (median of {repeats})",
+        f"{1e3 * wall:.2f} ms = {wall / gpu_s:.2f}x the GPU time",
+        f"{label}; {kernels / 5:.0f} kernels, {launches / 5:.0f} launch calls per call (torch.profiler, 5 calls)")
+    return gpu_s
 
 
 def bench_startup(root: Path, preset: str) -> None:
