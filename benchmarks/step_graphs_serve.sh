@@ -8,7 +8,7 @@
 #   bash benchmarks/step_graphs_serve.sh [PRESET] [OUTDIR]
 #   bash benchmarks/step_graphs_serve.sh qwen3-0.6b /tmp/step_graphs_serve
 #   (env: PORT 8000, RATE 60, NUM_PROMPTS 1200, INPUT_LEN 512, OUTPUT_LEN 128, MODES "graphs eager",
-#    PROFILE_PROMPTS 300, PROFILE_STEPS 300)
+#    PROFILE_PROMPTS 300, PROFILE_STEPS 300, SERVE_ARGS: more `infertrace serve` flags for every mode)
 set -euo pipefail
 preset=${1:-qwen3-0.6b}
 out=${2:-/tmp/step_graphs_serve}
@@ -45,7 +45,7 @@ for mode in $modes; do
   stamp "starting the server ($mode)"
   t0=$(date +%s%N)
   "${it[@]}" serve --model "$model" --served-model-name "$preset" --port "$port" --profile-dir "$out/profile-$mode" \
-    "$flag" >"$out/server-$mode.log" 2>&1 &
+    "$flag" ${SERVE_ARGS:-} >"$out/server-$mode.log" 2>&1 &
   server=$!
   for _ in $(seq 300); do
     curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
