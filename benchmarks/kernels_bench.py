@@ -1,7 +1,7 @@
 """Attention kernel timing on a GPU machine: decode against the bytes it must read, prefill against the FLOPs it
 must do (ours over the paged cache, and PyTorch's built-in flash kernels over contiguous K/V for comparison).
 
-Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8,splits,widen,qknorm,order,tiles]
+Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8,splits,widen,qknorm,order]
 """
 
 from __future__ import annotations
@@ -234,69 +234,6 @@ def order_probe() -> None:
                   f"longest first {first_us:.1f} us ({first_bw / 1e12:.2f} TB/s), {row_us / first_us:.3f}x", flush=True)
 
 
-def tile_order_case(q_lens: list[int], ctx_lens: list[int], bucket: int, layers: int = 28, heads: int = 16,
-                    kv_heads: int = 8, max_seqs: int = 256) -> tuple[float, float]:
-    """Microseconds per layer of a token-count graph's attention over the tile list of `bucket`: `layers` launches
-    in one CUDA graph, each over its own layer's cache, the list in sequence order and then longest key walk first
-    (the same programs; only their launch order differs). qwen3-0.6b's heads, bf16, 16-token blocks."""
-    from infertrace.engine.kernels import launch
-    from infertrace.engine.kernels.tiles import attention_tile_array, max_attention_tiles, prefill_block_m
-
-    dev, dim, block_size = "cuda", 128, 16
-    group = heads // kv_heads
-    block_m = prefill_block_m(bucket, group)
-    length = max_attention_tiles(bucket, max_seqs, group, block_m)
-    blocks = [-(-c // block_size) for c in ctx_lens]
-    tables = torch.zeros(len(q_lens), max(blocks), dtype=torch.int32, device=dev)
-    perm = torch.randperm(sum(blocks), device=dev, dtype=torch.int32)
-    for i, (start, n) in enumerate(zip([0] + list(torch.tensor(blocks).cumsum(0)[:-1].tolist()), blocks)):
-        tables[i, :n] = perm[start:start + n]
-    caches = [(torch.randn(sum(blocks), block_size, kv_heads, dim, device=dev, dtype=torch.bfloat16),
-               torch.randn(sum(blocks), block_size, kv_heads, dim, device=dev, dtype=torch.bfloat16))
-              for _ in range(layers)]
-    q = torch.randn(bucket, heads, dim, device=dev, dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
-    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
-    tile_seq = torch.empty(length, dtype=torch.int64, device=dev)
-    tile_index = torch.empty_like(tile_seq)
-    qn, cn = torch.tensor(q_lens).numpy(), torch.tensor(ctx_lens).numpy()
-    launch.set_enabled(True)
-
-    def step():
-        for k, v in caches:
-            paged_attention(q, k, v, cu, ctx, tables, bucket, dim ** -0.5, out=out,
-                            tiles=(tile_seq, tile_index, block_m))
-
-    times = []
-    for ordered in (False, True):
-        tiles = attention_tile_array(qn, group, block_m, length, cn if ordered else None)
-        tile_seq.copy_(torch.from_numpy(tiles[0]))
-        tile_index.copy_(torch.from_numpy(tiles[1]))
-        times.append(1e3 * triton.testing.do_bench_cudagraph(step, return_mode="median") / layers)
-    return times[0], times[1]
-
-
-def tile_order_probe() -> None:
-    """Token-count graph attention with its tile list in sequence order and longest key walk first: a 512-token
-    prompt with and without decode rows (the 60 req/s serve load's mixed steps), and longer prefill chunks."""
-    import random
-
-    rng = random.Random(0)
-    cases = [("one 512-token prompt", [512], [512], 512)]
-    for rows in (8, 16, 32):
-        lens = [rng.randint(513, 640) for _ in range(rows)]
-        cases.append((f"{rows} decode rows (contexts 513-640) + a 512-token prompt", [1] * rows + [512],
-                      lens + [512], 512 + rows))
-    cases.append(("one 2,048-token prompt", [2048], [2048], 2048))
-    cases.append(("16 decode rows (contexts 1,000-3,000) + a 2,048-token chunk after 2,048 cached",
-                  [1] * 16 + [2048], [rng.randint(1000, 3000) for _ in range(16)] + [4096], 2064))
-    for name, q_lens, ctx_lens, bucket in cases:
-        plain, first = tile_order_case(q_lens, ctx_lens, -(-bucket // 16) * 16)
-        print(f"{name}: sequence order {plain:.2f} us a layer, longest walk first {first:.2f} us "
-              f"({plain / first:.3f}x)", flush=True)
-
-
 def qk_norm_timing() -> None:
     """The fused q/k RMSNorm + RoPE with its KV write: one call replayed from a CUDA graph, at a decode batch of the
     nano-vllm workload, a batch-8 qwen3-4b decode step and a 2,048-token prefill."""
@@ -334,7 +271,7 @@ def main() -> None:
             print(f"{bs:>4} {prefix:>6} {new:>6} {heads:>6} {r['ours_ms']:>8.3f} {r['ours_tflops']:>8.0f} "
                   f"{torch_cols}  {r['torch']}")
     sweeps = {"sweep": decode_sweep, "fp8": fp8_sweep, "splits": splits_probe, "widen": fp8_widen_probe,
-              "qknorm": qk_norm_timing, "order": order_probe, "tiles": tile_order_probe}
+              "qknorm": qk_norm_timing, "order": order_probe}
     for name, sweep in sweeps.items():
         if name in only:
             sweep()

@@ -71,9 +71,6 @@ class EngineConfig:
     # decode attention (Triton backend) launches its sequences' programs longest context first: over mixed context
     # lengths a long context launched last otherwise runs on alone while the rest of the GPU idles
     decode_longest_first: bool = True
-    # prefill and mixed steps replayed from token-count graphs (Triton attention): the attention's tile list comes
-    # longest key walk first, so a prompt's last tiles and long decode rows do not start after the short ones
-    prefill_longest_first: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
     cuda_graph_token_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_TOKEN_SIZES
     # CPU KV offload

@@ -126,7 +126,6 @@ class ModelRunner:
         self.attention = make_attention_backend(config, self.device)
         # decode attention launched longest context first (the Triton kernel's `seq_order`)
         self._ordered_decode = config.decode_longest_first and self.attention.name == "triton"
-        self._ordered_tiles = config.prefill_longest_first and self.attention.name == "triton"
 
         with torch.device("meta"):
             model = Qwen3ForCausalLM(self.spec, self.dtype, tp)
@@ -385,8 +384,7 @@ class ModelRunner:
             buffers.put("slot_mapping", np.full(bucket - num_tokens, -1, dtype=np.int64), num_tokens)
             graphs = self.token_graphs
             tiles = attention_tile_array(np.asarray(inputs.query_lens, dtype=np.int64), graphs.group,
-                                         graphs.block_m(bucket), graphs.num_tiles(bucket),
-                                         np.asarray(inputs.seq_lens, dtype=np.int64) if self._ordered_tiles else None)
+                                         graphs.block_m(bucket), graphs.num_tiles(bucket))
             buffers.put("attn_tile_seq", tiles[0])
             buffers.put("attn_tile_index", tiles[1])
         fed = None

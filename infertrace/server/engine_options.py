@@ -34,8 +34,6 @@ FIELD_HELP = {
            "before drains.",
     "decode_longest_first": "Decode attention launches its requests' programs longest context first (Triton "
                             "backend).",
-    "prefill_longest_first": "Prefill and mixed steps from token-count graphs launch their attention tiles longest "
-                             "key walk first (Triton backend).",
     "skinny_gemm": "Projections of small decode steps as weight-streaming Triton GEMMs (CUDA, 16-bit, fused norm).",
     "fused_projections": "With --skinny-gemm: the qkv projection with its q/k norm and RoPE, and the gate/up "
                          "projection with SiLU, as one kernel each where measured faster (qwen3-4b's shapes).",

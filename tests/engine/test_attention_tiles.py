@@ -53,29 +53,3 @@ def test_decode_order_is_longest_context_first_then_padding():
     order = decode_order(lens, 256).tolist()
     assert sorted(order) == list(range(256))
     assert all(lens[a] >= lens[b] for a, b in itertools.pairwise(order))
-
-
-def test_with_context_lengths_the_longest_key_walk_comes_first():
-    # group 2, 64 rows a tile: 32 query tokens a tile. Sequence 0 decodes at context 700, sequence 1 prefills 96
-    # fresh tokens (tiles walking 32, 64 and 96 keys), sequence 2 decodes at context 50, sequence 3 has 40 new
-    # tokens after 200 cached (tiles walking 232 and 240 keys)
-    seqs, index = attention_tiles([1, 96, 1, 40], group=2, block_m=64, length=9, context_lens=[700, 96, 50, 240])
-    assert seqs == [0, 3, 3, 1, 1, 2, 1, -1, -1]
-    assert index == [0, 1, 0, 2, 1, 0, 0, 0, 0]
-
-
-def test_the_order_keeps_every_tile_once():
-    rng = random.Random(3)
-    for _ in range(300):
-        group = rng.choice([1, 2, 4, 8])
-        q_lens = [rng.choice([1, 1, rng.randint(1, 700)]) for _ in range(rng.randint(1, 12))]
-        ctx = [q + rng.choice([0, rng.randint(0, 3000)]) for q in q_lens]
-        block_m = prefill_block_m(max(q_lens), group)
-        length = max_attention_tiles(sum(q_lens), len(q_lens), group, block_m) + rng.randint(0, 5)
-        plain = attention_tiles(q_lens, group, block_m, length)
-        ordered = attention_tiles(q_lens, group, block_m, length, context_lens=ctx)
-        assert sorted(zip(*plain)) == sorted(zip(*ordered))
-        walks = [min(c, c - q + (t * block_m + block_m - 1) // group + 1)
-                 for s, t in zip(*ordered) if s >= 0 for c, q in [(ctx[s], q_lens[s])]]
-        assert walks == sorted(walks, reverse=True)
-        assert ordered[0][len(walks):] == [-1] * (length - len(walks))

@@ -141,13 +141,12 @@ def test_paged_attention_over_a_64k_context(q_len):
     assert err < 1e-2, float(err)
 
 
-@pytest.mark.parametrize("longest_first", [False, True], ids=["sequence-order", "longest-walk-first"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads", [(16, 8), (32, 8)])
-def test_tile_list_grid_matches_the_per_sequence_grid(dtype, heads, kv_heads, longest_first):
+def test_tile_list_grid_matches_the_per_sequence_grid(dtype, heads, kv_heads):
     """The grid of a token-count graph: a tile list padded with empty entries (sequence -1), replayed from a CUDA
     graph after the list and the lengths changed, gives the per-sequence grid's values (same BLOCK_M) and writes
-    no row of a padding token; in sequence order or longest key walk first alike."""
+    no row of a padding token."""
     from infertrace.engine.kernels.paged_attention import paged_attention
     from infertrace.engine.kernels.tiles import attention_tiles, max_attention_tiles, prefill_block_m
 
@@ -181,7 +180,7 @@ def test_tile_list_grid_matches_the_per_sequence_grid(dtype, heads, kv_heads, lo
         total = sum(q_lens)
         cu[: len(q_lens) + 1] = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)))
         ctx[: len(q_lens)] = torch.tensor(ctx_lens)
-        seqs, index = attention_tiles(q_lens, group, block_m, n_tiles, ctx_lens if longest_first else None)
+        seqs, index = attention_tiles(q_lens, group, block_m, n_tiles)
         tile_seq.copy_(torch.tensor(seqs))
         tile_index.copy_(torch.tensor(index))
         out.fill_(float("nan"))

@@ -18,40 +18,23 @@ def max_attention_tiles(num_tokens: int, max_seqs: int, group: int, block_m: int
     return -(-num_tokens * group // block_m) + min(num_tokens, max_seqs)
 
 
-def attention_tiles(query_lens: list[int], group: int, block_m: int, length: int,
-                    context_lens: list[int] | None = None) -> tuple[list[int], list[int]]:
+def attention_tiles(query_lens: list[int], group: int, block_m: int, length: int) -> tuple[list[int], list[int]]:
     """(tile_seq, tile_index) lists of `length` entries for `paged_attention(tiles=...)`: every tile of every
-    sequence's query rows, then entries of sequence -1. With `context_lens` (cached + new tokens, a sequence each)
-    the tiles come longest key walk first (`attention_tile_array`)."""
-    tiles = attention_tile_array(np.asarray(query_lens, dtype=np.int64), group, block_m, length,
-                                 None if context_lens is None else np.asarray(context_lens, dtype=np.int64))
+    sequence's query rows, then entries of sequence -1."""
+    tiles = attention_tile_array(np.asarray(query_lens, dtype=np.int64), group, block_m, length)
     return tiles[0].tolist(), tiles[1].tolist()
 
 
-def attention_tile_array(query_lens: np.ndarray, group: int, block_m: int, length: int,
-                         context_lens: np.ndarray | None = None) -> np.ndarray:
-    """`attention_tiles` as one [2, length] int64 array (tile_seq, tile_index), computed without a Python loop.
-
-    Without `context_lens` the tiles come in sequence order, each sequence's in query order. With them they come
-    by the keys each tile walks, most first (ties in that order): the kernel's programs launch in list order, and
-    a long walk launched last (a prompt's last tile, a decode row of a long context) would run on alone after the
-    rest have finished. The order changes which program runs when, not what any program computes."""
+def attention_tile_array(query_lens: np.ndarray, group: int, block_m: int, length: int) -> np.ndarray:
+    """`attention_tiles` as one [2, length] int64 array (tile_seq, tile_index), computed without a Python loop."""
     per_seq = -(-query_lens * group // block_m)
     used = int(per_seq.sum())
     assert used <= length, (used, length)
     tiles = np.zeros((2, length), dtype=np.int64)
     tiles[0, used:] = -1
-    seq = np.repeat(np.arange(len(per_seq)), per_seq)
+    tiles[0, :used] = np.repeat(np.arange(len(per_seq)), per_seq)
     first = np.cumsum(per_seq) - per_seq  # each sequence's first entry
-    index = np.arange(used) - np.repeat(first, per_seq)
-    if context_lens is not None and used > 1:
-        # the kernel's key range of a tile: up to the position of its last query token (`kv_end` there)
-        ctx, q_len = context_lens[seq], query_lens[seq]
-        walk = np.minimum(ctx, ctx - q_len + (index * block_m + block_m - 1) // group + 1)
-        order = np.argsort(-walk, kind="stable")
-        seq, index = seq[order], index[order]
-    tiles[0, :used] = seq
-    tiles[1, :used] = index
+    tiles[1, :used] = np.arange(used) - np.repeat(first, per_seq)
     return tiles
 
 
