@@ -14,7 +14,9 @@
 # benchmarks/gate_baseline.json and says so. Move REFERENCE forward with a change that is meant to move the figure.
 #
 # The bound is +40% (an engine made to do twice the work per step gives about +100%); wall-clock throughput is
-# gated only against collapse.
+# gated only against collapse. A bound fails only when the whole bootstrap interval lies beyond it, so scattered runs
+# widen the interval rather than raise false alarms: on one CI machine whose runs scattered by about 20%, a doubled
+# step came out at +94% with the interval [+37%, +160%] and passed as within noise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD

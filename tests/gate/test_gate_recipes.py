@@ -85,11 +85,15 @@ def test_ci_gate_bounds_parse_and_the_baseline_has_their_metrics():
 
 @pytest.mark.slow
 def test_ci_gate_fails_on_a_slowed_engine():
-    """The real script and bounds, with every engine step of this checkout made to take twice as long and the
-    reference commit's code left as it is (real engine runs: about two minutes on two cores)."""
+    """The real script and bounds, with every engine step of this checkout made to take four times as long and the
+    reference commit's code left as it is (real engine runs: about two and a half minutes on two cores).
+
+    Four times, not two: a doubled step gives about +100% CPU time per token, but on a CI machine whose runs
+    scattered by about 20% one such run came out at +94% with the interval [+37%, +160%], which the gate rightly
+    calls within noise of the +40% bound. At four times the interval clears the bound at that scatter."""
     env = os.environ | {
         "PYTHONPATH": str(Path(__file__).parent / "slow_engine"),
-        "INFERTRACE_TEST_SLOWDOWN": "2",
+        "INFERTRACE_TEST_SLOWDOWN": "4",
         "INFERTRACE_TEST_SLOWDOWN_ROOT": str(ROOT),
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     }
