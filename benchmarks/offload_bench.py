@@ -198,9 +198,9 @@ class LogitRecorder:
         self.sampler = sampler
         self.rows: list[torch.Tensor] = []
 
-    def __call__(self, logits, params, generators):
+    def __call__(self, logits, params, generators, greedy=None):
         self.rows += [r.float().cpu() for r in logits.detach()]
-        return self.sampler(logits, params, generators)
+        return self.sampler(logits, params, generators, greedy)
 
 
 def hf_last_logits(path: Path, prompt: list[int], dtype: str) -> torch.Tensor:

@@ -32,7 +32,8 @@ class DecodeGraphs:
         self.block_size = block_size
         self.ordered = ordered  # the attention launches rows in the buffers' decode_order
         self.buckets = sorted(b for b in bucket_sizes if b <= max_seqs)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # per bucket: the graph, its logits and their greedy argmax (greedy sampling then launches nothing)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
     def decode_meta(self, bs: int) -> AttentionMetadata:
         b = self.buffers
@@ -52,29 +53,33 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self, pool=None):
         """Capture every bucket into `pool` (a new one when None); returns the pool."""
+        from infertrace.engine.kernels.argmax import argmax_rows
+
         b = self.buffers
         b.pad_decode_rows(0, b.seq_lens.numel())
         for bs in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool
             meta = self.decode_meta(bs)
-            self.model.compute_logits(self.model(b.input_ids[:bs], b.positions[:bs], meta))  # warm-up
+            argmax_rows(self.model.compute_logits(self.model(b.input_ids[:bs], b.positions[:bs], meta)))  # warm-up
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model.compute_logits(self.model(b.input_ids[:bs], b.positions[:bs], meta))
+                greedy = argmax_rows(logits)
             pool = graph.pool()
-            self.graphs[bs] = (graph, logits)
+            self.graphs[bs] = (graph, logits, greedy)
         torch.cuda.synchronize()
         return pool
 
     def bucket_for(self, batch_size: int) -> int | None:
         return _smallest_at_least(self.buckets, batch_size)
 
-    def replay(self, batch_size: int) -> torch.Tensor:
+    def replay(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [batch_size, vocab] of the decode step whose inputs, padded to its bucket
-        (`StepBuffers.put_decode_padding`), are in the buffers' first rows."""
-        graph, logits = self.graphs[self.bucket_for(batch_size)]
+        (`StepBuffers.put_decode_padding`), are in the buffers' first rows, and the argmax of each row (greedy
+        sampling's tokens). Both are the graph's own outputs: the next replay overwrites them, in stream order."""
+        graph, logits, greedy = self.graphs[self.bucket_for(batch_size)]
         graph.replay()
-        return logits[:batch_size]
+        return logits[:batch_size], greedy[:batch_size]
 
 
 class TokenGraphs:

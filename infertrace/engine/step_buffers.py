@@ -16,6 +16,8 @@ import math
 import numpy as np
 import torch
 
+_MAX_VIEWS = 4096  # kept destination views (name, start, rows, width); all are dropped when this many are kept
+
 
 class StepBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
@@ -60,6 +62,7 @@ class StepBuffers:
             self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self._count = 0  # values put since `begin`
+        self._views: dict[tuple[str, int, int, int | None], torch.Tensor] = {}  # `put`'s destination views, kept
 
     def begin(self) -> None:
         """Start a step's `put` calls in the other staging buffer (waiting until the copy out of it has run)."""
@@ -73,17 +76,23 @@ class StepBuffers:
         `block_tables`); returns the device view they land in, valid in stream order once `commit` has run."""
         buffer = getattr(self, name)
         rows = len(values)
-        dst = buffer[start : start + rows]
-        if values.ndim == 2:
-            width = values.shape[1]
-            dst = dst[:, :width]
+        width = values.shape[1] if values.ndim == 2 else None
+        key = (name, start, rows, width)
+        dst = self._views.get(key)
+        if dst is None:  # a view costs microseconds of host time a step; the same few recur step after step
+            dst = buffer[start : start + rows]
+            if width is not None:
+                dst = dst[:, :width]
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            self._views[key] = dst
         if not self._staged:
             dst.copy_(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)))
             return dst
         n, count = values.size, self._count
         self._staging_np[self._turn][count : count + n] = values.reshape(-1)
         base = self._offset[name] + start * buffer.stride(0)
-        if values.ndim == 2:
+        if width is not None:
             stride = buffer.stride(0)
             self._index[count : count + n].reshape(rows, width)[:] = \
                 self._iota[base : base + rows * stride].reshape(rows, stride)[:, :width]

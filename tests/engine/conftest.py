@@ -21,9 +21,9 @@ def spy_logits(engine) -> list:
     seen = []
     sampler = engine.runner.sampler
 
-    def spy(rows, sampling, generators):
+    def spy(rows, sampling, generators, greedy=None):
         seen.append(rows.float().cpu().clone())
-        return sampler(rows, sampling, generators)
+        return sampler(rows, sampling, generators, greedy)
 
     engine.runner.sampler = spy
     return seen

@@ -36,9 +36,9 @@ def _first_logits(engine, prompt):
     captured = []
     sampler = engine.runner.sampler
 
-    def spy(logits, params, generators):
+    def spy(logits, params, generators, greedy=None):
         captured.append(logits[0].float().cpu())
-        return sampler(logits, params, generators)
+        return sampler(logits, params, generators, greedy)
 
     engine.runner.sampler = spy
     engine.add_request("first", prompt, SamplingParams(max_tokens=1, ignore_eos=True))

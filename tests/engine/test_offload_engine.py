@@ -22,9 +22,9 @@ class LogitRecorder:
         self.sampler = sampler
         self.rows: list[torch.Tensor] = []
 
-    def __call__(self, logits, params, generators):
+    def __call__(self, logits, params, generators, greedy=None):
         self.rows += list(logits.detach().clone())
-        return self.sampler(logits, params, generators)
+        return self.sampler(logits, params, generators, greedy)
 
 
 def recording(engine):

@@ -33,9 +33,9 @@ def _run(path, waves, params, **overrides):
     logits_seen = []
     sampler = engine.runner.sampler
 
-    def spy(logits, sampling, generators):
+    def spy(logits, sampling, generators, greedy=None):
         logits_seen.append(logits.float().cpu())
-        return sampler(logits, sampling, generators)
+        return sampler(logits, sampling, generators, greedy)
 
     engine.runner.sampler = spy
     tokens: dict[str, list[int]] = {}
