@@ -55,11 +55,13 @@ for mode in $modes; do
   stamp "server ready after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
   curl -s "http://127.0.0.1:$port/server_info" >"$out/server_info-$mode.json" || true
   load=(--base-url "http://127.0.0.1:$port" --tokenizer "$model" --request-rate "$rate" --input-len "$input_len"
-        --output-len "$output_len" --ignore-eos --seed 0 --warmup 8)
-  "${it[@]}" bench "${load[@]}" --num-prompts "$num_prompts" --result-json "$out/$mode.json"
+        --output-len "$output_len" --ignore-eos --warmup 8)
+  "${it[@]}" bench "${load[@]}" --seed 0 --num-prompts "$num_prompts" --result-json "$out/$mode.json"
   curl -s "http://127.0.0.1:$port/metrics" >"$out/metrics-$mode.txt" || true
   stamp "profiled run ($mode)"
-  "${it[@]}" bench "${load[@]}" --num-prompts "$profile_prompts" --profile --profile-steps "$profile_steps" \
+  # prompts of another seed: with the same ones, a KV cache that still holds the measured run's prompts (an H200's
+  # does) would serve them from the prefix cache, and the captured mixed steps would prefill 16 tokens, not 512
+  "${it[@]}" bench "${load[@]}" --seed 1 --num-prompts "$profile_prompts" --profile --profile-steps "$profile_steps" \
     --result-json "$out/$mode-profiled.json"
   stop_server
 done
