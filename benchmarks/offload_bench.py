@@ -198,9 +198,9 @@ class LogitRecorder:
         self.sampler = sampler
         self.rows: list[torch.Tensor] = []
 
-    def __call__(self, logits, params, generators, greedy=None):
+    def __call__(self, logits, params, generators):
         self.rows += [r.float().cpu() for r in logits.detach()]
-        return self.sampler(logits, params, generators, greedy)
+        return self.sampler(logits, params, generators)
 
 
 def hf_last_logits(path: Path, prompt: list[int], dtype: str) -> torch.Tensor:

@@ -18,7 +18,7 @@ replayed alternating at contexts 385 and 640; `wholerun`: the issue's decode mea
 under each of `--wholerun`, alternating.
 
 `between`: the decode loop as the engine runs it, under torch.profiler: what the GPU runs each step besides the
-decode layers' kernels (the embedding lookup and the greedy argmax inside the graph; input copies and the copy of
+decode layers' kernels (the embedding lookup inside the graph; the greedy argmax, the input copies and the copy of
 the tokens back outside it) and how long it idles.
 
 `nanoorder`: the nano-vllm workload over an 8-bit cache with decode attention launched longest context first and in
@@ -303,9 +303,9 @@ def decode_variants(root: Path, names: list[str], contexts=(385, 640), rounds: i
 
 def decode_between(root: Path, batch: int = 8, steps: int = 30) -> None:
     """The batch-8 qwen3-4b decode loop as the engine runs it (one step after another), under torch.profiler: per
-    step, what the GPU runs besides the decode layers' kernels (the embedding lookup at the graph's start and the
-    greedy argmax at its end; outside the graph the input copies and the copy of the tokens back), and the time the
-    GPU runs nothing."""
+    step, what the GPU runs besides the decode layers' kernels (the embedding lookup at the graph's start; after it
+    the sampler's greedy argmax, the input copies and the copy of the tokens back), and the time the GPU runs
+    nothing."""
     llm = LLM(model_dir(root, "qwen3-4b"), prefill_cuda_graphs=False)
     rng = random.Random(0)
     for i in range(batch):

@@ -32,8 +32,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.ordered = ordered  # the attention launches rows in the buffers' decode_order
         self.buckets = sorted(b for b in bucket_sizes if b <= max_seqs)
-        # per bucket: the graph, its logits and their greedy argmax (greedy sampling then launches nothing)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def decode_meta(self, bs: int) -> AttentionMetadata:
         b = self.buffers
@@ -52,34 +51,34 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, pool=None):
-        """Capture every bucket into `pool` (a new one when None); returns the pool."""
-        from infertrace.engine.kernels.argmax import argmax_rows
+        """Capture every bucket into `pool` (a new one when None); returns the pool.
 
+        The graphs end at the logits: the sampler's greedy argmax runs after them. Captured at the graph's end (or
+        as a graph of its own), the argmax saved about 100 us of host time a step but made the batch-8 qwen3-4b
+        decode step's layers about 30 us slower on an H100 (their dependent launches overlapped less), so it is not."""
         b = self.buffers
         b.pad_decode_rows(0, b.seq_lens.numel())
         for bs in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool
             meta = self.decode_meta(bs)
-            argmax_rows(self.model.compute_logits(self.model(b.input_ids[:bs], b.positions[:bs], meta)))  # warm-up
+            self.model.compute_logits(self.model(b.input_ids[:bs], b.positions[:bs], meta))  # warm-up
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model.compute_logits(self.model(b.input_ids[:bs], b.positions[:bs], meta))
-                greedy = argmax_rows(logits)
             pool = graph.pool()
-            self.graphs[bs] = (graph, logits, greedy)
+            self.graphs[bs] = (graph, logits)
         torch.cuda.synchronize()
         return pool
 
     def bucket_for(self, batch_size: int) -> int | None:
         return _smallest_at_least(self.buckets, batch_size)
 
-    def replay(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, batch_size: int) -> torch.Tensor:
         """Logits [batch_size, vocab] of the decode step whose inputs, padded to its bucket
-        (`StepBuffers.put_decode_padding`), are in the buffers' first rows, and the argmax of each row (greedy
-        sampling's tokens). Both are the graph's own outputs: the next replay overwrites them, in stream order."""
-        graph, logits, greedy = self.graphs[self.bucket_for(batch_size)]
+        (`StepBuffers.put_decode_padding`), are in the buffers' first rows."""
+        graph, logits = self.graphs[self.bucket_for(batch_size)]
         graph.replay()
-        return logits[:batch_size], greedy[:batch_size]
+        return logits[:batch_size]
 
 
 class TokenGraphs:
@@ -135,7 +134,11 @@ class TokenGraphs:
 
     @torch.inference_mode()
     def capture(self, pool=None):
-        """Capture every bucket into `pool` (a new one when None); returns the pool."""
+        """Capture every bucket into `pool` (a new one when None); returns the pool.
+
+        The graphs end at the logits: the sampler's greedy argmax runs after them. Captured at the graph's end (or
+        as a graph of its own), the argmax saved about 100 us of host time a step but made the batch-8 qwen3-4b
+        decode step's layers about 30 us slower on an H100 (their dependent launches overlapped less), so it is not."""
         b = self.buffers
         b.slot_mapping.fill_(-1)  # the warm-ups and captures write no KV and attend to nothing
         b.attn_tile_seq.fill_(-1)

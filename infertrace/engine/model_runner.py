@@ -279,14 +279,13 @@ class ModelRunner:
                 inputs.name = step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens)
                 self.other_ranks.step(inputs)
             input_ids, positions, meta, logits_indices = self.prepare_inputs(inputs, feed)
-        logits, greedy = self.forward(inputs, input_ids, positions, meta, logits_indices)
+        logits = self.forward(inputs, input_ids, positions, meta, logits_indices)
         with annotate("sample"):
             samples = [s.samples for s in plan.scheduled]
             sampling = [s for s, sampled in zip(plan.scheduled, samples) if sampled]
             if not sampling:
                 return LaunchedStep(plan, samples, None, None, None)
-            tokens = self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling],
-                                  greedy)
+            tokens = self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
             if not self._landing:
                 return LaunchedStep(plan, samples, tokens, None, None)
             host, event = self._landing[self._turn]
@@ -303,11 +302,10 @@ class ModelRunner:
         self.forward(inputs, *prepared)
 
     def forward(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Logits [requests that sample, vocab] in the model's dtype (None when none samples), and their rows' argmax
-        where a decode graph computed it (else None); every rank runs this. Logits are not widened to float32 here:
-        greedy rows take their argmax as they are (the same index: widening is exact), and a row that samples is
-        widened by itself in the sampler."""
+                logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """Logits [requests that sample, vocab] in the model's dtype (None when none samples); every rank runs this.
+        They are not widened to float32 here: greedy rows take their argmax as they are (the same index: widening
+        is exact), and a row that samples is widened by itself in the sampler."""
         with annotate("forward"):
             if self._graph_step(inputs):
                 return self.graphs.replay(inputs.batch_size)
@@ -316,7 +314,7 @@ class ModelRunner:
                 hidden = self.token_graphs.replay(bucket, inputs.input_ids.size)
             else:
                 hidden = self.model(input_ids, positions, meta)
-            return (self.model.compute_logits(hidden[logits_indices]) if logits_indices.numel() else None), None
+            return self.model.compute_logits(hidden[logits_indices]) if logits_indices.numel() else None
 
     def host_inputs(self, plan: StepPlan) -> StepInputs:
         """The plan as host arrays, computed per step rather than per token (no Python loop over tokens)."""

@@ -17,16 +17,12 @@ class Sampler:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-        greedy: torch.Tensor | None = None,
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> torch.Tensor:
         """logits [B, V] in the model's dtype; one token id per row, as a long tensor on the logits' device (no host
         sync for greedy rows, so a step's tokens can feed the next step before the host has seen them). Greedy rows
-        take the argmax of the logits as they are (`greedy`: that argmax, already computed, as a decode graph does);
-        a row that samples is widened to float32 first."""
-        if greedy is not None:
-            tokens = greedy
-        elif logits.is_cuda:
+        take the argmax of the logits as they are; a row that samples is widened to float32 first."""
+        if logits.is_cuda:
             from infertrace.engine.kernels.argmax import argmax_rows
 
             tokens = argmax_rows(logits)

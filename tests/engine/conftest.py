@@ -21,9 +21,9 @@ def spy_logits(engine) -> list:
     seen = []
     sampler = engine.runner.sampler
 
-    def spy(rows, sampling, generators, greedy=None):
+    def spy(rows, sampling, generators):
         seen.append(rows.float().cpu().clone())
-        return sampler(rows, sampling, generators, greedy)
+        return sampler(rows, sampling, generators)
 
     engine.runner.sampler = spy
     return seen

@@ -36,9 +36,9 @@ def _first_logits(engine, prompt):
     captured = []
     sampler = engine.runner.sampler
 
-    def spy(logits, params, generators, greedy=None):
+    def spy(logits, params, generators):
         captured.append(logits[0].float().cpu())
-        return sampler(logits, params, generators, greedy)
+        return sampler(logits, params, generators)
 
     engine.runner.sampler = spy
     engine.add_request("first", prompt, SamplingParams(max_tokens=1, ignore_eos=True))

@@ -68,15 +68,3 @@ def test_greedy_rows_take_the_argmax():
 def test_invalid_sampling_params(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
-
-
-def test_a_precomputed_argmax_gives_greedy_rows_and_sampling_rows_still_draw():
-    """A decode graph hands the sampler its rows' argmax: greedy rows take it as it is (no argmax of their own),
-    a row that samples draws from its logits."""
-    sampler = Sampler(seed=0, device=torch.device("cpu"))
-    logits = torch.tensor([[0.0, 1.0, 0.5], [0.0, 9.0, -9.0]])
-    given = torch.tensor([2, 0])  # not the argmax: shows the rows took what they were given
-    params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1)]
-    tokens = sampler(logits, params, [None, None], given)
-    assert tokens.tolist() == [2, 1]
-    assert given.tolist() == [2, 0]  # the graph's own output is not written into

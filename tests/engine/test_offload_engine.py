@@ -22,9 +22,9 @@ class LogitRecorder:
         self.sampler = sampler
         self.rows: list[torch.Tensor] = []
 
-    def __call__(self, logits, params, generators, greedy=None):
+    def __call__(self, logits, params, generators):
         self.rows += list(logits.detach().clone())
-        return self.sampler(logits, params, generators, greedy)
+        return self.sampler(logits, params, generators)
 
 
 def recording(engine):

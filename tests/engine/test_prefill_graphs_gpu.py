@@ -33,9 +33,9 @@ def _run(path, waves, params, **overrides):
     logits_seen = []
     sampler = engine.runner.sampler
 
-    def spy(logits, sampling, generators, greedy=None):
+    def spy(logits, sampling, generators):
         logits_seen.append(logits.float().cpu())
-        return sampler(logits, sampling, generators, greedy)
+        return sampler(logits, sampling, generators)
 
     engine.runner.sampler = spy
     tokens: dict[str, list[int]] = {}
