@@ -7,6 +7,8 @@
 #
 #   bash benchmarks/step_graphs_serve.sh [PRESET] [OUTDIR]
 #   bash benchmarks/step_graphs_serve.sh qwen3-0.6b /tmp/step_graphs_serve
+#   Each profiled capture is analysed at the end (analysis-MODE.json: `infertrace analyze --json`), and
+#   OUTDIR/summary.json holds every mode's measured results and the capture's step phases.
 #   (env: PORT 8000, RATE 60, NUM_PROMPTS 1200, INPUT_LEN 512, OUTPUT_LEN 128, MODES "graphs eager",
 #    PROFILE_PROMPTS 300, PROFILE_STEPS 300, SERVE_ARGS: more `infertrace serve` flags for every mode)
 set -euo pipefail
@@ -64,6 +66,9 @@ for mode in $modes; do
   "${it[@]}" bench "${load[@]}" --seed 1 --num-prompts "$profile_prompts" --profile --profile-steps "$profile_steps" \
     --result-json "$out/$mode-profiled.json"
   stop_server
+  # the capture's step phases, here, so a remote run need not bring the traces back (analysis-MODE.json is small)
+  "${it[@]}" analyze "$out/profile-$mode" --json "$out/analysis-$mode.json" >"$out/analysis-$mode.txt" 2>&1 ||
+    echo "analyze of $out/profile-$mode failed: see $out/analysis-$mode.txt"
 done
 
 python3 - "$out" $modes <<'PY'
@@ -88,5 +93,19 @@ for mode in sys.argv[2:]:
                     sums.setdefault(s.labels.get("kind"), {})[field] = s.value
     print("    step mean (ms): " + ", ".join(f"{k} {1e3 * v['sum'] / v['count']:.2f} over {v['count']:.0f}"
                                            for k, v in sorted(sums.items()) if v.get("count")))
+summary = {}
+for mode in sys.argv[2:]:  # the profiled run's steps by phase (`infertrace analyze`), and one file with it all
+    r = json.loads((out / f"{mode}.json").read_text())
+    summary[mode] = {"measured": r.get("runs", [r])[0], "phases": None}
+    analysis = out / f"analysis-{mode}.json"
+    if not analysis.exists():
+        continue
+    phases = json.loads(analysis.read_text())["tables"]["phases"]
+    summary[mode]["phases"] = phases
+    print(f"    {mode} capture: " + ", ".join(
+        f"{p['type']} {p['steps']} steps, GPU busy {100 * p['gpu_busy_share']:.1f}%, host wait "
+        f"{100 * p['host_wait_share']:.1f}%" for p in phases if p.get("gpu_busy_share") is not None))
+(out / "summary.json").write_text(json.dumps(summary, indent=1))
+print(f"    all of it: {out / 'summary.json'}")
 PY
 stamp "done"
