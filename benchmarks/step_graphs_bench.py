@@ -19,7 +19,7 @@ under each of `--wholerun`, alternating.
 
 `between`: the decode loop as the engine runs it, under torch.profiler: what the GPU runs each step besides the
 decode layers' kernels (the embedding lookup inside the graph; the greedy argmax, the input copies and the copy of
-the tokens back outside it) and how long it idles.
+the tokens back outside it) and how long it idles, then every kernel's span and increment a step.
 
 `nanoorder`: the nano-vllm workload over an 8-bit cache with decode attention launched longest context first and in
 row order, alternating, three runs each in one process.
@@ -341,6 +341,18 @@ def decode_between(root: Path, batch: int = 8, steps: int = 30) -> None:
     print("| besides the layers' kernels | count a step | us each |\n| --- | --- | --- |")
     for name, us in sorted(outside.items(), key=lambda kv: -sum(kv[1])):
         print(f"| {name} | {len(us) / steps:.1f} | {statistics.mean(us):.2f} |")
+    # every kernel and copy by name: its summed span (with dependent launches, from when its programs are resident)
+    # and its increment (its end minus the latest end before it), which add up to the GPU's busy time
+    spans: dict[str, list[float]] = defaultdict(list)
+    increments: dict[str, float] = defaultdict(float)
+    last_end = events[0][0]
+    for start, end, name in events:
+        spans[name[:48]].append(end - start)
+        increments[name[:48]] += max(0.0, end - max(last_end, start))
+        last_end = max(last_end, end)
+    print("| kernel or copy | count a step | span a step (us) | increment a step (us) |\n| --- | --- | --- | --- |")
+    for name, us in sorted(spans.items(), key=lambda kv: -increments[kv[0]]):
+        print(f"| {name} | {len(us) / steps:.1f} | {sum(us) / steps:.1f} | {increments[name] / steps:.1f} |")
     del llm
     _free()
 

@@ -134,11 +134,7 @@ class TokenGraphs:
 
     @torch.inference_mode()
     def capture(self, pool=None):
-        """Capture every bucket into `pool` (a new one when None); returns the pool.
-
-        The graphs end at the logits: the sampler's greedy argmax runs after them. Captured at the graph's end (or
-        as a graph of its own), the argmax saved about 100 us of host time a step but made the batch-8 qwen3-4b
-        decode step's layers about 30 us slower on an H100 (their dependent launches overlapped less), so it is not."""
+        """Capture every bucket into `pool` (a new one when None); returns the pool."""
         b = self.buffers
         b.slot_mapping.fill_(-1)  # the warm-ups and captures write no KV and attend to nothing
         b.attn_tile_seq.fill_(-1)
