@@ -1,7 +1,7 @@
 """Attention kernel timing on a GPU machine: decode against the bytes it must read, prefill against the FLOPs it
 must do (ours over the paged cache, and PyTorch's built-in flash kernels over contiguous K/V for comparison).
 
-Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8,splits,widen,qknorm,order]
+Usage: python benchmarks/kernels_bench.py [--only decode,prefill,sweep,fp8,splits,widen,qknorm,order,prefill_tiling]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import triton
 
 from infertrace.engine.attention import TritonAttention
 from infertrace.engine.kernels.paged_attention import paged_attention
-from infertrace.engine.kernels.tiles import decode_order
+from infertrace.engine.kernels.tiles import attention_tile_array, decode_order, max_attention_tiles
 
 
 def copy_bandwidth() -> float:
@@ -100,6 +100,60 @@ def prefill_case(bs: int, prefix: int, new: int, heads: int, kv_heads: int, dim:
     ms = triton.testing.do_bench(fn, return_mode="median")
     result.update(torch_ms=ms, torch_tflops=flops / ms / 1e9, torch=how)
     return result
+
+
+def prefill_tiling_sweep() -> None:
+    """Prefill and mixed steps' attention as the token-count graphs run it (a tile list fixed by the bucket, 256
+    sequences at most): a 512-token prefill alone, with 7 decodes, and two 256-token chunks with 16 decodes, for
+    qwen3-0.6b's and 4b's heads over a bf16 and an 8-bit cache; the kernel's default tiling against the best few of
+    (BLOCK_M, BLOCK_N, warps, stages), four warps (eight were never among the best in a wider sweep)."""
+    import random
+
+    rng = random.Random(1)
+    mixes = {"512": ([512], [512]),
+             "512 + 7 decodes": ([512] + [1] * 7, [512] + [rng.randrange(200, 500) for _ in range(7)]),
+             "2 x 256 + 16 decodes": ([256, 256] + [1] * 16, [256, 700] + [rng.randrange(200, 900) for _ in range(16)])}
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for heads, kv_heads in ((16, 8), (32, 8)):
+            for mix, (qlens, ctxs) in mixes.items():
+                bucket = 576 if sum(qlens) > 512 else 512
+                us = {tiling: prefill_tiles_case(qlens, ctxs, heads, kv_heads, bucket, tiling, kv_dtype)
+                      for tiling in [None] + [(bm, bn, 4, st) for bm in (32, 64, 128) for bn in (32, 64, 128)
+                                              for st in (2, 3)]}
+                best = sorted((t, k) for k, t in us.items() if k is not None and t is not None)[:4]
+                print(f"{str(kv_dtype)[6:]} {heads}/{kv_heads} heads, {mix}: default {us[None]:.1f} us; best "
+                      + "  ".join(f"{t:.1f} {k}" for t, k in best), flush=True)
+
+
+def prefill_tiles_case(qlens: list[int], ctxs: list[int], heads: int, kv_heads: int, bucket: int,
+                       tiling: tuple[int, int, int, int] | None, kv_dtype: torch.dtype) -> float | None:
+    """Microseconds of one tile-list attention call (CUDA graph), or None where the tiling does not compile."""
+    block_size, dim = 16, 128
+    group = heads // kv_heads
+    blocks = [-(-c // block_size) for c in ctxs]
+    k_cache = torch.randn(sum(blocks) + 8, block_size, kv_heads, dim, device="cuda").to(kv_dtype)
+    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(kv_dtype)
+    block_tables = torch.zeros(len(ctxs), max(blocks), dtype=torch.int32, device="cuda")
+    perm, used = torch.randperm(sum(blocks), device="cuda").int(), 0
+    for i, n in enumerate(blocks):
+        block_tables[i, :n] = perm[used : used + n]
+        used += n
+    q = torch.randn(bucket, heads, dim, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    ctx_t = torch.tensor(ctxs, dtype=torch.int32, device="cuda")
+    block_m = 64 if tiling is None else tiling[0]
+    tiles = attention_tile_array(torch.tensor(qlens).numpy(), group, block_m,
+                                 max_attention_tiles(bucket, 256, group, block_m))
+    tile_seq, tile_index = (torch.from_numpy(t).cuda() for t in tiles)
+    out = torch.empty_like(q)
+    fn = lambda: paged_attention(q, k_cache, v_cache, cu, ctx_t, block_tables, max(qlens), dim**-0.5, out=out,
+                                 tiles=(tile_seq, tile_index, block_m), tiling=None if tiling is None else tiling[1:])
+    try:
+        return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
+    except Exception as exc:  # a tiling past the GPU's shared memory
+        if "OutOfResources" not in type(exc).__name__ and "shared memory" not in str(exc):
+            raise
+        return None
 
 
 def decode_sweep() -> None:
@@ -271,7 +325,7 @@ def main() -> None:
             print(f"{bs:>4} {prefix:>6} {new:>6} {heads:>6} {r['ours_ms']:>8.3f} {r['ours_tflops']:>8.0f} "
                   f"{torch_cols}  {r['torch']}")
     sweeps = {"sweep": decode_sweep, "fp8": fp8_sweep, "splits": splits_probe, "widen": fp8_widen_probe,
-              "qknorm": qk_norm_timing, "order": order_probe}
+              "qknorm": qk_norm_timing, "order": order_probe, "prefill_tiling": prefill_tiling_sweep}
     for name, sweep in sweeps.items():
         if name in only:
             sweep()

@@ -10,7 +10,8 @@
 #   Each profiled capture is analysed at the end (analysis-MODE.json: `infertrace analyze --json`), and
 #   OUTDIR/summary.json holds every mode's measured results and the capture's step phases.
 #   (env: PORT 8000, RATE 60, NUM_PROMPTS 1200, INPUT_LEN 512, OUTPUT_LEN 128, MODES "graphs eager",
-#    PROFILE_PROMPTS 300, PROFILE_STEPS 300, SERVE_ARGS: more `infertrace serve` flags for every mode)
+#    PROFILE_PROMPTS 300, PROFILE_STEPS 300, SERVE_ARGS: more `infertrace serve` flags for every mode, BENCH_ARGS:
+#    more `infertrace bench` flags for every run, e.g. "--workers 4" to spread the load over four client processes)
 set -euo pipefail
 preset=${1:-qwen3-0.6b}
 out=${2:-/tmp/step_graphs_serve}
@@ -57,7 +58,7 @@ for mode in $modes; do
   stamp "server ready after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
   curl -s "http://127.0.0.1:$port/server_info" >"$out/server_info-$mode.json" || true
   load=(--base-url "http://127.0.0.1:$port" --tokenizer "$model" --request-rate "$rate" --input-len "$input_len"
-        --output-len "$output_len" --ignore-eos --warmup 8)
+        --output-len "$output_len" --ignore-eos --warmup 8 ${BENCH_ARGS:-})
   "${it[@]}" bench "${load[@]}" --seed 0 --num-prompts "$num_prompts" --result-json "$out/$mode.json"
   curl -s "http://127.0.0.1:$port/metrics" >"$out/metrics-$mode.txt" || true
   stamp "profiled run ($mode)"

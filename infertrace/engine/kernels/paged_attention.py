@@ -198,12 +198,23 @@ def _converts_float8(device_index: int | None) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
+@functools.cache
+def _hopper_or_later(device_index: int | None) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
 WIDEN_MODES = {"cast": 0, "asm_v": 1, "asm_kv": 2}  # how an 8-bit cache is widened to float16 for the dots
 
 
-def _default_tiling(eight_bit_decode: bool, widen: str) -> tuple[int, int, int]:
+def _default_tiling(eight_bit_decode: bool, widen: str, prefill_sm90: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, warps, stages) when the caller gives none: decode over an 8-bit cache takes the fastest measured
-    for its widening at batch 256 and 128 (`benchmarks/kernels_bench.py --only fp8,widen`), the rest (64, 4, 2)."""
+    for its widening at batch 256 and 128 (`benchmarks/kernels_bench.py --only fp8,widen`); steps with longer
+    queries over a 16-bit cache on Hopper and later (`prefill_sm90`) take a third stage (on two H100s, 1-8% faster
+    than two over the token-count graphs' tile lists of a 512-token prefill, alone or with decodes, for qwen3-0.6b's
+    and 4b's heads; over an 8-bit cache it was 2-5% slower: `benchmarks/kernels_bench.py --only prefill_tiling`);
+    the rest (64, 4, 2)."""
+    if prefill_sm90:
+        return 64, 4, 3
     if not eight_bit_decode:
         return 64, 4, 2
     return (128, 4, 4) if widen == "cast" else (64, 4, 3)
@@ -258,7 +269,9 @@ def paged_attention(
     if widen == "auto":
         widen = "asm_v" if f16_dots and _converts_float8(q.device.index) else "cast"
     assert widen == "cast" or f16_dots, "the widening instruction is for an 8-bit cache under float16 dots"
-    block_n, num_warps, num_stages = tiling or _default_tiling(eight_bit and max_q_len == 1, widen)
+    block_n, num_warps, num_stages = tiling or _default_tiling(
+        eight_bit and max_q_len == 1, widen,
+        max_q_len > 1 and k_cache.element_size() == 2 and _hopper_or_later(q.device.index))
     if tiles is None:
         block_m = prefill_block_m(max_q_len, group)
         tile_seq = tile_index = cu_seqlens_q  # unused
