@@ -4,7 +4,7 @@ start-up time and graph memory, and the batch-8 qwen3-4b decode step with progra
 with its GPU time by kernel. Prints one table.
 
     python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,nanoprof,nanoorder,startup,
-        decode,early,nanoearly,increments,variants,wholerun,between]
+        decode,early,nanoearly,increments,variants,wholerun,between,gemm_tokens]
 
 `early`: the batch-8 qwen3-4b decode with decode attention reading its step inputs before it waits on the kernel
 before, and after, alternating; `nanoearly`: the same over the nano-vllm workload (8-bit cache).
@@ -20,6 +20,10 @@ under each of `--wholerun`, alternating.
 `between`: the decode loop as the engine runs it, under torch.profiler: what the GPU runs each step besides the
 decode layers' kernels (the embedding lookup inside the graph; the greedy argmax, the input copies and the copy of
 the tokens back outside it) and how long it idles, then every kernel's span and increment a step.
+
+`gemm_tokens`: a layer's four GEMMs (fused qkv, output, fused gate/up, down projections) at every token count from
+256 to 1,536 in steps of 16, for qwen3-0.6b's and 4b's shapes (no weights loaded): the cost behind the token-count
+buckets (`DEFAULT_CUDA_GRAPH_TOKEN_SIZES`; docs/benchmarks.md has a run and a finer bucket list tried with it).
 
 `nanoorder`: the nano-vllm workload over an 8-bit cache with decode attention launched longest context first and in
 row order, alternating, three runs each in one process.
@@ -108,6 +112,34 @@ def _prefill_engine(path: Path, graphs: bool, repeats: int, gpu_s: float | None)
         f"{1e3 * wall:.2f} ms = {wall / gpu_s:.2f}x the GPU time",
         f"{label}; {kernels / 5:.0f} kernels, {launches / 5:.0f} launch calls per call (torch.profiler, 5 calls)")
     return gpu_s
+
+
+def gemm_tokens(presets: tuple[str, ...] = ("qwen3-0.6b", "qwen3-4b")) -> None:
+    """GPU time of one layer's four GEMMs (F.linear, bf16, as the token-count graphs run them) by token count,
+    each from a CUDA graph of 20 calls."""
+    from infertrace.modelgen import PRESETS, hf_config
+
+    for preset in presets:
+        c = hf_config(PRESETS[preset], "bfloat16")
+        hidden, inter, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+        shapes = {"qkv": (hidden, (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * d),
+                  "o": (c["num_attention_heads"] * d, hidden), "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
+        weights = {k: torch.randn(n, kk, device="cuda", dtype=torch.bfloat16) for k, (kk, n) in shapes.items()}
+        inputs = {k: torch.randn(1536, kk, device="cuda", dtype=torch.bfloat16) for k, (kk, _) in shapes.items()}
+        times = []
+        for m in range(256, 1537, 16):
+            total = 0.0
+            for k in shapes:
+                x, w = inputs[k][:m], weights[k]
+                torch.nn.functional.linear(x, w)  # cuBLAS's first call for the shape, outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(20):
+                        torch.nn.functional.linear(x, w)
+                total += 1e3 * replay_ms(graph.replay, each=5) / 20
+            times.append((m, total))
+        print(f"{preset}: a layer's four GEMMs (us) by token count: "
+              + " ".join(f"{m}:{us:.1f}" for m, us in times), flush=True)
 
 
 def bench_startup(root: Path, preset: str) -> None:
@@ -468,6 +500,8 @@ def main() -> None:
         decode_increments(args.models_dir)
     if "between" in only:
         decode_between(args.models_dir)
+    if "gemm_tokens" in only:
+        gemm_tokens()
     if "decode" in only:
         bench_decode(args.models_dir, bw, pdl=True)
         bench_decode(args.models_dir, bw, pdl=False)
