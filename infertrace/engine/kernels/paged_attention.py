@@ -209,9 +209,9 @@ WIDEN_MODES = {"cast": 0, "asm_v": 1, "asm_kv": 2}  # how an 8-bit cache is wide
 def _default_tiling(eight_bit_decode: bool, widen: str, prefill_sm90: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, warps, stages) when the caller gives none: decode over an 8-bit cache takes the fastest measured
     for its widening at batch 256 and 128 (`benchmarks/kernels_bench.py --only fp8,widen`); steps with longer
-    queries over a 16-bit cache on Hopper and later (`prefill_sm90`) take a third stage (on two H100s, 1-8% faster
+    queries over a 16-bit cache on Hopper and later (`prefill_sm90`) take a third stage (on two H100s, 2-13% faster
     than two over the token-count graphs' tile lists of a 512-token prefill, alone or with decodes, for qwen3-0.6b's
-    and 4b's heads; over an 8-bit cache it was 2-5% slower: `benchmarks/kernels_bench.py --only prefill_tiling`);
+    and 4b's heads; over an 8-bit cache it was 0.5-5% slower: `benchmarks/kernels_bench.py --only prefill_tiling`);
     the rest (64, 4, 2)."""
     if prefill_sm90:
         return 64, 4, 3
