@@ -8,7 +8,9 @@
 #   bash benchmarks/step_graphs_serve.sh [PRESET] [OUTDIR]
 #   bash benchmarks/step_graphs_serve.sh qwen3-0.6b /tmp/step_graphs_serve
 #   Each profiled capture is analysed at the end (analysis-MODE.json: `infertrace analyze --json`), and
-#   OUTDIR/summary.json holds every mode's measured results and the capture's step phases.
+#   OUTDIR/summary.json holds every mode's measured results, the capture's step phases and the graphs the server
+#   captured at start-up (their token sizes, capture seconds and memory, from /server_info; and how long the
+#   server took to answer /health).
 #   (env: PORT 8000, RATE 60, NUM_PROMPTS 1200, INPUT_LEN 512, OUTPUT_LEN 128, MODES "graphs eager",
 #    PROFILE_PROMPTS 300, PROFILE_STEPS 300, SERVE_ARGS: more `infertrace serve` flags for every mode, BENCH_ARGS:
 #    more `infertrace bench` flags for every run, e.g. "--workers 4" to spread the load over four client processes)
@@ -55,7 +57,9 @@ for mode in $modes; do
     kill -0 "$server" 2>/dev/null || { echo "server exited:"; tail -20 "$out/server-$mode.log"; exit 1; }
     sleep 0.5
   done
-  stamp "server ready after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+  ready_ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  echo "$ready_ms" >"$out/ready_ms-$mode"
+  stamp "server ready after $ready_ms ms"
   curl -s "http://127.0.0.1:$port/server_info" >"$out/server_info-$mode.json" || true
   load=(--base-url "http://127.0.0.1:$port" --tokenizer "$model" --request-rate "$rate" --input-len "$input_len"
         --output-len "$output_len" --ignore-eos --warmup 8 ${BENCH_ARGS:-})
@@ -97,7 +101,17 @@ for mode in sys.argv[2:]:
 summary = {}
 for mode in sys.argv[2:]:  # the profiled run's steps by phase (`infertrace analyze`), and one file with it all
     r = json.loads((out / f"{mode}.json").read_text())
-    summary[mode] = {"measured": r.get("runs", [r])[0], "phases": None}
+    summary[mode] = {"measured": r.get("runs", [r])[0], "phases": None, "start_up": None}
+    info = out / f"server_info-{mode}.json"
+    if info.exists() and info.stat().st_size:  # what the engine captured at start-up, as the server reports it
+        keys = ("cuda_graphs_captured", "prefill_cuda_graphs_captured", "cuda_graph_capture_s",
+                "cuda_graph_memory_bytes", "kv_cache_dtype")
+        server_info = json.loads(info.read_text())
+        summary[mode]["start_up"] = {k: server_info.get(k) for k in keys}
+        summary[mode]["start_up"]["cuda_graph_token_sizes"] = server_info.get("engine_config", {}).get(
+            "cuda_graph_token_sizes")
+        ready = out / f"ready_ms-{mode}"
+        summary[mode]["start_up"]["server_ready_ms"] = int(ready.read_text()) if ready.exists() else None
     analysis = out / f"analysis-{mode}.json"
     if not analysis.exists():
         continue
