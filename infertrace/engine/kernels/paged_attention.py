@@ -193,14 +193,9 @@ def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, context_lens_ptr, num_heads
 
 
 @functools.cache
-def _converts_float8(device_index: int | None) -> bool:
-    """Whether the GPU has the float8 conversion instructions (compute capability 8.9 and later)."""
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
-
-
-@functools.cache
-def _hopper_or_later(device_index: int | None) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+def _capability(device_index: int | None) -> tuple[int, int]:
+    """The GPU's compute capability: 8.9 and later have the float8 conversion instructions, 9.0 is Hopper."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 WIDEN_MODES = {"cast": 0, "asm_v": 1, "asm_kv": 2}  # how an 8-bit cache is widened to float16 for the dots
@@ -267,11 +262,11 @@ def paged_attention(
     eight_bit = k_cache.element_size() == 1
     f16_dots = eight_bit and q.dtype != torch.float32
     if widen == "auto":
-        widen = "asm_v" if f16_dots and _converts_float8(q.device.index) else "cast"
+        widen = "asm_v" if f16_dots and _capability(q.device.index) >= (8, 9) else "cast"
     assert widen == "cast" or f16_dots, "the widening instruction is for an 8-bit cache under float16 dots"
     block_n, num_warps, num_stages = tiling or _default_tiling(
         eight_bit and max_q_len == 1, widen,
-        max_q_len > 1 and k_cache.element_size() == 2 and _hopper_or_later(q.device.index))
+        max_q_len > 1 and k_cache.element_size() == 2 and _capability(q.device.index) >= (9, 0))
     if tiles is None:
         block_m = prefill_block_m(max_q_len, group)
         tile_seq = tile_index = cu_seqlens_q  # unused
