@@ -1,6 +1,7 @@
 """The aiohttp application: OpenAI routes, health and info, Prometheus metrics, profiler endpoints.
 
-Requests are validated on the event loop against cheap bounds, then rendered and tokenized on a small thread pool;
+Requests are validated on the event loop against cheap bounds; short prompts are tokenized there, chat templates
+and longer prompts rendered and tokenized on a small thread pool (`state.INLINE_TOKENIZE_CHARS`);
 generation runs in the engine process (or thread) behind the handle in `engine_client`. Every error leaves as an OpenAI-style JSON body, never a
 traceback. Bodies must be declared JSON and side effects take POST only, so a web page cannot trigger them with a
 form or a plain-text fetch.

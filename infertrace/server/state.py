@@ -24,9 +24,14 @@ from infertrace.server.protocol import (
 from infertrace.server.settings import ServerSettings
 
 log = logging.getLogger("infertrace.server")
-# Chat-template rendering and tokenization run on these threads, never on the event loop: the Rust tokenizer
-# releases the GIL in encode_batch, and jinja yields it at the interpreter's switch interval.
+# Chat-template rendering and the tokenizing of longer prompts run on these threads, never on the event loop: the
+# Rust tokenizer releases the GIL in encode_batch, and jinja yields it at the interpreter's switch interval.
 TOKENIZER_WORKERS = 2
+# A completions prompt of at most this many characters is tokenized on the event loop, as SGLang's tokenizer manager
+# does every prompt: under load the trip to a tokenizer thread and back cost more than the tokenizing itself (a
+# 512-token prompt, about 2,200 characters: 0.4-0.5 ms of TTFT on an H100 host, docs/benchmarks.md), and the loop is
+# held at most about a millisecond. Longer prompts and chat templates go to the threads.
+INLINE_TOKENIZE_CHARS = 4096
 
 
 class ServerState:
@@ -114,9 +119,12 @@ class ServerState:
         return name
 
     async def prompt_ids(self, req: GenerateRequest) -> list[int]:
-        """The prompt's token ids: rendered and tokenized on the tokenizer threads."""
+        """The prompt's token ids: a short completions prompt tokenized here, on the event loop; anything else
+        rendered and tokenized on the tokenizer threads."""
         if isinstance(req.prompt, list):
             return req.prompt
+        if isinstance(req.prompt, str) and len(req.prompt) <= INLINE_TOKENIZE_CHARS:
+            return self._encode(req.prompt, add_special_tokens=True)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenize_pool, self._render_and_encode, req)
 

@@ -61,6 +61,29 @@ async def test_the_chat_template_renders_off_the_event_loop(serve_tiny):
         assert threads[0].name.startswith("infertrace-tokenize")
 
 
+async def test_a_short_prompt_tokenizes_on_the_loop_and_a_long_one_off_it(serve_tiny):
+    from infertrace.server.state import INLINE_TOKENIZE_CHARS
+
+    async with serve_tiny() as client:
+        tokenizer = client.state.tokenizer
+        real, threads = tokenizer.encode, []
+
+        def recording(*args, **kwargs):
+            threads.append(threading.current_thread())
+            return real(*args, **kwargs)
+
+        tokenizer.encode = recording
+        try:
+            for prompt in ("hello " * (INLINE_TOKENIZE_CHARS // 6), "hello " * (INLINE_TOKENIZE_CHARS // 6 + 1)):
+                resp = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+                assert resp.status == 200, await resp.text()
+        finally:
+            del tokenizer.encode
+        assert len(threads) == 2
+        assert threads[0] is threading.main_thread()  # at most INLINE_TOKENIZE_CHARS characters: on the loop
+        assert threads[1].name.startswith("infertrace-tokenize")  # one word more: on a tokenizer thread
+
+
 # ----- big prompts -----
 async def test_health_answers_within_100ms_while_big_prompts_tokenize(serve_tiny):
     async with serve_tiny() as client:
