@@ -27,10 +27,11 @@ log = logging.getLogger("infertrace.server")
 # Chat-template rendering and the tokenizing of longer prompts run on these threads, never on the event loop: the
 # Rust tokenizer releases the GIL in encode_batch, and jinja yields it at the interpreter's switch interval.
 TOKENIZER_WORKERS = 2
-# A completions prompt of at most this many characters is tokenized on the event loop, as SGLang's tokenizer manager
-# does every prompt: under load the trip to a tokenizer thread and back cost more than the tokenizing itself (a
-# 512-token prompt, about 2,200 characters: 0.4-0.5 ms of TTFT on an H100 host, docs/benchmarks.md), and the loop is
-# held at most about a millisecond. Longer prompts and chat templates go to the threads.
+# A completions prompt of at most this many characters is tokenized on the event loop, as SGLang 0.5.23 tokenizes
+# every prompt by default (sglang/srt/managers/tokenizer_manager.py, `_tokenize_texts`). Under load the trip to a
+# tokenizer thread and back cost more than the tokenizing itself: 0.4-0.5 ms of a 512-token prompt's TTFT on an H100
+# host (about 2,200 characters, docs/benchmarks.md). At the limit the loop is held for about 1-2 ms. Longer prompts
+# and chat templates go to the threads.
 INLINE_TOKENIZE_CHARS = 4096
 
 
