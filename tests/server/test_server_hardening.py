@@ -4,6 +4,7 @@ used to reach the engine or the tokenizer unchecked; each is a clean 4xx and the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -43,20 +44,26 @@ async def test_a_request_cannot_supply_its_own_chat_template(serve_tiny):
         assert resp.status == 200, await resp.text()
 
 
+@contextlib.contextmanager
+def _threads_calling(obj, name: str):
+    """The threads that call `obj.name` inside the block, in call order."""
+    real, threads = getattr(obj, name), []
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    setattr(obj, name, recording)
+    try:
+        yield threads
+    finally:
+        delattr(obj, name)
+
+
 async def test_the_chat_template_renders_off_the_event_loop(serve_tiny):
     async with serve_tiny() as client:
-        tokenizer = client.state.tokenizer
-        real, threads = tokenizer.apply_chat_template, []
-
-        def recording(*args, **kwargs):
-            threads.append(threading.current_thread())
-            return real(*args, **kwargs)
-
-        tokenizer.apply_chat_template = recording
-        try:
+        with _threads_calling(client.state.tokenizer, "apply_chat_template") as threads:
             assert (await client.post(CHAT, json={"messages": USER, "max_tokens": 1})).status == 200
-        finally:
-            del tokenizer.apply_chat_template
         assert threads and threads[0] is not threading.main_thread()
         assert threads[0].name.startswith("infertrace-tokenize")
 
@@ -65,20 +72,10 @@ async def test_a_short_prompt_tokenizes_on_the_loop_and_a_long_one_off_it(serve_
     from infertrace.server.state import INLINE_TOKENIZE_CHARS
 
     async with serve_tiny() as client:
-        tokenizer = client.state.tokenizer
-        real, threads = tokenizer.encode, []
-
-        def recording(*args, **kwargs):
-            threads.append(threading.current_thread())
-            return real(*args, **kwargs)
-
-        tokenizer.encode = recording
-        try:
+        with _threads_calling(client.state.tokenizer, "encode") as threads:
             for prompt in ("hello " * (INLINE_TOKENIZE_CHARS // 6), "hello " * (INLINE_TOKENIZE_CHARS // 6 + 1)):
                 resp = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
                 assert resp.status == 200, await resp.text()
-        finally:
-            del tokenizer.encode
         assert len(threads) == 2
         assert threads[0] is threading.main_thread()  # at most INLINE_TOKENIZE_CHARS characters: on the loop
         assert threads[1].name.startswith("infertrace-tokenize")  # one word more: on a tokenizer thread
