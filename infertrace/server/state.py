@@ -29,9 +29,9 @@ log = logging.getLogger("infertrace.server")
 TOKENIZER_WORKERS = 2
 # A completions prompt of at most this many characters is tokenized on the event loop, as SGLang 0.5.23 tokenizes
 # every prompt by default (sglang/srt/managers/tokenizer_manager.py, `_tokenize_texts`). Under load the trip to a
-# tokenizer thread and back cost more than the tokenizing itself: 0.4-0.5 ms of a 512-token prompt's TTFT on an H100
-# host (about 2,200 characters, docs/benchmarks.md). At the limit the loop is held for about 1-2 ms. Longer prompts
-# and chat templates go to the threads.
+# tokenizer thread and back costs: on an H100 host at 60 req/s, a 512-token prompt (about 2,200 characters) took
+# 0.17-0.74 ms less from body to token ids on the loop (docs/benchmarks.md). At the limit the loop is held for about
+# 1-2 ms. Longer prompts and chat templates go to the threads.
 INLINE_TOKENIZE_CHARS = 4096
 
 
