@@ -39,7 +39,7 @@ STAGES = ("body", "tokenized", "sent", "engine_read", "added", "first_out", "mes
 def _stamp_engine(engine, loop_cls, log_path: str) -> None:
     """Engine-side stamps (in the engine process): a JSON line per request once its first output is sent."""
     stamps: dict[str, dict[str, int]] = {}
-    log = open(log_path, "w")  # noqa: SIM115 - open for the process's life
+    log = open(log_path, "w")  # open for the engine process's life (it is killed at the end)
     add, step = engine.add_request, engine.step
 
     def add_request(request_id, prompt, params):

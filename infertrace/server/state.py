@@ -29,9 +29,9 @@ log = logging.getLogger("infertrace.server")
 TOKENIZER_WORKERS = 2
 # A completions prompt of at most this many characters is tokenized on the event loop, as SGLang 0.5.23 tokenizes
 # every prompt by default (sglang/srt/managers/tokenizer_manager.py, `_tokenize_texts`). Under load the trip to a
-# tokenizer thread and back costs: on an H100 host at 60 req/s, a 512-token prompt (about 2,200 characters) took
-# 0.17-0.74 ms less from body to token ids on the loop (docs/benchmarks.md). At the limit the loop is held for about
-# 1-2 ms. Longer prompts and chat templates go to the threads.
+# tokenizer thread and back is not free: on an H100 host at 60 req/s, a 512-token prompt (about 2,200 characters)
+# went from body to token ids 0.17-0.74 ms sooner on the loop (docs/benchmarks.md). At the limit the loop is held
+# for about 1-2 ms. Longer prompts and chat templates go to the threads.
 INLINE_TOKENIZE_CHARS = 4096
 
 
@@ -125,7 +125,7 @@ class ServerState:
         if isinstance(req.prompt, list):
             return req.prompt
         if isinstance(req.prompt, str) and len(req.prompt) <= INLINE_TOKENIZE_CHARS:
-            return self._encode(req.prompt, add_special_tokens=True)
+            return self._render_and_encode(req)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenize_pool, self._render_and_encode, req)
 
