@@ -13,6 +13,7 @@ import torch
 import triton
 
 from infertrace.engine.attention import TritonAttention
+from infertrace.engine.config import DEFAULT_CUDA_GRAPH_TOKEN_SIZES
 from infertrace.engine.kernels.paged_attention import paged_attention
 from infertrace.engine.kernels.tiles import attention_tile_array, decode_order, max_attention_tiles
 
@@ -104,8 +105,8 @@ def prefill_case(bs: int, prefix: int, new: int, heads: int, kv_heads: int, dim:
 
 def prefill_tiling_sweep() -> None:
     """Prefill and mixed steps' attention as the token-count graphs run it (a tile list fixed by the bucket, 256
-    sequences at most): a 512-token prefill alone, with 7 decodes, and two 256-token chunks with 16 decodes, for
-    qwen3-0.6b's and 4b's heads over a bf16 and an 8-bit cache; the kernel's default tiling against the best few of
+    sequences at most, the bucket the engine's default list gives the step's token count): a 512-token prefill
+    alone, with 7 decodes, and two 256-token chunks with 16 decodes, for qwen3-0.6b's and 4b's heads over a bf16 and an 8-bit cache; the kernel's default tiling against the best few of
     (BLOCK_M, BLOCK_N, warps, stages), four warps (eight were never among the best in a wider sweep)."""
     import random
 
@@ -116,7 +117,7 @@ def prefill_tiling_sweep() -> None:
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for heads, kv_heads in ((16, 8), (32, 8)):
             for mix, (qlens, ctxs) in mixes.items():
-                bucket = 576 if sum(qlens) > 512 else 512
+                bucket = min(b for b in DEFAULT_CUDA_GRAPH_TOKEN_SIZES if b >= sum(qlens))
                 us = {tiling: prefill_tiles_case(qlens, ctxs, heads, kv_heads, bucket, tiling, kv_dtype)
                       for tiling in [None] + [(bm, bn, 4, st) for bm in (32, 64, 128) for bn in (32, 64, 128)
                                               for st in (2, 3)]}
