@@ -75,7 +75,7 @@ class StandInEngine:
 
 class StandInServices:
     def __init__(self) -> None:
-        from infertrace.server.metrics import ServerMetrics
+        from infertrace.server.frontend.metrics import ServerMetrics
 
         self.metrics = ServerMetrics()
 
@@ -89,8 +89,8 @@ class StandInServices:
 
 
 def engine_main(step_s: float, socks) -> None:
-    from infertrace.server.engine_process import EngineLoop, _tell_all
-    from infertrace.server.messages import FromEngine
+    from infertrace.server.engine_link.messages import FromEngine
+    from infertrace.server.engine_link.process import EngineLoop, _tell_all
 
     info = {"max_model_len": 32768, "kv_blocks_total": 1, "engine_config": {}, "decode_path": {},
             "versions": {}, "device": {"type": "stand-in"}, "engine_pid": os.getpid()}
@@ -138,10 +138,10 @@ async def _serve_and_load(args, model: Path, socks) -> dict:
 
     from aiohttp import web
 
-    from infertrace.server.app import build_app
-    from infertrace.server.engine_client import ProcessEngine
-    from infertrace.server.frontend_tokenizer import FrontendTokenizer
-    from infertrace.server.runner import _start_frontends
+    from infertrace.server.engine_link.client import ProcessEngine
+    from infertrace.server.engine_link.runner import _start_frontends
+    from infertrace.server.frontend.app import build_app
+    from infertrace.server.frontend.tokenizer import FrontendTokenizer
     from infertrace.server.settings import ServerSettings
 
     settings = ServerSettings(model_dir=str(model), served_model_name="stand-in", port=args.port,

@@ -81,8 +81,8 @@ def _stamp_engine(engine, loop_cls, log_path: str) -> None:
 
 def engine_main(model_dir: str | None, step_s: float, mode: str, log_path: str, socks) -> None:
     """The engine process: EngineLoop over the real engine (model_dir) or the stand-in (None)."""
-    from infertrace.server.engine_process import EngineLoop, _tell_all
-    from infertrace.server.messages import FromEngine
+    from infertrace.server.engine_link.messages import FromEngine
+    from infertrace.server.engine_link.process import EngineLoop, _tell_all
 
     if model_dir is None:
         import frontend_ceiling
@@ -93,7 +93,7 @@ def engine_main(model_dir: str | None, step_s: float, mode: str, log_path: str, 
     else:
         from infertrace.engine.config import EngineConfig
         from infertrace.engine.engine import Engine
-        from infertrace.server.engine_services import EngineServices
+        from infertrace.server.engine_link.services import EngineServices
 
         engine = Engine(model_dir, EngineConfig(prefill_cuda_graphs=mode == "graphs"))
         services = EngineServices(engine, None, {})
@@ -105,7 +105,8 @@ def engine_main(model_dir: str | None, step_s: float, mode: str, log_path: str, 
 
 def _stamp_frontend(stamps: dict[str, dict[str, int]]) -> None:
     """Front-end stamps (this process), keyed by the request id the handler draws."""
-    from infertrace.server import app, engine_client, state
+    from infertrace.server.engine_link import client as engine_client
+    from infertrace.server.frontend import app, state
 
     current: dict[str, dict[str, int]] = {}  # the request whose handler runs now (set before its first await)
     json_body, prompt_ids, generate, send, chunk = (app._json_body, state.ServerState.prompt_ids,
@@ -152,9 +153,9 @@ def _stamp_frontend(stamps: dict[str, dict[str, int]]) -> None:
 async def _serve_and_load(args, sock) -> dict:
     from aiohttp import web
 
-    from infertrace.server.app import build_app
-    from infertrace.server.engine_client import ProcessEngine
-    from infertrace.server.frontend_tokenizer import FrontendTokenizer
+    from infertrace.server.engine_link.client import ProcessEngine
+    from infertrace.server.frontend.app import build_app
+    from infertrace.server.frontend.tokenizer import FrontendTokenizer
     from infertrace.server.settings import ServerSettings
 
     settings = ServerSettings(model_dir=str(args.model), served_model_name="request-path", port=args.port,
@@ -196,7 +197,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8331)
     args = parser.parse_args()
 
-    from infertrace.server import state
+    from infertrace.server.frontend import state
 
     if args.inline_chars is not None:
         state.INLINE_TOKENIZE_CHARS = args.inline_chars

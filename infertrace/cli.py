@@ -7,9 +7,9 @@ import click
 from infertrace import __version__
 from infertrace.ablate.command import ablate
 from infertrace.analyze.command import analyze
-from infertrace.bench import bench
 from infertrace.capture.command import profile
 from infertrace.gate.command import gate
+from infertrace.load.command import bench
 from infertrace.modelgen.command import model
 from infertrace.server.command import serve
 

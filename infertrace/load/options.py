@@ -1,4 +1,4 @@
-"""Every flag of `infertrace bench`, and the BenchConfig they make (the command itself is infertrace/bench.py)."""
+"""Every flag of `infertrace bench`, and the BenchConfig they make (the command itself is infertrace/load/command.py)."""
 
 from __future__ import annotations
 

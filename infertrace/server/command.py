@@ -85,7 +85,7 @@ for _option in engine_config_options(reserved=_SERVER_FLAGS):
 def _serve(settings: ServerSettings, config, api_servers: int) -> None:
     import asyncio
 
-    from infertrace.server.runner import EngineFailure, engine_spec, run_split
+    from infertrace.server.engine_link.runner import EngineFailure, engine_spec, run_split
 
     _say(f"loading {settings.model_dir} in the engine process ...")
     described: dict = {}
@@ -113,7 +113,7 @@ def _serve_in_process(settings: ServerSettings, config) -> None:
     import asyncio
 
     from infertrace.engine import Engine
-    from infertrace.server.runner import run_in_process
+    from infertrace.server.engine_link.runner import run_in_process
 
     _say(f"loading {settings.model_dir} ...")
     try:

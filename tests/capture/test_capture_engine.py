@@ -22,7 +22,7 @@ try:
 except ImportError:  # the engine is optional to these tests
     Engine = None
 try:
-    from infertrace.server.app import build_app
+    from infertrace.server.frontend.app import build_app
     from infertrace.server.settings import ServerSettings
 except ImportError:
     build_app = None
@@ -87,9 +87,9 @@ class ServerThread:
     async def _start(self, model_dir, profile_dir):
         from aiohttp import web
 
-        from infertrace.server.engine_client import ProcessEngine
-        from infertrace.server.engine_process import EngineSpec, start_engine_process
-        from infertrace.server.frontend_tokenizer import FrontendTokenizer
+        from infertrace.server.engine_link.client import ProcessEngine
+        from infertrace.server.engine_link.process import EngineSpec, start_engine_process
+        from infertrace.server.frontend.tokenizer import FrontendTokenizer
 
         config = EngineConfig(**ENGINE_CONFIG)
         # as `infertrace serve` runs it: the engine in a process of its own
@@ -103,7 +103,7 @@ class ServerThread:
         await web.SockSite(self.runner, self.sock).start()
 
     async def _stop(self):
-        from infertrace.server.runner import _reap
+        from infertrace.server.engine_link.runner import _reap
 
         await self.runner.cleanup()
         await self.aeng.close()

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infertrace.bench import bench
 from infertrace.gate.command import gate
 from infertrace.gate.results import load_runs
+from infertrace.load.command import bench
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / "recipes" / "ci" / "github-workflow.yml"

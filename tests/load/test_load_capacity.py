@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from infertrace.bench import bench
 from infertrace.load.capacity import SaturationDetector, percentile_interval, samples_ms, saturated, search
+from infertrace.load.command import bench
 from infertrace.load.config import BenchConfig, parse_slo, percentile_slo
 from infertrace.load.records import RequestResult
 

@@ -12,7 +12,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from infertrace.bench import bench
+from infertrace.load.command import bench
 
 VLLM_KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
              "output_throughput", "total_token_throughput", "request_goodput", "goodput"] + [
@@ -141,7 +141,7 @@ def test_bad_options_are_one_line_usage_errors():
 def test_ctrl_c_saves_partial_results_and_prints_the_summary(standin, prompts_jsonl, tmp_path):
     standin.token_delay = 0.05
     out = tmp_path / "r.json"
-    cmd = [sys.executable, "-c", "from infertrace.bench import bench; bench()",
+    cmd = [sys.executable, "-c", "from infertrace.load.command import bench; bench()",
            "--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", str(prompts_jsonl),
            "--output-len", "40", "--num-prompts", "50", "--concurrency", "2", "--warmup", "0",
            "--result-json", str(out)]

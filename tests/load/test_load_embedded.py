@@ -4,8 +4,8 @@ import json
 
 from click.testing import CliRunner
 
-from infertrace.bench import bench
 from infertrace.load.client.embedded_target import default_model_dir
+from infertrace.load.command import bench
 
 
 def test_embedded_run_counts_tokens_exactly(tiny_model_dir, tmp_path):

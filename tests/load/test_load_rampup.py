@@ -143,7 +143,7 @@ def test_cli_ramp_run_writes_vllm_ramp_keys_and_steady_state(standin, prompts_js
 
     from click.testing import CliRunner
 
-    from infertrace.bench import bench
+    from infertrace.load.command import bench
 
     out, reqs = tmp_path / "r.json", tmp_path / "r.jsonl"
     res = CliRunner().invoke(bench, [str(a) for a in (
@@ -180,7 +180,7 @@ def test_cli_ramp_run_writes_vllm_ramp_keys_and_steady_state(standin, prompts_js
 def test_bad_ramp_options_are_one_line_and_exit_2(args, message):
     from click.testing import CliRunner
 
-    from infertrace.bench import bench
+    from infertrace.load.command import bench
 
     res = CliRunner().invoke(bench, args, catch_exceptions=False)
     assert res.exit_code == 2

@@ -15,7 +15,7 @@ from infertrace.load.observe.scrape import (
     parse_exposition,
     server_kind,
 )
-from infertrace.server.metrics import ServerMetrics, render
+from infertrace.server.frontend.metrics import ServerMetrics, render
 
 # Shaped like vLLM 0.33.0's PrometheusStatLogger output (vllm/v1/metrics/loggers.py): labels model_name and
 # engine, counters written with `_total` and a `_created` sample by prometheus_client, two data-parallel engines.

@@ -9,8 +9,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from infertrace.bench import bench
 from infertrace.load.clock import ScriptedClock
+from infertrace.load.command import bench
 from infertrace.load.config import BenchConfig
 from infertrace.load.observe.server_counters import (
     PrefixCacheReading,

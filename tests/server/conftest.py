@@ -25,11 +25,11 @@ def serve_tiny(tiny_model_dir):
     `client.engine_proc` the engine process (None on a thread).
     """
     from infertrace.engine import Engine, EngineConfig
-    from infertrace.server.app import STATE, build_app
-    from infertrace.server.engine_client import ProcessEngine, ThreadEngine
-    from infertrace.server.engine_process import EngineSpec, describe_exit, start_engine_process
-    from infertrace.server.frontend_tokenizer import FrontendTokenizer
-    from infertrace.server.runner import _reap
+    from infertrace.server.engine_link.client import ProcessEngine, ThreadEngine
+    from infertrace.server.engine_link.process import EngineSpec, describe_exit, start_engine_process
+    from infertrace.server.engine_link.runner import _reap
+    from infertrace.server.frontend.app import STATE, build_app
+    from infertrace.server.frontend.tokenizer import FrontendTokenizer
     from infertrace.server.settings import ServerSettings
 
     @contextlib.asynccontextmanager

@@ -122,7 +122,7 @@ async def test_an_engine_process_that_dies_fails_in_flight_requests_and_health(s
 
 
 def test_frame_reader_splits_frames_across_chunks():
-    from infertrace.server.messages import FrameReader, FromEngine, decode_from_engine, frame
+    from infertrace.server.engine_link.messages import FrameReader, FromEngine, decode_from_engine, frame
 
     data = b"".join(frame(FromEngine("reply", call_id=i, value={"n": i})) for i in range(5))
     reader, got = FrameReader(), []
@@ -134,7 +134,7 @@ def test_frame_reader_splits_frames_across_chunks():
 def test_chat_templates_render_as_transformers_renders_them(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from infertrace.server.frontend_tokenizer import FrontendTokenizer
+    from infertrace.server.frontend.tokenizer import FrontendTokenizer
 
     ours, theirs = FrontendTokenizer(tiny_model_dir), AutoTokenizer.from_pretrained(str(tiny_model_dir))
     chats = [[{"role": "user", "content": "hi"}],
@@ -152,8 +152,8 @@ def test_chat_templates_render_as_transformers_renders_them(tiny_model_dir):
 
 def test_the_front_end_never_imports_torch(tiny_model_dir):
     code = ("import sys\n"
-            "import infertrace.cli, infertrace.server.command, infertrace.server.runner, infertrace.server.app\n"
-            "from infertrace.server.frontend_tokenizer import FrontendTokenizer\n"
+            "import infertrace.cli, infertrace.server.command, infertrace.server.engine_link.runner, infertrace.server.frontend.app\n"
+            "from infertrace.server.frontend.tokenizer import FrontendTokenizer\n"
             f"t = FrontendTokenizer({str(tiny_model_dir)!r})\n"
             "t.encode(t.apply_chat_template([{'role': 'user', 'content': 'hi'}], add_generation_prompt=True))\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n")
@@ -302,7 +302,7 @@ def _events(body: str) -> list:
 ])
 async def test_outputs_written_from_the_dispatch_equal_those_written_by_the_handler(serve_tiny, monkeypatch,
                                                                                     path, body):
-    from infertrace.server import app
+    from infertrace.server.frontend import app
 
     request = {**body, "max_tokens": 9, "ignore_eos": True, "stream": True}
     async with serve_tiny(engine_process=True) as client:
@@ -395,7 +395,7 @@ def _engine_loop(engine, count: int, **limits):
     import socket
     import threading
 
-    from infertrace.server.engine_process import EngineLoop
+    from infertrace.server.engine_link.process import EngineLoop
 
     pairs = [socket.socketpair() for _ in range(count)]
     loop = EngineLoop(engine, _Services(), [theirs for _, theirs in pairs], **limits)
@@ -406,7 +406,7 @@ def _engine_loop(engine, count: int, **limits):
 
 def _add_until_aborted(engine, sock, request_id: str, within_s: float = 20.0) -> float:
     """Add `request_id` from front end `sock` and wait until the engine aborts it; the seconds that took."""
-    from infertrace.server.messages import ToEngine, frame
+    from infertrace.server.engine_link.messages import ToEngine, frame
 
     started = time.monotonic()
     sock.sendall(frame(ToEngine("add", request_id=request_id, prompt=[1])))
@@ -417,7 +417,7 @@ def _add_until_aborted(engine, sock, request_id: str, within_s: float = 20.0) ->
 
 def _messages(sock, until, deadline_s: float) -> list:
     """Messages read from `sock` until `until(messages)` holds, the peer closes, or the deadline passes."""
-    from infertrace.server.messages import FrameReader, decode_from_engine
+    from infertrace.server.engine_link.messages import FrameReader, decode_from_engine
 
     reader, got, deadline = FrameReader(), [], time.monotonic() + deadline_s
     while not until(got):
@@ -437,7 +437,7 @@ def _finished(request_id: str):
 
 
 def test_a_front_end_that_stops_reading_does_not_stall_the_engine_or_the_others():
-    from infertrace.server.messages import ToEngine, frame
+    from infertrace.server.engine_link.messages import ToEngine, frame
 
     engine = _ScriptedEngine(tokens=300)
     loop, thread, (fast, stuck) = _engine_loop(engine, 2)
@@ -461,7 +461,7 @@ def test_a_front_end_that_stops_reading_does_not_stall_the_engine_or_the_others(
 
 
 def test_a_front_end_past_its_backlog_bound_is_dropped_and_its_requests_aborted():
-    from infertrace.server.messages import ToEngine, frame
+    from infertrace.server.engine_link.messages import ToEngine, frame
 
     engine = _ScriptedEngine(tokens=100)
     loop, thread, (fast, stuck) = _engine_loop(engine, 2, max_backlog_bytes=1 << 20)
@@ -530,10 +530,10 @@ async def test_a_front_end_that_stops_reading_leaves_the_engine_process_serving_
     import threading
 
     from infertrace.engine import EngineConfig
-    from infertrace.server.engine_client import ProcessEngine
-    from infertrace.server.engine_process import EngineSpec, start_engine_process
-    from infertrace.server.messages import FrameReader, ToEngine, decode_from_engine, frame
-    from infertrace.server.runner import _reap
+    from infertrace.server.engine_link.client import ProcessEngine
+    from infertrace.server.engine_link.messages import FrameReader, ToEngine, decode_from_engine, frame
+    from infertrace.server.engine_link.process import EngineSpec, start_engine_process
+    from infertrace.server.engine_link.runner import _reap
 
     config = EngineConfig.from_overrides({"kv_cache_tokens": 16384})
     proc, (ours, theirs) = start_engine_process(EngineSpec(str(tiny_model_dir), dataclasses.asdict(config)), 2)

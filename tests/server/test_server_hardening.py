@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from infertrace.server.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from infertrace.server.frontend.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "hello"}]
@@ -69,7 +69,7 @@ async def test_the_chat_template_renders_off_the_event_loop(serve_tiny):
 
 
 async def test_a_short_prompt_tokenizes_on_the_loop_and_a_long_one_off_it(serve_tiny):
-    from infertrace.server.state import INLINE_TOKENIZE_CHARS
+    from infertrace.server.frontend.state import INLINE_TOKENIZE_CHARS
 
     async with serve_tiny() as client:
         with _threads_calling(client.state.tokenizer, "encode") as threads:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from infertrace.server.metrics import Histogram, ServerMetrics, render
+from infertrace.server.frontend.metrics import Histogram, ServerMetrics, render
 
 
 def test_histogram_buckets_are_cumulative_with_inf():

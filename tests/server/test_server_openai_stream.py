@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from infertrace.server.openai_stream import SSE_DONE, ResponseBuilder, sse, usage
-from infertrace.server.protocol import Endpoint, StreamOptions
+from infertrace.server.frontend.protocol import Endpoint, StreamOptions
+from infertrace.server.frontend.stream import SSE_DONE, ResponseBuilder, sse, usage
 
 
 def test_sse_framing():

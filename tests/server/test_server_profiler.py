@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from infertrace.server.profiler import parse_profile_request, resolve_output_dir
-from infertrace.server.protocol import ApiError
+from infertrace.server.frontend.profiler import parse_profile_request, resolve_output_dir
+from infertrace.server.frontend.protocol import ApiError
 
 
 def test_output_dir_resolution_stays_inside_the_profile_dir(tmp_path):

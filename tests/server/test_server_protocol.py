@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from infertrace.server.protocol import (
+from infertrace.server.frontend.protocol import (
     ApiError,
     Endpoint,
     load_sampling_defaults,

@@ -27,7 +27,7 @@ MAX_TIMEOUT_S = 5.0
 # SGLang 0.5.23: sglang/srt/observability/metrics_collector.py (SchedulerMetricsCollector for the gauges and
 #   retractions, labels model_name, engine_type, tp_rank, pp_rank, moe_ep_rank; TokenizerMetricsCollector for
 #   the token counters, labels model_name, engine_type, is_streaming). SGLang's preemption is a retraction.
-# infertrace: infertrace/server/metrics.py (PREFIX "infertrace:", label model_name).
+# infertrace: infertrace/server/frontend/metrics.py (PREFIX "infertrace:", label model_name).
 GAUGE_FIELDS: dict[str, tuple[str, ...]] = {
     "running": ("vllm:num_requests_running", "sglang:num_running_reqs", "infertrace:num_requests_running"),
     "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "infertrace:num_requests_waiting"),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infertrace.server.protocol import ApiError, bad_request
+from infertrace.server.frontend.protocol import ApiError, bad_request
 
 log = logging.getLogger("infertrace.server")
 DEFAULT_ACTIVITIES = ("CPU", "GPU")

@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from infertrace.server import metrics
-from infertrace.server.profiler import Profiler, ProfileRequest
-from infertrace.server.protocol import ApiError
+from infertrace.server.frontend import metrics
+from infertrace.server.frontend.profiler import Profiler, ProfileRequest
+from infertrace.server.frontend.protocol import ApiError
 
 log = logging.getLogger("infertrace.server")
 

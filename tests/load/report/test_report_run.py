@@ -7,9 +7,9 @@ import pytest
 
 from infertrace.load.observe.observer import Observed, run_findings
 from infertrace.load.records import RequestResult
-from infertrace.report import render_html
-from infertrace.report.figures import timeline_figure
-from infertrace.report.run import run_report_document
+from infertrace.load.report import render_html
+from infertrace.load.report.figures import timeline_figure
+from infertrace.load.report.run import run_report_document
 
 ORIGIN = 5000.0
 

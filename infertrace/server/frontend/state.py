@@ -12,7 +12,7 @@ import platform
 import time
 from typing import Any
 
-from infertrace.server.protocol import (
+from infertrace.server.frontend.protocol import (
     ApiError,
     ContextLimits,
     Endpoint,

@@ -140,9 +140,9 @@ def print_warnings(records: list[PointRecord]) -> None:
 
 
 def write_run_report(path: str, record: PointRecord):
+    from infertrace.load.report import write_report
+    from infertrace.load.report.run import run_report_document
     from infertrace.load.results.result import point_result
-    from infertrace.report import write_report
-    from infertrace.report.run import run_report_document
 
     return write_report(path, run_report_document(record, point_result(record)))
 

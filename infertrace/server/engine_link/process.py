@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infertrace.engine.worker import exit_with_parent
-from infertrace.server.messages import (
+from infertrace.server.engine_link.messages import (
     Delta,
     FrameReader,
     FromEngine,
@@ -89,7 +89,7 @@ def engine_main(spec: EngineSpec, socks: list[socket.socket]) -> None:
 
         from infertrace.engine.config import EngineConfig
         from infertrace.engine.engine import Engine
-        from infertrace.server.engine_services import EngineServices
+        from infertrace.server.engine_link.services import EngineServices
 
         engine = Engine(spec.model_dir, EngineConfig(**spec.config))
         services = EngineServices(engine, Path(spec.profile_dir) if spec.profile_dir else None, spec.config)
@@ -250,7 +250,7 @@ class EngineLoop:
             log.error("unknown message kind %r from a front end", kind)
 
     def _call(self, msg: ToEngine) -> FromEngine:
-        from infertrace.server.protocol import ApiError
+        from infertrace.server.frontend.protocol import ApiError
 
         try:
             value = self.services.command(msg.name, msg.args)

@@ -7,7 +7,7 @@ import pandas as pd
 
 from infertrace.analyze.timeline import phases_data, phases_figure
 from infertrace.load.records import RequestResult
-from infertrace.report.figures import (
+from infertrace.load.report.figures import (
     latency_data,
     latency_figure,
     output_throughput,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from infertrace.engine.outputs import EngineDeadError
-from infertrace.server.messages import (
+from infertrace.server.engine_link.messages import (
     FrameError,
     FrameReader,
     FromEngine,
@@ -25,7 +25,7 @@ from infertrace.server.messages import (
     decode_from_engine,
     frame,
 )
-from infertrace.server.protocol import ApiError
+from infertrace.server.frontend.protocol import ApiError
 
 log = logging.getLogger("infertrace.server")
 
@@ -232,7 +232,7 @@ class ThreadEngine:
 
     def __init__(self, engine: Any, profile_dir: Path | None, engine_config: dict[str, Any]) -> None:
         from infertrace.engine.async_engine import AsyncEngine
-        from infertrace.server.engine_services import EngineServices
+        from infertrace.server.engine_link.services import EngineServices
 
         self.engine = engine
         self.aeng = AsyncEngine(engine)

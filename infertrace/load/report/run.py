@@ -3,7 +3,7 @@ this host."""
 
 from __future__ import annotations
 
-from infertrace.report.page import report_document
+from infertrace.load.report.page import report_document
 
 
 def run_report_document(record, result: dict) -> dict:

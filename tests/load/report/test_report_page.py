@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from infertrace.load.observe.findings import find_all
-from infertrace.report import render_html, report_document, write_report
+from infertrace.load.report import render_html, report_document, write_report
 
 
 def _doc(run, **overrides):

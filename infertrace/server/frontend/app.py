@@ -20,11 +20,9 @@ from aiohttp import web
 
 from infertrace import __version__
 from infertrace.engine.outputs import EngineDeadError
-from infertrace.server import metrics
-from infertrace.server.frontend_trace import FrontendTrace
-from infertrace.server.openai_stream import SSE_DONE, ResponseBuilder, new_request_id, sse, usage
-from infertrace.server.profiler import parse_profile_request
-from infertrace.server.protocol import (
+from infertrace.server.frontend import metrics
+from infertrace.server.frontend.profiler import parse_profile_request
+from infertrace.server.frontend.protocol import (
     ApiError,
     Endpoint,
     bad_request,
@@ -32,8 +30,10 @@ from infertrace.server.protocol import (
     parse_generate_request,
     parse_json_body,
 )
+from infertrace.server.frontend.state import ServerState
+from infertrace.server.frontend.stream import SSE_DONE, ResponseBuilder, new_request_id, sse, usage
+from infertrace.server.frontend.trace import FrontendTrace
 from infertrace.server.settings import ServerSettings
-from infertrace.server.state import ServerState
 
 log = logging.getLogger("infertrace.server")
 HEALTH_TIMEOUT_S = 10.0

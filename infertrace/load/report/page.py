@@ -21,7 +21,7 @@ from infertrace.load.observe.findings import Finding
 from infertrace.load.observe.scrape import ScrapeSeries
 from infertrace.load.observe.telemetry import TelemetrySeries
 from infertrace.load.records import RequestResult
-from infertrace.report.figures import (
+from infertrace.load.report.figures import (
     latency_data,
     latency_figure,
     timeline_data,

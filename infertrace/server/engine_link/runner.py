@@ -25,17 +25,17 @@ from typing import Any
 
 from aiohttp import web
 
-from infertrace.server.app import STATE, build_app
-from infertrace.server.engine_client import (
+from infertrace.server.engine_link.client import (
     EngineStartError,
     ProcessEngine,
     ThreadEngine,
 )
-from infertrace.server.engine_process import (
+from infertrace.server.engine_link.process import (
     EngineSpec,
     describe_exit,
     start_engine_process,
 )
+from infertrace.server.frontend.app import STATE, build_app
 from infertrace.server.settings import ServerSettings
 
 log = logging.getLogger("infertrace.server")
@@ -102,7 +102,7 @@ async def run_in_process(engine, settings: ServerSettings, engine_config: dict,
                          on_listening: Callable[[str], None] | None = None,
                          on_draining: Callable[[int], None] | None = None) -> int:
     """Start the engine thread over `engine`, serve until a signal, drain, stop the engine."""
-    from infertrace.server.frontend_tokenizer import FrontendTokenizer
+    from infertrace.server.frontend.tokenizer import FrontendTokenizer
 
     handle = ThreadEngine(engine, settings.profile_dir, engine_config)
     await handle.connect()
@@ -121,7 +121,7 @@ async def run_split(settings: ServerSettings, spec: EngineSpec, api_servers: int
                     on_draining: Callable[[int], None] | None = None) -> int:
     """Serve with the engine in its own process and `api_servers` front ends; returns how many requests were
     aborted. EngineFailure when the engine could not start or died."""
-    from infertrace.server.frontend_tokenizer import FrontendTokenizer
+    from infertrace.server.frontend.tokenizer import FrontendTokenizer
 
     proc, socks = start_engine_process(spec, api_servers)
     engine = ProcessEngine(socks[0], describe_exit=lambda: describe_exit(proc))
@@ -229,7 +229,7 @@ def frontend_main(settings: ServerSettings, sock: socket.socket, index: int, cou
 
 
 async def _frontend(settings: ServerSettings, sock: socket.socket, index: int, count: int, conn) -> int:
-    from infertrace.server.frontend_tokenizer import FrontendTokenizer
+    from infertrace.server.frontend.tokenizer import FrontendTokenizer
 
     engine = ProcessEngine(sock)
     try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from infertrace.server.protocol import Endpoint, StreamOptions
+from infertrace.server.frontend.protocol import Endpoint, StreamOptions
 
 SSE_DONE = b"data: [DONE]\n\n"
 
