@@ -57,12 +57,12 @@ def build_app(engine: Any, tokenizer: Any, settings: ServerSettings,
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/start_profile", _start_profile)
     app.router.add_post("/stop_profile", _stop_profile)
-    app.on_cleanup.append(_close_tokenize_pool)
+    app.on_cleanup.append(_release_state)
     return app
 
 
-async def _close_tokenize_pool(app: web.Application) -> None:
-    app[STATE].tokenize_pool.shutdown(wait=False, cancel_futures=True)
+async def _release_state(app: web.Application) -> None:
+    app[STATE].release()
 
 
 # What a web page may POST cross-origin without asking first (CORS "simple" requests): never taken as a body.

@@ -57,6 +57,13 @@ class ServerState:
         self._idle = asyncio.Event()
         self._idle.set()
 
+    def release(self) -> None:
+        """The app has ended: stop the tokenizer threads and let go of the engine handle and the tokenizer.
+        Something may keep the app itself alive after its end (aiohttp caches each app's middleware chain in a
+        module-level LRU of 1,024 entries), and it must not keep an engine with it."""
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.engine = self.tokenizer = self.frontend_trace = None
+
     def count(self, **deltas: int) -> None:
         """Add to the server counters behind /metrics ("finished:stop", "rejected:queue_full", ...)."""
         try:
