@@ -121,7 +121,9 @@ def execute(cfg: BenchConfig) -> int:
     except OSError as e:  # checked before the run; the disk can still fill up or vanish meanwhile
         fail(f"cannot save the results: {e}", EXIT_BAD_INPUT)
     code = exit_code(records)
-    if code == EXIT_ALL_FAILED:
+    for line in lost_workers(records):
+        err_console.print(f"[bold red]error:[/] {line}", highlight=False)
+    if code == EXIT_ALL_FAILED and not lost_workers(records):
         err_console.print("[bold red]error:[/] every measured request failed (reasons under 'failed requests')",
                           highlight=False)
     return code
@@ -169,10 +171,18 @@ def finish_capacity(capacity, cfg: BenchConfig, target) -> int:
     return exit_code(capacity.records)
 
 
+def lost_workers(records: list[PointRecord]) -> list[str]:
+    """One line for each load worker (--workers, --ray) that ended without reporting all it sent."""
+    return [line for r in records for line in (r.workload or {}).get("lost_workers") or []]
+
+
 def exit_code(records: list[PointRecord]) -> int:
-    """130 when interrupted, 1 when every measured request of the run failed (all sweep points), else 0."""
+    """130 when interrupted; 1 when every measured request of the run failed (all sweep points), or a load worker
+    was lost (what it never reported counts as failed); else 0."""
     if any(r.interrupted for r in records):
         return EXIT_INTERRUPTED
+    if lost_workers(records):
+        return EXIT_ALL_FAILED
     if any(r.results for r in records) and not any(r.metrics.completed for r in records):
         return EXIT_ALL_FAILED
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -127,6 +128,63 @@ def test_interrupting_a_fleet_keeps_what_was_measured(standin):
     done = [r for r in fleet.results if r.error is None]
     assert 0 < len(done) < 200 and len(fleet.start_skew_s) == 2  # both workers reported before exiting
     assert all(r.error == "interrupted" for r in fleet.results if r.error is not None)
+
+
+def _worker_pids(pid: int) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process(pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+
+
+def test_a_killed_worker_counts_as_failed_requests_and_fails_the_run(standin, tmp_path):
+    """A worker killed mid-run: what it never reported is failed, named by its signal; the run exits non-zero."""
+    import psutil
+
+    standin.token_delay = 0.05
+    out, reqs = tmp_path / "r.json", tmp_path / "r.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "infertrace", "bench", "--base-url", standin.url,
+                             "--num-prompts", "80", "--concurrency", "4", "--warmup", "0", "--output-len", "4",
+                             "--workers", "2", "--result-json", str(out), "--requests-jsonl", str(reqs)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while standin.count < 10:  # both workers are sending
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        victim = _worker_pids(proc.pid)[0]
+        psutil.Process(victim).kill()
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stderr
+    named = re.search(rf"load worker (\d) of 2 \(pid {victim}\) killed by SIGKILL: (\d+) request\(s\)", stderr)
+    assert named, stderr
+    worker, owed = int(named[1]), int(named[2])
+    doc = json.loads(out.read_text())
+    assert doc["completed"] + doc["failed"] == 80 and doc["failed"] == owed and 0 < owed < 40
+    assert doc["interrupted"] is False and len(doc["lost_workers"]) == 1
+    assert doc["lost_workers"][0].startswith(named[0])
+    failed = [json.loads(line) for line in reqs.read_text().splitlines() if not json.loads(line)["success"]]
+    # every failure is of the killed worker's slice (every second spec), under its name
+    assert all(r["index"] % 2 == worker - 1 and r["error"] == f"load worker {worker} lost: killed by SIGKILL"
+               for r in failed) and len(failed) == owed
+    assert f"load worker {worker} lost" in stdout  # the failure's reason in the table
+
+
+def test_what_a_lost_worker_owed():
+    from infertrace.load.records import RequestResult
+    from infertrace.load.run.worker import unreported
+
+    part = open_slices(specs(6), [0.1 * i for i in range(6)], 2, None)[1]  # specs 1, 3, 5
+    sent = [RequestResult(3, 0.3, 0.3, 0.4)]
+    assert unreported(part, sent) == [(1, 0.1, None, None), (5, 0.5, None, None)]
+    assert unreported(closed_slices(specs(6), 2, 2, True, None)[0], []) == []  # cycled: nothing countable
+    sessions = [Session(i, (Turn("q", 2), Turn("q", 2))) for i in range(3)]
+    part = session_slices(sessions, 1, None, 2, 0.0, None)[0]
+    sent = [RequestResult(0, 0, 0, 1, session=0, turn=0), RequestResult(1, 0, 0, 1, session=0, turn=1),
+            RequestResult(2, 0, 0, 1, session=1, turn=0, error="HTTP 500")]
+    assert unreported(part, sent) == [(3, None, 2, 0)]  # session 0 done, 1 ended by its failure, 2 never began
 
 
 def test_workers_need_a_server():

@@ -16,6 +16,7 @@ from infertrace.load.run.worker import (
     closed_slices,
     open_slices,
     session_slices,
+    unreported,
 )
 from infertrace.load.workloads.conversation import SessionDriver
 
@@ -38,6 +39,8 @@ class Fleet:
         self.cpu_busiest_s = 0.0  # the busiest worker's: the one a per-core limit applies to
         self.start_skew_s: list[float] = []
         self.clock_offsets_s: list[float] = []  # Ray: each actor's clock against the driver's
+        self.lost: list[str] = []  # one line for each worker that ended without its final batch
+        self._reported: dict[int, list[RequestResult]] = {}  # each worker's records, to know what a lost one owed
         self._origin: float | None = None
         self._nodes: int | None = None
 
@@ -93,22 +96,41 @@ class Fleet:
         self._origin = self.clock.now() + lead_s  # the barrier on the parent's clock
         return time.time() + lead_s
 
-    def take(self, batch: Batch) -> None:
+    def take(self, batch: Batch, worker: int | None = None) -> None:
         for r in batch.results:
             r.scheduled += self._origin
             r.t0 += self._origin
             r.end += self._origin
             self.results.append(r)
             self.on_result(r)
+        if worker is not None:
+            self._reported.setdefault(worker, []).extend(batch.results)
         if batch.done:
             self.cpu_s += batch.cpu_s
             self.cpu_busiest_s = max(self.cpu_busiest_s, batch.cpu_s)
             self.start_skew_s.append(batch.start_skew_s)
 
+    def lose(self, worker: int, of: int, part: Slice, how: str, pid: int | None = None) -> None:
+        """Worker `worker` (of `of`) ended without its final batch (`how`: its exit code or signal): every request
+        of its slice it never reported becomes a failure that names it, so the run's counts add up."""
+        now = self.clock.now()
+        error = f"load worker {worker + 1} lost: {how}"
+        missing = unreported(part, self._reported.get(worker, []))
+        for index, offset, session, turn in missing:
+            scheduled = now if offset is None or self._origin is None else min(now, self._origin + offset)
+            r = RequestResult(index, scheduled, now, now, error=error, session=session, turn=turn)
+            self.results.append(r)
+            self.on_result(r)
+        unknown = part.sessions is None and (part.cycle or part.deadline_s is not None)
+        owed = "the requests it had in flight are not known" if unknown else \
+            f"{len(missing)} request(s) of its slice never reported count as failed"
+        self.lost.append(f"load worker {worker + 1} of {of}{f' (pid {pid})' if pid else ''} {how}: {owed}")
+
     def figures(self) -> dict:
         return {"workers": self.workers, "ray_address": self.ray_address, "ray_nodes": self._nodes,
                 "worker_start_skew_max_ms": 1000 * max(self.start_skew_s, default=0.0),
-                "worker_clock_offsets_ms": [1000 * o for o in self.clock_offsets_s] or None}
+                "worker_clock_offsets_ms": [1000 * o for o in self.clock_offsets_s] or None,
+                "lost_workers": self.lost or None}
 
 
 def _record_sessions(play, results: list[RequestResult]) -> None:

@@ -69,6 +69,7 @@ async def run_local(fleet, parts: list[Slice]) -> None:
     open_conns = set(range(len(conns)))
     waiting = set(open_conns)  # not ready yet
     finished = asyncio.Event()
+    losses: list[asyncio.Future] = []
     decoder = msgspec.msgpack.Decoder(Batch)
 
     def start_when_ready(k: int) -> None:
@@ -84,21 +85,33 @@ async def run_local(fleet, parts: list[Slice]) -> None:
                 except OSError:
                     pass
 
+    def close(k: int) -> None:
+        loop.remove_reader(conns[k].fileno())
+        open_conns.discard(k)
+        start_when_ready(k)
+        if not open_conns:
+            finished.set()
+
+    async def lost(k: int) -> None:
+        """The pipe closed before the final batch: the process died (killed, or raised). What it never reported
+        counts as failed, under its exit code or signal."""
+        await asyncio.to_thread(procs[k].join, 10)
+        fleet.lose(k, len(procs), parts[k], _how_it_ended(procs[k].exitcode), procs[k].pid)
+        close(k)
+
     def readable(k: int) -> None:
         try:
             batch = decoder.decode(conns[k].recv_bytes())
         except (EOFError, OSError):
-            batch = Batch([], True)
+            loop.remove_reader(conns[k].fileno())
+            losses.append(asyncio.ensure_future(lost(k)))
+            return
         if batch.ready:
             start_when_ready(k)
             return
-        fleet.take(batch)
+        fleet.take(batch, k)
         if batch.done:
-            loop.remove_reader(conns[k].fileno())
-            open_conns.discard(k)
-            start_when_ready(k)
-            if not open_conns:
-                finished.set()
+            close(k)
 
     for k, conn in enumerate(conns):
         loop.add_reader(conn.fileno(), readable, k)
@@ -117,9 +130,24 @@ async def run_local(fleet, parts: list[Slice]) -> None:
     finally:
         for k in list(open_conns):
             loop.remove_reader(conns[k].fileno())
+        for task in losses:
+            task.cancel()
         for proc in procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
         for conn in conns:
             conn.close()
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    import signal
+
+    if exitcode is None:
+        return "closed its pipe and did not exit"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"

@@ -89,10 +89,18 @@ async def run_on_ray(fleet, parts: list[Slice], start_at: float) -> None:
             for actor, part, offset in zip(actors, parts, offsets)]
     decoder = msgspec.msgpack.Decoder(Batch)
 
+    lost: set[int] = set()
+
     async def collect() -> None:
-        for actor in actors:
-            for blob in await actor.drain.remote():
-                fleet.take(decoder.decode(blob))
+        for k, actor in enumerate(actors):
+            if k in lost:
+                continue
+            try:
+                blobs = await actor.drain.remote()
+            except Exception:  # the actor died: its run's reference says how, below
+                continue
+            for blob in blobs:
+                fleet.take(decoder.decode(blob), k)
 
     try:
         pending = list(runs)
@@ -101,9 +109,14 @@ async def run_on_ray(fleet, parts: list[Slice], start_at: float) -> None:
             await collect()
             if pending:
                 await asyncio.sleep(POLL_S)
-        for ref in runs:
-            await ref  # a worker that failed raises here
         await collect()
+        for k, ref in enumerate(runs):
+            try:
+                await ref
+            except Exception as e:  # the actor died or its run raised: what it never reported counts as failed
+                lost.add(k)
+                fleet.lose(k, len(actors), parts[k], f"failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+                           if str(e) else f"failed: {type(e).__name__}")
     except asyncio.CancelledError:  # Ctrl-C: every actor stops and sends what it measured
         for actor in actors:
             actor.halt.remote()

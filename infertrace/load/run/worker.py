@@ -78,6 +78,36 @@ def session_slices(sessions: list[Session], n: int, offsets: list[float] | None,
     return out
 
 
+def unreported(part: Slice, reported: list[RequestResult]) -> list[tuple[int, float | None, int | None, int | None]]:
+    """What a worker that was lost owed of `part` and never reported, as (index, offset, session, turn): each spec
+    of a finite slice, and the next turn of each session it left unfinished (which ends that session, as a failed
+    turn does). A slice sent over and over, or up to a deadline, owes no count that can be known."""
+    if part.sessions is not None:
+        last: dict[int, int] = {}
+        ended = set()
+        for r in reported:
+            if r.session is None:
+                continue
+            last[r.session] = max(last.get(r.session, -1), r.turn or 0)
+            if r.error is not None:
+                ended.add(r.session)
+        index = max((r.index for r in reported), default=-1)
+        out = []
+        for k, session in enumerate(part.sessions):
+            turn = last.get(session.index, -1) + 1
+            if session.index in ended or turn >= len(session.turns):
+                continue
+            index += 1
+            offset = part.offsets[k] if part.offsets is not None and turn == 0 else None
+            out.append((index, offset, session.index, turn))
+        return out
+    if part.cycle or part.deadline_s is not None:
+        return []
+    seen = {r.index for r in reported}
+    return [(spec.index, part.offsets[k] if part.offsets is not None else None, None, None)
+            for k, spec in enumerate(part.specs) if spec.index not in seen]
+
+
 async def run_slice(cfg_json: dict, part: Slice, start_at: float | None, emit: Callable[[Batch], None],
                     stop: asyncio.Event, wait_start: Callable[[], Awaitable[float]] | None = None) -> None:
     """Send `part` against the configured target from `start_at` (wall clock; or the time `wait_start` returns
