@@ -16,7 +16,7 @@ from typing import Any
 
 from infertrace.engine.config import EngineConfig
 from infertrace.engine.engine import Engine
-from infertrace.engine.outputs import EngineDeadError, RequestOutput, StepStats
+from infertrace.engine.outputs import EngineDeadError, OutputStream, RequestOutput, StepStats
 from infertrace.engine.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
@@ -29,7 +29,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, asyncio.Queue] = {}  # touched only by the engine thread
+        self._streams: dict[str, OutputStream] = {}  # touched only by the engine thread
         self._callbacks: list[Callable[[StepStats], None]] = []
         self._stats_lock = threading.Lock()
         self._stats: dict[str, Any] = {}
@@ -68,24 +68,17 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until one is finished; closing the generator early aborts the request."""
         await self.start()
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = OutputStream()
         try:
             await self._request(("add", request_id, prompt, params or SamplingParams(), stream))
         except asyncio.CancelledError:
             self._put(("abort", request_id, None))  # it may have been added already
             raise
-        finished = False
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
+            async for item in stream.drain():
                 yield item
-                if finished:
-                    return
         finally:
-            if not finished and self._thread is not None:
+            if not stream.finished and self._thread is not None:
                 self._put(("abort", request_id, None))
 
     async def abort(self, request_id: str) -> None:
@@ -145,7 +138,7 @@ class AsyncEngine:
             except BaseException as exc:  # the loop must never die silently: every waiter hears of it
                 self._error = exc
                 for stream in self._streams.values():
-                    self._post(stream.put_nowait, exc)
+                    self._post(stream.put, exc)
                 self._streams.clear()
                 self._fail_pending(exc)
                 return
@@ -235,6 +228,6 @@ class AsyncEngine:
             self._stats = snap
 
 
-def _put_all(handoff: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(handoff: list[tuple[OutputStream, RequestOutput]]) -> None:
     for stream, out in handoff:
-        stream.put_nowait(out)
+        stream.put(out)

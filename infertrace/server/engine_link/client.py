@@ -9,14 +9,13 @@ description), `error` (why it is dead, or None) and `on_death`.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from infertrace.engine.outputs import EngineDeadError
+from infertrace.engine.outputs import EngineDeadError, OutputStream
 from infertrace.server.engine_link.messages import (
     FrameError,
     FrameReader,
@@ -42,7 +41,7 @@ class ProcessEngine:
         self._sock = sock
         self._describe_exit = describe_exit  # how the process ended, when this front end started it
         self._transport: asyncio.Transport | None = None
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self._ready: asyncio.Future | None = None
@@ -75,26 +74,15 @@ class ProcessEngine:
     # ----- requests -----
     async def generate(self, request_id: str, prompt: list[int], params: Any) -> AsyncIterator[Any]:
         """Yield the request's outputs until one is finished; closing the generator early aborts the request."""
-        stream = _Stream()
+        stream = OutputStream()
         self._streams[request_id] = stream
-        finished = False
-        loop = asyncio.get_running_loop()
         try:
             self._send(ToEngine("add", request_id=request_id, prompt=prompt, params=params))
-            while True:
-                if not stream.items:
-                    stream.waiter = loop.create_future()
-                    await stream.waiter
-                item = stream.items.popleft()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
+            async for item in stream.drain():
                 yield item
-                if finished:
-                    return
         finally:
             self._streams.pop(request_id, None)
-            if not finished and self.error is None:
+            if not stream.finished and self.error is None:
                 self._send(ToEngine("abort", request_id=request_id))
 
     async def abort(self, request_id: str) -> None:
@@ -185,27 +173,6 @@ class ProcessEngine:
             callback()
         if self._transport is not None:
             self._transport.close()
-
-
-class _Stream:
-    """One request's outputs on their way to its handler: lighter than an asyncio.Queue, which matters at a
-    few hundred streams times a token each per step."""
-
-    __slots__ = ("items", "waiter", "sink")
-
-    def __init__(self) -> None:
-        self.items: collections.deque = collections.deque()
-        self.waiter: asyncio.Future | None = None
-        self.sink: Callable[[Any], bool] | None = None
-
-    def put(self, item: Any) -> None:
-        sink = self.sink
-        if sink is not None and not self.items and not isinstance(item, BaseException) and sink(item):
-            return
-        self.items.append(item)
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
 
 class _Link(asyncio.Protocol):

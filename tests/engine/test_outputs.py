@@ -1,0 +1,55 @@
+"""OutputStream: the one loop that reads a request's outputs, in the in-process engine and the engine process's
+client alike."""
+
+import asyncio
+
+import pytest
+
+from infertrace.engine.outputs import OutputStream, RequestOutput
+
+
+def out(n: int, finished: bool = False) -> RequestOutput:
+    return RequestOutput(request_id="r", new_token_ids=[n], new_text="", finished=finished,
+                         finish_reason="stop" if finished else None, num_prompt_tokens=1, num_output_tokens=n,
+                         num_cached_tokens=0)
+
+
+async def test_drain_yields_in_order_until_the_finished_output_and_waits_for_late_ones():
+    stream = OutputStream()
+    stream.put(out(1))
+    got = []
+
+    async def read():
+        async for item in stream.drain():
+            got.append(item.new_token_ids[0])
+
+    reader = asyncio.ensure_future(read())
+    await asyncio.sleep(0)
+    assert got == [1] and not reader.done()  # waiting for more
+    stream.put(out(2))
+    stream.put(out(3, finished=True))
+    stream.put(out(4))  # after the finished one: never read
+    await asyncio.wait_for(reader, 1)
+    assert got == [1, 2, 3] and stream.finished
+
+
+async def test_an_exception_put_in_is_raised_in_the_reader_and_the_stream_is_not_finished():
+    stream = OutputStream()
+    stream.put(out(1))
+    stream.put(ValueError("the engine refused the request"))
+    seen = []
+    with pytest.raises(ValueError, match="refused"):
+        async for item in stream.drain():
+            seen.append(item)
+    assert len(seen) == 1 and not stream.finished
+
+
+async def test_a_sink_takes_outputs_only_while_nothing_is_queued():
+    stream = OutputStream()
+    taken = []
+    stream.sink = lambda item: taken.append(item) or item.new_token_ids[0] != 2
+    stream.put(out(1))
+    stream.put(out(2))  # refused by the sink: queued
+    stream.put(out(3, finished=True))  # something is queued: the sink is skipped to keep the order
+    assert [o.new_token_ids[0] for o in taken] == [1, 2]
+    assert [o.new_token_ids[0] async for o in stream.drain()] == [2, 3]
