@@ -34,8 +34,11 @@ def annotate(name: str) -> Iterator[None]:
             _NVTX[1]()
 
 
-def step_range_name(kind: str, batch_size: int, num_tokens: int) -> str:
-    """`step[PREFILL bs=2 toks=300]`, `step[DECODE bs=16]`, `step[MIXED bs=9 toks=72]`."""
+def step_range_name(kind: str, batch_size: int, num_tokens: int, number: int | None = None) -> str:
+    """`step[PREFILL bs=2 toks=300 #41]`, `step[DECODE bs=16 #42]`, `step[MIXED bs=9 toks=72 #43]`: `#N` is the
+    engine's step number, the one its request log gives each step (GET /v1/request_log), so a capture's steps
+    can be joined to the requests that rode them."""
+    tail = "" if number is None else f" #{number}"
     if kind == "decode":
-        return f"step[DECODE bs={batch_size}]"
-    return f"step[{kind.upper()} bs={batch_size} toks={num_tokens}]"
+        return f"step[DECODE bs={batch_size}{tail}]"
+    return f"step[{kind.upper()} bs={batch_size} toks={num_tokens}{tail}]"

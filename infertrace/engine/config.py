@@ -87,6 +87,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": the checkpoint's dtype (float16 becomes float32 on CPU)
     device: str = "auto"  # "auto": cuda when available, else cpu
     seed: int = 0
+    # observability: each request's life (arrival, the steps it rode, its end) kept for the last this many requests,
+    # with the steps of about the last million request rows (engine/request_log.py); 0 turns the log off
+    request_log_size: int = 100_000
 
     def __post_init__(self) -> None:
         for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):
@@ -109,6 +112,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.request_log_size < 0:
+            raise ValueError(f"request_log_size must be >= 0, got {self.request_log_size}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)

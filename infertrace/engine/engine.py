@@ -34,6 +34,7 @@ from infertrace.engine.offload.kv_offload import KVOffload
 from infertrace.engine.offload.long_context import ring_budget_tokens
 from infertrace.engine.outputs import RequestOutput, StepStats
 from infertrace.engine.parallel import SINGLE, TensorParallel, check_divisible
+from infertrace.engine.request_log import RequestLog
 from infertrace.engine.sampling_params import SamplingParams
 from infertrace.engine.scheduler import Scheduler, StepPlan
 from infertrace.engine.sequence import Sequence
@@ -130,6 +131,8 @@ class Engine:
         self._async = self._async and config.offload == "off" and config.tensor_parallel_size == 1
         self._inflight: _Step | None = None
         self._profiler = None
+        # each request's life by id (arrival, the steps it rode, its end): always on, bounded, read by the server
+        self.request_log = RequestLog(config.request_log_size) if config.request_log_size else None
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank); the engine cannot step afterwards."""
@@ -200,6 +203,9 @@ class Engine:
         if self.config.prefix_caching and len(seq) > self.config.block_size:
             seq.block_hash((len(seq) - 1) // self.config.block_size - 1, self.config.block_size)  # hash up front
         self._requests[request_id] = seq
+        if self.request_log is not None:
+            self.request_log.arrived(request_id, time.perf_counter(), len(token_ids), len(self.scheduler.waiting),
+                                     len(self.scheduler.running))
         self.scheduler.add(seq)
         self.counters["requests_added"] += 1
         self.counters["prompt_tokens"] += len(token_ids)
@@ -213,6 +219,9 @@ class Engine:
             seq.token_ids.pop()  # its token was still being sampled
         self.scheduler.finish(seq, "abort")
         self.counters["requests_aborted"] += 1
+        if self.request_log is not None:
+            self.request_log.finished(request_id, time.perf_counter(), "abort", seq.num_output_tokens,
+                                      seq.num_cached_tokens or 0)
         return self._output(seq, [], finished=True)
 
     def unfinished_request_ids(self) -> list[str]:
@@ -241,9 +250,12 @@ class Engine:
         if not plan.scheduled:
             self.scheduler.apply(plan)
             self.counters["preemptions"] += len(plan.preempted)
+            if self.request_log is not None:
+                self.request_log.preempted([s.request_id for s in plan.preempted], self._step_index)
             return []
         step = _Step(plan, t0, before, 0 if plan.long else sum(len(seq) for seq, _ in plan.admitted))
-        with annotate(step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens)):
+        # no step is in flight here, so this one takes the next number (_record counts them as they complete)
+        with annotate(step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens, self._step_index)):
             self._launch(step)
             if self._async and step.launched is not None and step.launched.tokens is not None:
                 self._inflight = step
@@ -322,7 +334,8 @@ class Engine:
             return None
         step = _Step(plan, t0, None, sum(len(seq) for seq, _ in plan.admitted))
         self.counters["overlapped_steps"] += 1
-        with annotate(step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens)):
+        # `prev` is still in flight: it completes (and is numbered) first
+        with annotate(step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens, self._step_index + 1)):
             self._launch(step, prev, rows)
         return step
 
@@ -354,8 +367,14 @@ class Engine:
                 self.scheduler.finish(seq, reason)
                 del self._requests[seq.request_id]
                 self.counters["requests_finished"] += 1
+                if self.request_log is not None:
+                    self.request_log.finished(seq.request_id, time.perf_counter(), reason, seq.num_output_tokens,
+                                              seq.num_cached_tokens or 0, self._step_index)
             outputs.append(self._output(seq, [token], finished))
-        self._record(step, time.perf_counter() - step.t0)
+        duration = time.perf_counter() - step.t0
+        if self.request_log is not None:
+            self.request_log.step(self._step_index, plan, step.t0, duration, tokens)
+        self._record(step, duration)
         return outputs
 
     def _record(self, step: _Step, duration: float) -> None:

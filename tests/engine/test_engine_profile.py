@@ -12,7 +12,7 @@ from infertrace.engine import SamplingParams
 from infertrace.engine import annotate as annotate_module
 from infertrace.engine.annotate import step_range_name
 
-STEP = re.compile(r"^step\[(PREFILL bs=\d+ toks=\d+|DECODE bs=\d+|MIXED bs=\d+ toks=\d+)\]$")
+STEP = re.compile(r"^step\[(PREFILL bs=\d+ toks=\d+|DECODE bs=\d+|MIXED bs=\d+ toks=\d+) #\d+\]$")
 PHASES = ("schedule", "prepare_inputs", "forward", "sample")
 
 
@@ -27,12 +27,12 @@ def test_torch_profiler_trace_holds_the_step_annotations(make_engine, run_engine
 
     step_events = sorted((e for e in events if e["name"].startswith("step[")), key=lambda e: e["ts"])
     assert [e["name"] for e in step_events] == [
-        step_range_name(s.kind, s.batch_size, s.num_tokens) for s in steps
+        step_range_name(s.kind, s.batch_size, s.num_tokens, s.index) for s in steps
     ]
     assert all(STEP.match(e["name"]) for e in step_events)
     kinds = {e["name"].split()[0] for e in step_events}
     assert kinds == {"step[PREFILL", "step[MIXED", "step[DECODE"}
-    assert step_events[0]["name"] == "step[PREFILL bs=2 toks=32]"
+    assert step_events[0]["name"] == "step[PREFILL bs=2 toks=32 #0]"
     for step in step_events:
         start, end = step["ts"], step["ts"] + step["dur"]
         inside = [e["name"] for e in events if e["name"] in PHASES and start <= e["ts"] and e["ts"] + e["dur"] <= end]
@@ -43,6 +43,8 @@ def test_range_names():
     assert step_range_name("prefill", 2, 300) == "step[PREFILL bs=2 toks=300]"
     assert step_range_name("decode", 16, 16) == "step[DECODE bs=16]"
     assert step_range_name("mixed", 9, 72) == "step[MIXED bs=9 toks=72]"
+    assert step_range_name("decode", 16, 16, 42) == "step[DECODE bs=16 #42]"
+    assert step_range_name("mixed", 9, 72, 7) == "step[MIXED bs=9 toks=72 #7]"
 
 
 def test_nvtx_ranges_go_to_the_nvtx_package_without_cuda():
@@ -66,4 +68,4 @@ def test_gzip_export_is_readable(make_engine, tmp_path):
     prof.export_chrome_trace(str(path))
     with gzip.open(path) as f:
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
-    assert "step[PREFILL bs=1 toks=3]" in names and set(PHASES) <= names
+    assert "step[PREFILL bs=1 toks=3 #0]" in names and set(PHASES) <= names
