@@ -108,11 +108,12 @@ class ServerState:
         for w in pending:
             w.cancel()
         leftover = list(self.in_flight)
-        for request_id in leftover:
-            try:
-                await self.engine.abort(request_id)
-            except Exception as e:  # a dead engine has nothing left to abort; shutting down must go on
-                log.warning("could not abort %s: %s", request_id, e)
+        # every abort is sent before any answer is awaited: one trip to the engine for them all, not one each
+        results = await asyncio.gather(*(self.engine.abort(request_id) for request_id in leftover),
+                                       return_exceptions=True)
+        for request_id, result in zip(leftover, results):
+            if isinstance(result, Exception):  # a dead engine has nothing left to abort; shutting down must go on
+                log.warning("could not abort %s: %s", request_id, result)
         if leftover:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), timeout=5.0)  # handlers send their final chunks
