@@ -144,10 +144,13 @@ class RequestLog:
     def next_seq(self) -> int:
         return self._count
 
-    def read(self, since: int = 0, limit: int | None = None, now: float | None = None) -> dict[str, Any]:
-        """Requests numbered `since` and later (at most `limit`, oldest first), each with the steps it rode, and
-        every step from the first of them on. Times are the server's perf_counter seconds; durations seconds."""
-        chosen = [r for r in self._requests if r.seq >= since]
+    def read(self, since: int = 0, limit: int | None = None, active_since: float | None = None,
+             now: float | None = None) -> dict[str, Any]:
+        """Requests numbered `since` and later (at most `limit`, oldest first; with `active_since`, only those
+        unfinished then or since), each with the steps it rode, and every step from the first of them on. Times
+        are the server's perf_counter seconds; durations seconds."""
+        chosen = [r for r in self._requests if r.seq >= since
+                  and (active_since is None or r.finished is None or r.finished >= active_since)]
         if limit is not None:
             chosen = chosen[:max(0, limit)]
         rows: dict[str, list[list]] = {}

@@ -109,6 +109,11 @@ class ProcessEngine:
         if self.error is None:
             self._send(ToEngine("count", args=deltas))
 
+    def stamp(self, request_id: str, times: dict[str, float]) -> None:
+        """The front end's times of a request, for the engine's request log."""
+        if self.error is None:
+            self._send(ToEngine("stamp", request_id=request_id, args=times))
+
     # ----- plumbing -----
     async def _call(self, message: ToEngine) -> Any:
         future = asyncio.get_running_loop().create_future()
@@ -235,3 +240,7 @@ class ThreadEngine:
 
     def count(self, deltas: dict[str, int]) -> None:
         self.services.metrics.count(deltas)
+
+    def stamp(self, request_id: str, times: dict[str, float]) -> None:
+        if self.engine.request_log is not None:
+            self.engine.request_log.stamp(request_id, times)

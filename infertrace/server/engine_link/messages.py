@@ -35,7 +35,8 @@ class Delta(msgspec.Struct, array_like=True, gc=False):
 class ToEngine(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Front end to engine. kind: "add" (request_id, prompt, params), "abort" (request_id; call_id > 0 asks for a
     reply once its KV is free), "call" (name, args, call_id: an engine-side command such as start_profile, ping or
-    metrics), "count" (args: server counter deltas, e.g. {"finished:stop": 1, "in_flight": -1})."""
+    metrics), "count" (args: server counter deltas, e.g. {"finished:stop": 1, "in_flight": -1}), "stamp"
+    (request_id, args: the front end's times of a request for the request log, e.g. {"received": t, "sent": t})."""
 
     kind: str
     request_id: str = ""

@@ -244,6 +244,9 @@ class EngineLoop:
                 self._send(peer, FromEngine("reply", call_id=msg.call_id))
         elif kind == "count":
             self.services.metrics.count(msg.args)
+        elif kind == "stamp":
+            if self.engine.request_log is not None:
+                self.engine.request_log.stamp(msg.request_id, msg.args)
         elif kind == "call":
             self._send(peer, self._call(msg))
         else:

@@ -11,9 +11,11 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+from infertrace.server.engine_link.request_log import write_capture_log
 from infertrace.server.frontend import metrics
 from infertrace.server.frontend.profiler import Profiler, ProfileRequest
 from infertrace.server.frontend.protocol import ApiError
@@ -27,6 +29,7 @@ class EngineServices:
         self.engine_config = engine_config
         self.metrics = metrics.ServerMetrics()
         self.profiler = Profiler(engine, profile_dir)
+        self._capture_started: float | None = None
 
     def on_step(self, stats: Any) -> None:
         """After every engine step."""
@@ -63,7 +66,12 @@ class EngineServices:
             self.metrics.count(args)
             return None
         if name == "start_profile":
-            return self.profiler.start(ProfileRequest(**{**args, "activities": tuple(args["activities"])}))
+            started = self.profiler.start(ProfileRequest(**{**args, "activities": tuple(args["activities"])}))
+            self._capture_started = time.perf_counter()
+            return started
         if name == "stop_profile":
-            return self.profiler.stop()
+            return write_capture_log(self.engine.request_log, self.profiler.stop(), self._capture_started)
+        if name == "request_log":
+            log = self.engine.request_log
+            return None if log is None else log.read(**args)
         raise ApiError(500, f"unknown engine command {name!r}", code="internal_error")

@@ -30,6 +30,13 @@ from infertrace.server.frontend.protocol import (
     parse_generate_request,
     parse_json_body,
 )
+from infertrace.server.frontend.request_log import (
+    READ_TIMEOUT_S,
+    RequestStamps,
+    check_read,
+    client_request_id,
+    read_args,
+)
 from infertrace.server.frontend.state import ServerState
 from infertrace.server.frontend.stream import SSE_DONE, ResponseBuilder, new_request_id, sse, usage
 from infertrace.server.frontend.trace import FrontendTrace
@@ -55,6 +62,7 @@ def build_app(engine: Any, tokenizer: Any, settings: ServerSettings,
     app.router.add_get("/version", _version)
     app.router.add_get("/server_info", _server_info)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/request_log", _request_log)
     app.router.add_post("/start_profile", _start_profile)
     app.router.add_post("/stop_profile", _stop_profile)
     app.on_cleanup.append(_release_state)
@@ -115,14 +123,16 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    stamps = RequestStamps()  # the request log's front-end times, from now
     state = request.app[STATE]
     req = parse_generate_request(await _json_body(request), endpoint, state.sampling_defaults, state.limits)
     model = state.check_model(req.model)
-    request_id = new_request_id(endpoint)
+    request_id = client_request_id(request.headers, state.in_flight) or new_request_id(endpoint)
     builder = ResponseBuilder(endpoint, model, request_id, req.stream_options)
     with state.admitted(request_id):  # from here on it counts against --max-queue, tokenizing included
         prompt_ids = await state.prompt_ids(req)
         params = state.sampling_params(req, len(prompt_ids))
+        stamps.mark("tokenized")
         outputs = state.engine.generate(request_id, prompt_ids, params)
         async with contextlib.aclosing(outputs):  # closing it early (client gone, error) aborts the request
             try:
@@ -132,9 +142,13 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
             except asyncio.CancelledError:
                 state.count(client_disconnects=1)
                 raise
-            if req.stream:
-                return await _stream(request, state, builder, outputs, first, len(prompt_ids))
-            return await _complete(state, builder, outputs, first, len(prompt_ids))
+            stamps.mark("first_output")
+            try:
+                if req.stream:
+                    return await _stream(request, state, builder, outputs, first, len(prompt_ids))
+                return await _complete(state, builder, outputs, first, len(prompt_ids))
+            finally:
+                stamps.send(state.engine, request_id)
 
 
 async def _complete(state: ServerState, builder: ResponseBuilder, outputs, first,
@@ -302,6 +316,19 @@ async def _metrics(request: web.Request) -> web.Response:
         raise ApiError(503, f"the engine is not running: {e}", code="engine_dead") from None
     body = metrics.render(state.settings.served_model_name, now["stats"], now["server"])
     return web.Response(body=body.encode(), headers={"Content-Type": metrics.CONTENT_TYPE})
+
+
+async def _request_log(request: web.Request) -> web.Response:
+    """Each request's life on the server's clock (docs: README, "The request log")."""
+    state = request.app[STATE]
+    args = read_args(request.query)
+    try:
+        answer = await asyncio.wait_for(state.engine.command("request_log", args), READ_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ApiError(503, f"the engine did not answer within {READ_TIMEOUT_S:g}s", code="engine_stuck") from None
+    except EngineDeadError as e:
+        raise ApiError(503, f"the engine is not running: {e}", code="engine_dead") from None
+    return web.json_response(check_read(answer))
 
 
 # ----- profiler -----

@@ -1,0 +1,86 @@
+"""The front end's part of the request log: the client's request id (`X-Request-Id`), the front end's times of a
+request (received, tokenized, first output, sent), and `GET /v1/request_log`, which reads the engine's log.
+
+The front end's times travel to the engine in one small message when the request ends, so the engine process
+holds each request's whole life whichever front end served it. They are `time.perf_counter()` seconds, the
+clock the engine's steps are timed with (one host, one CLOCK_MONOTONIC).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from infertrace.server.frontend.protocol import ApiError, bad_request
+
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_CHARS = 128
+# letters, digits and the punctuation of UUIDs, ULIDs and the ids load generators build (vLLM's "cmpl-..." too)
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,%d}" % MAX_REQUEST_ID_CHARS)
+MAX_READ = 100_000  # requests one GET may ask for
+READ_TIMEOUT_S = 30.0
+
+
+def client_request_id(headers: Mapping[str, str], in_flight: set[str]) -> str | None:
+    """The request id the client chose (`X-Request-Id`, as vLLM and SGLang take it), or None without one.
+    400 for one that is empty, too long, holds other characters, or names a request still in flight."""
+    value = headers.get(REQUEST_ID_HEADER)
+    if value is None:
+        return None
+    if not REQUEST_ID.fullmatch(value):
+        raise bad_request(f"the {REQUEST_ID_HEADER} header must be 1-{MAX_REQUEST_ID_CHARS} characters of letters, "
+                          f"digits and . _ : -; got {value[:40]!r}{'...' if len(value) > 40 else ''}",
+                          REQUEST_ID_HEADER, code="invalid_request_id")
+    if value in in_flight:
+        raise bad_request(f"the request id {value!r} is already in use by a request in flight", REQUEST_ID_HEADER,
+                          code="duplicate_request_id")
+    return value
+
+
+class RequestStamps:
+    """One request's times in the front end: received when made, then `tokenized`, `first_output` (its first
+    output reached the handler) and `sent` (the response written); `send` hands them to the engine's log."""
+
+    __slots__ = ("times",)
+
+    def __init__(self) -> None:
+        self.times = {"received": time.perf_counter()}
+
+    def mark(self, name: str) -> None:
+        self.times.setdefault(name, time.perf_counter())
+
+    def send(self, engine: Any, request_id: str) -> None:
+        self.times.setdefault("sent", time.perf_counter())
+        stamp = getattr(engine, "stamp", None)
+        if stamp is not None:
+            try:
+                stamp(request_id, self.times)
+            except Exception:  # a dead engine: there is no log left to write to
+                pass
+
+
+def read_args(query: Mapping[str, str]) -> dict[str, int]:
+    """`since` (the cursor: a request's sequence number, as `next` of an earlier read) and `limit`; 400 otherwise."""
+    args = {}
+    for name, low in (("since", 0), ("limit", 0)):
+        raw = query.get(name)
+        if raw is None:
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            raise bad_request(f"{name} must be an integer, got {raw[:40]!r}", name) from None
+        if value < low:
+            raise bad_request(f"{name} must be >= {low}, got {value}", name)
+        args[name] = value
+    args["limit"] = min(args.get("limit", MAX_READ), MAX_READ)
+    return args
+
+
+def check_read(answer: Any) -> dict:
+    if answer is None:
+        raise ApiError(404, "the request log is off: the server runs with --request-log-size 0",
+                       code="request_log_off")
+    return answer

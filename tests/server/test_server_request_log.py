@@ -1,0 +1,77 @@
+"""The request log over HTTP: X-Request-Id names a request, GET /v1/request_log gives its life on the server's
+clock (front-end times, arrival, the steps it rode, first token, end), read from a cursor."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+BODY = {"model": "tiny", "prompt": "the model token batch", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+        "stream": True}
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+async def test_a_request_named_by_the_client_has_its_life_in_the_log(serve_tiny, read_sse, engine_process):
+    async with serve_tiny(engine_process=engine_process) as client:
+        cursor = (await (await client.get("/v1/request_log?limit=0")).json())["next"]
+        resp = await client.post("/v1/completions", json=BODY, headers={"X-Request-Id": "run1-7"})
+        assert resp.status == 200 and resp.headers["X-Request-Id"] == "run1-7"
+        await read_sse(resp)
+        resp = await client.post("/v1/completions", json={**BODY, "stream": False})  # the server names this one
+        server_named = (await resp.json())["id"]
+        for _ in range(50):  # the front end's times reach the engine in a message of their own
+            log = await (await client.get(f"/v1/request_log?since={cursor}")).json()
+            if len(log["requests"]) == 2 and all(r["sent"] for r in log["requests"]):
+                break
+            await asyncio.sleep(0.02)
+    mine, other = log["requests"]
+    assert (mine["request_id"], other["request_id"]) == ("run1-7", server_named)
+    steps = {s["step"]: s for s in log["steps"]}
+    rode = mine["steps"]
+    assert sum(r[1] for r in rode if r[2]) == mine["prompt_tokens"] and sum(r[3] for r in rode) == 4
+    first_token = next(steps[r[0]] for r in rode if r[3])
+    # one clock, in causal order
+    assert (mine["received"] <= mine["tokenized"] <= mine["arrival"] <= steps[rode[0][0]]["start"]
+            <= first_token["start"] + first_token["duration"] <= mine["first_output"] <= mine["sent"])
+    assert mine["finish_reason"] == "length" and mine["output_tokens"] == 4
+    assert mine["finished"] <= mine["sent"] and mine["steps_complete"]
+
+
+async def test_request_ids_are_checked(serve_tiny):
+    async with serve_tiny() as client:
+        for bad in ("", "x" * 129, "has space", "quote\"", "ü"):
+            resp = await client.post("/v1/completions", json=BODY, headers={"X-Request-Id": bad})
+            assert resp.status == 400, bad
+            error = (await resp.json())["error"]
+            assert error["code"] == "invalid_request_id" and error["param"] == "X-Request-Id"
+        # an id still in flight is refused; once it ended it may be used again
+        slow = asyncio.ensure_future(client.post("/v1/completions", json={**BODY, "max_tokens": 200},
+                                                 headers={"X-Request-Id": "dup"}))
+        for _ in range(200):
+            if "dup" in client.state.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        resp = await client.post("/v1/completions", json=BODY, headers={"X-Request-Id": "dup"})
+        assert resp.status == 400 and (await resp.json())["error"]["code"] == "duplicate_request_id"
+        await (await slow).read()
+        resp = await client.post("/v1/completions", json=BODY, headers={"X-Request-Id": "dup"})
+        assert resp.status == 200
+        await resp.read()
+
+
+async def test_read_arguments_and_the_log_switched_off(serve_tiny):
+    async with serve_tiny() as client:
+        for query in ("since=x", "since=-1", "limit=1.5"):
+            resp = await client.get(f"/v1/request_log?{query}")
+            assert resp.status == 400, query
+        for i in range(3):
+            await (await client.post("/v1/completions", json={**BODY, "stream": False},
+                                     headers={"X-Request-Id": f"c{i}"})).read()
+        log = await (await client.get("/v1/request_log?since=1&limit=1")).json()
+        assert [r["request_id"] for r in log["requests"]] == ["c1"] and log["next"] == 3
+    async with serve_tiny({"request_log_size": 0}) as client:
+        resp = await client.get("/v1/request_log")
+        assert resp.status == 404 and (await resp.json())["error"]["code"] == "request_log_off"
+        resp = await client.post("/v1/completions", json={**BODY, "stream": False})
+        assert resp.status == 200
