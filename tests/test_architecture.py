@@ -14,12 +14,13 @@ ROOT = Path(__file__).resolve().parents[1] / "infertrace"
 # Lowest first: a module may import from its own layer and the ones before it. A module belongs to the longest entry
 # that is its name or a package above it ("infertrace" and "infertrace.load" name only their own __init__).
 LAYERS: list[tuple[str, ...]] = [
-    ("infertrace", "infertrace.console", "infertrace.auth", "infertrace.cache"),  # shared by every part
+    # shared by every part
+    ("infertrace", "infertrace.console", "infertrace.auth", "infertrace.cache", "infertrace.config_fields"),
     ("infertrace.engine", "infertrace.modelgen"),
     ("infertrace.analyze",),
     ("infertrace.capture",),
     # server/: settings shared by both rooms, then the HTTP front end, then the engine link, then the command
-    ("infertrace.server", "infertrace.server.settings", "infertrace.server.engine_options"),
+    ("infertrace.server", "infertrace.server.settings"),
     ("infertrace.server.frontend",),
     ("infertrace.server.engine_link",),
     ("infertrace.server.command",),

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from infertrace.config_fields import FieldError, parse_overrides
+
 RECIPE_KEYS = ("name", "description", "model", "preset", "engine", "workload", "profile", "phases")
 # the workload's keys are fields of the load generator's BenchConfig, with its defaults except WORKLOAD_DEFAULTS
 _WORKLOAD_TYPES = {"dataset": str, "dataset_path": str, "num_prompts": int, "input_len": int, "output_len": int,
@@ -108,17 +110,14 @@ class Recipe:
                 origin[key] = (phase, phase.override_lines.get(key))
             config = {**self.engine, **current}
             error = None
-            for key in sorted(set(current) - known):
-                error = self._at(phase, origin[key], f"unknown engine config field {key!r}{_suggest(key, known)}")
-                break
-            if error is None:
-                try:
-                    EngineConfig.from_overrides(config)
-                except ValueError as exc:
-                    culprit = _culprit(exc, current)
-                    site = origin[culprit] if culprit else (phase, phase.line)
-                    hint = _quote_hint(current[culprit]) if culprit else ""
-                    error = self._at(phase, site, f"{exc}{hint}")
+            try:
+                parse_overrides(EngineConfig, current, "engine config")  # each key a field, each value of its type
+                EngineConfig.from_overrides(config)
+            except ValueError as exc:
+                culprit = exc.name if isinstance(exc, FieldError) else _culprit(exc, current)
+                site = origin[culprit] if culprit else (phase, phase.line)
+                hint = _quote_hint(current[culprit]) if culprit in known else ""
+                error = self._at(phase, site, f"{exc}{hint}")
             planned.append(PlannedPhase(i, phase.name, dict(phase.overrides), config, error))
         return planned
 
@@ -344,14 +343,12 @@ def _check_engine(engine: dict, where) -> None:
     from infertrace.engine.config import EngineConfig
 
     known = {f.name for f in dataclasses.fields(EngineConfig)}
-    for key in engine:
-        if key not in known:
-            raise RecipeError(f"{where(key)}: unknown engine config field {key!r}{_suggest(key, known)}")
     try:
+        parse_overrides(EngineConfig, engine, "engine config")  # each key a field, each value of its type
         EngineConfig.from_overrides(engine)
     except ValueError as exc:
-        culprit = _culprit(exc, engine)
-        hint = _quote_hint(engine[culprit]) if culprit else ""
+        culprit = exc.name if isinstance(exc, FieldError) else _culprit(exc, engine)
+        hint = _quote_hint(engine[culprit]) if culprit in known else ""
         raise RecipeError(f"{where(culprit) if culprit else where(next(iter(engine)))}: {exc}{hint}") from None
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass
 from typing import Any
+
+from infertrace.config_fields import FlagSet, check_types, parse_overrides, setting
 
 ATTENTION_MODES = ("batched", "looped")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
@@ -29,73 +29,100 @@ DEFAULT_CUDA_GRAPH_TOKEN_SIZES = (
 @dataclass(slots=True)
 class EngineConfig:
     # paged KV cache
-    block_size: int = 16
+    block_size: int = setting(16, "Tokens per KV-cache block.")
     # "auto": the model's dtype; "fp8" (= "fp8_e4m3", vLLM's names): K and V stored as float8 e4m3 with a scale of
     # 1.0 (rounded to nearest, saturated at +-448) and widened exactly where attention reads them (to float16 for the
     # GPU kernels' dots under a 16-bit model, else to the model's dtype), so a token's KV takes half the bytes of
     # bf16: twice the tokens in the same memory, half the reads of a decode step; not with offload
-    kv_cache_dtype: str = "auto"
-    kv_cache_tokens: int | None = None  # explicit KV budget; None sizes it from memory (see the two fields below)
-    gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use, KV cache included
-    cpu_kv_cache_gb: float = 0.5  # KV budget on a CPU device when kv_cache_tokens is None
+    kv_cache_dtype: str = setting(
+        "auto", "KV-cache dtype: auto (the model's) or fp8 (float8 e4m3, scale 1.0; also fp8_e4m3).")
+    kv_cache_tokens: int | None = setting(None, "KV-cache size in tokens; unset: sized from memory.")
+    gpu_memory_utilization: float = setting(0.9, "Share of GPU memory the engine may use, KV cache included.")
+    cpu_kv_cache_gb: float = setting(0.5, "KV-cache budget in GB on a CPU device when --kv-cache-tokens is unset.")
     # scheduling
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0  # >0: a prefill gets at most this many tokens per step
-    prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
+    max_num_seqs: int = setting(256, "Most requests in one running batch.")
+    max_num_batched_tokens: int = setting(8192, "Token budget of one engine step.")
+    max_model_len: int | None = setting(
+        None, "Context length; unset: the model's max_position_embeddings (capped by the KV cache).")
+    chunked_prefill: bool = setting(True, "Split long prefills across steps and batch them with decodes.",
+                                    aliases=("enable-chunked-prefill",))
+    long_prefill_token_threshold: int = setting(0, "Most prefill tokens of one request per step; 0: no limit.")
+    prefix_caching: bool = setting(True, "Reuse KV blocks of shared prompt prefixes.",
+                                   aliases=("enable-prefix-caching",))
+    scheduling_policy: str = setting("fcfs", "Scheduling policy.")
     # plan and queue step N+1 while step N runs on the device, feeding N's sampled tokens to N+1 on the device;
     # "auto": on for CUDA (the host's share of a decode step then hides behind the GPU's), off on CPU
-    async_scheduling: str = "auto"
+    async_scheduling: str = setting(
+        "auto", "Plan and queue the next step while the current one runs: auto (on for CUDA), on or off.")
     # attention and the decode path
-    attention: str = "batched"  # "looped": attention runs one request at a time
-    attention_backend: str = "auto"
-    cuda_graphs: bool = True  # decode CUDA graphs per batch-size bucket; no effect on CPU
+    attention: str = setting(
+        "batched", "batched: one attention kernel for the batch; looped: one request at a time (ablation).")
+    attention_backend: str = setting("auto", "Attention kernels: auto, torch, triton or flash_attn.")
+    cuda_graphs: bool = setting(True, "Capture decode steps in CUDA graphs per batch-size bucket (no effect on CPU).")
     # prefill and mixed steps replay CUDA graphs per token-count bucket (cuda_graph_token_sizes, up to
     # max_num_batched_tokens; larger steps run eagerly), the paged attention inside them over a grid fixed by the
     # bucket; needs the Triton backend in batched mode; off with tensor_parallel_size > 1; no effect on CPU
-    prefill_cuda_graphs: bool = True
-    static_buffers: bool = True  # step inputs live in buffers allocated once (False: fresh tensors every step)
+    prefill_cuda_graphs: bool = setting(
+        True, "Capture prefill and mixed steps in CUDA graphs per token-count bucket, the attention inside them "
+              "(CUDA; no effect on CPU).")
+    static_buffers: bool = setting(
+        True, "Step inputs live in buffers allocated once; off: fresh tensors every step (ablation).")
     # small fusions on CUDA, one Triton kernel each: residual add + RMSNorm, q/k RMSNorm + RoPE, SiLU-and-multiply
-    fused_norm: bool = True
+    fused_norm: bool = setting(
+        True, "Fused Triton kernels on CUDA: residual add + RMSNorm, q/k RMSNorm + RoPE, SiLU-and-multiply.")
     # with fused_norm, on CUDA with 16-bit weights: projections of steps of <= 16 tokens as weight-streaming Triton
     # GEMMs (split-K sums added in float32 and read by the next residual add + RMSNorm)
-    skinny_gemm: bool = True
+    skinny_gemm: bool = setting(
+        True, "Projections of small decode steps as weight-streaming Triton GEMMs (CUDA, 16-bit, fused norm).")
     # with skinny_gemm: the qkv projection with the q/k norm, RoPE and K/V write, and the gate/up projection with
     # SiLU-and-multiply, one kernel each, at the shapes measured to gain (kernels/fused.py; qwen3-4b's today)
-    fused_projections: bool = True
+    fused_projections: bool = setting(
+        True, "With --skinny-gemm: the qkv projection with its q/k norm and RoPE, and the gate/up projection with "
+              "SiLU, as one kernel each where measured faster (qwen3-4b's shapes).")
     # programmatic dependent launch of the Triton kernels on Hopper and later (compute capability 9.0): a kernel's
     # programs start while the one before drains, and wait for its results on the device. No effect elsewhere
-    pdl: bool = True
+    pdl: bool = setting(
+        True, "Programmatic dependent launch of the Triton kernels (Hopper and later): each starts while the one "
+              "before drains.")
     # decode attention (Triton backend) launches its sequences' programs longest context first: over mixed context
     # lengths a long context launched last otherwise runs on alone while the rest of the GPU idles
-    decode_longest_first: bool = True
-    cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES
-    cuda_graph_token_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_TOKEN_SIZES
+    decode_longest_first: bool = setting(
+        True, "Decode attention launches its requests' programs longest context first (Triton backend).")
+    cuda_graph_batch_sizes: tuple[int, ...] = setting(
+        DEFAULT_CUDA_GRAPH_BATCH_SIZES, "Batch-size buckets captured in CUDA graphs, comma-separated.")
+    cuda_graph_token_sizes: tuple[int, ...] = setting(
+        DEFAULT_CUDA_GRAPH_TOKEN_SIZES, "Token-count buckets of the prefill and mixed-step graphs, comma-separated "
+                                        "(capped at --max-num-batched-tokens, which is always one).")
     # CPU KV offload
-    offload: str = "off"  # "prefix": host tier of the prefix cache; "long": contexts beyond the GPU's KV; or both
-    offload_host_gb: float = 4.0  # pinned host pool for offloaded KV
-    offload_chunk_tokens: int = 4096  # long mode: tokens per GPU ring slot, the unit KV is streamed in
-    offload_ring_slots: int = 4  # long mode: GPU slots the chunks stream through (one loads while another is used)
+    offload: str = setting(
+        "off", "CPU KV offload: off; prefix (a host tier of the prefix cache); long (contexts beyond the GPU's KV, "
+               "streamed through GPU slots); or prefix+long.")
+    offload_host_gb: float = setting(4.0, "Pinned host memory for offloaded KV, in GB.")
+    offload_chunk_tokens: int = setting(
+        4096, "Long offload: tokens per GPU ring slot, the unit KV is streamed in.")
+    offload_ring_slots: int = setting(
+        4, "Long offload: GPU slots the chunks stream through (one loads while another is attended); at least 2.")
     # tensor parallelism: one process per rank (rank r on cuda:r; gloo on CPU), rank 0 schedules and samples;
     # above 1: no async scheduling, no KV offload, no skinny_gemm (its split-K sums skip the all-reduce) and no
     # prefill_cuda_graphs (decode graphs stay)
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = setting(
+        1, "Tensor-parallel ranks, one process each (rank r on cuda:r; gloo on CPU).")
     # numerics and placement
-    dtype: str = "auto"  # "auto": the checkpoint's dtype (float16 becomes float32 on CPU)
-    device: str = "auto"  # "auto": cuda when available, else cpu
-    seed: int = 0
+    dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
+                                 "CPU).")
+    device: str = setting("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N.")
+    seed: int = setting(0, "Engine random seed (requests may carry their own).")
     # observability: each request's life (arrival, the steps it rode, its end) kept for the last this many requests,
     # with the steps of about the last million request rows (engine/request_log.py); 0 turns the log off
-    request_log_size: int = 100_000
+    request_log_size: int = setting(
+        100_000, "Requests the request log keeps (GET /v1/request_log); 0: off.")
 
     def __post_init__(self) -> None:
         for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):
             if isinstance(getattr(self, name), (list, tuple)):
                 setattr(self, name, tuple(sorted(set(getattr(self, name)))))
-        _check_types(self)
+        check_types(self)
+        _check_sizes(self)
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
@@ -175,16 +202,16 @@ class EngineConfig:
 
         Values may be strings (from a command line): they are parsed by the field's type.
         """
-        overrides = dict(overrides or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise ValueError(f"unknown engine config field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-        hints = typing.get_type_hints(cls)
         values = dataclasses.asdict(base) if base is not None else {}
-        for name, value in overrides.items():
-            values[name] = _parse(name, value, hints[name]) if isinstance(value, str) else value
-        return cls(**values)
+        return cls(**(values | parse_overrides(cls, overrides or {}, "engine config")))
+
+
+# the engine's settings as flags, for `serve` and for `bench` with the bundled engine in-process
+ENGINE_FLAGS = FlagSet(
+    EngineConfig, prefix="engine__", what="engine config", overrides_flag="--engine-opt", example="attention=looped",
+    shortcuts={"enforce-eager": ({"cuda_graphs": False, "prefill_cuda_graphs": False},
+                                 "Same as --no-cuda-graphs --no-prefill-cuda-graphs: every step eager (vLLM's name).")},
+)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -192,52 +219,8 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
-def _allowed_types(hint: Any) -> tuple[type, ...]:
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return tuple(t for arg in typing.get_args(hint) for t in _allowed_types(arg))
-    if hint is type(None):
-        return (type(None),)
-    return (typing.get_origin(hint) or hint,)
-
-
-def _check_types(cfg: EngineConfig) -> None:
-    hints = typing.get_type_hints(type(cfg))
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        allowed = _allowed_types(hints[f.name])
-        if isinstance(value, bool) and bool not in allowed:
-            ok = False  # a bool is an int to Python, not to a user who typed block_size=True
-        elif isinstance(value, int) and float in allowed:
-            ok = True
-        else:
-            ok = isinstance(value, allowed)
-        if not ok:
-            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
-            raise ValueError(f"{f.name} must be {names}, got {value!r}")
+def _check_sizes(cfg: EngineConfig) -> None:
     for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):
         sizes = getattr(cfg, name)
         if any(not isinstance(size, int) or isinstance(size, bool) for size in sizes):
             raise ValueError(f"{name} must be integers, got {sizes!r}")
-
-
-def _parse(name: str, text: str, hint: Any) -> Any:
-    allowed = _allowed_types(hint)
-    s = text.strip()
-    if type(None) in allowed and s.lower() in ("none", "null", ""):
-        return None
-    if bool in allowed:
-        if s.lower() in ("1", "true", "yes", "on"):
-            return True
-        if s.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{name} must be true or false, got {text!r}")
-    try:
-        if int in allowed:
-            return int(s)
-        if float in allowed:
-            return float(s)
-        if tuple in allowed:
-            return tuple(int(p) for p in s.replace(",", " ").split())
-    except ValueError:
-        raise ValueError(f"{name} must be {' or '.join(t.__name__ for t in allowed)}, got {text!r}") from None
-    return text

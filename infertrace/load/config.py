@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from infertrace import config_fields
+
 ENDPOINTS = ("completions", "chat")
 DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl", "trace", "conversation")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")  # per-request bounds: goodput
@@ -70,7 +72,7 @@ class BenchConfig:
     ramp_up_end_rps: float | None = None
     warmup: int | None = None  # None: DEFAULT_WARMUP, or none for trace replay (see effective_warmup)
     sweep_param: str | None = None  # "concurrency" or "request_rate"
-    sweep_values: tuple = ()
+    sweep_values: tuple[int | float, ...] = ()
     find_max: str | None = None  # "concurrency" or "request_rate": the highest load meeting every --slo bound
     find_max_start: float = 1.0  # the first load tried, doubled until a bound is missed
     find_max_limit: float = 1024.0  # the highest load tried
@@ -301,14 +303,17 @@ class BenchConfig:
         return {flag: path for flag, path in paths.items() if path}
 
     def to_json(self) -> dict:
-        d = asdict(self)
+        """The config as the result file holds it; an infinite request rate is written "inf" (JSON has no
+        infinity), and `from_json` reads it back."""
+        d = config_fields.to_json(self)
         del d["headers"]  # how to reach the server, not what was measured; provenance names them, redacted
         d["warmup"] = self.effective_warmup  # what ran, so results of runs that differ only in spelling compare
-        for key in ("request_rate",):
-            if d[key] is not None and math.isinf(d[key]):
-                d[key] = "inf"
-        d["sweep_values"] = ["inf" if isinstance(v, float) and math.isinf(v) else v for v in d["sweep_values"]]
         return d
+
+    @classmethod
+    def from_json(cls, data: dict) -> BenchConfig:
+        """The config `to_json` wrote (with "headers" put back where they are wanted); ValueError as for flags."""
+        return cls(**config_fields.from_json(cls, data))
 
 
 def parse_slo(text: str) -> dict[str, float]:

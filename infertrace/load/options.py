@@ -9,6 +9,7 @@ from fractions import Fraction
 import click
 
 from infertrace.auth import request_headers, server_auth_options
+from infertrace.engine.config import ENGINE_FLAGS
 from infertrace.load.config import (
     DATASETS,
     DEFAULT_CONCURRENCY,
@@ -24,20 +25,13 @@ from infertrace.load.config import (
 from infertrace.load.run.worker import resolve_workers
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(BenchConfig)}
+# the bundled engine's settings, as `serve` has them, where bench runs it in-process (a flag bench has itself, such
+# as --seed, stays bench's: the engine's is then reached with --engine-opt)
+EMBEDDED_ENGINE_FLAGS = dataclasses.replace(ENGINE_FLAGS, help_prefix="(embedded engine) ")
 
 
 def _d(name: str) -> str:
     return f"[default: {_DEFAULTS[name]}]"
-
-
-def _key_values(ctx, param, values):
-    out = {}
-    for item in values:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
 
 
 def _parsed(parse):
@@ -80,8 +74,6 @@ _OPTIONS = (  # in the order --help lists them
     click.option("--tokenizer", metavar="DIR", help="A local tokenizer directory, for prompts of exact token "
                   "length and for counting output tokens a server does not report (default: --model when it is a "
                   "directory)."),
-    click.option("--engine-opt", "engine_overrides", multiple=True, metavar="KEY=VALUE", callback=_key_values,
-                  help="Embedded: an engine config field, e.g. --engine-opt attention=looped (repeatable)."),
     click.option("--dataset", type=click.Choice(DATASETS),
                   help="random: prompts of exact token length; shared-prefix: --num-prefixes prefixes of "
                   "--prefix-len tokens shared by the requests; sharegpt: a ShareGPT-format JSON file; jsonl: one "
@@ -187,20 +179,23 @@ def bench_options(command):
     """Every flag of `infertrace bench` on `command`, as keyword arguments (their defaults live in BenchConfig)."""
     for option in reversed(_OPTIONS):
         command = option(command)
+    taken = {flag for param in command.__click_params__ for flag in (*param.opts, *param.secondary_opts)}
+    command.__click_params__[:0] = reversed(EMBEDDED_ENGINE_FLAGS.options(taken))  # listed after bench's own
     return command
 
 
 def bench_config(options: dict) -> BenchConfig:
     """The run's config from the flags given (a flag not given takes BenchConfig's default); ValueError names
     what is wrong."""
-    options = dict(options)
+    engine = EMBEDDED_ENGINE_FLAGS.values(options)
+    options = EMBEDDED_ENGINE_FLAGS.own(options)
+    if engine:
+        options["engine_overrides"] = engine
     if headers := request_headers(options.pop("api_key"), options.pop("header")):
         options["headers"] = headers
     sweep = options.pop("sweep")
     if sweep is not None:
         options["sweep_param"], options["sweep_values"] = sweep
-    if not options["engine_overrides"]:
-        options.pop("engine_overrides")
     given = {k: v for k, v in options.items() if v is not None}
     if given.get("dataset") == "conversation":
         given.setdefault("endpoint", "chat")  # every turn goes with its history; completions has no messages

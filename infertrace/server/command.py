@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from infertrace.console import err_console, fail
-from infertrace.server.engine_options import engine_config_options, engine_overrides
+from infertrace.engine.config import ENGINE_FLAGS
 from infertrace.server.settings import ServerSettings
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerSettings) if f.default is not dataclasses.MISSING}
@@ -55,7 +55,7 @@ def serve(model_dir: Path, served_model_name: str | None, host: str, port: int, 
         settings = ServerSettings(model_dir=str(model_dir), served_model_name=served_model_name or str(model_dir),
                                   host=host, port=port, max_queue=max_queue, drain_timeout_s=drain_timeout,
                                   profile_dir=profile_dir.resolve() if profile_dir else None)
-        config = EngineConfig.from_overrides(engine_overrides(engine_params))
+        config = EngineConfig.from_overrides(ENGINE_FLAGS.values(engine_params))
     except ValueError as e:
         fail(str(e))
     if settings.profile_dir is not None:
@@ -78,7 +78,7 @@ def _prepare_profile_dir(profile_dir: Path) -> None:
         fail(f"--profile-dir: {e}")
 
 
-for _option in engine_config_options(reserved=_SERVER_FLAGS):
+for _option in ENGINE_FLAGS.options(taken=_SERVER_FLAGS):
     serve.params.append(_option)
 
 

@@ -14,9 +14,8 @@ import aiohttp
 import pytest
 from click.testing import CliRunner
 
-from infertrace.engine.config import EngineConfig
+from infertrace.engine.config import ENGINE_FLAGS, EngineConfig
 from infertrace.server.command import serve
-from infertrace.server.engine_options import engine_overrides
 
 
 def _params(args: list[str]) -> dict:
@@ -28,7 +27,7 @@ def test_every_engine_config_field_is_an_option_without_a_restated_default(tmp_p
     for f in dataclasses.fields(EngineConfig):
         option = options[f"engine__{f.name}"]
         assert option.default is None, f.name  # the default lives in EngineConfig only
-    assert engine_overrides(_params(["--model", str(tmp_path)])) == {}
+    assert ENGINE_FLAGS.values(_params(["--model", str(tmp_path)])) == {}
     help_text = CliRunner().invoke(serve, ["--help"], terminal_width=200).output
     assert f"[default: {EngineConfig().block_size}]" in help_text
 
@@ -37,7 +36,7 @@ def test_engine_options_reach_the_engine_config(tmp_path):
     params = _params(["--model", str(tmp_path), "--max-num-seqs", "3", "--no-enable-prefix-caching",
                       "--attention", "looped", "--enforce-eager", "--cuda-graph-batch-sizes", "4,1,2",
                       "--kv-cache-tokens", "1024"])
-    config = EngineConfig.from_overrides(engine_overrides(params))
+    config = EngineConfig.from_overrides(ENGINE_FLAGS.values(params))
     assert config.max_num_seqs == 3 and config.prefix_caching is False and config.attention == "looped"
     assert config.cuda_graphs is False and config.prefill_cuda_graphs is False
     assert config.cuda_graph_batch_sizes == (1, 2, 4)
@@ -46,7 +45,7 @@ def test_engine_options_reach_the_engine_config(tmp_path):
 
     params = _params(["--model", str(tmp_path), "--engine-opt", "attention=looped", "--engine-opt",
                       "max-num-seqs=5", "--engine-opt", "block_size=32", "--block-size", "8"])
-    config = EngineConfig.from_overrides(engine_overrides(params))
+    config = EngineConfig.from_overrides(ENGINE_FLAGS.values(params))
     assert (config.attention, config.max_num_seqs, config.block_size) == ("looped", 5, 8)  # the flag wins
 
 

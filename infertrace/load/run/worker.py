@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -112,7 +111,7 @@ async def run_slice(cfg_json: dict, part: Slice, start_at: float | None, emit: C
                     stop: asyncio.Event, wait_start: Callable[[], Awaitable[float]] | None = None) -> None:
     """Send `part` against the configured target from `start_at` (wall clock; or the time `wait_start` returns
     once the target is open) and emit every record, its times in seconds since this worker's own start."""
-    cfg = BenchConfig(**_config_fields(cfg_json))
+    cfg = BenchConfig.from_json(cfg_json)
     target = make_target(cfg, lambda _: None)
     await target.open()
     pending: list[RequestResult] = []
@@ -174,19 +173,6 @@ def _relative(r: RequestResult, origin: float) -> RequestResult:
     r.t0 -= origin
     r.end -= origin
     return r
-
-
-def _config_fields(cfg_json: dict) -> dict:
-    names = {f.name for f in dataclasses.fields(BenchConfig)}
-    out = {k: v for k, v in cfg_json.items() if k in names}
-    for key in ("request_rate",):
-        if out.get(key) == "inf":
-            out[key] = math.inf
-    out["sweep_values"] = tuple(out.get("sweep_values") or ())
-    out.update(workers=1, sweep_param=None, sweep_values=(), profile=False, profile_steps=None,
-               profile_seconds=None, result_json=None, requests_jsonl=None, plot=None, report=None,
-               find_max=None, scrape_interval_s=0.0)
-    return out
 
 
 def resolve_workers(value: str | int) -> int:
