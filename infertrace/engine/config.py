@@ -15,6 +15,7 @@ SCHEDULING_POLICIES = ("fcfs",)
 ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+ALL_REDUCE_MODES = ("auto", "nccl", "custom")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # token counts of prefill and mixed steps: 16 apart up to 1,024 tokens (vLLM's spacing of its capture sizes above
 # 256), so a prompt chunk with the decodes of a mixed step beside it pads by at most 15 tokens (cuBLAS's GEMM time is
@@ -61,7 +62,7 @@ class EngineConfig:
     cuda_graphs: bool = setting(True, "Capture decode steps in CUDA graphs per batch-size bucket (no effect on CPU).")
     # prefill and mixed steps replay CUDA graphs per token-count bucket (cuda_graph_token_sizes, up to
     # max_num_batched_tokens; larger steps run eagerly), the paged attention inside them over a grid fixed by the
-    # bucket; needs the Triton backend in batched mode; off with tensor_parallel_size > 1; no effect on CPU
+    # bucket; needs the Triton backend in batched mode; no effect on CPU
     prefill_cuda_graphs: bool = setting(
         True, "Capture prefill and mixed steps in CUDA graphs per token-count bucket, the attention inside them "
               "(CUDA; no effect on CPU).")
@@ -103,10 +104,15 @@ class EngineConfig:
     offload_ring_slots: int = setting(
         4, "Long offload: GPU slots the chunks stream through (one loads while another is attended); at least 2.")
     # tensor parallelism: one process per rank (rank r on cuda:r; gloo on CPU), rank 0 schedules and samples;
-    # above 1: no async scheduling, no KV offload, no skinny_gemm (its split-K sums skip the all-reduce) and no
-    # prefill_cuda_graphs (decode graphs stay)
+    # above 1: no KV offload
     tensor_parallel_size: int = setting(
         1, "Tensor-parallel ranks, one process each (rank r on cuda:r; gloo on CPU).")
+    # with more ranks on GPUs: "custom" all-reduces messages up to 8 MiB through PyTorch's symmetric-memory one-shot
+    # / two-shot kernels over NVLink peer memory (captured in the CUDA graphs) and larger ones through NCCL; "auto"
+    # takes it where every GPU reaches its peers' memory, else NCCL (engine/allreduce.py)
+    all_reduce: str = setting(
+        "auto", "Tensor-parallel all-reduce: auto, nccl, or custom (peer-memory one-shot for small messages, NCCL "
+                "above 8 MiB).")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")
@@ -150,6 +156,7 @@ class EngineConfig:
         _check_choice("offload", self.offload, OFFLOAD_MODES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("all_reduce", self.all_reduce, ALL_REDUCE_MODES)
         if self.kv_cache_dtype != "auto" and self.offload != "off":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with offload={self.offload!r}")
         for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):
@@ -179,9 +186,9 @@ class EngineConfig:
             return
         if self.offload != "off":
             raise ValueError(f"offload={self.offload!r} is not supported with tensor_parallel_size={tp}")
-        if self.async_scheduling == "on":
-            # the other ranks would need the tokens rank 0 samples on its device before they reach the host
-            raise ValueError(f"async_scheduling='on' is not supported with tensor_parallel_size={tp}")
+        if self.all_reduce == "custom" and self.device == "cpu":
+            raise ValueError("all_reduce='custom' needs CUDA GPUs that reach each other's memory; use 'nccl' or "
+                             "'auto' on CPU")
         if self.device.startswith("cuda:"):
             raise ValueError(f"with tensor_parallel_size={tp} rank r runs on cuda:r; use device='cuda' or 'auto', "
                              f"and CUDA_VISIBLE_DEVICES to pick the GPUs (got device={self.device!r})")

@@ -127,8 +127,9 @@ class Engine:
         # async scheduling: the step queued on the device whose tokens the host has not seen yet
         self._async = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.runner.device.type == "cuda")
-        # the other tensor-parallel ranks read their inputs from the host, where a queued step's tokens are not yet
-        self._async = self._async and config.offload == "off" and config.tensor_parallel_size == 1
+        self._async = self._async and config.offload == "off"
+        # with more ranks, rank 0 broadcasts each step's tokens on the device: the next step may be fed from them
+        self.runner.share_tokens = self._async and config.tensor_parallel_size > 1
         self._inflight: _Step | None = None
         self._profiler = None
         # each request's life by id (arrival, the steps it rode, its end): always on, bounded, read by the server
@@ -309,6 +310,7 @@ class Engine:
                 "fused_norm": runner.model.fused_norm, "skinny_gemm": runner.model.skinny_gemm,
                 "fused_projections": runner.model.fused_projections,
                 "async_scheduling": self._async, "pdl": runner.pdl,
+                "all_reduce": runner.all_reduce_name, "all_reduce_note": runner.all_reduce_note,
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch.")}
 
     def _launch_overlapped(self, prev: _Step) -> _Step | None:

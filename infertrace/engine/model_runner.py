@@ -6,6 +6,7 @@ inputs (`StepInputs`), hands them to the other ranks, and runs the same forward 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from itertools import chain
@@ -64,6 +65,11 @@ class StepInputs:
     block_tables: np.ndarray  # [B, most blocks of a request] padded with 0
     decode: bool  # a decode step (one new token per request): may replay a CUDA graph
     name: str = ""  # the step's profiler range, which the other ranks open around it
+    # async scheduling with more ranks: input `feed_rows[i]` is token `feed_sources[i]` sampled by the step before
+    # (see ModelRunner.launch), which rank 0 broadcasts to the others on the device when `share_tokens`
+    feed_rows: list[int] | None = None
+    feed_sources: list[int] | None = None
+    share_tokens: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -84,6 +90,12 @@ class OtherRanks(Protocol):
 
     def step(self, inputs: StepInputs) -> None: ...
 
+    def wait(self, event: torch.cuda.Event) -> None:
+        """Wait for `event`, raising as soon as a rank is seen dead."""
+
+    def check(self) -> None:
+        """Raise when a rank has died."""
+
 
 @dataclass(slots=True)
 class LaunchedStep:
@@ -94,16 +106,22 @@ class LaunchedStep:
     tokens: torch.Tensor | None  # one per scheduled request that samples, in plan order, on the device
     host: torch.Tensor | None  # pinned copy of `tokens`, valid once `event` has completed (CUDA only)
     event: torch.cuda.Event | None
+    other_ranks: OtherRanks | None = None  # waited through: a dead rank is an error, not a wait for ever
 
     def results(self) -> list[int | None]:
         """Wait for the step; the sampled token of each scheduled request (None mid-prefill)."""
         if self.tokens is None:
             values: list[int] = []
         elif self.event is not None:
-            self.event.synchronize()
+            if self.other_ranks is not None:
+                self.other_ranks.wait(self.event)
+            else:
+                self.event.synchronize()
             values = self.host[: self.tokens.numel()].tolist()
         else:
             values = self.tokens.tolist()
+            if self.other_ranks is not None:
+                self.other_ranks.check()
         it = iter(values)
         return [next(it) if sampled else None for sampled in self.samples]
 
@@ -112,13 +130,23 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, hf_config: dict, tp: TensorParallel = SINGLE,
                  other_ranks: OtherRanks | None = None):
         self.config = config
-        self.tp = tp
         self.other_ranks = other_ranks
         self.device = resolve_device(config.device)
         if tp.size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", tp.rank)
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.all_reduce_name = "none"
+        self.all_reduce_note: str | None = None  # why all_reduce=auto did not take the custom one
+        if tp.size > 1:  # the ranks agree on it (a collective), before any graph is captured
+            from infertrace.engine.allreduce import make_all_reduce
+
+            reduce, self.all_reduce_note = make_all_reduce(config.all_reduce, self.device, self.dtype, tp.size)
+            tp = dataclasses.replace(tp, reduce=reduce)
+            self.all_reduce_name = reduce.name
+        self.tp = tp
+        self.share_tokens = False  # set by the engine: async scheduling with more ranks (see StepInputs)
+        self._shared_tokens: torch.Tensor | None = None  # the other ranks' copy of the last step's sampled tokens
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype.startswith("fp8") else self.dtype
         self.spec = Qwen3Spec.from_hf_config(hf_config)
         self.num_kv_heads = self.spec.num_key_value_heads // tp.size  # this rank's
@@ -163,9 +191,9 @@ class ModelRunner:
         self._turn = 0
 
         use_graphs = config.cuda_graphs and on_cuda and self.attention.name == "triton"
-        # the tile-list attention is the batched kernel's; with more ranks the steps stay eager (as async scheduling)
+        # the tile-list attention is the batched kernel's
         use_token_graphs = (config.prefill_cuda_graphs and on_cuda and self.attention.name == "triton"
-                            and self.attention.mode == "batched" and tp.size == 1)
+                            and self.attention.mode == "batched")
         group = self.spec.num_attention_heads // self.spec.num_key_value_heads
         self.buffers = None
         if config.static_buffers or use_graphs or use_token_graphs:
@@ -277,6 +305,9 @@ class ModelRunner:
             inputs = self.host_inputs(plan)
             if self.other_ranks is not None:
                 inputs.name = step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens)
+                inputs.share_tokens = self.share_tokens
+                if feed is not None:
+                    inputs.feed_rows, inputs.feed_sources = feed[1], feed[2]
                 self.other_ranks.step(inputs)
             input_ids, positions, meta, logits_indices = self.prepare_inputs(inputs, feed)
         logits = self.forward(inputs, input_ids, positions, meta, logits_indices)
@@ -286,20 +317,38 @@ class ModelRunner:
             if not sampling:
                 return LaunchedStep(plan, samples, None, None, None)
             tokens = self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
+            if self.other_ranks is not None and self.share_tokens:
+                self._broadcast_tokens(tokens)
             if not self._landing:
-                return LaunchedStep(plan, samples, tokens, None, None)
+                return LaunchedStep(plan, samples, tokens, None, None, self.other_ranks)
             host, event = self._landing[self._turn]
             self._turn ^= 1
             host[: tokens.numel()].copy_(tokens, non_blocking=True)
             event.record()
-            return LaunchedStep(plan, samples, tokens, host, event)
+            return LaunchedStep(plan, samples, tokens, host, event, self.other_ranks)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> None:
-        """Run a step rank 0 planned (on the other ranks): inputs and forward, no sampling."""
+        """Run a step rank 0 planned (on the other ranks): inputs and forward, no sampling; with `share_tokens`,
+        receive the tokens rank 0 sampled, which the next step's inputs may be fed from."""
+        feed = None
+        if inputs.feed_rows is not None:
+            feed = (self._shared_tokens, inputs.feed_rows, inputs.feed_sources)
         with annotate("prepare_inputs"):
-            prepared = self.prepare_inputs(inputs)
+            prepared = self.prepare_inputs(inputs, feed)
         self.forward(inputs, *prepared)
+        if inputs.share_tokens and inputs.logits_indices.size:
+            with annotate("sample"):
+                tokens = torch.empty(inputs.logits_indices.size, dtype=torch.long, device=self.device)
+                self._shared_tokens = self._broadcast_tokens(tokens)
+
+    @staticmethod
+    def _broadcast_tokens(tokens: torch.Tensor) -> torch.Tensor:
+        """Rank 0's sampled tokens to every rank, on the device (async scheduling feeds them to the next step)."""
+        import torch.distributed as dist
+
+        dist.broadcast(tokens, src=0)
+        return tokens
 
     def forward(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor | None:

@@ -11,7 +11,8 @@ parameter (of part `part` of a packed one) and the matching slice of the checkpo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,17 +21,32 @@ from torch import nn
 
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
-    """This process's rank among `size` tensor-parallel ranks (torch.distributed's default group when size > 1)."""
+    """This process's rank among `size` tensor-parallel ranks (torch.distributed's default group when size > 1),
+    and the all-reduce its row-parallel layers use (allreduce.py; None: torch.distributed's, in place)."""
 
     rank: int = 0
     size: int = 1
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            import torch.distributed as dist
+        """The sum of every rank's `x` (in place, or a new tensor: use the result)."""
+        if self.size == 1:
+            return x
+        if self.reduce is not None:
+            return self.reduce(x)
+        import torch.distributed as dist
 
-            dist.all_reduce(x)
+        dist.all_reduce(x)
         return x
+
+    def reduce_partial_sums(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A row-parallel skinny GEMM's output, all-reduced: float32 split-K partial sums [split, T, N] are added
+        up (in float32, then rounded to `dtype`) before the all-reduce, so the message is one [T, N] tensor."""
+        if self.size == 1:
+            return x
+        if x.dim() == 3:
+            x = x.sum(0, dtype=torch.float32)
+        return self.all_reduce(x.to(dtype))
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' `x` side by side along the last dimension, on every rank."""
@@ -142,7 +158,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden @ W.T over the whole vocabulary: each rank's shard of the logits, gathered."""
-        logits = F.linear(hidden, self.weight)
+        return self.gather_logits(F.linear(hidden, self.weight))
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the logits -> the whole vocabulary's (the padding of the last shard cut off)."""
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last(logits)[..., : self.vocab_size]

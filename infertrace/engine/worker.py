@@ -3,19 +3,31 @@
 Rank 0 (the engine's own process) schedules and samples; it sends every step's host inputs down one pipe per rank,
 pickled once, and each rank runs the same forward, meeting rank 0 in the layers' collectives (NCCL on CUDA, gloo on
 CPU). The same pipes carry calls (profiler start/stop) and their replies. Start-up is a handshake per rank with the
-process watched, so a rank that fails to start is an error naming it rather than a hang; a rank that dies later is
-seen before the next step is sent (and by gloo, whose collectives fail when a peer's connection closes). A rank
-exits when told to, when its pipe closes, or when rank 0's process is gone.
+process watched, so a rank that fails to start is an error naming it rather than a hang.
+
+Every way out ends every rank. Rank 0's `OtherRanks` owns the others: `shutdown()` (called by the engine's finalizer
+too, so a script that returns or raises without calling it still stops them at interpreter exit) tells each rank to
+exit, kills what is left after EXIT_WAIT_S, and tears down rank 0's side of the process group without waiting on
+peers (an NCCL abort, not a destroy: a destroy with a peer gone can wait for ever). A watcher thread sees a rank
+that dies on its own: it records why, kills the other ranks (they would wait for ever in a collective with the dead
+one) and aborts rank 0's NCCL communicator, so a step waiting on the dead rank ends and raises RankFailedError; the
+step's wait polls for that instead of blocking in the driver, since a peer-memory all-reduce spinning on a dead
+peer never ends by itself. A rank ignores SIGINT (Ctrl-C reaches the whole process group; rank 0 decides), exits
+with `os._exit` when told to, when its pipe closes, when a step fails, or when rank 0's process is gone, and never
+runs NCCL's teardown, which can wait on peers.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -26,6 +38,8 @@ from infertrace.engine.config import EngineConfig
 
 START_TIMEOUT_S = 300.0  # a rank's start: torch import, weight load, CUDA-graph capture
 CALL_TIMEOUT_S = 120.0  # a call's reply (a profiler stop writes a trace)
+EXIT_WAIT_S = 3.0  # how long shutdown() lets the ranks exit by themselves before it kills them
+TEARDOWN_WAIT_S = 3.0  # how long shutdown() waits for rank 0's side of the process group to be torn down
 # one collective may wait this long for a peer: a first step compiles Triton kernels on every rank, unevenly
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -66,6 +80,10 @@ class OtherRanks:
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self.conns: list[multiprocessing.connection.Connection] = []
         self._closed = False
+        self.failure: str | None = None  # why the ranks can run no more steps (set by the watcher)
+        self._wake_r, self._wake_w = os.pipe()  # written by shutdown(): the watcher stops
+        self._signal_main = False  # the watcher also raises RankFailedError in the main thread (a server's loop)
+        self._watcher: threading.Thread | None = None
         try:
             for rank in range(1, size):
                 ours, theirs = ctx.Pipe()
@@ -81,6 +99,52 @@ class OtherRanks:
         except BaseException:
             self.shutdown()
             raise
+        self._watcher = threading.Thread(target=self._watch, name="infertrace-tp-watch", daemon=True)
+        self._watcher.start()
+        # before multiprocessing's own exit hook (registered earlier, so run later), which would SIGTERM the ranks
+        atexit.register(self.shutdown)
+
+    def _watch(self) -> None:
+        """Wait for a rank to exit; if that was not shutdown() asking, stop the rest and unblock rank 0."""
+        sentinels = {p.sentinel: i for i, p in enumerate(self.procs)}
+        ready = multiprocessing.connection.wait([*sentinels, self._wake_r])
+        if self._closed or self._wake_r in ready:
+            return
+        i = next(sentinels[s] for s in ready if s in sentinels)
+        self.failure = self._death(i)
+        print(f"infertrace: {self.failure}; stopping the other tensor-parallel ranks", file=sys.stderr, flush=True)
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.kill()
+        if self.backend == "nccl":
+            _abort_process_group()  # rank 0's kernels waiting on the dead rank end; its step then raises
+        if self._signal_main:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+    def raise_in_main_thread_on_failure(self) -> None:
+        """Make a rank's death raise RankFailedError in the main thread even while it waits on something else (a
+        server's loop waiting for requests would otherwise never hear of it): the watcher sends it SIGUSR1, which
+        interrupts a blocking wait. Call from the main thread."""
+
+        def rank_failed(signum, frame):
+            raise RankFailedError(self.failure or "a tensor-parallel rank failed")
+
+        signal.signal(signal.SIGUSR1, rank_failed)
+        self._signal_main = True
+
+    def check(self) -> None:
+        """RankFailedError when a rank has died (the step just waited for may hold garbage)."""
+        if self.failure is not None:
+            raise RankFailedError(self.failure)
+
+    def wait(self, event) -> None:
+        """Wait for a CUDA event of a step (its sampled tokens landing), raising RankFailedError as soon as a rank
+        is seen dead: a step waiting on a dead peer may never end."""
+        while not event.query():
+            if self.failure is not None:
+                raise RankFailedError(self.failure)
+            time.sleep(0)  # let the watcher run
+        self.check()
 
     def wait_ready(self) -> None:
         """Block until every rank has its model and KV cache (built alongside rank 0's, through collectives)."""
@@ -91,6 +155,7 @@ class OtherRanks:
             raise
 
     def step(self, inputs) -> None:
+        self.check()
         self._check_alive()
         data = pickle.dumps(("step", inputs), protocol=pickle.HIGHEST_PROTOCOL)
         try:
@@ -142,7 +207,7 @@ class OtherRanks:
         """RankFailedError when a rank has exited (within `wait_s`). The processes' sentinels tell, not waitpid,
         which fails once something else in the process (a SIGCHLD handler) has reaped the child."""
         if self._closed:
-            raise RankFailedError("the tensor-parallel ranks were shut down")
+            raise RankFailedError(self.failure or "the tensor-parallel ranks were shut down")
         dead = multiprocessing.connection.wait([p.sentinel for p in self.procs], wait_s)
         if dead:
             i = next(i for i, p in enumerate(self.procs) if p.sentinel in dead)
@@ -150,22 +215,26 @@ class OtherRanks:
 
     def explain(self, exc: BaseException) -> None:
         """Raise RankFailedError from `exc` (a failed collective) when a rank has exited or is exiting."""
+        self.check()
         self._check_alive(wait_s=5.0)
 
     def shutdown(self) -> None:
-        """Stop every rank (politely, then by force) and leave the process group. Idempotent."""
+        """Stop every rank (politely, then by force) and tear down rank 0's side of the process group, in at most
+        EXIT_WAIT_S + TEARDOWN_WAIT_S. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
+        os.write(self._wake_w, b"x")
         for conn in self.conns:
             try:
                 conn.send_bytes(pickle.dumps(("exit",)))
             except OSError:
                 pass
         running = {p.sentinel: p for p in self.procs}
-        deadline = time.monotonic() + 10.0
-        while running and time.monotonic() < deadline:
-            for sentinel in multiprocessing.connection.wait(list(running), deadline - time.monotonic()):
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while running and (left := deadline - time.monotonic()) > 0:
+            for sentinel in multiprocessing.connection.wait(list(running), left):
                 del running[sentinel]
         for proc in running.values():
             proc.kill()
@@ -173,15 +242,49 @@ class OtherRanks:
             proc.join(5)
         for conn in self.conns:
             conn.close()
-        import torch.distributed as dist
+        if self._watcher is not None:
+            self._watcher.join(1)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        _teardown_process_group(self.backend)
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+def _abort_process_group() -> None:
+    """Abort this process's process group (NCCL: in-flight collectives end without their peers)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _abort_process_group as abort
+
+    if dist.is_initialized():
+        try:
+            abort()
+        except Exception as e:  # noqa: BLE001 - best effort on the way out
+            print(f"infertrace: aborting the process group failed: {e}", file=sys.stderr, flush=True)
+
+
+def _teardown_process_group(backend: str) -> None:
+    """Rank 0's side of the process group, once the other ranks are gone: gloo's is destroyed; NCCL's aborted (a
+    destroy may wait for peers that no longer exist), in a thread so that a teardown that still blocks costs at most
+    TEARDOWN_WAIT_S."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if backend != "nccl":
+        dist.destroy_process_group()
+        return
+    thread = threading.Thread(target=_abort_process_group, name="infertrace-tp-teardown", daemon=True)
+    thread.start()
+    thread.join(TEARDOWN_WAIT_S)
+    if thread.is_alive():
+        print(f"infertrace: the NCCL process group did not tear down within {TEARDOWN_WAIT_S:.0f} s; leaving it",
+              file=sys.stderr, flush=True)
 
 
 def rank_main(config: EngineConfig, model_dir: Path, hf_config: dict, rank: int, init: str,
               conn: multiprocessing.connection.Connection) -> None:
-    """A rank's process: join the group, build the model shard and KV cache, then run what rank 0 sends."""
+    """A rank's process: join the group, build the model shard and KV cache, then run what rank 0 sends. It ends
+    with os._exit: NCCL's teardown could wait on peers that have gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process of the group: rank 0 decides
     exit_with_parent()
     try:
         import torch
@@ -200,8 +303,15 @@ def rank_main(config: EngineConfig, model_dir: Path, hf_config: dict, rank: int,
     except BaseException:
         _send_error(conn)
         os._exit(1)
-    _Rank(runner, conn).loop()
-    dist.destroy_process_group()
+    code = 0
+    try:
+        _Rank(runner, conn).loop()
+    except BaseException:
+        traceback.print_exc()  # a failed step (a peer gone mid-collective, say); rank 0 names the rank
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class _Rank:

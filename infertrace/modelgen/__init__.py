@@ -20,10 +20,12 @@ def init_model(
     seed: int = 0,
     dtype: str | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    device: str = "cpu",
 ) -> Path:
     """Write a model directory for `preset` into `out_dir` and return its path.
 
-    `on_progress(done_bytes, total_bytes)` is called as weights are written.
+    `on_progress(done_bytes, total_bytes)` is called as weights are written. `device="cuda"` draws the random
+    weights on the GPU (seconds instead of minutes for 14B parameters; other values than the CPU's for one seed).
     """
     from infertrace.modelgen.tokenizer import write_tokenizer
     from infertrace.modelgen.weights import write_weights
@@ -52,5 +54,5 @@ def init_model(
         if on_progress:
             on_progress(done, total)
 
-    write_weights(out, config, dtype, seed, on_tensor)
+    write_weights(out, config, dtype, seed, on_tensor, device=device)
     return out

@@ -8,7 +8,7 @@ import click
 
 from infertrace.console import err_console, fail, out_console
 
-PRESET_NAMES = ("tiny", "qwen3-0.6b", "qwen3-4b", "qwen3-8b")
+PRESET_NAMES = ("tiny", "qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
 
 
 @click.group()

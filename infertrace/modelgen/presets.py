@@ -29,6 +29,8 @@ PRESETS: dict[str, Preset] = {
     "qwen3-0.6b": Preset(1024, 3072, 28, 16, 8, 128, True, 40960, "bfloat16"),
     "qwen3-4b": Preset(2560, 9728, 36, 32, 8, 128, True, 40960, "bfloat16"),
     "qwen3-8b": Preset(4096, 12288, 36, 32, 8, 128, False, 40960, "bfloat16"),
+    "qwen3-14b": Preset(5120, 17408, 40, 40, 8, 128, False, 40960, "bfloat16"),
+    "qwen3-32b": Preset(5120, 25600, 64, 64, 8, 128, False, 40960, "bfloat16"),
 }
 
 

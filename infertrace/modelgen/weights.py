@@ -12,20 +12,22 @@ from infertrace.modelgen.presets import weight_shapes
 SHARD_BYTES = 2 * 1024**3
 
 
-def _tensor(name: str, shape: tuple[int, ...], dtype, seed: int, std: float):
+def _tensor(name: str, shape: tuple[int, ...], dtype, seed: int, std: float, device: str = "cpu"):
     import torch
 
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype)
     # a generator per tensor: the values do not depend on sharding or on which tensors came before
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.empty(shape, dtype=dtype).normal_(0.0, std, generator=gen)
+    gen = torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen).cpu()
 
 
 def write_weights(
-    out_dir: Path, config: dict, dtype_name: str, seed: int, on_tensor: Callable[[int], None] | None = None
+    out_dir: Path, config: dict, dtype_name: str, seed: int, on_tensor: Callable[[int], None] | None = None,
+    device: str = "cpu",
 ) -> list[Path]:
-    """Write the checkpoint; returns the files written. `on_tensor(nbytes)` reports progress."""
+    """Write the checkpoint; returns the files written. `on_tensor(nbytes)` reports progress; `device` is where
+    the random values are drawn."""
     import torch
     from safetensors.torch import save_file
 
@@ -51,7 +53,7 @@ def write_weights(
         shards[-1] = {}
 
     for name, shape in shapes:
-        t = _tensor(name, shape, dtype, seed, std)
+        t = _tensor(name, shape, dtype, seed, std, device)
         nbytes = t.numel() * t.element_size()
         if shards[-1] and shard_bytes + nbytes > SHARD_BYTES:
             flush()

@@ -81,6 +81,17 @@ def test_prefix_caching_chunked_prefill_and_preemption_across_ranks(make_engine,
     assert counters_two["steps"] > sum(len(p) for p in prompts) // 32  # prefills took several steps each
 
 
+def test_async_scheduling_across_ranks_gives_the_tokens_of_one(make_engine, run_engine, make_prompts):
+    """Rank 0 broadcasts each step's sampled tokens; the other ranks feed the next step's inputs from them."""
+    prompts = make_prompts([1, 40, 17, 90, 5], seed=4)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    one, _ = tokens_of(make_engine, run_engine, prompts, params, kv_cache_tokens=2048, async_scheduling="off")
+    two, counters = tokens_of(make_engine, run_engine, prompts, params, kv_cache_tokens=2048, tensor_parallel_size=2,
+                              async_scheduling="on", max_num_batched_tokens=64)
+    assert two == one
+    assert counters["overlapped_steps"] > 10  # the decode steps were planned ahead of their inputs
+
+
 @pytest.mark.parametrize(("size", "message"), [
     (3, r"tensor_parallel_size=3 does not divide the model's attention heads \(4\)"),
     (4, r"tensor_parallel_size=4 does not divide the model's KV heads \(2\)"),
@@ -96,7 +107,8 @@ def test_a_size_that_does_not_split_the_heads_is_a_value_error(make_engine, size
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be at least 1"),
     ({"tensor_parallel_size": 2, "offload": "prefix"}, "offload='prefix' is not supported"),
-    ({"tensor_parallel_size": 2, "async_scheduling": "on"}, "async_scheduling='on' is not supported"),
+    ({"tensor_parallel_size": 2, "device": "cpu", "all_reduce": "custom"}, "all_reduce='custom' needs CUDA"),
+    ({"tensor_parallel_size": 2, "all_reduce": "ring"}, "all_reduce must be one of auto, nccl, custom"),
     ({"tensor_parallel_size": 2, "device": "cuda:1"}, "rank r runs on cuda:r"),
 ])
 def test_config_refuses_what_tensor_parallelism_cannot_run(overrides, message):

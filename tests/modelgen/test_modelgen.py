@@ -5,7 +5,8 @@ import pytest
 from infertrace.modelgen import PRESETS, hf_config, init_model, parameter_count
 
 
-@pytest.mark.parametrize("preset, expected", [("qwen3-0.6b", 0.596e9), ("qwen3-4b", 4.02e9)])
+@pytest.mark.parametrize("preset, expected", [("qwen3-0.6b", 0.596e9), ("qwen3-4b", 4.02e9), ("qwen3-14b", 14.8e9),
+                                              ("qwen3-32b", 32.8e9)])
 def test_parameter_count_matches_published_size(preset, expected):
     n = parameter_count(hf_config(PRESETS[preset], "bfloat16"))
     assert abs(n - expected) / expected < 0.005

@@ -174,8 +174,9 @@ class Qwen3Attention(nn.Module):
             out = attn.forward(q, None, None, self.k_cache, self.v_cache, meta, self.scale, kv_stored=True)
         else:
             out = self._attend(x, positions, rope, attn, meta, fused, skinny, stored)
-        if skinny:
-            return decode_linear(out.reshape(-1, self.q_size), self.o_proj.weight, planes=True)
+        if skinny:  # with more ranks, the split-K sums are added up and then all-reduced
+            partial = decode_linear(out.reshape(-1, self.q_size), self.o_proj.weight, planes=True)
+            return self.o_proj.tp.reduce_partial_sums(partial, out.dtype)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _attend(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata, fused: bool,
@@ -221,7 +222,8 @@ class Qwen3MLP(nn.Module):
                                                num_warps=warps)
                 else:
                     act = kernels.silu_mul(decode_linear(x, w))
-                return decode_linear(act, self.down_proj.weight, planes=True)
+                partial = decode_linear(act, self.down_proj.weight, planes=True)
+                return self.down_proj.tp.reduce_partial_sums(partial, x.dtype)
             return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -277,16 +279,16 @@ class Qwen3ForCausalLM(nn.Module):
 
         `fused_norm` (CUDA only) runs residual add + RMSNorm, q/k RMSNorm + RoPE (with the K/V cache write when the
         backend allows) and SiLU-and-multiply as one Triton kernel each. `skinny_gemm` (CUDA, 16-bit weights, with
-        `fused_norm`) runs the projections of steps of at most 16 tokens as weight-streaming Triton GEMMs; it is off
-        with tensor parallelism, whose row-parallel partial sums must be all-reduced before the residual add reads
-        them, which the split-K partial sums the residual add reads directly bypass. `fused_projections` (with
+        `fused_norm`) runs the projections of steps of at most 16 tokens as weight-streaming Triton GEMMs; with
+        tensor parallelism the row-parallel ones' split-K partial sums are added up and all-reduced before the
+        residual add reads them (with one rank the residual add reads the partial sums itself). `fused_projections` (with
         `skinny_gemm`) runs the qkv projection with the q/k norm, RoPE and K/V write, and the gate/up projection
         with SiLU-and-multiply, as one kernel each at the shapes measured to gain from it (the rest keep two).
         """
         self.attn = attn
         self.rope = RotaryEmbedding(self.spec.head_dim, self.spec.rope_theta, max_positions, device)
         self.fused_norm = fused_norm
-        self.skinny_gemm = skinny_gemm and fused_norm and not self.spec.attention_bias and self.tp.size == 1
+        self.skinny_gemm = skinny_gemm and fused_norm and not self.spec.attention_bias
         self.fused_projections = fused_projections and self.skinny_gemm
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
@@ -329,5 +331,5 @@ class Qwen3ForCausalLM(nn.Module):
         """Logits over the whole vocabulary (gathered from every rank's shard with tensor parallelism)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         if self.skinny_gemm and hidden.shape[0] <= SKINNY_MAX_ROWS:
-            return decode_linear(hidden.contiguous(), head.weight)
+            return head.gather_logits(decode_linear(hidden.contiguous(), head.weight))
         return head.logits(hidden)

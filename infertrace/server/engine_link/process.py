@@ -92,6 +92,8 @@ def engine_main(spec: EngineSpec, socks: list[socket.socket]) -> None:
         from infertrace.server.engine_link.services import EngineServices
 
         engine = Engine(spec.model_dir, EngineConfig(**spec.config))
+        if engine.other_ranks is not None:  # a rank that dies while the loop waits for requests ends the loop too
+            engine.other_ranks.raise_in_main_thread_on_failure()
         services = EngineServices(engine, Path(spec.profile_dir) if spec.profile_dir else None, spec.config)
         info = services.info()
     except BaseException as e:

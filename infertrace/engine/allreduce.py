@@ -1,0 +1,126 @@
+"""How tensor-parallel ranks add up their partial sums: NCCL, or PyTorch's symmetric-memory all-reduce over NVLink
+peer memory for small messages (vLLM's custom all-reduce, in PyTorch's own ops), NCCL above.
+
+A decode step all-reduces a few rows of the hidden size twice a layer (batch 8 of qwen3-4b: 40 KB in bf16). NCCL's
+ring pays a fixed cost of tens of microseconds per call whatever the size; a one-shot all-reduce, in which every
+rank reads the peers' copies straight from their memory and adds them up, costs a few microseconds at that size
+and is captured in the CUDA graphs like any kernel. Each rank owns one symmetric buffer of CUSTOM_MAX_BYTES
+(allocated and exchanged once, before any graph is captured); a message is copied into it inside the one-shot
+kernel, or copied in and reduced in two shots (reduce-scatter, all-gather) by four or more ranks above
+ONE_SHOT_MAX_BYTES. PyTorch's kernels open and close each call with a barrier over signal pads, so the one buffer
+is reused call after call. NVLink multicast (`multimem_*`) is never used.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from infertrace.engine.config import ALL_REDUCE_MODES
+
+CUSTOM_MAX_BYTES = 8 << 20  # larger messages (prefill of many tokens) go through NCCL, which is as fast there
+ONE_SHOT_MAX_BYTES = 512 << 10  # four or more ranks: two shots above this (each rank reads a 1/N share)
+_DTYPES = (torch.bfloat16, torch.float32)  # those PyTorch's one-/two-shot kernels add
+
+
+class NcclAllReduce:
+    """torch.distributed's all-reduce (NCCL on GPUs, gloo on CPU), in place."""
+
+    name = "nccl"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(x)
+        return x
+
+
+class PeerMemoryAllReduce:
+    """One-shot (two-shot for large messages on four or more ranks) all-reduce through a symmetric buffer; NCCL for
+    messages over `max_bytes`, of another dtype, or not 16-byte aligned."""
+
+    name = "custom"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, world_size: int, max_bytes: int = CUSTOM_MAX_BYTES):
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = dist.group.WORLD.group_name
+        self.world_size = world_size
+        self.dtype = dtype
+        self.max_numel = max_bytes // dtype.itemsize
+        self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)  # a collective: every rank exchanges its buffer's handle
+        self.nccl = NcclAllReduce()
+        self.ops = torch.ops.symm_mem
+        self.custom_calls = 0  # counted at capture or eager call time
+        self.nccl_calls = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel()
+        if n > self.max_numel or x.dtype != self.dtype or not x.is_contiguous() or x.data_ptr() % 16:
+            self.nccl_calls += 1
+            return self.nccl(x)
+        self.custom_calls += 1
+        buffer = self.buffer[:n]  # the kernels reduce exactly the buffer's numel
+        flat = x.view(-1)
+        if self.world_size == 2 or n * x.element_size() <= ONE_SHOT_MAX_BYTES:
+            out = self.ops.one_shot_all_reduce_copy(buffer, flat, "sum", self.group_name)
+        else:
+            buffer.copy_(flat)
+            out = torch.empty_like(flat)
+            self.ops.two_shot_all_reduce_out(buffer, "sum", self.group_name, out)
+        return out.view_as(x)
+
+
+def custom_unavailable(device: torch.device, dtype: torch.dtype, world_size: int) -> str | None:
+    """Why this rank cannot run the peer-memory all-reduce (None: it can)."""
+    if device.type != "cuda":
+        return f"it needs CUDA GPUs (device {device})"
+    if dtype not in _DTYPES:
+        return f"PyTorch's kernels add bfloat16 and float32, not {str(dtype).removeprefix('torch.')}"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as e:
+        return f"torch.distributed._symmetric_memory is missing ({e})"
+    for op in ("one_shot_all_reduce_copy", "two_shot_all_reduce_out"):
+        if not hasattr(torch.ops.symm_mem, op):
+            return f"this PyTorch ({torch.__version__}) has no symm_mem.{op}"
+    peers = [r for r in range(world_size) if r != device.index]
+    blocked = [r for r in peers if not torch.cuda.can_device_access_peer(device.index, r)]
+    if blocked:
+        return f"cuda:{device.index} cannot access the memory of cuda:{blocked[0]} (no peer access)"
+    return None
+
+
+def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_size: int):
+    """The all-reduce every rank uses; a collective (the ranks agree on the choice): call it on every rank, after
+    the process group is up and before any CUDA graph is captured. Returns (implementation, why custom was not
+    chosen or None)."""
+    import torch.distributed as dist
+
+    if mode not in ALL_REDUCE_MODES:
+        raise ValueError(f"all_reduce must be one of {', '.join(ALL_REDUCE_MODES)}; got {mode!r}")
+    if mode == "nccl" or world_size == 1:
+        return NcclAllReduce(), None
+    reason = custom_unavailable(device, dtype, world_size)
+    # every rank must take the same path, or they would wait in different collectives
+    able = torch.tensor([0 if reason else 1], device=device)
+    dist.all_reduce(able, op=dist.ReduceOp.MIN)
+    if not able.item():
+        reason = reason or "another rank cannot run it"
+        if mode == "custom":
+            raise ValueError(f"all_reduce='custom' is not available: {reason}")
+        return NcclAllReduce(), reason
+    import torch.distributed._symmetric_memory as symm_mem
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            symm_mem.set_backend("CUDA")  # driver IPC and peer loads: no NVSHMEM, no multicast
+        except Exception:  # noqa: BLE001 - older PyTorch has one backend and no setter
+            pass
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
+    return PeerMemoryAllReduce(device, dtype, world_size), None
