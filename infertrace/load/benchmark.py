@@ -17,6 +17,7 @@ from infertrace.load.config import DEFAULT_OUTPUT_LEN, BenchConfig
 from infertrace.load.observe.observer import Observer
 from infertrace.load.observe.server_counters import read_prefix_cache, run_hit_rate
 from infertrace.load.records import RequestResult, RequestSpec
+from infertrace.load.results.join import join_run, log_cursor
 from infertrace.load.results.metrics import compute_metrics, token_count_checks
 from infertrace.load.results.point import PointRecord
 from infertrace.load.results.steady import steady_state
@@ -174,6 +175,7 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
     concurrency = cfg.effective_concurrency
     interrupted = stopped_early = False
     warm = Runner(target, clock, hooks.on_result)
+    log_at = await log_cursor(target)  # where the server's request log stands before this point's first request
     if n_warm := cfg.effective_warmup:
         warm_specs = load.warmup_specs(n_warm) if load is not None else \
             build_specs(cfg, tokenizer, n_warm, "warmup", point, max_len)
@@ -238,6 +240,7 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
                       + (f" (the server writes to {where})" if where and not profile["trace_files"] else ""))
 
     await observer.stop()
+    joined = await join_run(target, log_at, runner.results, warm.results)  # each request's life on the server
     results = runner.results
     workload = runner.figures() if isinstance(runner, Fleet) else None
     if load is not None:
@@ -250,7 +253,7 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
     cpu = runner.cpu_window  # over the same window as the duration
     compare_prompts = target.kind == "http" and cfg.endpoint == "completions"
     return PointRecord(
-        config=cfg, results=results, warmup_results=warm.results, metrics=metrics,
+        config=cfg, results=results, warmup_results=warm.results, metrics=metrics, request_log=joined,
         token_checks=token_count_checks(results, compare_prompts),
         client_cpu=cpu[0] / duration if cpu and duration > 0 else None,
         process_cpu=cpu[1] / duration if cpu and duration > 0 else None,

@@ -26,6 +26,7 @@ class RequestSpec:
     messages: list[dict[str, str]] | None = None  # chat history ending with this turn (multi-turn sessions)
     session: int | None = None
     turn: int | None = None
+    request_id: str | None = None  # sent as X-Request-Id; set per send by `measure` when the target names requests
 
 
 @dataclass(slots=True)
@@ -66,6 +67,8 @@ class RequestResult:
     text: str = ""
     session: int | None = None  # multi-turn sessions: which session, and which turn of it
     turn: int | None = None
+    request_id: str | None = None  # the id it was sent with (X-Request-Id), by which the server's log names it
+    server: dict | None = None  # its life on the server, joined from the server's log (load/results/join.py)
 
     @property
     def success(self) -> bool:
@@ -107,7 +110,16 @@ class RequestResult:
             "output_source": self.output_source.value if self.output_source else None,
             "tokenizer_output_tokens": self.tokenizer_output_tokens, "finish_reason": self.finish_reason,
             **({"session": self.session, "turn": self.turn} if self.session is not None else {}),
+            "request_id": self.request_id, **_server_json(self.server),
         }
+
+
+def _server_json(server: dict | None) -> dict:
+    """The joined server view as --requests-jsonl keys: `server` (its times and queue), `ttft_parts`, `itl_steps`."""
+    if server is None:
+        return {}
+    rest = {k: v for k, v in server.items() if k not in ("ttft_parts", "itl_steps")}
+    return {"server": rest, "ttft_parts": server.get("ttft_parts"), "itl_steps": server.get("itl_steps")}
 
 
 def input_tokens(r: RequestResult) -> int:

@@ -67,8 +67,9 @@ class ScriptedTransport:
         self.sent = []
 
     @asynccontextmanager
-    async def stream(self, path, body):
+    async def stream(self, path, body, headers=None):
         self.sent.append((path, body))
+        self.headers = headers
         yield self.response
 
 
@@ -306,3 +307,12 @@ async def test_an_oversized_line_is_a_malformed_stream(monkeypatch):
     monkeypatch.setattr("infertrace.load.client.sse.MAX_LINE_BYTES", 1024)
     result, _ = await run([(10.1, comp("a")), (10.2, b"data: " + b"x" * 600), (10.3, b"x" * 600)])
     assert result.error == "malformed stream: an SSE line exceeds 1024 bytes"
+
+
+async def test_every_send_names_its_request_for_the_server_log():
+    reads = [(T0 + 0.010, {"choices": [{"text": "a", "finish_reason": "length"}]}), (T0 + 0.011, DONE)]
+    result, transport = await run(reads)
+    assert result.request_id and transport.headers == {"X-Request-Id": result.request_id}
+    second, _ = await run(reads)
+    assert second.request_id != result.request_id  # a new target, a new run prefix
+    assert result.to_json()["request_id"] == result.request_id

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
@@ -39,7 +41,7 @@ class Transport(Protocol):
     async def request_json(self, method: str, path: str, body: Any = None,
                            timeout_s: float = PREFLIGHT_TIMEOUT_S) -> tuple[int, Any]: ...
 
-    def stream(self, path: str, body: dict) -> Any: ...  # async context manager -> StreamResponse
+    def stream(self, path: str, body: dict, headers: dict | None = None) -> Any: ...  # async context manager
 
 
 class _AiohttpResponse:
@@ -102,8 +104,8 @@ class AiohttpTransport:
             return resp.status, raw
 
     @asynccontextmanager
-    async def stream(self, path: str, body: dict):
-        async with self._session.post(self.base_url + path, json=body) as resp:
+    async def stream(self, path: str, body: dict, headers: dict | None = None):
+        async with self._session.post(self.base_url + path, json=body, headers=headers) as resp:
             yield _AiohttpResponse(resp)
 
 
@@ -299,6 +301,8 @@ class HttpTarget:
         self.server_info: dict | None = None
         self._profiler = None  # the ProfilerClient of a capture in progress
         self._capture = None
+        # X-Request-Id of every send: unique to this target, so the server's request log joins back to the run
+        self._request_ids = map(f"{uuid.uuid4().hex[:12]}-{{}}".format, itertools.count())
 
     async def open(self) -> None:
         await self.transport.open()
@@ -337,10 +341,14 @@ class HttpTarget:
         body.update(self.extra_body)
         return body
 
+    def new_request_id(self) -> str:
+        return next(self._request_ids)
+
     async def stream(self, spec: RequestSpec) -> AsyncIterator[list[StreamEvent]]:
         """The events of each network read, together: they arrived at the same moment."""
+        headers = {"X-Request-Id": spec.request_id} if spec.request_id is not None else None
         try:
-            async with self.transport.stream(self.path, self.body(spec)) as resp:
+            async with self.transport.stream(self.path, self.body(spec), headers) as resp:
                 if resp.status != 200:
                     detail = " ".join((await resp.text()).split())[:200]
                     yield [StreamEvent(error=f"HTTP {resp.status}: {detail}")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Protocol
@@ -29,6 +30,9 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
     closed early).
     """
     result.expected_prompt_tokens = spec.prompt_len
+    if (name := getattr(target, "new_request_id", None)) is not None:  # the id the server's request log will use
+        spec = dataclasses.replace(spec, request_id=name())
+        result.request_id = spec.request_id
     texts: list[str] = []
     usage_tokens: int | None = None  # cumulative completion tokens reported so far
     continuous = True  # every choice chunk so far carried usage: a chunk's tokens are the growth of the count

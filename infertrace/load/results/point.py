@@ -37,6 +37,7 @@ class PointRecord:
     stopped_early: bool = False  # a --find-max point ended once its queue was seen growing without bound
     steady: SteadyState | None = None
     observed: Observed | None = None  # the server's metrics and GPU telemetry over the measured window
+    request_log: dict | None = None  # the server's request log joined to the requests (results/join.py)
 
     @property
     def warnings(self) -> list[str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from infertrace.load.results.metrics import from_scheduled, vllm_keys
 from infertrace.load.results.point import PointRecord
+from infertrace.load.stats import Stats
 
 SCHEMA_VERSION = 1
 
@@ -93,6 +94,7 @@ def point_result(record: PointRecord) -> dict:
         "profile": record.profile,
         **(record.workload or {}),  # trace replay: prefix reuse implied and measured; sessions: per-turn figures
     })
+    out.update(_measured_extras(record))
     if record.observed is not None:  # the server's metrics and GPU telemetry on the run's time axis (docs/report.md)
         from infertrace.load.observe.observer import run_findings
 
@@ -100,7 +102,28 @@ def point_result(record: PointRecord) -> dict:
         # deltas over every scrape: the first is taken before the measured window opens, the last after it closes
         out.update(record.observed.to_json())
         out["findings"] = [f.to_json() for f in findings]
+    if record.request_log is not None:  # each request's life on the server, joined by request id (docs/bench.md)
+        from infertrace.load.results.tail import tail_findings, tail_summary
+
+        out["request_log"] = tail_summary(record.results, record.request_log)
+        out["findings"] = [*out.get("findings", []), *(f.to_json() for f in tail_findings(record.results))]
     return out
+
+
+def _measured_extras(record: PointRecord) -> dict:
+    """The first message of each kind of failure; the server's prefix-cache hit rate for every dataset beside the
+    rate the workload implies (and a warning when it is well above it); TTFCT, the time to the first answer token
+    with a reasoning model's thinking before it left out (AIPerf's time to first output token); the GPUs' energy
+    per output token."""
+    ttfct = Stats.of([r.ttfct for r in record.results if r.success and r.ttfct is not None])
+    energy = record.energy or {}
+    return {
+        "failure_examples": record.failure_examples,
+        **record.prefix_cache,
+        **{f"{stat}_ttfct_ms": getattr(ttfct, stat) for stat in ("mean", "median", "std", "p90", "p95", "p99")},
+        "energy_joules": energy.get("joules"), "energy_per_output_token_j": energy.get("joules_per_output_token"),
+        "energy_method": energy.get("method"),
+    }
 
 
 def _input_len_source(results) -> str | None:
