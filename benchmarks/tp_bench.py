@@ -1,0 +1,164 @@
+"""Tensor-parallel decode speed: batch-8 greedy decode of one preset at TP=1 and at TP=N (NCCL and the peer-memory
+all-reduce), measured in the same call, and the all-reduce's GPU time per decode step from a torch.profiler capture.
+
+Each configuration runs in a process of its own (a fresh process group each time), one after the other on the same
+GPUs; the parent writes the model once (weights drawn on the GPU) and prints one table.
+
+    python benchmarks/tp_bench.py --preset qwen3-4b --tp 1,2,4 --out $OUT/tp_qwen3-4b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+AR_KERNELS = ("all_reduce", "allreduce", "AllReduce")  # one_shot_all_reduce*, two_shot_*, ncclDevKernel_AllReduce*
+
+
+def run_one(model_dir: str, tp: int, all_reduce: str, batch: int, input_len: int, output_len: int,
+            profile_dir: str | None) -> dict:
+    """One configuration in this process: warm up, time one batch, optionally capture a short profile."""
+    import random
+
+    from infertrace.engine import LLM, SamplingParams
+
+    llm = LLM(model_dir, tensor_parallel_size=tp, all_reduce=all_reduce, max_num_seqs=batch,
+              kv_cache_tokens=batch * (input_len + output_len) + 1024, max_num_batched_tokens=2048,
+              cuda_graph_batch_sizes=(1, 2, 4, 8, 16), cuda_graph_token_sizes=(128, 256, 512, 1024, 2048))
+    path = llm.engine.decode_path()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(input_len)] for _ in range(batch)]
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))  # warm-up: Triton compiles, graphs warm
+    runs = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        runs.append(time.perf_counter() - t0)
+        assert all(len(o.token_ids) == output_len for o in outs)
+    elapsed = min(runs)
+    result = {"tp": tp, "all_reduce": path["all_reduce"], "all_reduce_note": path["all_reduce_note"],
+              "tok_s": batch * output_len / elapsed, "elapsed_s": elapsed, "runs_s": runs,
+              "async_scheduling": path["async_scheduling"], "skinny_gemm": path["skinny_gemm"],
+              "prefill_cuda_graphs_captured": path["prefill_cuda_graphs_captured"]}
+    if profile_dir is not None:
+        engine = llm.engine
+        engine.start_profile(profile_dir, activities=("CPU", "GPU"), label=f"tp{tp}-{path['all_reduce']}")
+        steps = 64
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))
+        wall = time.perf_counter() - t0
+        traces = engine.stop_profile()
+        result |= all_reduce_share(traces[0])
+        result["profiled_wall_ms_per_step"] = wall * 1e3 / steps
+        result["traces"] = [str(p) for p in traces]
+    llm.shutdown()
+    return result
+
+
+def all_reduce_share(trace_path: Path) -> dict:
+    """GPU time of all-reduce kernels per decode step and their share of the decode steps' GPU kernel time, from
+    rank 0's trace: kernels are assigned to the step[DECODE ..] range whose launches they follow."""
+    trace = json.loads(gzip.decompress(Path(trace_path).read_bytes()))
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    decode = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                    if e.get("cat") == "user_annotation" and e["name"].startswith("step[DECODE"))
+    if not decode or not kernels:
+        return {"profile_decode_steps": len(decode)}
+    # GPU kernels of the decode window: from the first decode step's start to the last kernel before the next
+    # non-decode step (the capture ends with decode steps)
+    start = decode[0][0]
+    window = [k for k in kernels if k["ts"] >= start]
+    ar = sum(k["dur"] for k in window if any(s in k["name"] for s in AR_KERNELS))
+    busy = sum(k["dur"] for k in window)
+    span = (max(k["ts"] + k["dur"] for k in window) - start) if window else 0
+    n = len(decode)
+    return {"profile_decode_steps": n, "all_reduce_us_per_step": ar / n, "gpu_busy_us_per_step": busy / n,
+            "gpu_span_us_per_step": span / n, "all_reduce_share_of_busy": ar / busy if busy else None,
+            "all_reduce_share_of_span": ar / span if span else None,
+            "all_reduce_kernel_names": sorted({k["name"][:60] for k in window
+                                               if any(s in k["name"] for s in AR_KERNELS)})}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3-4b")
+    ap.add_argument("--model", default=None, help="an existing model directory (else one is written)")
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--all-reduce", default="nccl,custom", help="implementations tried at TP>1")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--profile-dir", default=None, help="capture a profile of each TP>1 configuration here")
+    ap.add_argument("--out", default=None, help="JSON file for every figure")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one configuration
+    args = ap.parse_args()
+
+    if args.one:
+        tp, ar = args.one.split(":")
+        res = run_one(args.model, int(tp), ar, args.batch, args.input_len, args.output_len,
+                      args.profile_dir if int(tp) > 1 else None)
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+
+    model = args.model
+    if model is None:
+        from infertrace.modelgen import init_model
+
+        root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        model = str(root / f"tp-bench-{args.preset}")
+        t0 = time.perf_counter()
+        if not (Path(model) / "config.json").exists():
+            init_model(args.preset, model, seed=0, device="cuda")
+        print(f"model {args.preset} ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    configs = []
+    for tp in (int(t) for t in args.tp.split(",")):
+        import torch
+
+        if torch.cuda.is_available() and tp > torch.cuda.device_count():
+            print(f"skipping TP={tp}: {torch.cuda.device_count()} GPUs", file=sys.stderr)
+            continue
+        configs += [(tp, "nccl")] if tp == 1 else [(tp, ar) for ar in args.all_reduce.split(",")]
+    results = []
+    for tp, ar in configs:
+        cmd = [sys.executable, __file__, "--one", f"{tp}:{ar}", "--model", model, "--batch", str(args.batch),
+               "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+        if args.profile_dir:
+            cmd += ["--profile-dir", args.profile_dir]
+        t0 = time.perf_counter()
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=os.environ)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            print(f"TP={tp} {ar}: failed (code {out.returncode})\n{out.stderr[-3000:]}", file=sys.stderr)
+            continue
+        res = json.loads(line[len("RESULT "):])
+        res["process_s"] = time.perf_counter() - t0
+        results.append(res)
+        print(f"TP={tp} {ar}: {res['tok_s']:.0f} tok/s ({res['process_s']:.0f} s)", file=sys.stderr, flush=True)
+    base = next((r["tok_s"] for r in results if r["tp"] == 1), None)
+    print(f"\n{args.preset}, batch {args.batch}, {args.input_len} in / {args.output_len} out, greedy")
+    print(f"{'TP':>3} {'all-reduce':>10} {'tok/s':>8} {'x TP=1':>7} {'AR us/step':>10} {'AR share':>8} "
+          f"{'GPU busy us/step':>16} {'wall ms/step':>12}")
+    def fmt(value, spec: str) -> str:
+        return "" if value is None else format(value, spec)
+
+    for r in results:
+        ratio = r["tok_s"] / base if base else float("nan")
+        print(f"{r['tp']:>3} {r['all_reduce']:>10} {r['tok_s']:>8.0f} {ratio:>7.2f} "
+              f"{fmt(r.get('all_reduce_us_per_step'), '.0f'):>10} {fmt(r.get('all_reduce_share_of_span'), '.1%'):>8} "
+              f"{fmt(r.get('gpu_busy_us_per_step'), '.0f'):>16} {fmt(r.get('profiled_wall_ms_per_step'), '.2f'):>12}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"preset": args.preset, "batch": args.batch, "input_len": args.input_len,
+                                              "output_len": args.output_len, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Tensor parallelism on 2 and 4 GPUs, qwen3-0.6b and qwen3-4b shapes (random weights, bf16 checkpoints written
+with the GPU's generator): float32 greedy tokens equal one GPU's, bf16 first-step logits within 2e-2, with the
+peer-memory all-reduce and with NCCL. Skipped without enough GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infertrace.engine import Engine, EngineConfig, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+LIGHT = dict(kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=512, cuda_graph_batch_sizes=(1, 2, 4, 8),
+             cuda_graph_token_sizes=(64, 128, 256, 512))
+
+
+def needs(gpus: int):
+    return pytest.mark.skipif(GPUS < gpus, reason=f"needs {gpus} GPUs, {GPUS} visible")
+
+
+@pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-4b"])
+def model_dir(request, tmp_path_factory):
+    if GPUS < 2:
+        pytest.skip(f"needs 2 GPUs, {GPUS} visible")
+    from infertrace.modelgen import init_model
+
+    return init_model(request.param, tmp_path_factory.mktemp(request.param), seed=0, device="cuda")
+
+
+def greedy_and_first_logits(model_dir, prompts, new_tokens, **config):
+    engine = Engine(model_dir, EngineConfig(**LIGHT, **config))
+    first = []
+    sampler = engine.runner.sampler
+
+    def spy(rows, params, generators):
+        if not first:
+            first.append(rows.float().cpu().clone())
+        return sampler(rows, params, generators)
+
+    engine.runner.sampler = spy
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        tokens = {f"r{i}": [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        return [tokens[f"r{i}"] for i in range(len(prompts))], first[0], engine.decode_path()
+    finally:
+        engine.shutdown()
+
+
+PROMPTS = [[(7 * i + 13 * j) % 150000 + 100 for j in range(n)] for i, n in enumerate([5, 37, 120])]
+
+
+@pytest.mark.parametrize("size", [pytest.param(2, marks=needs(2)), pytest.param(4, marks=needs(4))])
+def test_float32_greedy_tokens_equal_one_gpu(model_dir, size):
+    one, _, _ = greedy_and_first_logits(model_dir, PROMPTS, 16, dtype="float32")
+    for all_reduce in ("custom", "nccl"):
+        many, _, path = greedy_and_first_logits(model_dir, PROMPTS, 16, dtype="float32",
+                                                tensor_parallel_size=size, all_reduce=all_reduce)
+        assert path["all_reduce"] == all_reduce and path["prefill_cuda_graphs_captured"] and path["async_scheduling"]
+        assert many == one, f"TP={size} {all_reduce}"
+
+
+@pytest.mark.parametrize("size", [pytest.param(2, marks=needs(2)), pytest.param(4, marks=needs(4))])
+def test_bfloat16_first_step_logits_within_2e_2(model_dir, size):
+    _, one, _ = greedy_and_first_logits(model_dir, PROMPTS, 2, dtype="bfloat16")
+    _, many, path = greedy_and_first_logits(model_dir, PROMPTS, 2, dtype="bfloat16", tensor_parallel_size=size)
+    assert path["skinny_gemm"] and path["all_reduce"] == "custom"
+    diff = (many - one).abs().max().item()
+    print(f"TP={size} bf16 first-step logits: max |diff| {diff:.3g}, max |logit| {one.abs().max().item():.3g}")
+    assert diff <= 2e-2
