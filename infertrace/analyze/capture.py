@@ -91,6 +91,8 @@ def load_capture(path: str | Path, keep_python: bool = False, capture: str | Non
     path = Path(path)
     if not path.exists():
         raise CaptureError(f"{path} does not exist")
+    if not path.is_dir() and not path.is_file():
+        raise CaptureError(f"{path} is not a regular file or a directory")
     if path.is_file() and (what := own_document(path)) is not None:
         raise CaptureError(f"{path} is {what} written by infertrace, not a trace")
     groups = catalog(path, exclude)
@@ -120,6 +122,9 @@ def load_capture(path: str | Path, keep_python: bool = False, capture: str | Non
     traces = [RankTrace(r, file, _events(parts, origin), parts[0].metadata, all(c.exact_times for c in parts),
                         claimed)
               for (file, parts), (r, claimed) in zip(loaded, ranks)]
+    if all(len(cols) == 0 for cols in everything):
+        raise CaptureError(f"no events in {path}: no trace there holds a complete event"
+                           + "".join(f"; {p}" for p in problems))
     for trace in traces:
         if trace.events.empty:
             problems.append(f"{trace.path.name}: no complete events")
@@ -149,6 +154,7 @@ def _usable(path: Path, outcome: tuple[TraceColumns | None, str | None], problem
         return None
     if cols.problem:
         problems.append(f"{path.name}: {cols.problem}")
+    problems.extend(f"{path.name}: {warning}" for warning in cols.warnings)
     if not cols.exact_times:
         problems.append(f"{path.name}: some timestamps could only be read at float precision")
     return cols

@@ -11,7 +11,8 @@ infertrace, so that a directory where captures accumulate is read capture by cap
   traces, the frontend, not a rank.
 - Anything else (torch.profiler, infertrace's `capture-*` directories, nsys exports): one capture per directory.
 
-infertrace's own documents are never traces, whatever their name: they are known by what they start with
+Only regular files are read: a FIFO, socket or device named like a trace is passed over. infertrace's own
+documents are never traces, whatever their name: they are known by what they start with
 (`own_document`), and the outputs of the run at hand are left out by path (`catalog(..., exclude=)`).
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import gzip
 import os
 import re
+import stat
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -126,7 +128,7 @@ def catalog(path: Path, exclude: Iterable[Path] = ()) -> list[CaptureGroup]:
     if path.is_file():
         files = [path]
     else:
-        files = sorted(p for p in _walk(path) if is_trace_name(p.name))
+        files = sorted(p for p in _walk(path) if is_trace_name(p.name) and _regular(p))
     excluded = {Path(os.path.realpath(p)) for p in exclude}
     files = [p for p in files if not _under(p, excluded) and own_document(p) is None]
     files = _without_exported_reports(files)
@@ -173,6 +175,14 @@ def _walk(path: Path):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in names:
             yield Path(root) / name
+
+
+def _regular(path: Path) -> bool:
+    """A regular file (or a link to one): a FIFO, socket or device named like a trace would block or never end."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _under(path: Path, excluded: set[Path]) -> bool:

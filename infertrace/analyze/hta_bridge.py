@@ -2,7 +2,7 @@
 
 HTA's analyzers take a `hta.common.trace.Trace` whose per-rank DataFrames hold symbol ids in `name` and `cat`,
 an `index` column equal to the row label, and `index_correlation` linking each GPU event to the CPU event that
-launched it. `hta_trace` builds exactly that from a capture's events (HolisticTraceAnalysis 0.5.0 layout).
+launched it. `hta_trace` builds exactly that from a capture's events (the layout of traceinsight 0.6.1, as of HolisticTraceAnalysis 0.5.0).
 """
 
 from __future__ import annotations

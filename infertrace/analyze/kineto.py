@@ -3,15 +3,23 @@
 The file is decoded about a megabyte of events at a time, so peak memory follows the size of the kept columns
 rather than the size of the JSON, and a truncated file still yields every event before the cut. Everything held
 undecoded is bounded: METADATA_LIMIT before (and after) the event array, EVENT_LIMIT for one event, so a file
-of any size, a gzip bomb included, is read in time linear in its size and bounded memory. Timestamps are
+of any size is read in time linear in its size and bounded memory; a gzip file stops being read once it has
+decompressed to GZIP_RATIO_LIMIT times its own size (a gzip bomb), and an event name longer than NAME_LIMIT
+characters is cut (with a hash of the whole name, so distinct names stay distinct), which bounds what classifying
+names costs. An event whose `dur` is negative, not finite or longer than MAX_DUR_US, or whose `ts` is not finite
+or beyond MAX_ABS_TS_US, is dropped and counted in a warning. Timestamps are
 kept as integer nanoseconds: a float64 cannot hold `1712195495519689.047` us to the nanosecond, so traces with
 such large times have their `ts` digits read from the text itself.
 """
 
 from __future__ import annotations
 
+import gc
 import gzip
+import hashlib
 import json
+import math
+import os
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -22,6 +30,11 @@ import numpy as np
 BLOCK = 1 << 20  # bytes decoded at once: small enough to stay in cache, large enough to amortise each call
 METADATA_LIMIT = 16 << 20  # bytes of JSON read before the traceEvents array, and after it
 EVENT_LIMIT = 16 << 20  # the largest single event (or run of whitespace inside the array) read
+GZIP_RATIO_LIMIT = 64  # Kineto JSON compresses 10-22x; past this many times the gzip's size, reading stops
+GZIP_SLACK = 32 << 20  # decompressed bytes always allowed, whatever the ratio
+NAME_LIMIT = 8192  # characters of an event name kept (real kernel names reach about 5,100)
+MAX_DUR_US = 86_400e6  # one day: no event of a profile lasts longer
+MAX_ABS_TS_US = 4e15  # about the year 2096 as epoch microseconds; keeps ts + dur inside int64 nanoseconds
 SKIPPED_CATS = frozenset({"python_function", "Trace"})  # Python stacks and the whole-profile span
 _FLOAT_EXACT_US = 2.0**43  # below this a float64 in us keeps every nanosecond, so rint(ts * 1000) is exact
 _WS = b" \t\r\n"
@@ -51,6 +64,7 @@ class TraceColumns:
     external_id: np.ndarray  # int64 args["External id"], -1 where absent
     metadata: dict = field(default_factory=dict)
     problem: str | None = None  # why the file ended early, when it did
+    warnings: list[str] = field(default_factory=list)  # events dropped or names cut, one line each
     exact_times: bool = True  # False when some timestamps could only be read at float precision
 
     def __len__(self) -> int:
@@ -66,10 +80,14 @@ def read_kineto(path: str | Path, keep_python: bool = False, typed: bool = True)
     decoder = _StreamDecoder(sink, _typed_decoder() if typed else None)
     problem = late = None
     over_limit = False
+    collecting = gc.isenabled()
+    gc.disable()  # the decoded events hold no cycles; a collection every few thousand of them costs 3x the decode
     try:
         for block in _blocks(Path(path)):
             if not decoder.feed(block):
                 break  # the rest of the file holds nothing that is read
+    except _GzipBomb as exc:
+        problem, over_limit = str(exc), True
     except EOFError:
         problem = "the compressed stream ends early (truncated file)"
     except (OSError, zlib.error) as exc:
@@ -78,6 +96,9 @@ def read_kineto(path: str | Path, keep_python: bool = False, typed: bool = True)
         if sink.count == 0:
             raise
         problem, over_limit = str(exc), True
+    finally:
+        if collecting:
+            gc.enable()
     if not over_limit:
         try:
             late = decoder.finish()
@@ -93,12 +114,27 @@ def read_kineto(path: str | Path, keep_python: bool = False, typed: bool = True)
     return columns
 
 
+class _GzipBomb(Exception):
+    """A gzip file that decompresses to far more than any trace of its size."""
+
+
 def _blocks(path: Path):
     with open(path, "rb") as raw:
         magic = raw.read(2)
-    opener = gzip.open if magic == b"\x1f\x8b" else open
-    with opener(path, "rb") as fh:
+        size = os.fstat(raw.fileno()).st_size
+    if magic != b"\x1f\x8b":
+        with open(path, "rb") as fh:
+            while block := fh.read(BLOCK):
+                yield block
+        return
+    limit = GZIP_RATIO_LIMIT * size + GZIP_SLACK
+    read = 0
+    with gzip.open(path, "rb") as fh:
         while block := fh.read(BLOCK):
+            read += len(block)
+            if read > limit:
+                raise _GzipBomb(f"decompresses to more than {GZIP_RATIO_LIMIT}x its size (a gzip bomb?); "
+                                f"the rest after {_mb(read - len(block))} was not read")
             yield block
 
 
@@ -109,12 +145,12 @@ except ImportError:  # pragma: no cover - the plain-dict path is tested with typ
 
 if msgspec is not None:
 
-    class _Args(msgspec.Struct):
+    class _Args(msgspec.Struct, gc=False):
         stream: int | float | str = -1
         correlation: int | float = -1
         external_id: int | float = msgspec.field(default=-1, name="External id")
 
-    class _Event(msgspec.Struct):
+    class _Event(msgspec.Struct, gc=False):
         name: str = ""
         cat: str = ""
         pid: int | float | str = 0
@@ -361,6 +397,8 @@ class _ColumnSink:
         self.chunks: list[tuple[np.ndarray, ...]] = []
         self.count = 0
         self.exact = True
+        self.invalid = 0  # events dropped for their ts or dur
+        self.cut_names: set[str] = set()
 
     def add(self, events: list, structs: bool, text) -> None:
         """Add a decoded piece; `text()` gives its JSON, read only for timestamps too large for a float."""
@@ -371,25 +409,42 @@ class _ColumnSink:
             kept, cols = self._from_dicts(events)
         if not kept:
             return
-        ts = np.array(cols[0], dtype=np.float64)
-        if np.abs(ts).max() >= _FLOAT_EXACT_US:
+        ts = _floats(cols[0])
+        dur = _floats(cols[1])
+        valid = (np.abs(ts) <= MAX_ABS_TS_US) & (dur >= 0) & (dur <= MAX_DUR_US)  # False for NaN too
+        if np.abs(ts[valid]).max(initial=0.0) >= _FLOAT_EXACT_US:
             ts_ns = self._exact_ts(events, structs, kept, text())
             if ts_ns is None:
                 self.exact = False
-                ts_ns = _float_us_to_ns(ts)
+                ts_ns = _float_us_to_ns(ts[valid])
+            else:
+                ts_ns = ts_ns[valid]
         else:
-            ts_ns = _float_us_to_ns(ts)
+            ts_ns = _float_us_to_ns(ts[valid])
+        if not valid.all():
+            self.invalid += int((~valid).sum())
+            cols = tuple([v for v, ok in zip(col, valid) if ok] for col in cols)
+            if not cols[0]:
+                return
         self.chunks.append((
-            _codes(cols[2], self.names),
+            self._names(cols[2]),
             _codes(cols[3], self.cats),
             self._ids(cols[4]),
             self._ids(cols[5]),
             ts_ns,
-            np.rint(np.array(cols[1], dtype=np.float64) * 1000.0).astype(np.int64),
+            np.rint(dur[valid] * 1000.0).astype(np.int64),
             _ints(cols[6]),
             _ints(cols[7]),
             _ints(cols[8]),
         ))
+
+    def _names(self, values: list) -> np.ndarray:
+        """Codes of the names, each name longer than NAME_LIMIT cut first (classifying a name costs its length)."""
+        if any(len(v) > NAME_LIMIT for v in values if type(v) is str):
+            long = {v for v in values if type(v) is str and len(v) > NAME_LIMIT}
+            self.cut_names.update(long)
+            values = [_cut_name(v) if v in long else v for v in values]
+        return _codes(values, self.names)
 
     def _from_structs(self, events: list) -> tuple[list, tuple]:
         skipped = self.skipped
@@ -418,8 +473,8 @@ class _ColumnSink:
         else:
             has_ts = [type(e) is dict and type(e.get("ts")) in _NUMBER for e in events]
         found = _TS_RE.findall(piece)
-        if len(found) != sum(has_ts) or any(m[3] for m in found):
-            return None  # a nested "ts" key or an exponent: fall back to float precision
+        if len(found) != sum(has_ts) or any(m[3] or len(m[1]) > 16 for m in found):
+            return None  # a nested "ts" key, an exponent or a value past int64 ns: fall back to float precision
         sign = np.array([-1 if m[0] else 1 for m in found], dtype=np.int64)
         whole = np.array([m[1] for m in found]).astype(np.int64)
         frac = np.array([(m[2] + b"000")[:3] for m in found]).astype(np.int64)
@@ -439,7 +494,7 @@ class _ColumnSink:
         for i, v in enumerate(values):
             try:
                 out[i] = int(v)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 out[i] = -1 - self.text_ids.setdefault(str(v), len(self.text_ids))
         return out
 
@@ -448,14 +503,40 @@ class _ColumnSink:
             cols = [np.concatenate(parts) for parts in zip(*self.chunks)]
         else:
             cols = [np.empty(0, dtype=np.int32)] * 2 + [np.empty(0, dtype=np.int64)] * 7
+        warnings = []
+        if self.invalid:
+            warnings.append(f"{self.invalid:,} event(s) with a negative, non-finite or impossible duration or "
+                            f"timestamp (dur over {MAX_DUR_US / 3.6e9:g} h, |ts| over {MAX_ABS_TS_US:g} us) dropped")
+        if self.cut_names:
+            warnings.append(f"{len(self.cut_names):,} event name(s) longer than {NAME_LIMIT:,} characters cut "
+                            f"to that length")
         return TraceColumns(
             names=list(self.names), name=cols[0], cats=list(self.cats), cat=cols[1], pid=cols[2],
             tid=cols[3], ts_ns=cols[4], dur_ns=cols[5], stream=cols[6], correlation=cols[7],
-            external_id=cols[8], metadata=metadata, exact_times=self.exact)
+            external_id=cols[8], metadata=metadata, exact_times=self.exact, warnings=warnings)
 
 
 _NO_ARGS: dict = {}
 _NUMBER = (int, float)
+
+
+def _floats(values: list) -> np.ndarray:
+    try:
+        return np.array(values, dtype=np.float64)
+    except OverflowError:  # an integer past float range: not finite, so dropped
+        return np.array([_float_or_nan(v) for v in values], dtype=np.float64)
+
+
+def _float_or_nan(value) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        return math.nan
+
+
+def _cut_name(name: str) -> str:
+    digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()
+    return f"{name[:NAME_LIMIT]}…[{len(name):,} characters, {digest}]"
 
 
 def _float_us_to_ns(us: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ def traces() -> Path:
 
 
 def pytest_configure(config):
-    # HTA 0.5.0 trips pandas deprecation warnings on every call; they are HTA's, not ours
+    # HTA (traceinsight 0.6.1) trips pandas deprecation warnings on every call; they are HTA's, not ours
     config.addinivalue_line("filterwarnings", "ignore::Warning:hta")
 
 

@@ -229,3 +229,70 @@ def test_a_report_given_as_the_trace_is_a_clear_error(engine_trace, tmp_path):
     assert result.exit_code == 2
     assert result.stderr.strip() == f"error: {report} is a report or manifest written by infertrace, not a " \
                                     "trace"
+
+
+@pytest.mark.parametrize("text", ['{"traceEvents": []}', '{"traceEvents": [{"ph": "M", "name": "process_name"}]}'])
+def test_a_folder_whose_traces_hold_no_event_exits_2(tmp_path, text):
+    (tmp_path / "x.pt.trace.json").write_text(text)
+    result = invoke(tmp_path, "--quiet")
+    assert result.exit_code == 2
+    assert "no events in" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_fifo_named_like_a_trace_is_passed_over(engine_trace, tmp_path, run_python):
+    import os
+
+    fifo = engine_trace.parent / "stuck.pt.trace.json"
+    os.mkfifo(fifo)  # opening it for reading would block forever: no writer ever comes
+    done = run_python(["-m", "infertrace", "analyze", str(engine_trace.parent), "--quiet"], timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "stuck" not in done.stderr
+    done = run_python(["-m", "infertrace", "analyze", str(fifo), "--quiet"], timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: {fifo} is not a regular file or a directory"
+
+
+def test_impossible_durations_are_dropped_with_one_warning(tmp_path, make_events):
+    events = make_events([
+        ("kernel", "gemv_kernel", 10, 5, 7, {"stream": 7}),
+        ("kernel", "gemv_kernel", 20, -3, 7, {"stream": 7}),
+        ("kernel", "gemv_kernel", 30, float("nan"), 7, {"stream": 7}),
+        ("kernel", "gemv_kernel", 40, float("inf"), 7, {"stream": 7}),
+        ("kernel", "gemv_kernel", 50, 1e300, 7, {"stream": 7}),
+        ("kernel", "gemv_kernel", float("nan"), 5, 7, {"stream": 7}),
+        ("kernel", "gemv_kernel", 1e300, 5, 7, {"stream": 7}),
+        ("kernel", "gemv_kernel", 60, 5, 7, {"stream": 7}),
+    ])
+    (tmp_path / "t.pt.trace.json").write_text(json.dumps({"traceEvents": events}))  # NaN and Infinity as Python writes them
+    result = invoke(tmp_path, "--json", tmp_path / "r.json", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert warnings_of(result) == [
+        "warning: t.pt.trace.json: 6 event(s) with a negative, non-finite or impossible duration or timestamp "
+        "(dur over 24 h, |ts| over 4e+15 us) dropped"]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["ranks"][0]["kernels"] == 2
+    top = doc["tables"]["top_kernels"]
+    assert [(row["count"], row["sum (us)"]) for row in top] == [(2, 10.0)]
+
+
+def test_a_small_gzip_of_huge_names_is_read_in_bounded_time(tmp_path, run_python):
+    import zlib
+
+    # 50 events with 15 MB names in under 1 MB of gzip: once over 300 s classifying the names
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+    parts = [packer.compress(b'{"traceEvents": [')]
+    chunk = b"a" * (1 << 20)
+    for i in range(50):
+        parts.append(packer.compress(b'%s{"ph": "X", "cat": "kernel", "name": "' % (b"," if i else b"")))
+        parts += [packer.compress(chunk) for _ in range(15)]
+        parts.append(packer.compress(b'%d", "pid": 0, "tid": 7, "ts": %d, "dur": 5, "args": {"stream": 7}}'
+                                     % (i, 10 * i)))
+    parts += [packer.compress(b"]}"), packer.flush()]
+    path = tmp_path / "names.pt.trace.json.gz"
+    path.write_bytes(b"".join(parts))
+    assert path.stat().st_size < 1 << 20
+    done = run_python(["-m", "infertrace", "analyze", str(tmp_path), "--quiet"], timeout=60)
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
+    assert any("decompresses to more than 64x its size" in w for w in warnings), warnings
+    assert any("longer than 8,192 characters cut to that length" in w for w in warnings), warnings

@@ -13,6 +13,11 @@ from infertrace.analyze.kernels import category, hta_kernel_type, short_name
     ("void vllm::cross_device_reduce_1stage<__nv_bfloat16, 8>(vllm::RankData*, vllm::RankSignals)", "COMMUNICATION"),
     ("void tensorrt_llm::kernels::oneShotAllReduceKernel<__nv_bfloat16, 8>(AllReduceParams)", "COMMUNICATION"),
     ("Memcpy DtoD (Device -> Device)", "MEMORY"),
+    # traceinsight 0.6.1 tests `^hip` (communication) before its own memory pattern, which names these
+    ("hipMemcpyAsync", "MEMORY"),
+    ("hipMemsetD32Async", "MEMORY"),
+    # and counts any `nccl...` name as communication, where 0.5.0 needed `nccl...Kernel`
+    ("ncclDevFunc_AllReduce_RING_LL_Sum_bf16", "COMMUNICATION"),
     ("void at::native::reduce_kernel<512, 1>(at::native::ReduceOp<float>)", "COMPUTATION"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "COMPUTATION"),
 ])
