@@ -14,11 +14,11 @@ from infertrace.load.results.join import TTFT_PARTS, estimate_offset, join
 
 
 def test_every_request_s_ttft_is_explained_by_the_server_log(served_tiny, tiny_model_dir, tmp_path):
-    out, lines = tmp_path / "r.json", tmp_path / "requests.jsonl"
+    out, lines, page = tmp_path / "r.json", tmp_path / "requests.jsonl", tmp_path / "run.html"
     result = CliRunner().invoke(bench, [
         "--base-url", served_tiny, "--tokenizer", str(tiny_model_dir), "--input-len", "96", "--output-len", "12",
         "--num-prompts", "120", "--request-rate", "40", "--seed", "3", "--result-json", str(out),
-        "--requests-jsonl", str(lines)], catch_exceptions=False)
+        "--requests-jsonl", str(lines), "--report", str(page)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
     assert doc["completed"] == 120 and doc["failed"] == 0
@@ -46,6 +46,8 @@ def test_every_request_s_ttft_is_explained_by_the_server_log(served_tiny, tiny_m
     assert {f["rule"] for f in doc["findings"]} >= {"ttft_tail", "itl_tail"}
     cohorts = joined["cohorts"]
     assert cohorts["p99"]["ttft_ms"] >= cohorts["p50"]["ttft_ms"]
+    html = page.read_text()
+    assert "120 of 120 requests explained" in html and 'id="ttft-slowest"' in html
 
 
 def _result(index, t0, ttft, itl=(), request_id=None):

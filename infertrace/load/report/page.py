@@ -27,6 +27,8 @@ from infertrace.load.report.figures import (
     timeline_data,
     timeline_figure,
 )
+from infertrace.load.report.requests import requests_html
+from infertrace.output import write_text
 
 REPORT_VERSION = 2  # 2: the timeline's profile window is the span its trace covers, with its label
 _CSS = """
@@ -46,7 +48,8 @@ def report_document(results: list[RequestResult], origin: float, *, scrape: Scra
                     telemetry: TelemetrySeries | None = None, findings: list[Finding] = (),
                     profile_window: tuple[float, float] | None = None, trace_span_s: float | None = None,
                     result: dict | None = None, phases: pd.DataFrame | None = None,
-                    steps: pd.DataFrame | None = None, title: str = "infertrace run report") -> dict:
+                    steps: pd.DataFrame | None = None, title: str = "infertrace run report",
+                    requests: dict | None = None) -> dict:
     """The report as JSON-able data. `origin` is the run's start on the records' clock; `profile_window` the
     profiler's start and stop calls on that clock and `trace_span_s` how long its trace covers (figures.
     profiled_span); `result` is the run's result (as `--result-json` writes it); `phases` is the profiled window's
@@ -59,6 +62,7 @@ def report_document(results: list[RequestResult], origin: float, *, scrape: Scra
         "phases": None if phases is None else _records(phases),
         "steps": None if steps is None or steps.empty else phases_data(steps),
         "result": result,
+        "requests": requests,  # the server's request log joined to the requests (report/requests.py)
         "notes": [*(scrape.notes if scrape else []), *(telemetry.notes if telemetry else [])],
     }
 
@@ -86,6 +90,8 @@ def render_html(doc: dict) -> str:
     if doc["notes"]:
         parts.append("".join(f'<p class="note">{escape(n)}</p>' for n in doc["notes"]))
     parts.append("<h2>Timeline</h2>" + _figure_html(timeline, "timeline"))
+    if doc.get("requests"):
+        parts.append(requests_html(doc["requests"], _figure_html))
     if doc.get("phases"):
         parts.append("<h2>Profiler window: inference phases</h2>" + _phases_html(doc["phases"]))
     if doc.get("steps"):
@@ -102,10 +108,7 @@ def render_html(doc: dict) -> str:
 
 def write_report(path: str | Path, doc: dict) -> Path:
     """Writes the HTML page (creating its folder)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_html(doc), encoding="utf-8")
-    return path
+    return write_text(path, render_html(doc))
 
 
 def _figure_html(fig: go.Figure, div_id: str) -> str:
