@@ -5,6 +5,9 @@ and report/, which know nothing of each other's callers."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import secrets
+import time
 from typing import TYPE_CHECKING
 
 import click
@@ -31,7 +34,7 @@ def bench(**options) -> None:
     in-process, on a built-in tiny model unless --model is given.
     """
     try:
-        cfg = bench_config(options)
+        cfg = resolve_salt(bench_config(options))
     except ValueError as e:
         fail(str(e), EXIT_BAD_INPUT)
     raise SystemExit(execute(cfg))
@@ -43,9 +46,9 @@ def _info(message: str) -> None:
 
 async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
     from infertrace.load.benchmark import Hooks, Interrupter, run_benchmark
-    from infertrace.load.client.targets import load_tokenizer, make_target, tokenizer_source
+    from infertrace.load.client.targets import check_context, load_tokenizer, make_target, tokenizer_source
     from infertrace.load.clock import MonotonicClock
-    from infertrace.load.results.render import LiveProgress
+    from infertrace.load.results.render import progress_for
 
     target = make_target(cfg, _info)
     interrupter = Interrupter()
@@ -53,12 +56,14 @@ async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
     def announce() -> None:
         err_console.print("[yellow]interrupted: finishing up and saving partial results (Ctrl-C again to abort)[/]")
 
-    await target.open()
+    await _open(target)
     try:
         await target.preflight()
         if target.kind == "http" and (source := tokenizer_source(cfg)) is not None:
             target.tokenizer = await asyncio.to_thread(load_tokenizer, source)
-        with interrupter.on_sigint(announce), LiveProgress(err_console) as progress:
+        check_context(cfg, target.max_model_len)
+        await _prepare_cache(cfg, target)
+        with interrupter.on_sigint(announce), progress_for(err_console) as progress:
             hooks = Hooks(progress.on_phase, progress.on_result, progress.on_info)
             if cfg.find_max is not None:
                 from infertrace.load.capacity import run_capacity
@@ -69,6 +74,50 @@ async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
     finally:
         await target.close()
     return records, target
+
+
+async def _open(target) -> None:
+    """Open the target; the bundled engine takes seconds to load its model, so say so meanwhile (a spinner on a
+    terminal, a line before and after elsewhere)."""
+    if target.kind != "embedded":
+        await target.open()
+        return
+    started = time.monotonic()
+    message = f"loading {target.model_dir} into the bundled engine"
+    if err_console.is_terminal:
+        with err_console.status(f"{message} ..."):
+            await target.open()
+    else:
+        _info(f"{message} ...")
+        await target.open()
+    _info(f"engine ready in {time.monotonic() - started:.1f} s")
+
+
+async def _prepare_cache(cfg: BenchConfig, target) -> None:
+    """--reset-prefix-cache and --prompt-salt, before any request (warm-up included)."""
+    from infertrace.load.client.timing import TargetError
+
+    if cfg.prompt_salt and target.kind == "http" and target.tokenizer is None and cfg.dataset == "random":
+        raise TargetError("--prompt-salt puts a line of text before each prompt, but without a tokenizer random "
+                          "prompts are sent as token ids: pass --tokenizer DIR")
+    if cfg.prompt_salt:
+        _info(f"prompt salt: {cfg.prompt_salt!r} before every prompt"
+              + (" (the bundled engine starts with an empty prefix cache anyway)" if target.kind == "embedded"
+                 else ""))
+    if not cfg.reset_prefix_cache:
+        return
+    if target.kind == "embedded":
+        _info("--reset-prefix-cache: the bundled engine in-process starts with an empty prefix cache")
+        return
+    _info(f"prefix cache emptied (POST {await target.reset_prefix_cache()})")
+
+
+def resolve_salt(cfg: BenchConfig) -> BenchConfig:
+    """`--prompt-salt random` becomes a salt of its own for this run, kept in the result's config (and sent to
+    every load worker as it is)."""
+    if cfg.prompt_salt != "random":
+        return cfg
+    return dataclasses.replace(cfg, prompt_salt=f"run {secrets.token_hex(6)}")
 
 
 def execute(cfg: BenchConfig) -> int:
@@ -134,7 +183,7 @@ def print_warnings(records: list[PointRecord]) -> None:
     search repeats the same cause at every point."""
     from infertrace.load.results.metrics import sum_token_checks, token_count_warnings
 
-    lines = [w for record in records for w in record.headroom_warnings]
+    lines = [w for record in records for w in record.headroom_warnings + record.prefix_cache["prefix_cache_warnings"]]
     lines += token_count_warnings(sum_token_checks([r.token_checks for r in records]),
                                   any(r.metrics.output_token_sources.get("chunks") for r in records))
     for warning in lines:

@@ -96,6 +96,10 @@ class BenchConfig:
     # the server's side: /metrics scraped every this many seconds (0: off), from metrics_url or the base URL's
     scrape_interval_s: float = DEFAULT_SCRAPE_INTERVAL_S
     metrics_url: str | None = None
+    # repeated runs against one server: a line before every prompt (random: a new one each run), and emptying the
+    # server's prefix cache before the run
+    prompt_salt: str | None = None
+    reset_prefix_cache: bool = False
     # outputs
     result_json: str | None = None
     requests_jsonl: str | None = None

@@ -61,8 +61,9 @@ def _json_object(text: str) -> dict:
 
 
 _OPTIONS = (  # in the order --help lists them
-    click.option("--base-url", metavar="URL", help="An OpenAI-compatible server, e.g. http://127.0.0.1:8000. "
-                  "Without it the bundled engine runs in-process."),
+    click.option("--base-url", "--url", "base_url", metavar="URL", help="An OpenAI-compatible server, e.g. "
+                  "http://127.0.0.1:8000 (--url is the same flag, as `profile` spells it). Without it the bundled "
+                  "engine runs in-process."),
     click.option("--endpoint", type=click.Choice(ENDPOINTS),
                   help=f"Which API to stream from: /v1/completions or /v1/chat/completions. {_d('endpoint')}"),
     click.option("--model", metavar="NAME|DIR", help="Server: the model name to send (default: the first one the "
@@ -171,6 +172,12 @@ _OPTIONS = (  # in the order --help lists them
                   f"Prometheus /metrics during the run; 0 turns scraping off. {_d('scrape_interval_s')}"),
     click.option("--metrics-url", metavar="URL", help="Where the server's Prometheus metrics live [default: the base "
                   "URL's /metrics]."),
+    click.option("--prompt-salt", metavar="TEXT|random", help="Put this line before every prompt (random: a new "
+                  "one each run), so that no prompt of an earlier run is in the server's prefix cache while the "
+                  "run's own shared prefixes still are. Repeated runs against one server then compare."),
+    click.option("--reset-prefix-cache", is_flag=True, default=None, help="Empty the server's prefix cache before "
+                  "the run: POST /reset_prefix_cache (vLLM, with VLLM_SERVER_DEV_MODE=1), else /flush_cache "
+                  "(SGLang); the run stops with one line when the server offers neither."),
     server_auth_options,
 )
 

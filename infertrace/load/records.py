@@ -42,6 +42,7 @@ class StreamEvent:
     done: bool = False  # the `[DONE]` sentinel
     usage_only: bool = False  # a chunk with no choices (the trailing usage chunk): never generated output
     output: bool = False  # carries a choice that stands for generated tokens, even if its text is empty
+    reasoning_only: bool = False  # output of reasoning alone (`reasoning_content` / `reasoning`), no answer text
 
 
 @dataclass(slots=True)
@@ -54,6 +55,7 @@ class RequestResult:
     end: float  # when its stream closed or it failed
     slot_wait: float = 0.0  # open loop capped by --concurrency: time spent waiting for a free slot
     ttft: float | None = None
+    ttfct: float | None = None  # to the first event with answer content (not reasoning): TTFT without thinking
     e2el: float | None = None
     itl: list[float] = field(default_factory=list)  # gaps between consecutive text events
     chunk_tokens: list[int | None] = field(default_factory=list)  # tokens per text event (None: unknown)
@@ -103,7 +105,7 @@ class RequestResult:
             "index": self.index, "success": self.success, "error": self.error,
             "scheduled_s": self.scheduled - origin, "t0_s": self.t0 - origin, "end_s": self.end - origin,
             "schedule_lag_ms": ms(self.schedule_lag), "slot_wait_ms": ms(self.slot_wait),
-            "ttft_ms": ms(self.ttft), "tpot_ms": ms(tpot), "e2el_ms": ms(self.e2el),
+            "ttft_ms": ms(self.ttft), "ttfct_ms": ms(self.ttfct), "tpot_ms": ms(tpot), "e2el_ms": ms(self.e2el),
             "itl_ms": [g * 1000.0 for g in self.itl], "chunk_tokens": self.chunk_tokens,
             "prompt_tokens": self.prompt_tokens, "expected_prompt_tokens": self.expected_prompt_tokens,
             "output_tokens": self.output_tokens,

@@ -93,8 +93,10 @@ def test_http_500s_and_dropped_streams_are_counted_failures(standin, prompts_jso
     assert (doc["completed"], doc["failed"]) == (4, 2)
     assert doc["failures"] == {"HTTP 500": 1, "disconnect": 1}
     errors = sorted(line["error"] for line in map(json.loads, reqs.read_text().splitlines()) if line["error"])
-    assert errors[0] == 'HTTP 500: {"error": {"message": "overloaded"}}'
+    assert errors[0] == "HTTP 500: overloaded"  # the server's own message, not its JSON
     assert errors[1].startswith("disconnect: ")
+    assert doc["failure_examples"]["HTTP 500"] == "overloaded"
+    assert re.search(r"HTTP 500 \(first\)\s*│\s*overloaded", res.output)  # the table says what the server said
 
 
 def test_profile_window_lies_outside_the_measured_requests(standin, prompts_jsonl, tmp_path):

@@ -169,3 +169,31 @@ def test_find_all_and_the_same_record_in_json_and_table():
 def test_finding_is_a_plain_record():
     f = Finding("r", "w", None, "e")
     assert f.to_json() == {"rule": "r", "what": "w", "when_s": None, "evidence": "e"}
+
+
+def _streamed(i, gaps):
+    return RequestResult(index=i, scheduled=ORIGIN + i, t0=ORIGIN + i, end=ORIGIN + i + 2.0, ttft=0.1, e2el=1.0,
+                         itl=list(gaps), output_tokens=len(gaps) + 1)
+
+
+def test_coalesced_events_fire_with_their_share_and_suggest_workers():
+    """256 streams through one client: most events came in a read with the one before (ITL p50 0.0)."""
+    from infertrace.load.observe.findings import coalesced_events, coalesced_gaps
+
+    results = [_streamed(i, [0.0, 0.0, 0.004, 0.0]) for i in range(10)]
+    assert coalesced_gaps(results) == (30, 40)
+    busy = coalesced_events(results, client_cpu=0.8)
+    assert busy.rule == "coalesced_events" and "--workers" in busy.what and "could not keep up" in busy.what
+    assert busy.evidence.startswith("30 of 40 inter-token gaps were 0 ms (75%)") and "80% of a CPU core" in busy.evidence
+    idle = coalesced_events(results, client_cpu=0.05)
+    assert "--workers" not in idle.what and "server (or the network) sent them together" in idle.what
+    assert [f.rule for f in find_all(results, ORIGIN, client_cpu=0.8)] == ["coalesced_events"]
+
+
+def test_coalesced_events_silent_when_events_come_one_read_each():
+    from infertrace.load.observe.findings import coalesced_events
+
+    spread = [_streamed(i, [0.004] * 19 + [0.0]) for i in range(10)]  # a finish chunk read with the last token
+    assert coalesced_events(spread, client_cpu=0.9) is None
+    failed = [RequestResult(index=0, scheduled=0.0, t0=0.0, end=1.0, itl=[0.0] * 50, error="HTTP 500: x")]
+    assert coalesced_events(failed, client_cpu=0.9) is None

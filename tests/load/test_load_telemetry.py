@@ -120,3 +120,47 @@ def test_older_bindings_with_only_the_throttle_name():
 
 def test_throttle_names():
     assert throttle_names(0x1) == [] and throttle_names(0x24) == ["power cap", "thermal (software)"]
+
+
+def test_energy_from_nvmls_counter_where_the_binding_has_it():
+    """A stand-in pynvml with nvmlDeviceGetTotalEnergyConsumption (mJ since the driver loaded): the window's energy
+    is the counter's growth, not the power integral."""
+    nvml, clock = FakeNvml(), ScriptedClock(start=10.0)
+    readings = iter([5_000_000, 9_000_000, 5_000_500, 9_000_900, 5_002_100, 9_001_700])  # h0, h1, h0, h1, ...
+    nvml.nvmlDeviceGetTotalEnergyConsumption = lambda h: next(readings)
+    sampler = GpuSampler(1.0, clock.now, nvml=nvml)
+    sampler.open()
+    for _ in range(3):
+        sampler.sample()
+        clock.advance(1.0)
+    g0, g1 = sampler.series.gpus
+    assert g0.energy_j == [5000.0, 5000.5, 5002.1] and g1.energy_j == [9000.0, 9000.9, 9001.7]
+    energy = sampler.series.energy()
+    assert energy == {"joules": pytest.approx(2.1 + 1.7), "seconds": 2.0, "gpus": 2, "method": "NVML energy counter"}
+
+
+def test_energy_integrates_power_without_the_counter():
+    from infertrace.load.observe.telemetry import energy_per_token
+
+    nvml, clock = FakeNvml(), ScriptedClock(start=0.0)
+    power = iter([100_000, 300_000, 300_000])  # mW: h1 fails its power query, h0 reads these
+    nvml.nvmlDeviceGetPowerUsage = lambda h: (_ for _ in ()).throw(RuntimeError("Not Supported")) if h == "h1" \
+        else next(power)
+    nvml.nvmlDeviceGetTotalEnergyConsumption = lambda h: (_ for _ in ()).throw(RuntimeError("Not Supported"))
+    sampler = GpuSampler(1.0, clock.now, nvml=nvml)
+    sampler.open()
+    for step in (0.5, 1.5, 0.0):
+        sampler.sample()
+        clock.advance(step)
+    # trapezoids: 0.5 s at (100+300)/2 W, then 1.5 s at 300 W = 100 + 450 J; the second GPU gave no reading
+    energy = energy_per_token(sampler.series, output_tokens=1000)
+    assert energy["joules"] == pytest.approx(550.0) and energy["gpus"] == 1
+    assert energy["method"] == "NVML power integrated" and energy["joules_per_output_token"] == pytest.approx(0.55)
+    assert energy_per_token(sampler.series, 0) is None and energy_per_token(None, 10) is None
+
+
+def test_only_a_server_on_this_host_is_measured_by_this_hosts_gpus():
+    from infertrace.load.observe.telemetry import url_is_local
+
+    assert url_is_local(None) and url_is_local("http://127.0.0.1:8000") and url_is_local("http://localhost:1")
+    assert not url_is_local("http://10.1.2.3:8000") and not url_is_local("https://api.example.com")

@@ -235,10 +235,59 @@ async def test_error_event_mid_stream_is_a_failure_with_its_reason():
     assert result.ttft == pytest.approx(0.2) and result.end == pytest.approx(10.4)
 
 
-async def test_http_error_status_is_a_failure_with_its_body():
+async def test_http_error_status_is_a_failure_with_the_servers_own_message():
     result, _ = await run([], status=500, body='{"error": {"message": "boom"}}')
-    assert result.error == 'HTTP 500: {"error": {"message": "boom"}}'
+    assert result.error == "HTTP 500: boom"
     assert result.ttft is None and result.e2el is None
+
+
+@pytest.mark.parametrize("body, message", [
+    ('{"error": {"message": "The model `x` does not exist.", "type": "NotFoundError", "code": 404}}',
+     "The model `x` does not exist."),  # vLLM 0.33, OpenAI's shape
+    ('{"object": "error", "message": "max_tokens is too large", "type": "BadRequestError", "code": 400}',
+     "max_tokens is too large"),  # older vLLM and SGLang
+    ('{"detail": "Not Found"}', "Not Found"),  # FastAPI's own 404
+    ("plain\n  text", "plain text"),
+])
+async def test_http_error_message_is_taken_from_each_servers_error_body(body, message):
+    result, _ = await run([], status=400, body=body)
+    assert result.error == f"HTTP 400: {message}"
+
+
+def reasoning(text):
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"reasoning": text}}]}
+
+
+async def test_ttfct_is_the_first_answer_event_after_reasoning_deltas():
+    """vLLM 0.33 streams thinking as `delta.reasoning`, SGLang as `delta.reasoning_content`: both are output (TTFT),
+    the first `content` is the answer (TTFCT)."""
+    sglang = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"reasoning_content": "b"}}]}
+    result, _ = await run([(10.1, chat(role=True)), (10.2, reasoning("a")), (10.3, sglang),
+                           (10.6, chat("answer")), (10.7, chat("", finish="stop")), (10.8, DONE)], endpoint="chat")
+    assert result.ttft == pytest.approx(0.2) and result.ttfct == pytest.approx(0.6)
+    assert result.text.startswith("ab") and result.to_json()["ttfct_ms"] == pytest.approx(600.0)
+
+
+async def test_ttfct_equals_ttft_without_reasoning_and_on_completions():
+    chat_result, _ = await run([(10.2, chat("x")), (10.3, chat("y", finish="stop")), (10.4, DONE)], endpoint="chat")
+    comp_result, _ = await run([(10.2, comp("x")), (10.3, comp("y", finish="stop")), (10.4, DONE)])
+    for result in (chat_result, comp_result):
+        assert result.ttfct == result.ttft == pytest.approx(0.2)
+
+
+async def test_a_delta_with_reasoning_and_content_together_is_the_answer():
+    both = {"object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"reasoning_content": "r", "content": "c"}}]}
+    result, _ = await run([(10.2, both), (10.3, chat("", finish="stop")), (10.4, DONE)], endpoint="chat")
+    assert result.ttfct == result.ttft == pytest.approx(0.2)
+
+
+async def test_the_checked_decoding_path_tells_reasoning_from_content_too():
+    # a NaN literal, which only Python's parser takes, sends the chunk past the fast decoder to the checked one
+    raw = b'{"choices": [{"index": 0, "delta": {"reasoning": "r"}}], "extra": NaN}'
+    result, _ = await run([(10.2, b"data: " + raw + b"\n\n"), (10.4, chat("c")), (10.5, chat("", finish="stop")),
+                           (10.6, DONE)], endpoint="chat")
+    assert result.ttft == pytest.approx(0.2) and result.ttfct == pytest.approx(0.4)
 
 
 async def test_an_empty_keep_alive_event_is_neither_text_nor_a_failure():

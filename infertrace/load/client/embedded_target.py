@@ -4,46 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
-import shutil
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from infertrace.cache import cache_dir
 from infertrace.load.client.timing import TargetError
 from infertrace.load.records import RequestSpec, StreamEvent
+from infertrace.modelgen.cached import preset_model_dir
 
 TINY_PRESET = "tiny"
 
 
 def default_model_dir(on_build: Callable[[Path], None] | None = None, preset: str = TINY_PRESET) -> Path:
-    """A preset's model in the cache (the built-in tiny model by default), written on first use. It is built
-    beside its final place and renamed into it, so an interrupted build never leaves a directory that looks
-    complete."""
-    out = cache_dir() / "models" / preset
-    if _holds_model(out):
-        return out
-    from infertrace.modelgen import init_model
-
-    if on_build is not None:
-        on_build(out)
-    tmp = out.with_name(f".{out.name}.building-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        init_model(preset, tmp, seed=0)
-        os.replace(tmp, out)
-    except OSError:  # another process finished first, or the disk is full
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not _holds_model(out):
-            raise
-    return out
-
-
-def _holds_model(path: Path) -> bool:
-    """config.json and weights, in one file or sharded (the larger presets)."""
-    return (path / "config.json").is_file() and (
-        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
-    )
+    """A preset's model in the cache (the built-in tiny model by default), written on first use."""
+    return preset_model_dir(preset, on_build)
 
 
 class EmbeddedTarget:

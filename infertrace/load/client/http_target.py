@@ -20,6 +20,7 @@ from infertrace.load.records import RequestSpec, StreamEvent
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 READ_BUFSIZE = 4 * 1024 * 1024  # aiohttp's 64 KiB default throttles long streamed lines and fast servers
 PREFLIGHT_TIMEOUT_S = 10.0
+RESET_PREFIX_CACHE_PATHS = ("/reset_prefix_cache", "/flush_cache")  # vLLM's, then SGLang's
 PROFILE_TIMEOUT_S = 600.0  # stopping a profiler writes the trace, which takes a while on a busy server
 
 
@@ -170,10 +171,12 @@ def _fast(data: str) -> StreamEvent | None:
             text = delta.content or ""
             if reasoning := delta.reasoning_content or delta.reasoning:
                 text = reasoning + text
+            answer = bool(delta.content or delta.tool_calls or delta.function_call)
             output = bool(text or delta.tool_calls or delta.function_call) or (
                 delta.content == "" and delta.role is msgspec.UNSET)
             return StreamEvent(text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                               finish_reason=choice.finish_reason, output=output)
+                               finish_reason=choice.finish_reason, output=output,
+                               reasoning_only=bool(reasoning) and not answer)
         return StreamEvent(text=choice.text or "", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                            finish_reason=choice.finish_reason, output=True)
     if chunk.error is not None or chunk.object == "error":
@@ -240,17 +243,19 @@ def _decode(obj: dict) -> StreamEvent:
         finish_reason = _field(choice, "finish_reason", (str,), "choices[0].")
         if "delta" in choice or "text" not in choice:
             delta = _field(choice, "delta", (dict,), "choices[0].") or {}
-            text = _field(delta, "content", (str,), "choices[0].delta.") or ""
+            content = _field(delta, "content", (str,), "choices[0].delta.") or ""
+            text, reasoning_only = content, False
             for key in ("reasoning_content", "reasoning"):  # reasoning tokens are generated output too
                 if reasoning := _field(delta, key, (str,), "choices[0].delta."):
                     text = reasoning + text
+                    reasoning_only = not (content or delta.get("tool_calls") or delta.get("function_call"))
                     break
             output = _chat_has_output(delta, text)
         else:
             text = _field(choice, "text", (str,), "choices[0].") or ""
-            output = True
+            output, reasoning_only = True, False
         return StreamEvent(text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                           finish_reason=finish_reason, output=output)
+                           finish_reason=finish_reason, output=output, reasoning_only=reasoning_only)
     err = obj.get("error")
     if err is not None or obj.get("object") == "error":
         message = err.get("message", err) if isinstance(err, dict) else (err or obj.get("message"))
@@ -274,9 +279,43 @@ def decode_data(data: str) -> StreamEvent:
     return decode_chunk(obj)
 
 
+def check_url(url: str, option: str = "--base-url") -> str:
+    """`url` when it is an http(s) URL with a host; else ValueError in one line. `localhost:8000` parses as the
+    scheme `localhost`, and aiohttp would then fail with a misleading "cannot reach"."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number
+    except ValueError as e:
+        raise ValueError(f"{option} {url!r} is not a URL: {e}") from None
+    if parts.scheme not in ("http", "https"):
+        hint = f"; did you mean http://{url}?" if "://" not in url else ""
+        raise ValueError(f"{option} {url!r} needs http:// or https://{hint}")
+    if not parts.hostname:
+        raise ValueError(f"{option} {url!r} names no host")
+    return url
+
+
 def normalize_base_url(url: str) -> str:
     url = url.rstrip("/")
     return url.removesuffix("/v1")
+
+
+def error_message(body: str) -> str:
+    """The server's own words from an error body: OpenAI's {"error": {"message"}}, vLLM's older
+    {"object": "error", "message"}, FastAPI's {"detail"}, or the text itself, on one line."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        obj = None
+    message = None
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        message = err.get("message") if isinstance(err, dict) else err if isinstance(err, str) else None
+        message = message or obj.get("message") or obj.get("detail")
+    text = message if isinstance(message, str) else body if message is None else json.dumps(message)
+    return " ".join(text.split())[:300]
 
 
 class HttpTarget:
@@ -286,7 +325,8 @@ class HttpTarget:
 
     def __init__(self, base_url: str, endpoint: str, model: str | None, transport: Transport,
                  model_is_path: bool = False, ignore_eos: bool = False, temperature: float = 0.0,
-                 continuous_usage: bool = True, extra_body: dict | None = None, tokenizer=None) -> None:
+                 continuous_usage: bool = True, extra_body: dict | None = None, tokenizer=None,
+                 prompt_salt: str | None = None) -> None:
         self.base_url = normalize_base_url(base_url)
         self.endpoint = endpoint
         self.path = ENDPOINT_PATHS[endpoint]
@@ -299,6 +339,9 @@ class HttpTarget:
         self.extra_body = extra_body or {}
         self.tokenizer = tokenizer
         self.server_info: dict | None = None
+        self.max_model_len: int | None = None  # the served model's context length, when /v1/models gives it
+        self.prompt_salt = prompt_salt  # --prompt-salt: a line before every prompt, so no earlier run's cache fits
+        self._salt_tokens: int | None = None
         self._profiler = None  # the ProfilerClient of a capture in progress
         self._capture = None
         # X-Request-Id of every send: unique to this target, so the server's request log joins back to the run
@@ -320,11 +363,52 @@ class HttpTarget:
                 raise TargetError(f"{self.base_url}/v1/models answered {status} with no model; "
                                   "pass --served-model-name NAME")
             self.model = listed[0]
+        elif listed and self.model not in listed:  # every request would be refused (vLLM: 404)
+            shown = ", ".join(repr(m) for m in listed[:5]) + (f" and {len(listed) - 5} more" if len(listed) > 5 else "")
+            raise TargetError(f"model {self.model!r} is not served at {self.base_url}: /v1/models lists {shown}; "
+                              "pass one of them as --model or --served-model-name")
+        card = next((m for m in data if isinstance(m, dict) and m.get("id") == self.model), None) if listed else None
+        length = card.get("max_model_len") if card else None  # vLLM's and SGLang's model card carry it
+        self.max_model_len = length if isinstance(length, int) and not isinstance(length, bool) and length > 0 \
+            else None
         for path in ("/server_info", "/version"):
             status, info = await self.transport.request_json("GET", path)
             if status == 200:
                 self.server_info = {"endpoint": path, "body": info}
                 break
+
+    @property
+    def salt_line(self) -> str:
+        """What --prompt-salt puts before each prompt: the salt and a newline, so that the prompt's own tokens
+        stay as they were (a byte-level BPE merges nothing across a newline into a word)."""
+        return f"{self.prompt_salt}\n" if self.prompt_salt else ""
+
+    @property
+    def salt_tokens(self) -> int:
+        """The salt line's tokens in our tokenizer (0 without a salt or a tokenizer): added to each prompt's
+        built length, so that the server's count still agrees with ours."""
+        if not self.prompt_salt or self.tokenizer is None:
+            return 0
+        if self._salt_tokens is None:
+            self._salt_tokens = len(self.tokenizer.encode(self.salt_line, add_special_tokens=False))
+        return self._salt_tokens
+
+    async def reset_prefix_cache(self) -> str:
+        """Empty the server's prefix cache, so that a run finds none of an earlier run's prompts cached; the
+        route that did it. vLLM 0.33 offers POST /reset_prefix_cache (only when started with
+        VLLM_SERVER_DEV_MODE=1; it answers {"success": false} while blocks are held), SGLang 0.5.23 POST
+        /flush_cache (400 while requests run); each route is tried in turn. TargetError when none did."""
+        tried = []
+        for path in RESET_PREFIX_CACHE_PATHS:
+            status, answer = await self.transport.request_json("POST", path)
+            refused = isinstance(answer, dict) and answer.get("success") is False
+            if status == 200 and not refused:
+                return path
+            why = "success false: blocks are still held" if refused else \
+                error_message(answer if isinstance(answer, str) else json.dumps(answer))
+            tried.append(f"{path} answered {status}" + (f" ({why})" if why else ""))
+        raise TargetError(f"--reset-prefix-cache: {self.base_url} reset no prefix cache: {'; '.join(tried)} "
+                          "(vLLM serves /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1)")
 
     def body(self, spec: RequestSpec) -> dict:
         stream_options = {"include_usage": True}
@@ -333,9 +417,14 @@ class HttpTarget:
         body: dict[str, Any] = {"model": self.model, "max_tokens": spec.output_len, "temperature": self.temperature,
                                 "stream": True, "stream_options": stream_options}
         if self.endpoint == "chat":
-            body["messages"] = spec.messages or [{"role": "user", "content": spec.prompt}]
+            messages = spec.messages or [{"role": "user", "content": spec.prompt}]
+            if self.prompt_salt and isinstance(messages[0].get("content"), str):  # the first: a session's every turn
+                messages = [{**messages[0], "content": self.salt_line + messages[0]["content"]}, *messages[1:]]
+            body["messages"] = messages
+        elif spec.prompt or spec.prompt_ids is None:
+            body["prompt"] = self.salt_line + spec.prompt if self.prompt_salt else spec.prompt
         else:  # a prompt built as token ids without a tokenizer goes as ids (no text was made)
-            body["prompt"] = spec.prompt if spec.prompt or spec.prompt_ids is None else spec.prompt_ids
+            body["prompt"] = spec.prompt_ids
         if self.ignore_eos:
             body["ignore_eos"] = True
         body.update(self.extra_body)
@@ -350,8 +439,7 @@ class HttpTarget:
         try:
             async with self.transport.stream(self.path, self.body(spec), headers) as resp:
                 if resp.status != 200:
-                    detail = " ".join((await resp.text()).split())[:200]
-                    yield [StreamEvent(error=f"HTTP {resp.status}: {detail}")]
+                    yield [StreamEvent(error=f"HTTP {resp.status}: {error_message(await resp.text())}")]
                     return
                 parser, done = SSEParser(), False
                 try:
@@ -430,5 +518,6 @@ class HttpTarget:
     def describe(self) -> dict:
         headers = getattr(self.transport, "headers", None) or {}
         return {"kind": self.kind, "base_url": self.base_url, "endpoint": self.endpoint, "model": self.model,
+                "max_model_len": self.max_model_len, "prompt_salt": self.prompt_salt,
                 "headers": {key: "<redacted>" for key in headers},  # keys and tokens stay out of result files
                 "server_info": self.server_info}

@@ -25,27 +25,56 @@ def load_tokenizer(path: str | Path):
 
 
 def make_target(cfg: BenchConfig, on_info: Callable[[str], None]):
-    """The HTTP target for --base-url, else the bundled engine (on the built-in tiny model without --model)."""
+    """The HTTP target for --base-url, else the bundled engine (on the built-in tiny model without --model, or on
+    a preset named by --model, made in the cache on first use)."""
     if cfg.base_url is not None:
         from infertrace.load.client.http_target import (
             AiohttpTransport,
             HttpTarget,
+            check_url,
             normalize_base_url,
         )
 
+        try:
+            check_url(cfg.base_url)
+            if cfg.metrics_url is not None:
+                check_url(cfg.metrics_url, "--metrics-url")
+        except ValueError as e:
+            raise TargetError(str(e)) from None
         model_dir = resolve_model_dir(cfg.model)
         transport = AiohttpTransport(normalize_base_url(cfg.base_url), cfg.request_timeout_s, cfg.headers)
         return HttpTarget(cfg.base_url, cfg.endpoint, cfg.served_model_name or cfg.model, transport,
                           model_is_path=model_dir is not None and cfg.served_model_name is None,
                           ignore_eos=cfg.ignore_eos, temperature=cfg.temperature,
-                          continuous_usage=cfg.continuous_usage, extra_body=cfg.extra_body)
-    from infertrace.load.client.embedded_target import EmbeddedTarget, default_model_dir
+                          continuous_usage=cfg.continuous_usage, extra_body=cfg.extra_body,
+                          prompt_salt=getattr(cfg, "prompt_salt", None))
+    from infertrace.load.client.embedded_target import TINY_PRESET, EmbeddedTarget
+    from infertrace.modelgen.cached import is_preset, preset_model_dir
+    from infertrace.modelgen.presets import PRESETS
 
-    if cfg.model is not None and resolve_model_dir(cfg.model) is None:
-        raise TargetError(f"--model {cfg.model} is not a model directory (the bundled engine loads one from disk)")
-    model_dir = cfg.model or default_model_dir(
-        lambda out: on_info(f"building the built-in tiny model into {out} (first use only)"))
+    if cfg.model is not None and resolve_model_dir(cfg.model) is None and not is_preset(cfg.model):
+        raise TargetError(f"--model {cfg.model} is neither a model directory nor a preset "
+                          f"({', '.join(PRESETS)}); the bundled engine loads one from disk")
+    model_dir = cfg.model if resolve_model_dir(cfg.model) is not None else preset_model_dir(
+        cfg.model or TINY_PRESET, lambda out: on_info(f"building the {cfg.model or 'built-in tiny'} model into "
+                                                      f"{out} (first use only)"))
     return EmbeddedTarget(model_dir, cfg.engine_overrides, ignore_eos=cfg.ignore_eos, temperature=cfg.temperature)
+
+
+def check_context(cfg: BenchConfig, max_model_len: int | None) -> None:
+    """TargetError before any request when the longest prompt the config builds, with its output, cannot fit the
+    target's context (vLLM and SGLang give max_model_len in /v1/models; the bundled engine its own). Random and
+    shared-prefix lengths are known from the flags; files and traces are checked request by request."""
+    if max_model_len is None or cfg.dataset not in ("random", "shared-prefix"):
+        return
+    longest_in = int(cfg.input_len * (1 + cfg.range_ratio)) + (cfg.prefix_len if cfg.dataset == "shared-prefix"
+                                                               else 0)
+    longest_out = int(cfg.effective_output_len * (1 + cfg.range_ratio))
+    if longest_in + longest_out > max_model_len:
+        parts = "--prefix-len + --input-len" if cfg.dataset == "shared-prefix" else "--input-len"
+        raise TargetError(f"the longest request is {longest_in} prompt + {longest_out} output tokens, above the "
+                          f"target's context of {max_model_len} tokens (max_model_len): lower {parts} or "
+                          "--output-len")
 
 
 def tokenizer_source(cfg: BenchConfig) -> Path | None:

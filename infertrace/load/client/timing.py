@@ -69,6 +69,8 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
                             result.ttft = t - t0
                         else:
                             result.itl.append(t - last_text_t)
+                        if result.ttfct is None and not ev.reasoning_only:
+                            result.ttfct = t - t0
                         last_text_t = t
                         result.chunk_tokens.append(n)
                         if ev.text:
@@ -88,6 +90,8 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
             result.output_source = TokenSource.USAGE
             if usage_tokens == len(result.chunk_tokens) and None in result.chunk_tokens:
                 result.chunk_tokens = [1] * usage_tokens  # every text event holds >= 1 token, so exactly 1
+    if result.expected_prompt_tokens is not None and (salt := getattr(target, "salt_tokens", 0)):
+        result.expected_prompt_tokens += salt  # --prompt-salt's line went before the prompt
     if result.error is None and not finished:
         result.error = "disconnect: the stream ended before the response finished"
     elif result.error is None and last_text_t is None:  # as `vllm bench serve`: no TTFT, no success

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 # the client's headroom: bench warns past these (PointRecord.headroom_warnings) and the client_bottleneck rule fires
 CLIENT_CPU_WARN = 0.8  # share of one core used by the load generator's event-loop thread
 CLIENT_LAG_WARN_S = 0.010  # p99 of send lateness that is the client's own (slot waits excluded)
+COALESCED_SHARE_WARN = 0.10  # share of inter-token gaps of 0: events read in one go with the event before
 MIN_GROUP = 5  # requests on each side of a comparison
 QUEUE_TTFT_RATIO = 2.0  # TTFT p99 with requests waiting over that with none
 KV_FULL = 0.95  # KV usage share counted as full
@@ -50,6 +51,7 @@ def find_all(results: list[RequestResult], origin: float, scrape: ScrapeSeries |
     profiled window's phase summary (`infertrace analyze`), `profile_window` its start and stop calls."""
     found = [queueing(results, scrape, origin), kv_pressure(scrape, origin),
              *clock_drops(telemetry, origin), client_bottleneck(results, origin, client_cpu, client_lag_p99_ms),
+             coalesced_events(results, client_cpu),
              *cpu_bound_steps(phases, origin, profile_window)]
     return [f for f in found if f is not None]
 
@@ -173,6 +175,35 @@ def client_bottleneck(results: list[RequestResult], origin: float, client_cpu: f
     when = first_late - origin if late and first_late is not None else None
     return Finding("client_bottleneck", "the client was the bottleneck: the server's figures understate it",
                    when, "; ".join(evidence))
+
+
+def coalesced_gaps(results: list[RequestResult]) -> tuple[int, int]:
+    """(gaps of 0, all gaps) between consecutive output events of the successful requests. Events that came in
+    one network read share its arrival time, so a gap of 0 is an event the client read in one go with the one
+    before: it had waited in the socket for the client."""
+    gaps = [g for r in results if r.success for g in r.itl]
+    return sum(g == 0.0 for g in gaps), len(gaps)
+
+
+def coalesced_events(results: list[RequestResult], client_cpu: float | None) -> Finding | None:
+    """At least COALESCED_SHARE_WARN of the inter-token gaps are 0: events arrived in bulk, so ITL (per chunk)
+    shows the client's reads, not the server's steps. With the client's thread busy, the client could not keep
+    up; with it idle, the server or the network sent the events together."""
+    zero, total = coalesced_gaps(results)
+    if total < MIN_GROUP or zero / total < COALESCED_SHARE_WARN:
+        return None
+    share = zero / total
+    evidence = f"{zero} of {total} inter-token gaps were 0 ms ({share:.0%}): those events were read in one network " \
+               f"read with the event before (limit {COALESCED_SHARE_WARN:.0%})"
+    if client_cpu is not None:
+        evidence += f"; load generator at {client_cpu:.0%} of a CPU core"
+    if client_cpu is None or client_cpu > CLIENT_CPU_WARN / 2:
+        what = (f"{share:.0%} of streamed events arrived coalesced: the client could not keep up, so ITL is the "
+                "client's read spacing; spread the load over processes with --workers N")
+    else:
+        what = (f"{share:.0%} of streamed events arrived coalesced while the client had headroom: the server (or "
+                "the network) sent them together, so ITL per chunk counts bursts")
+    return Finding("coalesced_events", what, None, evidence)
 
 
 def cpu_bound_steps(phases: pd.DataFrame | None, origin: float,

@@ -63,3 +63,57 @@ def run_hit_rate(before: PrefixCacheReading | None, after: PrefixCacheReading | 
         return {"server_prefix_cache_hit_rate": after.hit_rate_gauge,
                 "server_prefix_cache_source": "gauge after the run (sglang:cache_hit_rate; not limited to the run)"}
     return {"server_prefix_cache_hit_rate": None, "server_prefix_cache_source": None}
+
+
+CACHE_EXCESS_WARN = 0.10  # measured hit rate above what the workload implies by this much: a cache warmed before
+
+
+def implied_hit_rate(cfg, workload: dict | None, requests: int) -> float | None:
+    """The share of prompt tokens the run itself could find cached, from how its prompts were made: a trace's
+    reuse servable in whole blocks (none without block hashes: each request gets random tokens of its own); for random and shared-prefix prompts, the prompts sent again (--duration cycles
+    --num-prompts of them) and every use of a shared prefix after its first. None where the files decide (ShareGPT,
+    JSONL) or the history does (sessions)."""
+    if cfg is None:
+        return None
+    if cfg.dataset == "trace":  # a trace without block hashes (Azure, BurstGPT) gets a random prompt a request
+        servable = (workload or {}).get("trace_servable_prefix_reuse")
+        return 0.0 if servable is None and workload and "trace" in workload else servable
+    if cfg.dataset not in ("random", "shared-prefix") or requests < 1:
+        return None
+    shared = cfg.prefix_len if cfg.dataset == "shared-prefix" else 0
+    length = shared + cfg.input_len
+    unique = min(requests, cfg.num_prompts)
+    firsts = min(unique, cfg.num_prefixes) if shared else unique
+    return ((requests - unique) * length + (unique - firsts) * shared) / (requests * length)
+
+
+def measured_hit_rate(workload: dict | None, scrape) -> tuple[float | None, str | None]:
+    """The server's prefix-cache hit rate over the measured window and where it comes from: the counters read
+    around the run (trace replay, sessions), else the growth of hits over queries between the first and last
+    scrape of /metrics, else SGLang's own gauge at the last scrape (its recent requests, not only the run's)."""
+    if workload and workload.get("server_prefix_cache_hit_rate") is not None:
+        return workload["server_prefix_cache_hit_rate"], workload.get("server_prefix_cache_source")
+    if scrape is None:
+        return None, None
+    rate = scrape.deltas().get("prefix_cache_hit_rate")
+    if rate is not None:
+        return rate, "counters"
+    gauge = [v for v in scrape.gauges.get("prefix_cache_hit_rate", []) if v is not None]
+    if gauge:
+        return gauge[-1], "gauge at the last scrape (sglang:cache_hit_rate; not limited to the run)"
+    return None, None
+
+
+def prefix_cache_figures(cfg, workload: dict | None, scrape, requests: int) -> dict:
+    """`server_prefix_cache_hit_rate` (and its source) for every dataset, the rate the workload implies, and a
+    warning when the server found much more cached than the run's own prompts can explain."""
+    rate, source = measured_hit_rate(workload, scrape)
+    implied = implied_hit_rate(cfg, workload, requests)
+    warnings = []
+    if rate is not None and implied is not None and rate > implied + CACHE_EXCESS_WARN:
+        warnings.append(
+            f"the server's prefix-cache hit rate was {rate:.1%} where this workload implies {implied:.1%}: prompts "
+            "were found in a cache warmed before the run (an earlier run with the same --seed?), so TTFT is "
+            "understated and runs do not compare; use --prompt-salt random or --reset-prefix-cache")
+    return {"server_prefix_cache_hit_rate": rate, "server_prefix_cache_source": source,
+            "implied_prefix_cache_hit_rate": implied, "prefix_cache_warnings": warnings}

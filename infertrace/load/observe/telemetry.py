@@ -36,11 +36,25 @@ class GpuSeries:
     power_w: list[float | None] = field(default_factory=list)
     sm_clock_mhz: list[float | None] = field(default_factory=list)
     throttle: list[list[str] | None] = field(default_factory=list)
+    energy_j: list[float | None] = field(default_factory=list)  # NVML's energy counter since the driver loaded
 
     def to_json(self) -> dict:
         return {"index": self.index, "name": self.name, "sm_util_pct": self.sm_util_pct,
                 "mem_used_gib": self.mem_used_gib, "power_w": self.power_w, "sm_clock_mhz": self.sm_clock_mhz,
-                "throttle": self.throttle}
+                "throttle": self.throttle, "energy_j": self.energy_j}
+
+    def energy(self, times: list[float]) -> tuple[float, str] | None:
+        """(joules over the samples, how): the growth of NVML's energy counter (Volta and later) between the
+        first and last sample that read it, else the power samples integrated over time (trapezoids); None with
+        fewer than two readings of either."""
+        counter = [(t, e) for t, e in zip(times, self.energy_j) if e is not None]
+        if len(counter) >= 2 and counter[-1][1] >= counter[0][1]:
+            return counter[-1][1] - counter[0][1], "NVML energy counter"
+        power = [(t, p) for t, p in zip(times, self.power_w) if p is not None]
+        if len(power) < 2:
+            return None
+        joules = sum((t1 - t0) * (p0 + p1) / 2 for (t0, p0), (t1, p1) in zip(power, power[1:]))
+        return joules, "NVML power integrated"
 
 
 @dataclass(slots=True)
@@ -52,6 +66,36 @@ class TelemetrySeries:
     def to_json(self, origin: float = 0.0) -> dict:
         return {"times_s": [t - origin for t in self.times], "gpus": [g.to_json() for g in self.gpus],
                 "notes": list(self.notes)}
+
+    def energy(self) -> dict | None:
+        """Joules used by every GPU sampled, over the samples' span; None when no GPU gave two readings."""
+        parts = [e for g in self.gpus if (e := g.energy(self.times)) is not None]
+        if not parts:
+            return None
+        methods = sorted({how for _, how in parts})
+        return {"joules": sum(j for j, _ in parts), "seconds": self.times[-1] - self.times[0], "gpus": len(parts),
+                "method": " and ".join(methods)}
+
+
+def energy_per_token(telemetry: TelemetrySeries | None, output_tokens: int) -> dict | None:
+    """The GPUs' energy over the measured window and per output token (vLLM reports J/token the same way: energy
+    over the window / the tokens generated in it); None without telemetry or tokens."""
+    energy = telemetry.energy() if telemetry is not None else None
+    if energy is None or output_tokens <= 0:
+        return None
+    return {**energy, "joules_per_output_token": energy["joules"] / output_tokens}
+
+
+def url_is_local(url: str | None) -> bool:
+    """The server at `url` runs on this host (so NVML here sees its GPUs); None means the bundled engine."""
+    if url is None:
+        return True
+    import socket
+    from urllib.parse import urlsplit
+
+    host = (urlsplit(url).hostname or "").lower()
+    return host in ("localhost", "127.0.0.1", "::1", "0.0.0.0") or host.startswith("127.") or \
+        host in (socket.gethostname().lower(), socket.getfqdn().lower())
 
 
 def load_nvml():
@@ -114,6 +158,18 @@ class GpuSampler:
             gpu.sm_clock_mhz.append(self._query(
                 lambda: float(self.nvml.nvmlDeviceGetClockInfo(handle, self.nvml.NVML_CLOCK_SM))))
             gpu.throttle.append(self._query(lambda: throttle_names(self._reasons(handle))))
+            gpu.energy_j.append(self._energy(handle))
+
+    def _energy(self, handle) -> float | None:
+        """Joules since the driver loaded (nvmlDeviceGetTotalEnergyConsumption, in mJ; Volta and later), or None
+        where the binding or the GPU lacks it: then energy is integrated from the power samples, without a note."""
+        query = getattr(self.nvml, "nvmlDeviceGetTotalEnergyConsumption", None)
+        if query is None:
+            return None
+        try:
+            return query(handle) / 1000.0
+        except Exception:  # noqa: BLE001 - NVMLError_NotSupported on older GPUs
+            return None
 
     def _reasons(self, handle) -> int:
         # renamed in NVML 12.2 (clock "events"); older bindings have only the throttle name

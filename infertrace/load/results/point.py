@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infertrace.load.config import BenchConfig
-from infertrace.load.observe.findings import CLIENT_CPU_WARN, CLIENT_LAG_WARN_S
+from infertrace.load.observe.findings import CLIENT_CPU_WARN, CLIENT_LAG_WARN_S, coalesced_events
 from infertrace.load.observe.observer import Observed
+from infertrace.load.observe.server_counters import prefix_cache_figures
+from infertrace.load.observe.telemetry import energy_per_token, url_is_local
 from infertrace.load.records import RequestResult
 from infertrace.load.results.metrics import (
     INTENDED_START_WARN,
@@ -41,7 +43,32 @@ class PointRecord:
 
     @property
     def warnings(self) -> list[str]:
-        return self.headroom_warnings + self.token_count_warnings
+        return self.headroom_warnings + self.token_count_warnings + self.prefix_cache["prefix_cache_warnings"]
+
+    @property
+    def energy(self) -> dict | None:
+        """The GPUs' energy over the measured window and per output token, from NVML on this host; None without
+        telemetry, or when the server is on another host (this host's GPUs did not serve it)."""
+        if self.observed is None or self.config is None or not url_is_local(self.config.base_url):
+            return None
+        return energy_per_token(self.observed.telemetry, self.metrics.total_output_tokens)
+
+    @property
+    def failure_examples(self) -> dict[str, str]:
+        """The first message of each kind of failure, as the server said it."""
+        out: dict[str, str] = {}
+        for r in sorted(self.results, key=lambda r: r.t0):
+            if r.error is not None:
+                kind, _, message = r.error.partition(":")
+                out.setdefault(kind, message.strip() or kind)
+        return out
+
+    @property
+    def prefix_cache(self) -> dict:
+        """The server's prefix-cache hit rate over the run (any dataset), the rate the workload implies, and a
+        warning when the first is well above the second (server_counters.prefix_cache_figures)."""
+        scrape = self.observed.scrape if self.observed is not None else None
+        return prefix_cache_figures(self.config, self.workload, scrape, len(self.results))
 
     @property
     def headroom_warnings(self) -> list[str]:
@@ -49,6 +76,8 @@ class PointRecord:
         out = []
         if self.client_cpu is not None and self.client_cpu > CLIENT_CPU_WARN:
             out.append(f"the load generator used {self.client_cpu:.0%} of a CPU core: it may be the bottleneck")
+        if (coalesced := coalesced_events(self.results, self.client_cpu)) is not None:
+            out.append(f"{coalesced.what} ({coalesced.evidence})")
         if self.client_lag.p99 is not None and self.client_lag.p99 > CLIENT_LAG_WARN_S * 1000:
             out.append(f"requests left {self.client_lag.p99:.1f} ms late at p99: the client is falling behind "
                        "its schedule")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -14,6 +17,7 @@ from rich.table import Table
 
 from infertrace.load.records import RequestResult
 from infertrace.load.results.point import PointRecord
+from infertrace.load.stats import Stats
 
 
 def _num(v: float | None, fmt: str = "{:.2f}") -> str:
@@ -52,6 +56,53 @@ class LiveProgress:
         self.progress.console.print(f"[dim]{message}[/]", highlight=False)
 
 
+PLAIN_PROGRESS_S = 10.0  # where stderr is not a terminal: a progress line at most this often within a phase
+
+
+class PlainProgress:
+    """Progress as plain lines, for a stderr that is not a terminal (CI logs, `tee`, nohup), where rich's live bar
+    shows nothing until the end: a line when a phase starts, at most one every PLAIN_PROGRESS_S seconds while it
+    runs, and one when its last request is in."""
+
+    def __init__(self, console: Console, clock: Callable[[], float] = time.monotonic,
+                 every_s: float = PLAIN_PROGRESS_S) -> None:
+        self.console, self.clock, self.every_s = console, clock, every_s
+        self._name, self._total, self._done, self._failed = "", None, 0, 0
+        self._started = self._last = 0.0
+
+    def __enter__(self) -> PlainProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def _line(self, text: str) -> None:
+        self.console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+    def on_phase(self, name: str, total: int | None, seconds: float | None) -> None:
+        self._name, self._total, self._done, self._failed = name, total, 0, 0
+        self._started = self._last = self.clock()
+        size = f"{total} requests" if total is not None else f"{seconds:g} s" if seconds else "until stopped"
+        self._line(f"{name}: {size}")
+
+    def on_result(self, r: RequestResult) -> None:
+        self._done += 1
+        self._failed += not r.success
+        now = self.clock()
+        if self._done == self._total or now - self._last >= self.every_s:
+            self._last = now
+            of = f"/{self._total}" if self._total is not None else ""
+            self._line(f"{self._name}: {self._done}{of} done, {self._failed} failed, {now - self._started:.1f} s")
+
+    def on_info(self, message: str) -> None:
+        self._line(message)
+
+
+def progress_for(console: Console) -> LiveProgress | PlainProgress:
+    """The live bar on a terminal, plain lines elsewhere."""
+    return LiveProgress(console) if console.is_terminal else PlainProgress(console)
+
+
 SOURCE_WORDS = {"usage": "usage", "tokenizer": "our tokenizer", "chunks": "one per text event"}
 
 
@@ -87,10 +138,6 @@ def workload_rows(w: dict | None) -> list[tuple[str, str]]:
         rows.append(("prefix reuse implied by the trace", _share(w["trace_implied_prefix_reuse"])))
         rows.append((f"  of it servable in {w['cache_block_tokens']}-token blocks",
                      _share(w["trace_servable_prefix_reuse"])))
-    if "server_prefix_cache_hit_rate" in w:
-        source = w.get("server_prefix_cache_source")
-        rows.append(("server prefix-cache hit rate", _share(w["server_prefix_cache_hit_rate"])
-                     + (f"  ({source})" if source and source != "counters" else "")))
     if "sessions" in w:
         rows.append(("sessions", f"{w['sessions']} ({w['sessions_completed']} completed, "
                                  f"{w['sessions_ended_by_failure']} ended by a failed turn; {w['turns_sent']} turns)"))
@@ -121,6 +168,7 @@ def summary_table(record: PointRecord) -> Table:
         ("successful requests", str(m.completed)),
         ("failed requests", str(m.failed) + (f"  ({', '.join(f'{k}: {v}' for k, v in m.failures.items())})"
                                              if m.failures else "")),
+        *((f"  {kind} (first)", message) for kind, message in record.failure_examples.items()),
         ("duration (s)", _num(m.duration)),
         ("total input tokens", str(m.total_input_tokens)),
         ("total output tokens", f"{m.total_output_tokens}  ({token_sources(m.output_token_sources, m.completed)})"),
@@ -132,10 +180,16 @@ def summary_table(record: PointRecord) -> Table:
     if m.goodput is not None:
         rows.append((f"goodput (req/s) {cfg.slo}", _num(m.goodput)))
     rows += workload_rows(record.workload)
+    rows += prefix_cache_rows(record.prefix_cache)
+    if record.energy is not None:
+        rows.append(("energy per output token (J/tok)", energy_text(record.energy)))
     for r in rows:
         t.add_row(*r)
     t.add_section()
-    for label, s in (("TTFT (ms)", m.ttft), ("TPOT (ms)", m.tpot), ("ITL per chunk (ms)", m.itl),
+    latencies = [("TTFT (ms)", m.ttft)]
+    if (ttfct := content_ttft(record.results)) is not None:  # a reasoning model: thinking came before the answer
+        latencies.append(("TTFCT, to the answer (ms)", ttfct))
+    for label, s in (*latencies, ("TPOT (ms)", m.tpot), ("ITL per chunk (ms)", m.itl),
                      ("ITL per token (ms)", m.itl_per_token), ("E2EL (ms)", m.e2el)):
         t.add_row(label, f"mean {_num(s.mean)}  median {_num(s.median)}  p99 {_num(s.p99)}")
     t.add_section()
@@ -145,6 +199,33 @@ def summary_table(record: PointRecord) -> Table:
     t.add_row("client CPU (% of a core)" if workers == 1 else f"client CPU (% of a core, busiest of {workers} workers)",
               _num(None if record.client_cpu is None else 100 * record.client_cpu, "{:.1f}"))
     return t
+
+
+def prefix_cache_rows(figures: dict) -> list[tuple[str, str]]:
+    """The server's prefix-cache hit rate over the run beside what the workload implies."""
+    rate, implied = figures["server_prefix_cache_hit_rate"], figures["implied_prefix_cache_hit_rate"]
+    if rate is None:
+        return []
+    source = figures["server_prefix_cache_source"]
+    text = _share(rate) + (f"  ({source})" if source and source != "counters" else "")
+    if implied is not None:
+        text += f"  (the workload implies {_share(implied)})"
+    return [("server prefix-cache hit rate", text)]
+
+
+def energy_text(energy: dict) -> str:
+    per_token = energy.get("joules_per_output_token")
+    return (f"{_num(per_token, '{:.3f}')}  ({energy['joules']:.1f} J over {energy['seconds']:.1f} s on "
+            f"{energy['gpus']} GPU(s), {energy['method']})")
+
+
+def content_ttft(results: list[RequestResult]) -> Stats | None:
+    """TTFCT (time to the first answer token, reasoning excluded) of the successful requests, as Stats in ms; None
+    when no request streamed reasoning first (then it is TTFT)."""
+    done = [r for r in results if r.success and r.ttfct is not None]
+    if not any(r.ttft is not None and r.ttfct > r.ttft for r in done):
+        return None
+    return Stats.of([r.ttfct for r in done])
 
 
 def sweep_table(records: list[PointRecord], param: str) -> Table:

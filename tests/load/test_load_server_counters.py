@@ -1,0 +1,62 @@
+"""The server's prefix-cache hit rate for every dataset, the rate the workload implies, and the warning when a
+run found far more cached than its own prompts explain (a cache warmed by an earlier run)."""
+
+import pytest
+
+from infertrace.load.config import BenchConfig
+from infertrace.load.observe.scrape import ScrapeSeries
+from infertrace.load.observe.server_counters import implied_hit_rate, measured_hit_rate, prefix_cache_figures
+
+
+def _scrape(hits, queries, gauge=None):
+    s = ScrapeSeries("http://x/metrics", 1.0)
+    for i, (h, q) in enumerate(zip(hits, queries)):
+        s.add(100.0 + i, {} if gauge is None else {"prefix_cache_hit_rate": gauge[i]},
+              {"prefix_cache_hits": h, "prefix_cache_queries": q})
+    return s
+
+
+def test_random_prompts_imply_no_hits_unless_cycled():
+    cfg = BenchConfig(base_url="http://h", num_prompts=32)
+    assert implied_hit_rate(cfg, None, 32) == 0.0
+    cycled = BenchConfig(base_url="http://h", num_prompts=32, duration_s=10.0)
+    assert implied_hit_rate(cycled, None, 128) == pytest.approx(96 / 128)  # every prompt after the 32nd is a repeat
+
+
+def test_shared_prefixes_imply_every_use_after_the_first():
+    cfg = BenchConfig(base_url="http://h", dataset="shared-prefix", num_prompts=32, num_prefixes=4, prefix_len=256,
+                      input_len=256)
+    assert implied_hit_rate(cfg, None, 32) == pytest.approx(28 * 256 / (32 * 512))
+
+
+def test_a_trace_implies_its_servable_reuse_and_none_without_hashes():
+    cfg = BenchConfig(base_url="http://h", dataset="trace", dataset_path="t.jsonl")
+    assert implied_hit_rate(cfg, {"trace": {}, "trace_servable_prefix_reuse": 0.42}, 10) == 0.42
+    assert implied_hit_rate(cfg, {"trace": {}, "trace_servable_prefix_reuse": None}, 10) == 0.0  # Azure, BurstGPT
+    files = BenchConfig(base_url="http://h", dataset="jsonl", dataset_path="p.jsonl")
+    assert implied_hit_rate(files, None, 10) is None
+
+
+def test_the_measured_rate_comes_from_the_scrapes_for_any_dataset():
+    assert measured_hit_rate(None, _scrape([0, 900, 1856], [0, 1000, 2000])) == (pytest.approx(0.928), "counters")
+    sglang = _scrape([None, None], [None, None], gauge=[0.1, 0.9])
+    rate, source = measured_hit_rate(None, sglang)
+    assert rate == 0.9 and "sglang:cache_hit_rate" in source
+    read_around = {"server_prefix_cache_hit_rate": 0.5, "server_prefix_cache_source": "counters"}
+    assert measured_hit_rate(read_around, _scrape([0, 10], [0, 10])) == (0.5, "counters")
+    assert measured_hit_rate(None, None) == (None, None)
+
+
+def test_a_warm_cache_on_a_repeated_random_run_is_warned_about():
+    cfg = BenchConfig(base_url="http://h", num_prompts=32)
+    second = prefix_cache_figures(cfg, None, _scrape([0, 1856], [0, 2000]), 32)
+    assert second["server_prefix_cache_hit_rate"] == pytest.approx(0.928)
+    assert second["implied_prefix_cache_hit_rate"] == 0.0
+    [warning] = second["prefix_cache_warnings"]
+    assert "92.8% where this workload implies 0.0%" in warning and "--prompt-salt random" in warning \
+        and "--reset-prefix-cache" in warning
+    first = prefix_cache_figures(cfg, None, _scrape([0, 30], [0, 2000]), 32)
+    assert first["prefix_cache_warnings"] == []  # 1.5%: within what a chat template's shared start can give
+    unknown = prefix_cache_figures(BenchConfig(base_url="http://h", dataset="jsonl", dataset_path="p"), None,
+                                   _scrape([0, 1900], [0, 2000]), 32)
+    assert unknown["server_prefix_cache_hit_rate"] == pytest.approx(0.95) and unknown["prefix_cache_warnings"] == []
