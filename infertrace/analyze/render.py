@@ -12,6 +12,7 @@ from rich.text import Text
 
 from infertrace.analyze.kernels import CATEGORIES
 from infertrace.analyze.report import Report
+from infertrace.analyze.requests import render_step_requests
 
 TITLES = {
     "temporal": "Temporal breakdown (HTA)",
@@ -26,6 +27,7 @@ TITLES = {
     "frontend": "API server (frontend) CPU trace: busiest operations",
     "rank_communication": "Communication per rank and step type (all-reduce and other collectives)",
     "step_skew": "Cross-rank skew of step ends (the straggler ends each step last)",
+    "step_requests": "Requests per step (the request log beside the capture; GPU time by token share)",
 }
 
 # column headers shared by the terminal and the HTML page (`html.display`), where the table's field names read badly
@@ -235,7 +237,7 @@ _BUILDERS = {
     "temporal": _temporal, "idle": _idle, "kernel_types": _kernel_types, "top_kernels": _top_kernels,
     "overlap": _overlap, "launches": _launches, "categories": _categories, "phases": _phases,
     "phase_categories": _phase_categories, "frontend": _frontend, "rank_communication": _rank_communication,
-    "step_skew": _step_skew,
+    "step_skew": _step_skew, "step_requests": lambda df: render_step_requests(df, TITLES["step_requests"]),
 }
 
 

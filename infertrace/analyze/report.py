@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from infertrace.analyze import breakdown, hta_bridge, launches, phases, ranks
+from infertrace.analyze import breakdown, hta_bridge, launches, phases, ranks, requests
 from infertrace.analyze.capture import Capture, load_capture
 from infertrace.analyze.events import GPU_WORK
 
 SCHEMA = "infertrace.analyze/1"
 # Table names in display order.
 TABLES = ("temporal", "idle", "kernel_types", "top_kernels", "overlap", "launches", "categories", "phases",
-          "phase_categories", "steps", "frontend", "rank_communication", "step_skew")
+          "phase_categories", "steps", "frontend", "rank_communication", "step_skew", "step_requests")
 
 
 @dataclass(slots=True)
@@ -101,6 +101,8 @@ def build_report(capture: Capture, config: AnalyzeConfig | None = None) -> Repor
             run("phase_categories", lambda: phases.phase_categories(steps))
         else:
             report.skipped["phase_categories"] = "no GPU kernels in the capture (a CPU-only trace)"
+        if (log := requests.find_request_log(capture)) is not None:  # `infertrace serve` wrote it at the stop
+            run("step_requests", lambda: requests.step_requests(steps, log))
     return report
 
 

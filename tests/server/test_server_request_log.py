@@ -75,3 +75,39 @@ async def test_read_arguments_and_the_log_switched_off(serve_tiny):
         assert resp.status == 404 and (await resp.json())["error"]["code"] == "request_log_off"
         resp = await client.post("/v1/completions", json={**BODY, "stream": False})
         assert resp.status == 200
+
+
+async def test_a_capture_gets_the_log_of_its_requests_beside_its_trace(serve_tiny, tmp_path):
+    import json
+    import re
+    from pathlib import Path
+
+    from infertrace.analyze.report import analyze_path
+
+    async with serve_tiny(profile_dir=tmp_path) as client:
+        await (await client.post("/v1/completions", json={**BODY, "stream": False},
+                                 headers={"X-Request-Id": "before"})).read()
+        assert (await client.post("/start_profile")).status == 200
+        for name in ("a", "b"):
+            await (await client.post("/v1/completions", json={**BODY, "stream": False},
+                                     headers={"X-Request-Id": name})).read()
+        stopped = await (await client.post("/stop_profile")).json()
+    [trace] = stopped["trace_files"]
+    log_path = Path(stopped["request_log"])
+    assert log_path.parent == Path(trace).parent and str(log_path) in stopped["files"]
+    assert log_path.name == re.split(r"\.rank\d+|\.pt\.trace", Path(trace).name)[0] + ".request_log.json"
+    log = json.loads(log_path.read_text())
+    assert [r["request_id"] for r in log["requests"]] == ["a", "b"]  # "before" ended before the capture
+
+    report = analyze_path(Path(trace).parent)
+    table = report.tables["step_requests"]
+    assert set(table["request_id"]) == {"a", "b"}
+    steps = report.tables["steps"]
+    numbered = steps["label"].str.extract(r" #(\d+)\]$", expand=False).dropna().astype(int)
+    assert set(table["step"]) <= set(numbered)
+    for _, rows in table.groupby("step"):
+        assert rows["token share"].sum() == pytest.approx(1.0)
+    ridden = {r["request_id"]: r["steps"] for r in log["requests"]}
+    for request_id, rows in table.groupby("request_id"):  # each step it rode in the trace, its tokens in it
+        assert dict(zip(rows["step"], rows["tokens"])) == {s[0]: s[1] for s in ridden[request_id]
+                                                             if s[0] in set(numbered)}
