@@ -12,6 +12,7 @@ from infertrace.load.observe.scrape import (
     Scraper,
     ScrapeSeries,
     metrics_url,
+    parse_body,
     parse_exposition,
     server_kind,
 )
@@ -218,9 +219,12 @@ async def test_404_gets_one_note_and_no_more_requests():
 
     runner, url = await _serve(missing)
     try:
-        scraper = Scraper(url, 0.02)
+        scraper = Scraper(url, 0.5)  # a timeout (0.4 s) a loaded machine still answers within
         async with scraper:
-            await asyncio.sleep(0.15)
+            async with asyncio.timeout(30):
+                while not scraper.series.failures:
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(1.0)  # two more intervals: none asks again
     finally:
         await runner.cleanup()
     assert len(calls) == 1 and scraper.series.failures == 1
@@ -233,9 +237,11 @@ async def test_not_prometheus_text_gets_one_note():
 
     runner, url = await _serve(html)
     try:
-        scraper = Scraper(url, 0.02)
+        scraper = Scraper(url, 0.1)
         async with scraper:
-            await asyncio.sleep(0.1)
+            async with asyncio.timeout(30):
+                while not scraper.series.failures:
+                    await asyncio.sleep(0.01)
     finally:
         await runner.cleanup()
     assert scraper.series.scrapes == 0 and len(scraper.series.notes) == 1
@@ -277,3 +283,139 @@ async def test_a_hanging_server_times_out_within_the_interval_and_never_blocks_t
         await runner.cleanup()
     assert ticks >= 20 and elapsed < 0.6
     assert scraper.series.failures >= 2 and "timed out" in scraper.series.notes[0]
+
+
+@pytest.mark.parametrize("body", [b'# TYPE x gauge\nx{model_name="caf\xe9"} 1\n', bytes(range(256)) * 4])
+def test_a_body_that_is_not_utf8_is_a_failed_scrape(body):
+    with pytest.raises(NotPrometheus, match="not UTF-8"):
+        parse_body(body)
+
+
+async def test_a_body_that_turns_not_utf8_is_counted_and_the_series_goes_on():
+    bodies = iter([b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 1\n",
+                   b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"\xe9\"} 2\n"])
+
+    async def metrics(request):
+        return web.Response(body=next(bodies, b"\xff\xfe binary"), content_type="text/plain")
+
+    runner, url = await _serve(metrics)
+    try:
+        scraper = Scraper(url, 0.1)
+        async with scraper:
+            async with asyncio.timeout(30):
+                while scraper.series.failures < 2:
+                    await asyncio.sleep(0.01)
+    finally:
+        await runner.cleanup()
+    assert scraper.series.scrapes == 1 and scraper.series.gauges["waiting"][0] == 1
+    assert any("not UTF-8" in note for note in scraper.series.notes)
+
+
+def _metrics_server(body: bytes):
+    """/metrics answering `body`, in a thread (bench runs its own event loop)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/metrics"
+
+
+def test_bench_saves_its_result_when_the_metrics_are_not_utf8(standin, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from infertrace.cli import main
+
+    server, url = _metrics_server(b'# TYPE x gauge\nx{model_name="caf\xe9"} 1\n')
+    out = tmp_path / "r.json"
+    try:
+        res = CliRunner().invoke(main, ["bench", "--base-url", standin.url, "--metrics-url", url, "--num-prompts",
+                                        "4", "--warmup", "0", "--output-len", "2", "--result-json", str(out)])
+    finally:
+        server.shutdown()
+    assert res.exit_code == 0, res.output
+    scraped = json.loads(out.read_text())["server_metrics"]
+    assert scraped["scrapes"] == 0 and scraped["failures"] >= 1
+    assert any("not UTF-8" in note for note in scraped["notes"])
+
+
+async def test_a_body_over_the_cap_is_not_read(monkeypatch):
+    import infertrace.load.observe.scrape as scrape
+
+    monkeypatch.setattr(scrape, "MAX_BODY_BYTES", 1000)
+
+    async def metrics(request):
+        if request.query.get("chunked"):  # no Content-Length: the cap is found while reading
+            resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+            await resp.prepare(request)
+            for _ in range(100):
+                await resp.write(b"# HELP x a metric that never ends\n" * 10)
+            return resp
+        return web.Response(text="x 1\n" * 1000, content_type="text/plain")
+
+    runner, url = await _serve(metrics)
+    try:
+        for target in (url, url + "?chunked=1"):
+            scraper = Scraper(target, 0.1)
+            async with scraper:
+                async with asyncio.timeout(30):
+                    while not scraper.series.failures:
+                        await asyncio.sleep(0.01)
+            assert scraper.series.scrapes == 0
+            assert scraper.series.notes == [f"{target} answered more than 0 MiB: not read, so those scrapes are "
+                                            "missing from the server-side series"]
+    finally:
+        await runner.cleanup()
+
+
+def test_series_kept_are_bounded():
+    series = ScrapeSeries("u", 1.0, max_series=50)
+    for k in range(20):  # a server that makes new label sets at every scrape
+        series.add(float(k), {"waiting": 1.0, **{f'g{{id="{k}-{j}"}}': 1.0 for j in range(30)}}, {"preemptions": k})
+    own = [key for key in (*series.gauges, *series.counters) if key not in ("waiting", "preemptions")]
+    assert len(own) == 50 and len(series.gauges["waiting"]) == 20 and series.counters["preemptions"][-1] == 19
+    assert series.notes == ["u exposes more than 50 series: the others are not kept"]
+    gauges, counters = parse_exposition("".join(f"m{i} {i}\n" for i in range(100)), max_series=10)
+    assert len(gauges) == 10 and gauges["m9"] == 9
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop():
+    """A 2.5 MB exposition takes the parser about a second; meanwhile the loop's own ticks keep their pace."""
+    import time
+
+    body = "".join(f'# TYPE m{i} gauge\nm{i}{{engine="0",id="{i}"}} {i}\n' for i in range(40_000)).encode()
+    started = time.perf_counter()
+    parse_exposition(body.decode())
+    parse_s = time.perf_counter() - started
+
+    async def metrics(request):
+        return web.Response(body=body, content_type="text/plain")
+
+    runner, url = await _serve(metrics)
+    try:
+        scraper = Scraper(url, 60.0)
+        gaps, last = [], time.perf_counter()
+        started = last
+        async with scraper:
+            while not scraper.series.scrapes and time.perf_counter() - started < 60:
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+    finally:
+        await runner.cleanup()
+    assert max(gaps) < parse_s / 3, (max(gaps), parse_s)
+    assert len(scraper.series.gauges) == 2000  # MAX_SERIES of its own names

@@ -1,9 +1,11 @@
 """The server's own view during a load run: its Prometheus `/metrics`, scraped on the run's clock.
 
 Gauges are kept as time series and counters as cumulative values (rates and run deltas are derived from them).
-Known names of vLLM, SGLang and infertrace map to common fields; every other metric is kept by its own name.
-Scraping runs on its own aiohttp session with a timeout shorter than its interval, so it never holds up the
-load; a server without `/metrics` costs one note, never an error.
+Known names of vLLM, SGLang and infertrace map to common fields; every other metric is kept by its own name, up to
+MAX_SERIES of them. Scraping runs on its own aiohttp session with a timeout shorter than its interval, reads at
+most MAX_BODY_BYTES, and parses off the load's event loop (a thread; a process of its own for a large body, which
+would otherwise hold the interpreter), so it never holds up the load. A server without `/metrics`, or whose
+answer is too large or not UTF-8 Prometheus text, costs a note, never an error.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -21,6 +25,10 @@ from infertrace.load.config import DEFAULT_SCRAPE_INTERVAL_S
 
 TIMEOUT_SHARE = 0.8  # of the interval: a scrape never outlives its slot
 MAX_TIMEOUT_S = 5.0
+MAX_BODY_BYTES = 4 << 20  # a vLLM or SGLang exposition is tens of KB; a larger body is not read further
+THREAD_PARSE_MAX_BYTES = 256 << 10  # larger bodies are parsed in a process: a thread would hold the GIL for long
+MAX_SERIES = 2000  # metrics kept by their own name (the common fields always are); a server that makes new
+# label sets every scrape would otherwise grow the series without bound
 
 # Common field -> metric family names (as the parser names them: a counter's family has no `_total`).
 # vLLM 0.33.0: vllm/v1/metrics/loggers.py (PrometheusStatLogger; labels model_name, engine).
@@ -42,6 +50,7 @@ COUNTER_FIELDS: dict[str, tuple[str, ...]] = {
     "generation_tokens": ("vllm:generation_tokens", "sglang:generation_tokens", "infertrace:generation_tokens"),
 }
 _FIELD_OF = {name: f for table in (GAUGE_FIELDS, COUNTER_FIELDS) for f, names in table.items() for name in names}
+_COMMON = set(GAUGE_FIELDS) | set(COUNTER_FIELDS)
 _MEAN_FIELDS = {"kv_usage", "prefix_cache_hit_rate"}  # shares: averaged over engines/ranks, not added
 _SERVERS = {"vllm:": "vllm", "sglang:": "sglang", "infertrace:": "infertrace"}
 
@@ -50,11 +59,24 @@ class NotPrometheus(ValueError):
     """The body is not Prometheus text exposition."""
 
 
-def parse_exposition(text: str) -> tuple[dict[str, float], dict[str, float]]:
+def parse_body(body: bytes, max_series: int = MAX_SERIES) -> tuple[dict[str, float], dict[str, float], str | None]:
+    """(gauges, counters, server kind) of one scrape's raw body, which Prometheus' text format says is UTF-8; at
+    most `max_series` metrics by their own name besides the common fields. Run off the event loop."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise NotPrometheus(f"not UTF-8: byte {e.start}") from None
+    gauges, counters = parse_exposition(text, max_series)
+    return gauges, counters, server_kind(text)
+
+
+def parse_exposition(text: str, max_series: int | None = None) -> tuple[dict[str, float], dict[str, float]]:
     """(gauges, counters) of one scrape. Known metrics under their common field (summed over label sets, shares
-    averaged); others under `name{labels}`. Histogram and summary families keep `_sum` and `_count` as counters."""
+    averaged); others under `name{labels}`, the first `max_series` of them. Histogram and summary families keep
+    `_sum` and `_count` as counters."""
     gauges: dict[str, list[float]] = {}
     counters: dict[str, list[float]] = {}
+    own = 0  # metrics kept by their own name
     try:
         families = list(text_string_to_metric_families(text))
     except (ValueError, IndexError, TypeError) as e:
@@ -73,7 +95,12 @@ def parse_exposition(text: str) -> tuple[dict[str, float], dict[str, float]]:
                 key = f"{s.name}{{{labels}}}" if labels else s.name
             cumulative = common in COUNTER_FIELDS if common is not None \
                 else family.type in ("counter", "histogram", "summary")
-            (counters if cumulative else gauges).setdefault(key, []).append(s.value)
+            store = counters if cumulative else gauges
+            if common is None and key not in store:
+                if max_series is not None and own >= max_series:
+                    continue
+                own += 1
+            store.setdefault(key, []).append(s.value)
     return ({k: _combine(k, v) for k, v in gauges.items()}, {k: sum(v) for k, v in counters.items()})
 
 
@@ -102,11 +129,18 @@ class ScrapeSeries:
     scrapes: int = 0
     failures: int = 0
     notes: list[str] = field(default_factory=list)
+    max_series: int = MAX_SERIES  # metrics kept by their own name over the whole run
 
     def add(self, t: float, gauges: dict[str, float], counters: dict[str, float]) -> None:
         n = len(self.times)
+        own = sum(1 for store in (self.gauges, self.counters) for key in store if key not in _COMMON)
         for store, values in ((self.gauges, gauges), (self.counters, counters)):
             for key, value in values.items():
+                if key not in store and key not in _COMMON:
+                    if own >= self.max_series:
+                        self.note(f"{self.url} exposes more than {self.max_series} series: the others are not kept")
+                        continue
+                    own += 1
                 store.setdefault(key, [None] * n).append(value)
             for key, column in store.items():
                 if len(column) == n:
@@ -186,6 +220,7 @@ class Scraper:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
         self._gave_up = False  # the server has no metrics endpoint: asking again would only cost requests
+        self._parser: ProcessPoolExecutor | None = None  # started on the first large body
 
     async def __aenter__(self) -> Scraper:
         await self.start()
@@ -207,12 +242,18 @@ class Scraper:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            except Exception as e:  # a scrape that broke in a way not foreseen ends the series, not the run
+                self._failed(f"scraping {self.url} stopped ({_reason(e)}): the server-side series ends early")
+                self._gave_up = True
             self._task = None
             if self.series.scrapes and not self._gave_up:
                 await self.scrape_once()
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._parser is not None:
+            self._parser.shutdown(wait=False, cancel_futures=True)
+            self._parser = None
         return self.series
 
     async def _loop(self) -> None:
@@ -229,23 +270,41 @@ class Scraper:
         sent = self.clock()
         try:
             async with self._session.get(self.url) as response:
-                body = await response.text()
                 status = response.status
+                body = await _read_at_most(response, MAX_BODY_BYTES) if status == 200 else b""
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             return self._failed(f"{self.url} did not answer ({_reason(e)}): server-side series may have gaps")
         received = self.clock()
         if status != 200:
             return self._failed(f"{self.url} answered HTTP {status}: no server-side series", give_up=True)
+        if body is None:
+            return self._failed(f"{self.url} answered more than {MAX_BODY_BYTES >> 20} MiB: not read, so those "
+                                "scrapes are missing from the server-side series")
         try:
-            gauges, counters = parse_exposition(body)
+            gauges, counters, kind = await self._parse(body)
         except NotPrometheus as e:
             return self._failed(f"{self.url} is not Prometheus text ({str(e).splitlines()[0][:80]}): "
                                 "no server-side series", give_up=True)
         if self.series.server is None:
-            self.series.server = server_kind(body)
+            self.series.server = kind
         self.series.add((sent + received) / 2, gauges, counters)
         self.series.scrapes += 1
         return True
+
+    async def _parse(self, body: bytes) -> tuple[dict[str, float], dict[str, float], str | None]:
+        """parse_body off the event loop: in a thread, or for a large body in a process of its own, where the
+        parser (about half a microsecond a byte) does not hold the interpreter the load runs in."""
+        if len(body) > THREAD_PARSE_MAX_BYTES:
+            try:
+                if self._parser is None:
+                    import multiprocessing
+
+                    self._parser = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+                return await asyncio.get_running_loop().run_in_executor(self._parser, parse_body, body)
+            except (BrokenProcessPool, OSError) as e:
+                self.series.note(f"the parser's process failed ({_reason(e)}): large bodies are parsed in a thread")
+                self._parser = None
+        return await asyncio.to_thread(parse_body, body)
 
     def _failed(self, note: str, give_up: bool = False) -> bool:
         self.series.failures += 1
@@ -253,6 +312,19 @@ class Scraper:
         if give_up and not self.series.scrapes:
             self._gave_up = True
         return False
+
+
+async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The body, or None once it is longer than `limit` bytes (what was read of it is dropped)."""
+    if response.content_length is not None and response.content_length > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in response.content.iter_chunked(64 << 10):
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _reason(e: BaseException) -> str:
