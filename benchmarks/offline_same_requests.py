@@ -26,8 +26,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from infertrace.engine import LLM, SamplingParams
-    from infertrace.load.benchmark import build_specs
     from infertrace.load.config import BenchConfig
+    from infertrace.load.workloads.prompts import build_specs
 
     cfg = BenchConfig(model=str(args.model), input_len=args.input_len, output_len=args.output_len,
                       num_prompts=args.num_prompts, seed=args.seed, ignore_eos=True)

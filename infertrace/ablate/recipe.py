@@ -260,8 +260,8 @@ class _RecipeLoader(yaml.SafeLoader):
 def check_dataset(recipe: Recipe) -> None:
     """Read the workload's dataset file (sharegpt, jsonl) the way a run will, without a tokenizer. RecipeError
     with the reader's one line when it is not a readable dataset of that kind."""
-    from infertrace.load.benchmark import build_specs
     from infertrace.load.workloads.dataset import DatasetError
+    from infertrace.load.workloads.prompts import build_specs
 
     cfg = recipe.bench_config()
     if cfg.dataset not in ("sharegpt", "jsonl"):

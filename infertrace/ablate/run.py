@@ -25,12 +25,12 @@ from infertrace.load.benchmark import (
     Hooks,
     Interrupted,
     Interrupter,
-    build_specs,
     run_point,
 )
 from infertrace.load.clock import MonotonicClock
 from infertrace.load.results.point import PointRecord
 from infertrace.load.run.runner import Runner
+from infertrace.load.workloads.prompts import build_specs
 
 
 class PhaseStatus(str, Enum):

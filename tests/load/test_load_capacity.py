@@ -193,7 +193,7 @@ def test_cli_find_max_runs_each_point_through_bench_and_writes_table_json_and_pl
 async def test_a_point_stopped_as_saturated_keeps_its_results_and_the_next_point_runs(monkeypatch):
     import asyncio
 
-    import infertrace.load.benchmark as benchmark
+    import infertrace.load.workloads.prompts as prompts
     from infertrace.load.benchmark import Hooks, Interrupter, run_point
     from infertrace.load.clock import MonotonicClock
     from infertrace.load.records import RequestSpec, StreamEvent
@@ -207,7 +207,7 @@ async def test_a_point_stopped_as_saturated_keeps_its_results_and_the_next_point
                 yield [StreamEvent(text="x", num_tokens=1, completion_tokens=k + 1, output=True,
                                    finish_reason="length" if k == 2 else None)]
 
-    monkeypatch.setattr(benchmark, "build_specs", lambda cfg, tok, n, stream, point=0, max_model_len=None: [
+    monkeypatch.setattr(prompts, "build_specs", lambda cfg, tok, n, stream, point=0, max_model_len=None: [
         RequestSpec(i, "p", 3) for i in range(n)])
     interrupter = Interrupter()
     seen = []

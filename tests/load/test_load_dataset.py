@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from infertrace.load.benchmark import build_specs
 from infertrace.load.config import BenchConfig
 from infertrace.load.workloads.dataset import DatasetError, PromptMaker, length_range, seeded_rng
+from infertrace.load.workloads.prompts import build_specs
 
 
 @pytest.fixture(scope="module")

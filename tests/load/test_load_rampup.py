@@ -118,9 +118,9 @@ class TickTarget:
 
 
 async def test_run_point_ramps_and_reports_steady_throughput(monkeypatch):
-    import infertrace.load.benchmark as benchmark
+    import infertrace.load.workloads.prompts as prompts
 
-    monkeypatch.setattr(benchmark, "build_specs", lambda cfg, tok, n, stream, point=0, max_model_len=None: [
+    monkeypatch.setattr(prompts, "build_specs", lambda cfg, tok, n, stream, point=0, max_model_len=None: [
         RequestSpec(i, "p", 4) for i in range(n)])
     clock = ScriptedClock()
     cfg = BenchConfig(ramp_up_strategy="linear", ramp_up_start_rps=1.0, ramp_up_end_rps=4.0, num_prompts=12,

@@ -82,6 +82,7 @@ async def test_client_cpu_is_measured_over_exactly_the_measured_window(monkeypat
     from infertrace.load import benchmark
     from infertrace.load.benchmark import Hooks, run_point
     from infertrace.load.config import BenchConfig
+    from infertrace.load.workloads import prompts
 
     cpu = {"s": 0.0}  # a scripted CPU clock: 5 s of setup before the first send and of work after the last end
     monkeypatch.setattr("infertrace.load.run.runner.cpu_seconds", lambda: (cpu["s"], cpu["s"]))
@@ -94,7 +95,7 @@ async def test_client_cpu_is_measured_over_exactly_the_measured_window(monkeypat
                 cpu["s"] += 0.001
                 yield events
 
-    build_specs, resolve = benchmark.build_specs, benchmark.resolve_output_tokens
+    build_specs, resolve = prompts.build_specs, benchmark.resolve_output_tokens
 
     def costly(fn):
         def wrapped(*args, **kw):
@@ -102,7 +103,7 @@ async def test_client_cpu_is_measured_over_exactly_the_measured_window(monkeypat
             return fn(*args, **kw)
         return wrapped
 
-    monkeypatch.setattr(benchmark, "build_specs", costly(build_specs))
+    monkeypatch.setattr(prompts, "build_specs", costly(build_specs))
     monkeypatch.setattr(benchmark, "resolve_output_tokens", costly(resolve))
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "p", "max_tokens": 3}\n')

@@ -173,6 +173,8 @@ class ConversationLoad:
     """`--dataset conversation`: --num-prompts sessions (from a ShareGPT multi-turn file, else synthetic), played
     by --concurrency users in a closed loop, or started at --request-rate sessions per second in an open loop."""
 
+    reads_prefix_cache = True  # the run's own hit rate: each turn resends its history
+
     def __init__(self, cfg, tokenizer, default_output_len: int, point: int = 0) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer

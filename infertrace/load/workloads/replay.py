@@ -336,6 +336,8 @@ class TraceReplay:
     """`--dataset trace`: the first --num-prompts requests of the trace, each sent at its time × --time-scale (an
     open loop on the trace's own schedule, capped by --concurrency when given)."""
 
+    reads_prefix_cache = True  # the run's own hit rate, against the reuse the trace implies
+
     def __init__(self, cfg, tokenizer) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
