@@ -286,6 +286,7 @@ def test_token_count_warnings_are_kept_apart_from_headroom_warnings(standin, pro
     # no usage from the server and no tokenizer: output tokens are counted one per text event, a token-count
     # matter, not a sign that the client was short of headroom
     standin.no_usage = True
+    standin.token_delay = 0.005  # one event a read: a stream written in one burst is read coalesced, a warning
     out = tmp_path / "r.json"
     res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
                  "--num-prompts", 3, "--warmup", 0, "--result-json", out)
@@ -337,3 +338,44 @@ def test_a_random_weight_model_gets_one_token_count_warning_with_its_cause(serve
     assert "do not round-trip" in token_lines[0] and "all 12 prompts counted alike" in token_lines[0]
     runs = json.loads(out.read_text())["runs"]
     assert all(r["output_token_disagreements"] > 0 and r["input_token_mismatches"] == 0 for r in runs)
+
+
+def test_progress_is_printed_as_plain_lines_when_stderr_is_not_a_terminal(standin, prompts_jsonl):
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
+                 "--num-prompts", 4, "--warmup", 1, "--concurrency", 2)
+    assert res.exit_code == 0, res.output
+    assert "warmup: 1 requests" in res.output and "warmup: 1/1 done, 0 failed" in res.output
+    assert "measure: 4 requests" in res.output and "measure: 4/4 done, 0 failed" in res.output
+
+
+def test_a_model_the_server_does_not_serve_is_one_line_before_any_request(standin, prompts_jsonl):
+    res = invoke("--base-url", standin.url, "--model", "llama", "--dataset", "jsonl", "--dataset-path",
+                 prompts_jsonl, "--num-prompts", 2)
+    assert res.exit_code == 2 and "model 'llama' is not served at" in res.output and "'stand-in'" in res.output
+    assert standin.count == 0
+
+
+def test_a_url_without_a_scheme_is_one_line_naming_the_fix():
+    res = invoke("--base-url", "localhost:8000", "--num-prompts", 2)
+    assert res.exit_code == 2
+    assert "--base-url 'localhost:8000' needs http:// or https://; did you mean http://localhost:8000?" in res.output
+    assert "cannot reach" not in res.output and "Traceback" not in res.output
+
+
+def test_reset_prefix_cache_on_a_server_without_the_route_stops_before_any_request(standin, prompts_jsonl):
+    res = invoke("--url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl, "--num-prompts", 2,
+                 "--reset-prefix-cache")
+    assert res.exit_code == 2 and "reset no prefix cache: /reset_prefix_cache answered 404" in res.output
+    assert standin.count == 0
+
+
+def test_events_written_in_one_burst_are_reported_as_coalesced(standin, prompts_jsonl, tmp_path):
+    """The stand-in writes a whole response at once (no token delay): the client reads its events together, and
+    the ITL it shows is the client's read spacing; that is said, not left as ITL p50 0.0 ms."""
+    out = tmp_path / "r.json"
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
+                 "--num-prompts", 6, "--warmup", 0, "--output-len", 16, "--result-json", out)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    [warning] = [w for w in doc["headroom_warnings"] if "coalesced" in w]
+    assert "inter-token gaps were 0 ms" in warning and "coalesced" in res.output

@@ -60,3 +60,32 @@ def test_a_warm_cache_on_a_repeated_random_run_is_warned_about():
     unknown = prefix_cache_figures(BenchConfig(base_url="http://h", dataset="jsonl", dataset_path="p"), None,
                                    _scrape([0, 1900], [0, 2000]), 32)
     assert unknown["server_prefix_cache_hit_rate"] == pytest.approx(0.95) and unknown["prefix_cache_warnings"] == []
+
+
+def test_a_repeated_run_against_infertrace_serve_is_warned_and_a_salted_one_is_not(served_tiny, tiny_model_dir,
+                                                                                  tmp_path):
+    """The issue's case on the bundled server: the same random prompts sent twice are served from the prefix
+    cache the second time, which is now said; --prompt-salt random makes the run start cold again."""
+    import json
+
+    from click.testing import CliRunner
+
+    from infertrace.load.command import bench
+
+    def run(name, *extra):
+        out = tmp_path / f"{name}.json"
+        res = CliRunner().invoke(bench, ["--base-url", served_tiny, "--tokenizer", str(tiny_model_dir),
+                                         "--num-prompts", "4", "--input-len", "64", "--output-len", "4",
+                                         "--warmup", "0", "--concurrency", "2", "--scrape-interval", "0.2",
+                                         "--result-json", str(out), *extra], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        return json.loads(out.read_text()), res.output
+
+    first, _ = run("first")
+    second, output = run("second")
+    salted, _ = run("salted", "--prompt-salt", "random")
+    assert first["server_prefix_cache_hit_rate"] < 0.1 and first["prefix_cache_warnings"] == []
+    assert second["server_prefix_cache_hit_rate"] > 0.5 and len(second["prefix_cache_warnings"]) == 1
+    assert "warm" in output and "--prompt-salt random" in output
+    assert salted["server_prefix_cache_hit_rate"] < 0.1 and salted["prefix_cache_warnings"] == []
+    assert salted["config"]["prompt_salt"].startswith("run ") and salted["input_token_mismatches"] == 0
