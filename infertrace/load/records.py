@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+# Characters of a response's text kept per max_tokens (real text takes about 4 a token): the text is kept for
+# the tokenizer's count after the run and a session's history, and a server that streams far more than max_tokens
+# could make must not take the client's memory (ten 10 MB events tokenized whole took 7-12 GB).
+TEXT_CHARS_PER_TOKEN = 32
+MIN_TEXT_CHARS = 1 << 16
+
+
+def text_cap(output_len: int) -> int:
+    """The characters of a response's text kept, for a request of `output_len` max_tokens."""
+    return max(MIN_TEXT_CHARS, TEXT_CHARS_PER_TOKEN * output_len)
+
 
 class TokenSource(str, Enum):
     """Where a request's output-token count came from."""
@@ -67,6 +78,7 @@ class RequestResult:
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
+    text_cut: bool = False  # the streamed text was longer than its max_tokens could make: only its start is kept
     session: int | None = None  # multi-turn sessions: which session, and which turn of it
     turn: int | None = None
     request_id: str | None = None  # the id it was sent with (X-Request-Id), by which the server's log names it
@@ -112,6 +124,7 @@ class RequestResult:
             "output_source": self.output_source.value if self.output_source else None,
             "tokenizer_output_tokens": self.tokenizer_output_tokens, "finish_reason": self.finish_reason,
             **({"session": self.session, "turn": self.turn} if self.session is not None else {}),
+            **({"text_cut": True} if self.text_cut else {}),
             "request_id": self.request_id, **_server_json(self.server),
         }
 

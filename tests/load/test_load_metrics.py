@@ -73,7 +73,7 @@ def test_token_count_checks():
     rs[1].prompt_tokens = 21
     assert token_count_checks(rs, compare_prompts=True) == {
         "output_token_disagreements": 1, "output_tokens_compared": 1,
-        "input_token_mismatches": 1, "input_tokens_compared": 2}
+        "input_token_mismatches": 1, "input_tokens_compared": 2, "output_texts_cut": 0}
     assert token_count_checks(rs, compare_prompts=False)["input_token_mismatches"] == 0
 
 
@@ -114,3 +114,50 @@ def test_peak_per_second_buckets_as_vllm_bench_serve():
     # buckets [0,1): 2 events, [1,2): 1 + 3, [2,3): 1; a is active in 0..2, b in 1..1
     assert peak_per_second([a, b, failed]) == (4.0, 2)
     assert peak_per_second([failed]) == (0.0, 0)
+
+
+async def test_a_response_longer_than_max_tokens_could_make_is_kept_cut_and_counted_as_a_lower_bound():
+    """A server streaming 10 MB text events: the client keeps text_cap characters, counts tokens in those only, and
+    says the count is a lower bound (ten such events took bench to 7-12 GB and a tokenizer panic)."""
+    from infertrace.load.client.timing import measure, resolve_output_tokens
+    from infertrace.load.clock import ScriptedClock
+    from infertrace.load.records import RequestSpec, StreamEvent, text_cap
+    from infertrace.load.results.metrics import token_count_warnings
+
+    class Flood:
+        def __init__(self, usage: bool):
+            self.usage = usage
+
+        async def stream(self, spec):
+            for k in range(10):
+                yield [StreamEvent(text="word " * 2_000_000, output=True,
+                                   completion_tokens=k + 1 if self.usage else None)]
+            yield [StreamEvent(finish_reason="length")]
+
+    class Words:
+        def __init__(self):
+            self.longest = 0
+
+        def encode(self, text, add_special_tokens=False):
+            self.longest = max(self.longest, len(text))
+            return text.split()
+
+    spec = RequestSpec(0, "p", 16)
+    cap = text_cap(16)
+    assert cap < 10_000_000
+    found = []
+    for usage in (False, True):
+        r = await measure(RequestResult(0, 0.0, 0.0, 0.0), Flood(usage), spec, ScriptedClock())
+        assert len(r.text) == cap and r.text_cut and r.success
+        words = Words()
+        resolve_output_tokens([r], words, check_usage=True)
+        assert words.longest == cap
+        found.append(r)
+    no_usage, usage = found
+    assert (no_usage.output_tokens, no_usage.output_source) == (-(-cap // 5), TokenSource.TOKENIZER)  # lower bound
+    assert (usage.output_tokens, usage.tokenizer_output_tokens) == (10, None)  # not compared with usage
+    assert no_usage.to_json()["text_cut"] is True and "text_cut" not in results()[0].to_json()
+    checks = token_count_checks(found, compare_prompts=False)
+    assert checks["output_texts_cut"] == 2 and checks["output_token_disagreements"] == 0
+    assert any("2 response(s) streamed more text than their max_tokens could make" in w
+               for w in token_count_warnings(checks, False))

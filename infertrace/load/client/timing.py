@@ -8,7 +8,7 @@ from contextlib import aclosing
 from typing import Protocol
 
 from infertrace.load.clock import Clock
-from infertrace.load.records import RequestResult, RequestSpec, StreamEvent, TokenSource
+from infertrace.load.records import RequestResult, RequestSpec, StreamEvent, TokenSource, text_cap
 
 
 class TargetError(Exception):
@@ -34,6 +34,7 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
         spec = dataclasses.replace(spec, request_id=name())
         result.request_id = spec.request_id
     texts: list[str] = []
+    room = text_cap(spec.output_len)  # characters still kept
     usage_tokens: int | None = None  # cumulative completion tokens reported so far
     continuous = True  # every choice chunk so far carried usage: a chunk's tokens are the growth of the count
     last_text_t: float | None = None
@@ -74,7 +75,12 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
                         last_text_t = t
                         result.chunk_tokens.append(n)
                         if ev.text:
-                            texts.append(ev.text)
+                            kept = ev.text[:room]
+                            if kept:
+                                texts.append(kept)
+                                room -= len(kept)
+                            if len(kept) < len(ev.text):
+                                result.text_cut = True
                     if ev.finish_reason is not None:
                         result.finish_reason = ev.finish_reason
                         finished = True
@@ -109,9 +115,9 @@ def resolve_output_tokens(results: list[RequestResult], tokenizer=None, check_us
         if tokenizer is not None and (r.output_source is None or check_usage):
             counted = len(tokenizer.encode(r.text, add_special_tokens=False)) if r.text else 0
         if r.output_source is None:
-            if counted is not None:
+            if counted is not None:  # of the text kept (text_cap): with text_cut, a lower bound
                 r.output_tokens, r.output_source = counted, TokenSource.TOKENIZER
             else:
                 r.output_tokens, r.output_source = len(r.chunk_tokens), TokenSource.CHUNKS
-        elif check_usage:
+        elif check_usage and not r.text_cut:  # a cut text's count is not the server's to compare
             r.tokenizer_output_tokens = counted

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infertrace.load.records import RequestResult, input_tokens
+from infertrace.load.records import TEXT_CHARS_PER_TOKEN, RequestResult, input_tokens
 from infertrace.load.stats import Stats
 
 
@@ -113,6 +113,7 @@ def token_count_checks(results: list[RequestResult], compare_prompts: bool) -> d
         "output_tokens_compared": len(outputs),
         "input_token_mismatches": sum(r.prompt_tokens != r.expected_prompt_tokens for r in prompts),
         "input_tokens_compared": len(prompts),
+        "output_texts_cut": sum(r.text_cut for r in done),
     }
 
 
@@ -154,6 +155,11 @@ def token_count_warnings(checks: dict[str, int], chunk_counted: bool) -> list[st
     elif mismatched:
         out.append(f"input tokens: the server counted {mismatched} of {prompts} prompt(s) differently from their "
                    "built length: --tokenizer may not be the server's (see --requests-jsonl)")
+    if cut := checks.get("output_texts_cut", 0):
+        out.append(f"output text: {cut} response(s) streamed more text than their max_tokens could make ("
+                   f"{TEXT_CHARS_PER_TOKEN} characters a token); only the start of each was kept, so a count of "
+                   "their tokens by our tokenizer is a lower bound and is not compared with usage (text_cut in "
+                   "--requests-jsonl)")
     return out
 
 
