@@ -297,6 +297,13 @@ def check_url(url: str, option: str = "--base-url") -> str:
     return url
 
 
+def _names_by_rid(server_info: dict | None) -> bool:
+    """SGLang 0.5.23: its OpenAI routes take a request's id from the body's `rid` (sglang/srt/entrypoints/openai/
+    serving_base.py), and its /server_info holds `internal_states` (sglang/srt/entrypoints/http_server.py)."""
+    info = (server_info or {}).get("body")
+    return isinstance(info, dict) and "internal_states" in info
+
+
 def normalize_base_url(url: str) -> str:
     url = url.rstrip("/")
     return url.removesuffix("/v1")
@@ -427,6 +434,8 @@ class HttpTarget:
             body["prompt"] = spec.prompt_ids
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if spec.request_id is not None and _names_by_rid(self.server_info):
+            body["rid"] = spec.request_id  # SGLang names a request by the body's rid, not X-Request-Id
         body.update(self.extra_body)
         return body
 

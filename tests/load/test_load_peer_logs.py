@@ -1,0 +1,134 @@
+"""vLLM's and SGLang's own per-request timings, read from stand-ins that speak their formats, and joined to bench's
+records by id: the offset between the clocks, and each TTFT in parts that add up to it.
+
+Stand-ins: vLLM 0.33.0's `llm_request` span as vllm/v1/engine/output_processor.py `do_tracing` builds it (attribute
+names from vllm/tracing/utils.py `SpanAttributes`), exported as OTLP JSON by an OpenTelemetry collector's `file`
+exporter; SGLang 0.5.23's `ReqTimeStats` log line as sglang/srt/managers/schedule_batch.py `log_time_stats` writes
+it with sglang/srt/observability/req_time_stats.py `convert_to_duration` (NULL disaggregation: "unified").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from infertrace.load.client.http_target import HttpTarget
+from infertrace.load.records import RequestSpec
+from infertrace.load.results.peer_logs import join_peer, read_peer_log, read_sglang_log, read_vllm_otlp
+
+WALL = 1_764_250_000.0  # the servers' wall clock at the client's origin (client clock 0)
+# per request: client send (s), one-way up and down (s), queue, prefill (s), the front end's share before the queue
+REQUESTS = [(0.00, 0.0010, 0.0012, 0.004, 0.030, 0.0020), (0.25, 0.0008, 0.0015, 0.120, 0.031, 0.0021),
+            (0.50, 0.0012, 0.0009, 0.000, 0.029, 0.0019)]
+
+
+def _client_records():
+    out = []
+    for i, (t0, up, down, queue, prefill, front) in enumerate(REQUESTS):
+        ttft = up + front + queue + prefill + down
+        out.append({"phase": "measured", "request_id": f"run-{i}", "t0_s": t0, "ttft_ms": ttft * 1e3,
+                    "end_s": t0 + ttft + 0.5})
+    return out
+
+
+def _vllm_span(i, t0, up, down, queue, prefill, front):
+    def dbl(key, v):
+        return {"key": key, "value": {"doubleValue": v}}
+
+    arrival = WALL + t0 + up
+    return {"traceId": "0" * 32, "spanId": f"{i:016x}", "name": "llm_request", "kind": 2,
+            "startTimeUnixNano": str(int(arrival * 1e9)), "endTimeUnixNano": str(int((arrival + 1) * 1e9)),
+            "attributes": [dbl("gen_ai.latency.time_to_first_token", front + queue + prefill),
+                           dbl("gen_ai.latency.e2e", 1.0), dbl("gen_ai.latency.time_in_queue", queue),
+                           {"key": "gen_ai.usage.prompt_tokens", "value": {"intValue": "512"}},
+                           {"key": "gen_ai.usage.completion_tokens", "value": {"intValue": "128"}},
+                           dbl("gen_ai.latency.time_in_model_prefill", prefill),
+                           dbl("gen_ai.latency.time_in_model_decode", 0.9),
+                           dbl("gen_ai.latency.time_in_model_inference", 0.93),
+                           {"key": "gen_ai.request.id", "value": {"stringValue": f"cmpl-run-{i}-0"}}]}
+
+
+def _otlp_file(tmp_path: Path) -> Path:
+    path = tmp_path / "spans.json"
+    lines = []
+    for i, row in enumerate(REQUESTS):  # one export request a line, as the collector's file exporter writes
+        lines.append(json.dumps({"resourceSpans": [{"resource": {"attributes": []}, "scopeSpans": [
+            {"scope": {"name": "vllm.llm_engine"}, "spans": [_vllm_span(i, *row)]}]}]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_vllm_spans_join_by_the_x_request_id_inside_vllm_s_request_id(tmp_path):
+    spans = read_vllm_otlp(_otlp_file(tmp_path))
+    assert [s.request_id for s in spans] == ["run-0", "run-1", "run-2"]
+    records = _client_records()
+    summary = join_peer(records, spans, "vllm")
+    assert summary["matched"] == summary["explained"] == 3 and summary["offset_consistent"]
+    # the offset is the wall clock at the origin, within the fastest one-way trips (0.8 ms up, 0.9 ms down)
+    assert summary["offset_ms"] == pytest.approx(WALL * 1e3, abs=1.0)
+    assert summary["offset_error_ms"] <= 0.9
+    for r, (_, _, _, queue, prefill, _) in zip(records, REQUESTS):
+        parts = r["ttft_parts"]
+        assert sum(parts.values()) == pytest.approx(r["ttft_ms"])
+        assert parts["queue"] == pytest.approx(queue * 1e3) and parts["prefill_steps"] == pytest.approx(prefill * 1e3)
+        assert min(parts.values()) >= -summary["offset_error_ms"] - 1e-6
+    assert records[1]["server"]["figures"]["gen_ai.usage.prompt_tokens"] == 512
+
+
+def _sglang_log(tmp_path: Path) -> Path:
+    lines = ["[2026-11-27 14:00:00] INFO:     127.0.0.1:5000 - \"POST /v1/completions HTTP/1.1\" 200 OK"]
+    for i, (t0, up, _, queue, prefill, front) in enumerate(REQUESTS):
+        entry = WALL + t0 + up + front
+        lines.append(f"[2026-11-27 14:00:0{i} TP0] ReqTimeStats(rid=run-{i}, input_len=512, cached_input_len=0, "
+                     f"output_len=128, attempts=1, type=unified): queue_duration={queue * 1e3:.2f}ms, "
+                     f"forward_duration={(prefill + 0.4) * 1e3:.2f}ms, entry_time={entry:.3f}")
+    path = tmp_path / "sglang.log"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_sglang_log_lines_give_the_queue_part(tmp_path):
+    lines = read_sglang_log(_sglang_log(tmp_path))
+    assert [(x.request_id, x.figures["input_len"]) for x in lines] == [(f"run-{i}", 512) for i in range(3)]
+    records = _client_records()
+    summary = join_peer(records, lines, "sglang")
+    assert summary["explained"] == 3 and summary["offset_consistent"]
+    for r, (_, _, _, queue, _, _) in zip(records, REQUESTS):
+        parts = r["ttft_parts"]
+        assert set(parts) == {"network_and_frontend", "queue", "prefill_and_first_token_send"}
+        assert sum(parts.values()) == pytest.approx(r["ttft_ms"]) and parts["queue"] == pytest.approx(queue * 1e3,
+                                                                                                      abs=0.01)
+
+
+def test_which_peer_a_file_holds(tmp_path):
+    assert read_peer_log(_otlp_file(tmp_path))[0] == "vllm"
+    assert read_peer_log(_sglang_log(tmp_path))[0] == "sglang"
+    junk = tmp_path / "junk.log"
+    junk.write_text("nothing here\n")
+    with pytest.raises(ValueError, match="neither vLLM"):
+        read_peer_log(junk)
+
+
+def test_sglang_gets_the_id_in_the_body_others_do_not():
+    target = HttpTarget("http://x", "completions", "m", transport=None)
+    spec = RequestSpec(0, "hi", 4, request_id="run-7")
+    assert "rid" not in target.body(spec)
+    target.server_info = {"endpoint": "/server_info", "body": {"internal_states": [{}], "version": "0.5.23"}}
+    assert target.body(spec)["rid"] == "run-7"
+
+
+def test_the_script_joins_a_requests_file(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from join_peer_log import main
+
+    lines = tmp_path / "requests.jsonl"
+    lines.write_text("".join(json.dumps(r) + "\n" for r in _client_records()))
+    assert main([str(lines), str(_otlp_file(tmp_path)), "--out", str(tmp_path / "out.jsonl")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["source"] == "vllm" and summary["explained"] == 3
+    joined = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert all("ttft_parts" in r for r in joined)
+    assert main([str(lines), str(tmp_path / "missing.json")]) == 2
