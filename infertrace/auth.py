@@ -1,5 +1,6 @@
 """Headers every HTTP call to a server carries: `--api-key` (or OPENAI_API_KEY) as a Bearer token, and repeatable
-`--header KEY:VALUE`. One option decorator for every command that talks to a server (bench, profile)."""
+`--header KEY:VALUE`. One option decorator for every command that talks to a server (bench, profile), and the check
+of the URL they are given."""
 
 from __future__ import annotations
 
@@ -33,3 +34,20 @@ def request_headers(api_key: str | None, header: tuple[tuple[str, str], ...] = (
     headers.update(dict(header))
     return headers
 
+
+def check_url(url: str, option: str = "--base-url") -> str:
+    """`url` when it is an http(s) URL with a host; else ValueError in one line. `localhost:8000` parses as the
+    scheme `localhost`, and aiohttp would then fail with a misleading "cannot reach"."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number
+    except ValueError as e:
+        raise ValueError(f"{option} {url!r} is not a URL: {e}") from None
+    if parts.scheme not in ("http", "https"):
+        hint = f"; did you mean http://{url}?" if "://" not in url else ""
+        raise ValueError(f"{option} {url!r} needs http:// or https://{hint}")
+    if not parts.hostname:
+        raise ValueError(f"{option} {url!r} names no host")
+    return url

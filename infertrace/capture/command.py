@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from infertrace.auth import request_headers, server_auth_options
+from infertrace.auth import check_url, request_headers, server_auth_options
 from infertrace.capture.peers import SERVER_ACTIVITIES, Flavour
 from infertrace.capture.session import WHERE_UNKNOWN
 from infertrace.console import err_console, out_console
@@ -19,7 +19,8 @@ ACTIVITY_NAMES = ", ".join(SERVER_ACTIVITIES)
 
 
 @click.command(name="profile")
-@click.option("--url", help="Base URL of the live server, e.g. http://127.0.0.1:8000.")
+@click.option("--url", "--base-url", "url", help="Base URL of the live server, e.g. http://127.0.0.1:8000 (--base-url "
+              "is the same flag, as `bench` spells it).")
 @click.option("--server", "flavour", type=click.Choice(FLAVOURS),
               help="Server flavour; detected from /server_info, /get_server_info or /version when omitted.")
 @click.option("--start", "start", is_flag=True, help="Start the server's profiler.")
@@ -76,6 +77,10 @@ def profile(ctx, url, flavour, start, stop, seconds, nsys, output_dir, name, num
         return
     if not url:
         raise click.UsageError(f"{chosen[0]} needs --url")
+    try:
+        check_url(url, "--url")
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     if seconds is not None and num_steps is not None:
         raise click.UsageError("give either --seconds or --num-steps, not both")
     given = [flag for flag, value in (("--output-dir", output_dir), ("--name", name), ("--num-steps", num_steps),
@@ -174,10 +179,10 @@ async def _report_stop(client, url, capture):
         capture.stopped_at = time.time()
         if not files:
             files = capture.written(wait_s=min(client.timeout_s, 10.0))
-            capture.files = files
-            manifest = capture.write_manifest()
-            if manifest is not None:
-                _say(f"manifest: {manifest}")
+        capture.files = files
+        # beside the traces whoever listed them (the server, or a look in its folder), when they are on this host
+        if capture.local and (manifest := capture.write_manifest()) is not None:
+            _say(f"manifest: {manifest}")
         capture.forget()
         if not files:
             _say(f"{kind} writes its traces on the server host, into {capture.where()}")

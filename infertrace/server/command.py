@@ -23,8 +23,9 @@ _SERVER_FLAGS = {"model", "served-model-name", "host", "port", "max-queue", "pro
            "given keeps the engine's default. Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /version, "
            "/server_info, /metrics, POST /start_profile, POST /stop_profile.",
 )
-@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Hugging Face model directory (config.json, safetensors, tokenizer).")
+@click.option("--model", "model_dir", required=True, callback=lambda ctx, param, value: _model_dir(ctx, value),
+              help="Hugging Face model directory (config.json, safetensors, tokenizer), or a preset's name (tiny, "
+                   "qwen3-0.6b, ...: written once into the cache folder, as `ablate --preset` does).")
 @click.option("--served-model-name", default=None,
               help="Model name in the API; default: the --model argument as given (as vLLM does).")
 @click.option("--host", default=_DEFAULTS["host"], show_default=True,
@@ -52,7 +53,8 @@ def serve(model_dir: Path, served_model_name: str | None, host: str, port: int, 
     from infertrace.engine.config import EngineConfig
 
     try:
-        settings = ServerSettings(model_dir=str(model_dir), served_model_name=served_model_name or str(model_dir),
+        settings = ServerSettings(model_dir=str(model_dir), served_model_name=served_model_name or
+                                  click.get_current_context().meta.get("model_as_given", str(model_dir)),
                                   host=host, port=port, max_queue=max_queue, drain_timeout_s=drain_timeout,
                                   profile_dir=profile_dir.resolve() if profile_dir else None)
         config = EngineConfig.from_overrides(ENGINE_FLAGS.values(engine_params))
@@ -66,6 +68,22 @@ def serve(model_dir: Path, served_model_name: str | None, host: str, port: int, 
         _serve_in_process(settings, config)
     else:
         _serve(settings, config, api_server_count)
+
+
+def _model_dir(ctx: click.Context, value: str) -> Path:
+    """--model as a directory, or a preset made in the cache on first use; its name as given is the served name."""
+    from infertrace.modelgen.cached import is_preset, preset_model_dir
+
+    ctx.meta["model_as_given"] = value
+    if is_preset(value):
+        try:
+            return preset_model_dir(value, lambda out: _say(f"building the {value} preset into {out} (first use "
+                                                              "only)"))
+        except OSError as e:
+            raise click.BadParameter(f"cannot write the {value} preset: {e}") from None
+    if not Path(value).is_dir():
+        raise click.BadParameter(f"{value!r} is neither a model directory nor a preset name")
+    return Path(value)
 
 
 def _prepare_profile_dir(profile_dir: Path) -> None:

@@ -359,8 +359,8 @@ def test_usage_errors(args, message):
 
 def test_bad_url_is_one_line():
     result = invoke("--url", "not a url", "--server", "sglang", "--start")
-    assert result.exit_code == 1
-    assert len(error_lines(result)) == 1
+    assert result.exit_code == 2  # bad input, refused before any call
+    assert len(error_lines(result)) == 1 and "needs http:// or https://" in result.output
 
 
 def test_client_library_returns_traces(serve_app):
@@ -394,3 +394,32 @@ def test_client_library_returns_traces(serve_app):
     assert message == "profiling started"
     assert stopped.traces == ["t.pt.trace.json.gz"]
     assert bodies == [{"num_steps": 3, "activities": ["CPU"]}]
+
+
+def test_a_stop_that_lists_its_traces_still_leaves_the_manifest_beside_them(serve_app, tmp_path, monkeypatch):
+    """infertrace serve (and SGLang with its file list) name their traces in the stop's answer: the capture's
+    `{name}.infertrace.json` is written beside them all the same when they are on this host, as the docs say."""
+    from aiohttp import web
+
+    monkeypatch.setenv("INFERTRACE_CACHE", str(tmp_path / "cache"))
+    trace = tmp_path / "traces" / "run1.1.rank0.pt.trace.json.gz"
+    trace.parent.mkdir()
+    trace.write_bytes(b"x")
+    app = web.Application()
+    app.router.add_get("/server_info", replying(lambda: web.json_response({"engine": "infertrace"})))
+    app.router.add_post("/start_profile", replying(lambda: web.json_response({"status": "started"})))
+    app.router.add_post("/stop_profile", replying(lambda: web.json_response(
+        {"status": "stopped", "files": [str(trace)], "trace_files": [str(trace)]})))
+    with serve_app(app) as url:
+        assert invoke("--base-url", url, "--start", "--name", "run1").exit_code == 0  # bench's spelling works too
+        result = invoke("--url", url, "--stop")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [str(trace)]
+    manifest = json.loads((trace.parent / "run1.infertrace.json").read_text())
+    assert manifest["name"] == "run1" and manifest["files"] == [str(trace)]
+
+
+def test_a_url_without_a_scheme_is_one_usage_line():
+    result = invoke("--url", "localhost:8000", "--stop")
+    assert result.exit_code == 2
+    assert "needs http:// or https://; did you mean http://localhost:8000?" in result.output

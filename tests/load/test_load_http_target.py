@@ -3,7 +3,8 @@ prompt salt in the body, and the base URL check. A scripted transport answers; n
 
 import pytest
 
-from infertrace.load.client.http_target import HttpTarget, check_url
+from infertrace.auth import check_url
+from infertrace.load.client.http_target import HttpTarget
 from infertrace.load.client.targets import check_context, make_target
 from infertrace.load.client.timing import TargetError
 from infertrace.load.config import BenchConfig

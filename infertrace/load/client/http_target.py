@@ -279,24 +279,6 @@ def decode_data(data: str) -> StreamEvent:
     return decode_chunk(obj)
 
 
-def check_url(url: str, option: str = "--base-url") -> str:
-    """`url` when it is an http(s) URL with a host; else ValueError in one line. `localhost:8000` parses as the
-    scheme `localhost`, and aiohttp would then fail with a misleading "cannot reach"."""
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError on a port that is not a number
-    except ValueError as e:
-        raise ValueError(f"{option} {url!r} is not a URL: {e}") from None
-    if parts.scheme not in ("http", "https"):
-        hint = f"; did you mean http://{url}?" if "://" not in url else ""
-        raise ValueError(f"{option} {url!r} needs http:// or https://{hint}")
-    if not parts.hostname:
-        raise ValueError(f"{option} {url!r} names no host")
-    return url
-
-
 def _names_by_rid(server_info: dict | None) -> bool:
     """SGLang 0.5.23: its OpenAI routes take a request's id from the body's `rid` (sglang/srt/entrypoints/openai/
     serving_base.py), and its /server_info holds `internal_states` (sglang/srt/entrypoints/http_server.py)."""
@@ -519,7 +501,8 @@ class HttpTarget:
         files = list(result.traces)
         if not files:
             files = await asyncio.to_thread(capture.written)
-            capture.files = files
+        capture.files = files
+        if capture.local:  # beside the traces, whoever listed them, when they are on this host
             await asyncio.to_thread(capture.write_manifest)
         return 200, {"message": result.message, "already_stopped": result.already_stopped,
                      "trace_files": files, "writes_to": capture.where()}

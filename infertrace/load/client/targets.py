@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from infertrace.auth import check_url
 from infertrace.load.client.timing import TargetError
 from infertrace.load.config import BenchConfig
 from infertrace.load.workloads.dataset import DatasetError
@@ -31,7 +32,6 @@ def make_target(cfg: BenchConfig, on_info: Callable[[str], None]):
         from infertrace.load.client.http_target import (
             AiohttpTransport,
             HttpTarget,
-            check_url,
             normalize_base_url,
         )
 

@@ -86,6 +86,8 @@ def render_html(doc: dict) -> str:
     timeline = timeline_figure(doc["timeline"])
     latency = latency_figure(doc["latency"])
     parts = [f"<h1>{escape(doc['title'])}</h1>"]
+    if doc.get("result"):
+        parts.append(_summary_html(doc["result"]))
     parts.append("<h2>Findings</h2>" + _findings_html(doc["findings"]))
     if doc["notes"]:
         parts.append("".join(f'<p class="note">{escape(n)}</p>' for n in doc["notes"]))
@@ -114,6 +116,35 @@ def write_report(path: str | Path, doc: dict) -> Path:
 def _figure_html(fig: go.Figure, div_id: str) -> str:
     return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
                        config={"displaylogo": False, "responsive": True})
+
+
+SUMMARY = (  # the run's headline figures, as (label, result key, unit, scale)
+    ("output throughput", "output_throughput", "tok/s", 1.0),
+    ("TTFT median / p99", ("median_ttft_ms", "p99_ttft_ms"), "ms", 1.0),
+    ("TTFCT median / p99 (to the answer, after reasoning)", ("median_ttfct_ms", "p99_ttfct_ms"), "ms", 1.0),
+    ("TPOT median", "median_tpot_ms", "ms", 1.0),
+    ("ITL median / p99", ("median_itl_ms", "p99_itl_ms"), "ms", 1.0),
+    ("server prefix-cache hit rate / implied by the workload",
+     ("server_prefix_cache_hit_rate", "implied_prefix_cache_hit_rate"), "%", 100.0),
+    ("energy per output token", "energy_per_output_token_j", "J", 1.0),
+)
+
+
+def _summary_html(result: dict) -> str:
+    """The headline figures and every warning the run's result holds, above the findings."""
+    rows = []
+    for label, keys, unit, scale in SUMMARY:
+        keys = keys if isinstance(keys, tuple) else (keys,)
+        values = [result.get(k) for k in keys]
+        if values[0] is None or (keys[0] == "median_ttfct_ms" and values == [result.get("median_ttft_ms"),
+                                                                               result.get("p99_ttft_ms")]):
+            continue  # TTFCT only where reasoning came first; other figures only where measured
+        text = " / ".join("-" if v is None else f"{v * scale:,.{3 if unit == 'J' else 1}f}" for v in values)
+        rows.append({"figure": label, "value": f"{text} {unit}"})
+    warnings = [w for key in ("headroom_warnings", "prefix_cache_warnings", "token_count_warnings")
+                for w in result.get(key) or []]
+    return ("<h2>Summary</h2>" + _table_html(rows)
+            + "".join(f'<p class="note">warning: {escape(w)}</p>' for w in warnings))
 
 
 def _findings_html(findings: list[dict]) -> str:

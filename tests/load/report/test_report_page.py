@@ -95,3 +95,17 @@ def test_the_probe_catches_a_broken_page(tmp_path, browse):
     path.write_text("<html><head></head><body><script>undefinedFunction()</script></body></html>")
     result, done = browse(path)
     assert any("undefinedFunction" in e for e in result["errors"]) and "Uncaught" in done.stderr
+
+
+def test_the_summary_shows_headline_figures_energy_reasoning_and_warnings(run):
+    result = {"output_throughput": 1234.5, "median_ttft_ms": 80.0, "p99_ttft_ms": 200.0, "median_ttfct_ms": 900.0,
+              "p99_ttfct_ms": 1500.0, "server_prefix_cache_hit_rate": 0.928, "implied_prefix_cache_hit_rate": 0.0,
+              "energy_per_output_token_j": 0.4567, "prefix_cache_warnings": ["a warm <cache>"],
+              "headroom_warnings": [], "token_count_warnings": []}
+    html = render_html(_doc(run, result=result))
+    summary = html[html.index("<h2>Summary</h2>"):html.index("<h2>Findings</h2>")]
+    assert "1,234.5 tok/s" in summary and "80.0 / 200.0 ms" in summary and "900.0 / 1,500.0 ms" in summary
+    assert "92.8 / 0.0 %" in summary and "0.457 J" in summary and "warning: a warm &lt;cache&gt;" in summary
+    plain = render_html(_doc(run, result={**result, "median_ttfct_ms": 80.0, "p99_ttfct_ms": 200.0,
+                                          "energy_per_output_token_j": None}))
+    assert "TTFCT" not in plain[:plain.index("<h2>Findings</h2>")] and "energy per output token" not in plain
