@@ -91,7 +91,7 @@ def make_load(cfg: BenchConfig, tokenizer, point: int = 0,
               max_model_len: int | None = None) -> PromptLoad | TraceReplay | ConversationLoad:
     """What a run sends, built (and so checked) before any load: prompts, a trace's requests, or sessions."""
     if cfg.dataset == "trace":
-        return TraceReplay(cfg, tokenizer)
+        return TraceReplay(cfg, tokenizer, max_model_len)
     if cfg.dataset == "conversation":
         return ConversationLoad(cfg, tokenizer, DEFAULT_OUTPUT_LEN, point)
     return PromptLoad(cfg, tokenizer, point, max_model_len)

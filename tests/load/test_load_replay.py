@@ -141,3 +141,60 @@ def test_replay_needs_a_tokenizer(tmp_path):
     trace = read_trace(write_jsonl(tmp_path / "t.jsonl", [mooncake(0, 10, 1, [1])]))
     with pytest.raises(DatasetError, match="needs the target's tokenizer"):
         trace_specs(trace, None)
+
+
+BURST_HEAD = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+
+
+@pytest.mark.parametrize("stamp", ["nan", "inf", "-inf"])
+def test_burstgpt_times_must_be_finite(tmp_path, stamp):
+    path = tmp_path / "burst.csv"
+    path.write_text(BURST_HEAD + f"5,ChatGPT,472,18,490,Conversation log\n{stamp},ChatGPT,4,1,5,Conversation log\n")
+    with pytest.raises(DatasetError, match=f":3: Timestamp must be a finite number, got '{stamp}'"):
+        read_trace(path)
+
+
+def test_an_absurd_span_is_refused_with_the_replay_it_would_take(tmp_path):
+    mooncake_path = write_jsonl(tmp_path / "t.jsonl", [mooncake(0, 10, 1, [1]), mooncake(1e15, 10, 1, [1])])
+    with pytest.raises(DatasetError, match=r"t.jsonl:2: the trace's 2 request\(s\) span 1e\+12 s \(1.157e\+07 "
+                                           r"days\) at --time-scale 1; a replay longer than 7 days is refused"):
+        read_trace(mooncake_path)
+    burst = tmp_path / "burst.csv"
+    burst.write_text(BURST_HEAD + "0,ChatGPT,472,18,490,Conversation log\n1e300,ChatGPT,4,1,5,Conversation log\n")
+    with pytest.raises(DatasetError, match="span 1e\\+300 s"):
+        read_trace(burst)
+    assert read_trace(mooncake_path, time_scale=1e-9).requests[-1].offset_s == pytest.approx(1e3)  # scaled: fine
+
+
+def test_lengths_are_checked_before_any_prompt_is_built(tmp_path, monkeypatch):
+    from infertrace.load.workloads import replay
+
+    built = []
+    monkeypatch.setattr(replay, "trace_specs", lambda *a: built.append(a) or ([], []))
+    big = 20_000_000
+    path = write_jsonl(tmp_path / "t.jsonl", [mooncake(0, 600, 1, [1, 2]),
+                                              mooncake(1, big, 4, list(range(-(-big // 512))))])
+
+    class Cfg:
+        dataset_path, time_scale, token_scale, num_prompts, seed = str(path), 1.0, 1.0, None, 0
+
+    with pytest.raises(DatasetError, match=r"t.jsonl:2: 20000000 input \+ 4 output tokens, above the server's "
+                                           r"context of 32768 tokens; 1 of 2 request\(s\) are: pass --token-scale"):
+        replay.TraceReplay(Cfg, None, max_model_len=32768)
+    with pytest.raises(DatasetError, match="t.jsonl:2: 20000000 input tokens, above the 2097152 bench builds"):
+        replay.TraceReplay(Cfg, None)  # the server gives no context: the client's own bound
+    assert built == []
+    Cfg.token_scale = 1 / 1024
+    replay.TraceReplay(Cfg, None, max_model_len=32768)
+    assert len(built) == 1
+
+
+def test_a_byte_order_mark_is_not_part_of_the_format(tmp_path):
+    moon = tmp_path / "bom.jsonl"
+    moon.write_bytes(b"\xef\xbb\xbf" + MOONCAKE.read_bytes()[:20_000].rsplit(b"\n", 1)[0] + b"\n")
+    trace = read_trace(moon)
+    assert trace.format == "mooncake" and trace.requests[0].offset_s == 0.0
+    azure = tmp_path / "azure.csv"
+    azure.write_text("\ufeffTIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n",
+                     encoding="utf-8")
+    assert read_trace(azure).format == "azure"

@@ -25,6 +25,8 @@ from infertrace.load.records import RequestSpec
 from infertrace.load.workloads.dataset import DatasetError, seeded_rng
 
 MOONCAKE_BLOCK_TOKENS = 512
+MAX_SPAN_S = 7 * 24 * 3600.0  # a replay longer than a week (the longest public trace) is refused, not waited out
+MAX_REQUEST_TOKENS = 1 << 21  # the longest request built when the server does not give its context length
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
 _WORD = re.compile(r" [A-Za-z]+")
@@ -91,7 +93,7 @@ def read_trace(path: str | Path, time_scale: float = 1.0, token_scale: float = 1
         raise DatasetError(f"--token-scale must be a positive number, got {token_scale}")
     path = Path(path)
     try:
-        with path.open(newline="") as f:
+        with path.open(newline="", encoding="utf-8-sig") as f:  # a byte-order mark is not part of the first line
             head = f.readline()
     except (OSError, UnicodeDecodeError) as e:
         raise DatasetError(f"cannot read trace {path}: {e}") from None
@@ -107,7 +109,14 @@ def read_trace(path: str | Path, time_scale: float = 1.0, token_scale: float = 1
                            f"with {', '.join(BURSTGPT_COLUMNS)})")
     if not trace.requests:
         raise DatasetError(f"{path}: the trace holds no requests")
-    return _scaled(trace, time_scale, token_scale)
+    trace = _scaled(trace, time_scale, token_scale)
+    last = trace.requests[-1]
+    if last.offset_s > MAX_SPAN_S:
+        raise DatasetError(f"{path}:{last.line}: the trace's {len(trace.requests)} request(s) span "
+                           f"{last.offset_s:.4g} s ({last.offset_s / 86400:.4g} days) at --time-scale {time_scale:g}; "
+                           f"a replay longer than {MAX_SPAN_S / 86400:g} days is refused: pass a smaller "
+                           "--time-scale or --num-prompts")
+    return trace
 
 
 def _is_mooncake(first_line: str) -> bool:
@@ -125,7 +134,7 @@ def _columns(header_line: str) -> set[str]:
 def _read_mooncake(path: Path, limit: int | None) -> Trace:
     requests: list[TraceRequest] = []
     first = last = None
-    with path.open() as f:
+    with path.open(encoding="utf-8-sig") as f:
         for line_no, line in enumerate(f, 1):
             if limit is not None and len(requests) >= limit:
                 break
@@ -158,7 +167,7 @@ def _read_csv(path: Path, fmt: str, columns: tuple[str, str, str], parse_time, l
     requests: list[TraceRequest] = []
     skipped = 0
     first = last = None
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f, skipinitialspace=True)
         reader.fieldnames = [c.strip() for c in reader.fieldnames or []]
         for rec in reader:
@@ -173,6 +182,8 @@ def _read_csv(path: Path, fmt: str, columns: tuple[str, str, str], parse_time, l
                 stamp = parse_time(values[0].strip())
             except ValueError:
                 raise DatasetError(f"{path}:{line_no}: cannot read the time {values[0]!r}") from None
+            if not math.isfinite(stamp):
+                raise DatasetError(f"{path}:{line_no}: {columns[0]} must be a finite number, got {values[0]!r}")
             n_in = _length(_int_text(values[1], path, line_no, columns[1]), path, line_no, columns[1])
             n_out = _length(_int_text(values[2], path, line_no, columns[2]), path, line_no, columns[2], minimum=0)
             first, last = _monotonic(stamp, first, last, path, line_no)
@@ -295,6 +306,23 @@ class BlockPrompts:
         return RequestSpec(index, text, req.output_len, ids, len(ids))
 
 
+def check_lengths(trace: Trace, max_model_len: int | None) -> None:
+    """DatasetError before any prompt is built when a request cannot fit the server's context (its input and
+    output), or without a known context is longer than MAX_REQUEST_TOKENS: building it would cost the client
+    gigabytes for a request the server must refuse."""
+    limit = max_model_len or MAX_REQUEST_TOKENS
+    over = [r for r in trace.requests if r.input_len + (r.output_len if max_model_len else 0) > limit]
+    if not over:
+        return
+    r = over[0]
+    if max_model_len:
+        what = f"{r.input_len} input + {r.output_len} output tokens, above the server's context of {limit} tokens"
+    else:
+        what = f"{r.input_len} input tokens, above the {limit} bench builds when the server gives no context length"
+    raise DatasetError(f"{trace.path}:{r.line}: {what}; {len(over)} of {len(trace.requests)} request(s) are: "
+                       "pass --token-scale to scale the trace's lengths down")
+
+
 def trace_specs(trace: Trace, tokenizer, seed: int = 0) -> tuple[list[RequestSpec], list[float]]:
     """The requests to send and their send offsets in seconds, in trace order."""
     if tokenizer is None:
@@ -338,10 +366,11 @@ class TraceReplay:
 
     reads_prefix_cache = True  # the run's own hit rate, against the reuse the trace implies
 
-    def __init__(self, cfg, tokenizer) -> None:
+    def __init__(self, cfg, tokenizer, max_model_len: int | None = None) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.trace = read_trace(cfg.dataset_path, cfg.time_scale, cfg.token_scale, cfg.num_prompts)
+        check_lengths(self.trace, max_model_len)
         self.specs, self.offsets = trace_specs(self.trace, tokenizer, cfg.seed)
 
     @property
