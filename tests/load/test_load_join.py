@@ -98,6 +98,7 @@ def test_parts_add_up_and_gaps_name_their_steps():
     assert parts["prefill_steps"] == pytest.approx(20.0) and parts["between_prefill_waits"] == pytest.approx(5.0)
     assert parts["network_and_frontend"] == pytest.approx((100.002 - offset) * 1e3)
     assert r.server["queue_behind"] == {"steps": 1, "prefill_rows": 1, "prefill_tokens": 512}
+    assert r.server["preempted_at_steps"] == [5] and r.server["resumed_at_steps"] == [6]
     causes = [(g["step"], g["cause"], g["others_prefill_tokens"]) for g in r.server["itl_steps"]]
     assert causes == [(4, "mixed", 1024), (6, "preemption", 0), (7, "decode", 0)]
     assert r.server["itl_steps"][0]["server_gap_ms"] == pytest.approx(12.0)

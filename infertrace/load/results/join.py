@@ -91,6 +91,8 @@ def explain(r: RequestResult, rec: dict, steps: dict[int, dict], offset: float |
         "prompt_tokens": rec.get("prompt_tokens"), "cached_tokens": rec.get("cached_tokens"),
         "output_tokens": rec.get("output_tokens"), "finish_reason": rec.get("finish_reason"),
         "preempted_at_steps": rec.get("preempted") or [], "steps_ridden": len(rows),
+        # the first step it rode again after each preemption (None: it never came back)
+        "resumed_at_steps": [next((row[0] for row in rows if row[0] > p), None) for p in rec.get("preempted") or []],
     }
     first_step = steps.get(rows[0][0]) if rows else None
     first_token_row = next((row for row in rows if row[3]), None)
