@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -17,6 +18,20 @@ TINY_PRESET = "tiny"
 def default_model_dir(on_build: Callable[[Path], None] | None = None, preset: str = TINY_PRESET) -> Path:
     """A preset's model in the cache (the built-in tiny model by default), written on first use."""
     return preset_model_dir(preset, on_build)
+
+
+def cpu_threads() -> int:
+    """Torch's intra-op threads for the engine on the CPU: one core fewer than the host has (at least one), so the
+    event loop and the engine's own Python thread keep a core. With every core in a GEMM, a thread descheduled by
+    them (or by any other process) holds the others spinning at OpenMP's barrier. On a shared 2-core host (load
+    average about 7), `bench --concurrency 8 --num-prompts 16` took 22.9-36.3 s (median of 4: 34.2) and 9.1-11.5 s
+    of CPU with two threads, 23.0-27.7 s (median 24.4) and 8.7-9.3 s with one. An OMP_NUM_THREADS the user set is
+    kept."""
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    return torch.get_num_threads()
 
 
 class EmbeddedTarget:
@@ -33,6 +48,7 @@ class EmbeddedTarget:
         self.engine = None
         self.aengine = None
         self.tokenizer = None
+        self.torch_threads: int | None = None  # intra-op threads of an engine on the CPU (cpu_threads)
         self._ids = itertools.count()
 
     async def open(self) -> None:
@@ -45,6 +61,8 @@ class EmbeddedTarget:
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise TargetError(f"cannot start the bundled engine on {self.model_dir}: {e}") from None
         self.tokenizer = self.engine.tokenizer
+        if self.engine.runner.device.type == "cpu":
+            self.torch_threads = cpu_threads()
         self.aengine = AsyncEngine(self.engine)
         await self.aengine.start()
 
@@ -92,6 +110,7 @@ class EmbeddedTarget:
                 info["engine_config"] = dataclasses.asdict(config)
             info |= self.engine.decode_path()
             info["device"] = str(self.engine.runner.device)
+            info["torch_threads"] = self.torch_threads
             # prefix-cache, offload and preemption counters of the whole run (warm-up included)
             info["engine_counters"] = dict(self.engine.counters)
         return info
