@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import math
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ RECIPE_KEYS = ("name", "description", "model", "preset", "engine", "workload", "
 _WORKLOAD_TYPES = {"dataset": str, "dataset_path": str, "num_prompts": int, "input_len": int, "output_len": int,
                    "range_ratio": float, "prefix_len": int, "num_prefixes": int, "concurrency": int,
                    "request_rate": float, "burstiness": float, "seed": int, "warmup": int, "ignore_eos": bool,
-                   "temperature": float}
+                   "temperature": float, "time_scale": float, "token_scale": float}
 _WORKLOAD_OPTIONAL = ("output_len", "concurrency", "request_rate", "dataset_path")
 WORKLOAD_KEYS = tuple(_WORKLOAD_TYPES)
 # every phase generates exactly output_len tokens per request, so tok/s compares like with like
@@ -37,6 +38,7 @@ DEFAULT_PROFILE_STEPS = 16
 QUICK_WORKLOAD = {"num_prompts": 4, "concurrency": 2, "input_len": 32, "output_len": 8, "prefix_len": 32,
                   "num_prefixes": 2, "warmup": 1}
 QUICK_PROFILE_STEPS = 4
+MAX_RECIPE_BYTES = 1 << 20
 
 
 class RecipeError(ValueError):
@@ -215,14 +217,13 @@ def load_recipe(path: str | Path) -> Recipe:
 def read_yaml(path: Path) -> tuple[Any, dict[tuple, int]]:
     """The document and the 1-based line of every mapping key and list item, by key path. Duplicate keys are an
     error (YAML would silently keep the last one)."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise RecipeError(f"cannot read recipe {path}: {exc.strerror or exc}") from None
+    text = _recipe_text(path)
     loader = _RecipeLoader(text)
     try:
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
+    except RecursionError:
+        raise RecipeError(f"{path}: not a recipe: nested too deeply") from None
     except _AnchorRefused as exc:
         raise RecipeError(f"{path}:{exc.mark.line + 1}: YAML anchors and aliases (&name, *name) are not "
                           "allowed in a recipe; write the values out") from None
@@ -236,8 +237,33 @@ def read_yaml(path: Path) -> tuple[Any, dict[tuple, int]]:
     if node is None:
         raise RecipeError(f"{path}: the recipe is empty")
     lines: dict[tuple, int] = {}
-    _walk(node, (), lines, path)
+    try:
+        _walk(node, (), lines, path)
+    except RecursionError:
+        raise RecipeError(f"{path}: not a recipe: nested too deeply") from None
     return data, lines
+
+
+def _recipe_text(path: Path) -> str:
+    """The recipe's UTF-8 text, from a regular file of at most MAX_RECIPE_BYTES (a device or a pipe would be read
+    forever)."""
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise RecipeError(f"cannot read recipe {path}: not a regular file")
+        if info.st_size > MAX_RECIPE_BYTES:
+            raise RecipeError(f"cannot read recipe {path}: {info.st_size} bytes, above the {MAX_RECIPE_BYTES} a "
+                              "recipe may hold")
+        with path.open("rb") as f:
+            data = f.read(MAX_RECIPE_BYTES + 1)
+    except OSError as exc:
+        raise RecipeError(f"cannot read recipe {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"cannot read recipe {path}: it grew past {MAX_RECIPE_BYTES} bytes while read")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"cannot read recipe {path}: not UTF-8 text (byte {exc.start})") from None
 
 
 class _AnchorRefused(yaml.YAMLError):
@@ -258,13 +284,15 @@ class _RecipeLoader(yaml.SafeLoader):
 
 
 def check_dataset(recipe: Recipe) -> None:
-    """Read the workload's dataset file (sharegpt, jsonl) the way a run will, without a tokenizer. RecipeError
-    with the reader's one line when it is not a readable dataset of that kind."""
+    """Read the workload's dataset file (sharegpt, jsonl, a trace) the way a run will, without a tokenizer.
+    RecipeError with the reader's one line when it is not a readable dataset of that kind. A trace's lengths are
+    checked against the model's context by each run, which loads the model."""
     from infertrace.load.workloads.dataset import DatasetError
     from infertrace.load.workloads.prompts import build_specs
+    from infertrace.load.workloads.replay import check_lengths, read_trace
 
     cfg = recipe.bench_config()
-    if cfg.dataset not in ("sharegpt", "jsonl"):
+    if cfg.dataset not in ("sharegpt", "jsonl", "trace"):
         return
     where = recipe.where("workload", "dataset_path")
     path = Path(cfg.dataset_path)
@@ -272,7 +300,10 @@ def check_dataset(recipe: Recipe) -> None:
         problem = "does not exist" if not path.exists() else "is not a regular file"
         raise RecipeError(f"{where}: dataset_path {path} {problem}")
     try:
-        build_specs(cfg, None, cfg.num_prompts, "check")
+        if cfg.dataset == "trace":
+            check_lengths(read_trace(path, cfg.time_scale, cfg.token_scale, cfg.num_prompts), None)
+        else:
+            build_specs(cfg, None, cfg.num_prompts, "check")
     except DatasetError as exc:
         raise RecipeError(f"{where}: {cfg.dataset} dataset: {exc}") from None
 

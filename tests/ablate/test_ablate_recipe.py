@@ -246,3 +246,26 @@ def test_yaml_anchors_and_aliases_are_refused(write_recipe, text, line):
         load_recipe(path)
     assert str(info.value) == (f"{path}:{line}: YAML anchors and aliases (&name, *name) are not allowed in a "
                                "recipe; write the values out")
+
+
+def test_unreadable_recipe_files_are_one_line(tmp_path):
+    import os
+
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("name: " + "[" * 20_000 + "]" * 20_000 + "\n")
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"name: caf\xe9\nphases: [{name: a}]\n")
+    zero = tmp_path / "zero.yaml"
+    zero.symlink_to("/dev/zero")
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.yaml"
+    big.write_text("# padding\n" * 200_000)
+    for path, words in ((deep, f"{deep}: not a recipe: nested too deeply"),
+                        (latin, f"cannot read recipe {latin}: not UTF-8 text (byte 9)"),
+                        (zero, f"cannot read recipe {zero}: not a regular file"),
+                        (fifo, f"cannot read recipe {fifo}: not a regular file"),
+                        (big, f"cannot read recipe {big}: 2000000 bytes, above the 1048576 a recipe may hold")):
+        with pytest.raises(RecipeError) as caught:
+            load_recipe(path)
+        assert str(caught.value) == words

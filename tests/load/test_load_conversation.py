@@ -118,3 +118,15 @@ def test_sharegpt_multi_turn(tmp_path):
     path.write_text("[]")
     with pytest.raises(DatasetError, match="no conversation"):
         sharegpt_sessions(path, 1, np.random.default_rng(0), None, None, 9)
+
+
+def test_sharegpt_turns_that_cannot_be_sent_end_the_conversation_there(tmp_path):
+    path = tmp_path / "sg.json"
+    path.write_text('[{"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}, '
+                    '{"from": "human", "value": "\\ud800"}, {"from": "gpt", "value": "d"}]}, '
+                    '{"conversations": [{"from": "human", "value": 7}, {"from": "gpt", "value": "b"}]}]')
+    sessions = sharegpt_sessions(path, 1, np.random.default_rng(0), None, output_len=None, default_output_len=9)
+    assert [[t.user for t in s.turns] for s in sessions] == [["a"]]
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(DatasetError, match="nested too deeply"):
+        sharegpt_sessions(path, 1, np.random.default_rng(0), None, None, 9)

@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -87,3 +88,77 @@ def test_jsonl_file(tmp_path):
 def test_random_prompts_need_a_tokenizer():
     with pytest.raises(DatasetError, match="--tokenizer"):
         build_specs(BenchConfig(), None, 1, "measure")
+
+
+def _conversation(ask, reply):
+    return {"conversations": [{"from": "human", "value": ask}, {"from": "gpt", "value": reply}]}
+
+
+def test_sharegpt_records_that_cannot_be_sent_are_skipped(tmp_path):
+    """A non-string value, NaN, a lone surrogate: the record is skipped like any malformed one, never a crash."""
+    path = tmp_path / "sg.json"
+    good = json.dumps([_conversation("fine", "ok")])[1:-1]
+    path.write_text("[" + ", ".join([
+        json.dumps(_conversation({"text": "not a string"}, "r")), json.dumps(_conversation("q", ["a", "list"])),
+        '{"conversations": [{"from": "human", "value": NaN}, {"from": "gpt", "value": "r"}]}',
+        '{"conversations": [{"from": "human", "value": "lone \\ud800 surrogate"}, {"from": "gpt", "value": "r"}]}',
+        '{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "\\udfff"}]}',
+    ]) + "]")
+    with pytest.raises(DatasetError, match="NaN is not a JSON value"):  # JSON has no NaN
+        build_specs(BenchConfig(dataset="sharegpt", dataset_path=str(path)), None, 2, "measure")
+    path.write_text(path.read_text().replace("NaN", "1.5")[:-1] + ", " + good + "]")
+    specs = build_specs(BenchConfig(dataset="sharegpt", dataset_path=str(path)), None, 2, "measure")
+    assert [s.prompt for s in specs] == ["fine", "fine"]
+    path.write_text(path.read_text().replace(", " + good, ""))
+    with pytest.raises(DatasetError, match="no conversation with a human turn followed by a reply"):
+        build_specs(BenchConfig(dataset="sharegpt", dataset_path=str(path)), None, 2, "measure")
+
+
+@pytest.mark.parametrize("dataset, body, words", [
+    ("sharegpt", "[" * 200_000 + "]" * 200_000, "cannot read ShareGPT file {p}: nested too deeply"),
+    ("sharegpt", b'[{"conversations": "caf\xe9"}]', "cannot read ShareGPT file {p}: not UTF-8 text (byte 23)"),
+    ("jsonl", '{"prompt": "a"}\n' + '{"prompt": ' + "[" * 200_000 + "]" * 200_000 + "}\n",
+     "{p}:2: not JSON (nested too deeply)"),
+    ("jsonl", '{"prompt": "a", "max_tokens": NaN}\n', "{p}:1: not JSON (NaN is not a JSON value)"),
+    ("jsonl", '{"prompt": "\\ud800"}\n', "{p}:1: 'prompt' is not valid Unicode text (a lone surrogate)"),
+])
+def test_unreadable_dataset_files_are_one_line(tmp_path, dataset, body, words):
+    path = tmp_path / "data"
+    path.write_bytes(body if isinstance(body, bytes) else body.encode())
+    with pytest.raises(DatasetError) as caught:
+        build_specs(BenchConfig(dataset=dataset, dataset_path=str(path)), None, 5, "measure")
+    assert str(caught.value) == words.format(p=path)
+
+
+@pytest.mark.parametrize("dataset", ["sharegpt", "jsonl", "conversation", "trace"])
+def test_a_dataset_path_that_is_not_a_regular_file_is_refused_before_reading(tmp_path, dataset):
+    """/dev/zero (through a symlink) would be read until memory ran out; a FIFO would wait forever."""
+    from infertrace.load.workloads.conversation import ConversationLoad
+    from infertrace.load.workloads.replay import read_trace
+
+    link = tmp_path / "data.json"
+    link.symlink_to("/dev/zero")
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path in (link, fifo):
+        cfg = BenchConfig(dataset=dataset, dataset_path=str(path))
+        with pytest.raises(DatasetError, match=f"^cannot read .* {path}: not a regular file$"):
+            if dataset == "trace":
+                read_trace(path)
+            elif dataset == "conversation":
+                ConversationLoad(cfg, None, 8)
+            else:
+                build_specs(cfg, None, 1, "measure")
+
+
+def test_bench_with_a_deeply_nested_sharegpt_file_is_one_line_and_exit_2(standin, tmp_path):
+    from click.testing import CliRunner
+
+    from infertrace.cli import main
+
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    res = CliRunner().invoke(main, ["bench", "--base-url", standin.url, "--dataset", "sharegpt", "--dataset-path",
+                                    str(path), "--num-prompts", "2", "--warmup", "0"])
+    assert res.exit_code == 2, res.output
+    assert f"cannot read ShareGPT file {path}: nested too deeply" in res.output and "Traceback" not in res.output

@@ -20,6 +20,7 @@ from infertrace.load.stats import Stats
 from infertrace.load.workloads.dataset import (
     DatasetError,
     PromptMaker,
+    is_text,
     length_range,
     read_sharegpt,
     seeded_rng,
@@ -68,8 +69,8 @@ def sharegpt_sessions(path: str | Path, n: int, rng: np.random.Generator, tokeni
         for ask, reply in zip(messages[::2], messages[1::2]):
             if not (isinstance(ask, dict) and isinstance(reply, dict)):
                 break
-            if ask.get("from") not in ("human", "user") or not isinstance(ask.get("value"), str) or \
-                    not ask["value"] or not isinstance(reply.get("value"), str):
+            if ask.get("from") not in ("human", "user") or not is_text(ask.get("value")) or \
+                    not ask["value"] or not is_text(reply.get("value")):
                 break
             out = output_len
             if out is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import stat
 import zlib
 from pathlib import Path
 
@@ -12,10 +13,66 @@ import numpy as np
 from infertrace.load.records import RequestSpec
 
 EXACT_LENGTH_ROUNDS = 8
+MAX_FILE_BYTES = 4 << 30  # a dataset or trace file larger than this is refused before it is read
 
 
 class DatasetError(ValueError):
     """The dataset cannot be built (missing file, malformed record, no tokenizer where one is needed)."""
+
+
+def regular_file(path: str | Path, what: str) -> Path:
+    """`path` when it is a regular file (after symlinks) of at most MAX_FILE_BYTES; a device such as /dev/zero
+    or a pipe would be read forever."""
+    path = Path(path)
+    try:
+        info = path.stat()
+    except OSError as e:
+        raise DatasetError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise DatasetError(f"cannot read {what} {path}: not a regular file")
+    if info.st_size > MAX_FILE_BYTES:
+        raise DatasetError(f"cannot read {what} {path}: {info.st_size / 2**30:.1f} GiB, above the "
+                           f"{MAX_FILE_BYTES >> 30} GiB a file may hold")
+    return path
+
+
+def read_text(path: str | Path, what: str) -> str:
+    """The UTF-8 text of a regular file (a byte-order mark dropped), read up to MAX_FILE_BYTES."""
+    path = regular_file(path, what)
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise DatasetError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise DatasetError(f"cannot read {what} {path}: it grew past {MAX_FILE_BYTES >> 30} GiB while read")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"cannot read {what} {path}: not UTF-8 text (byte {e.start})") from None
+
+
+def loads(text: str):
+    """JSON as the standard allows it: no NaN or Infinity; ValueError for those, for bad JSON, and for nesting
+    too deep for the parser (RecursionError)."""
+    def refuse(name: str):
+        raise ValueError(f"{name} is not a JSON value")
+
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def is_text(value) -> bool:
+    """A string that can be sent: UTF-8 encodable (a lone surrogate from a JSON escape is not)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def seeded_rng(seed: int, stream: str, point: int = 0) -> np.random.Generator:
@@ -121,9 +178,10 @@ def _measured(index: int, prompt: str, output_len: int, tokenizer) -> RequestSpe
 
 def read_sharegpt(path: str | Path) -> list:
     """The conversations of a ShareGPT-format file (a JSON list), unvalidated."""
+    text = read_text(path, "ShareGPT file")
     try:
-        records = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
+        records = loads(text)
+    except ValueError as e:
         raise DatasetError(f"cannot read ShareGPT file {path}: {e}") from None
     if not isinstance(records, list):
         raise DatasetError(f"{path}: a ShareGPT file holds a JSON list of conversations")
@@ -145,7 +203,8 @@ def sharegpt_specs(path: str | Path, n: int, rng: np.random.Generator, tokenizer
         first, second = turns[0], turns[1]
         if not (isinstance(first, dict) and isinstance(second, dict)):
             continue
-        if first.get("from") not in ("human", "user") or not first.get("value") or second.get("value") is None:
+        if first.get("from") not in ("human", "user") or not is_text(first.get("value")) or not first["value"] \
+                or not is_text(second.get("value")):
             continue
         pairs.append((first["value"], second["value"]))
     if not pairs:
@@ -170,19 +229,18 @@ def jsonl_specs(path: str | Path, n: int, tokenizer, output_len: int | None,
                 default_output_len: int) -> list[RequestSpec]:
     """One JSON object per line: `prompt` (text), optional `max_tokens` or `output_len`. File order is kept."""
     specs: list[RequestSpec] = []
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise DatasetError(f"cannot read JSONL file {path}: {e}") from None
+    lines = read_text(path, "JSONL file").splitlines()
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = loads(line)
         except ValueError as e:
             raise DatasetError(f"{path}:{lineno}: not JSON ({e})") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
             raise DatasetError(f"{path}:{lineno}: each line needs a string field 'prompt'")
+        if not is_text(rec["prompt"]):
+            raise DatasetError(f"{path}:{lineno}: 'prompt' is not valid Unicode text (a lone surrogate)")
         out_len = output_len or rec.get("max_tokens") or rec.get("output_len") or default_output_len
         if not isinstance(out_len, int) or out_len < 1:
             raise DatasetError(f"{path}:{lineno}: max_tokens must be a positive integer")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import functools
-import json
 import math
 import re
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from infertrace.load.records import RequestSpec
-from infertrace.load.workloads.dataset import DatasetError, seeded_rng
+from infertrace.load.workloads.dataset import DatasetError, loads, regular_file, seeded_rng
 
 MOONCAKE_BLOCK_TOKENS = 512
 MAX_SPAN_S = 7 * 24 * 3600.0  # a replay longer than a week (the longest public trace) is refused, not waited out
@@ -91,22 +90,16 @@ def read_trace(path: str | Path, time_scale: float = 1.0, token_scale: float = 1
         raise DatasetError(f"--time-scale must be a positive number, got {time_scale}")
     if not (math.isfinite(token_scale) and token_scale > 0):
         raise DatasetError(f"--token-scale must be a positive number, got {token_scale}")
-    path = Path(path)
+    path = regular_file(path, "trace")
     try:
         with path.open(newline="", encoding="utf-8-sig") as f:  # a byte-order mark is not part of the first line
             head = f.readline()
     except (OSError, UnicodeDecodeError) as e:
         raise DatasetError(f"cannot read trace {path}: {e}") from None
-    if head.lstrip().startswith("{") and _is_mooncake(head):
-        trace = _read_mooncake(path, limit)
-    elif set(AZURE_COLUMNS) <= _columns(head):
-        trace = _read_csv(path, "azure", AZURE_COLUMNS, _azure_time, limit)
-    elif set(BURSTGPT_COLUMNS) <= _columns(head):
-        trace = _read_csv(path, "burstgpt", BURSTGPT_COLUMNS, float, limit)
-    else:
-        raise DatasetError(f"{path}:1: not a known trace format (Mooncake JSONL with timestamp/input_length/"
-                           f"output_length/hash_ids, Azure CSV with {','.join(AZURE_COLUMNS)}, or BurstGPT CSV "
-                           f"with {', '.join(BURSTGPT_COLUMNS)})")
+    try:
+        trace = _read_known(path, head, limit)
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"cannot read trace {path}: not UTF-8 text ({e.reason})") from None
     if not trace.requests:
         raise DatasetError(f"{path}: the trace holds no requests")
     trace = _scaled(trace, time_scale, token_scale)
@@ -119,9 +112,22 @@ def read_trace(path: str | Path, time_scale: float = 1.0, token_scale: float = 1
     return trace
 
 
+def _read_known(path: Path, head: str, limit: int | None) -> Trace:
+    """The trace in the format its first line shows."""
+    if head.lstrip().startswith("{") and _is_mooncake(head):
+        return _read_mooncake(path, limit)
+    if set(AZURE_COLUMNS) <= _columns(head):
+        return _read_csv(path, "azure", AZURE_COLUMNS, _azure_time, limit)
+    if set(BURSTGPT_COLUMNS) <= _columns(head):
+        return _read_csv(path, "burstgpt", BURSTGPT_COLUMNS, float, limit)
+    raise DatasetError(f"{path}:1: not a known trace format (Mooncake JSONL with timestamp/input_length/"
+                       f"output_length/hash_ids, Azure CSV with {','.join(AZURE_COLUMNS)}, or BurstGPT CSV "
+                       f"with {', '.join(BURSTGPT_COLUMNS)})")
+
+
 def _is_mooncake(first_line: str) -> bool:
     try:
-        rec = json.loads(first_line)
+        rec = loads(first_line)
     except ValueError:
         return True  # JSONL that does not parse: let the reader name the line
     return isinstance(rec, dict) and bool({"input_length", "hash_ids"} & set(rec))
@@ -141,7 +147,7 @@ def _read_mooncake(path: Path, limit: int | None) -> Trace:
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = loads(line)
             except ValueError as e:
                 raise DatasetError(f"{path}:{line_no}: not JSON ({e})") from None
             if not isinstance(rec, dict):
