@@ -92,10 +92,22 @@ def kernel_type_breakdown(gpu_by_rank: dict[int, pd.DataFrame]) -> pd.DataFrame:
     """Time by kernel type over all ranks, overlaps between types shown as their own rows (as HTA does)."""
     totals: dict[str, int] = {}
     for gpu in gpu_by_rank.values():
-        unions = [_union_of(gpu[gpu["kernel_type"] == t]) for t in KERNEL_TYPES]
-        for mask, ns in overlap_by_mask(unions).items():
-            label = " overlapping ".join(t for bit, t in enumerate(KERNEL_TYPES) if mask & (1 << bit))
+        for label, ns in kernel_type_totals(gpu).items():
             totals[label] = totals.get(label, 0) + ns
+    return kernel_type_table(totals)
+
+
+def kernel_type_totals(gpu: pd.DataFrame) -> dict[str, int]:
+    """One rank's nanoseconds per kernel type and per overlap of types (`kernel_type_breakdown` adds ranks up)."""
+    unions = [_union_of(gpu[gpu["kernel_type"] == t]) for t in KERNEL_TYPES]
+    totals: dict[str, int] = {}
+    for mask, ns in overlap_by_mask(unions).items():
+        label = " overlapping ".join(t for bit, t in enumerate(KERNEL_TYPES) if mask & (1 << bit))
+        totals[label] = totals.get(label, 0) + ns
+    return totals
+
+
+def kernel_type_table(totals: dict[str, int]) -> pd.DataFrame:
     frame = pd.DataFrame({"kernel_type": list(totals), "sum (us)": [v / 1000.0 for v in totals.values()]})
     frame = frame.sort_values("sum (us)", ascending=False, ignore_index=True, kind="stable")
     frame["percentage"] = (100 * frame["sum (us)"] / frame["sum (us)"].sum()).round(1)

@@ -1,4 +1,5 @@
-"""Runs HTA's own analysis functions on event tables loaded here, without HTA parsing the files again.
+"""HTA's idle-time breakdown over the event tables loaded here, and HTA's own `Trace` built from those tables, so
+that any of HTA's analysis functions can run on them without HTA parsing the files again.
 
 HTA's analyzers take a `hta.common.trace.Trace` whose per-rank DataFrames hold symbol ids in `name` and `cat`,
 an `index` column equal to the row label, and `index_correlation` linking each GPU event to the CPU event that
@@ -11,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from infertrace.analyze.capture import Capture
-from infertrace.analyze.events import GPU_KINDS
+from infertrace.analyze.events import GPU_KINDS, GPU_WORK
 
 CONSECUTIVE_KERNEL_DELAY_US = 30  # HTA's default: a gap shorter than this between kernels is "kernel wait"
 
@@ -73,20 +74,59 @@ def _index_correlation(events: pd.DataFrame, index: np.ndarray) -> np.ndarray:
     return out
 
 
-def idle_time_breakdown(capture: Capture, events_by_rank: dict[int, pd.DataFrame]) -> pd.DataFrame:
-    """HTA's idle-time breakdown for every rank: per stream, GPU idle time split into host wait (the next kernel
-    was launched after the GPU went idle), kernel wait (gaps under 30 us) and other."""
-    from hta.analyzers.breakdown_analysis import BreakdownAnalysis
-
-    trace = hta_trace(capture, events_by_rank)
+def idle_time_breakdown(capture: Capture | None, events_by_rank: dict[int, pd.DataFrame],
+                        consecutive_kernel_delay_us: int = CONSECUTIVE_KERNEL_DELAY_US) -> pd.DataFrame:
+    """HTA's idle-time breakdown for every rank (`BreakdownAnalysis.get_idle_time_breakdown`, computed here on
+    integer nanoseconds; the tests compare it with HTA's own): per stream, each GPU op's gap after the op before it
+    (by start time) is host wait when the op's launch call began after that op ended, else kernel wait when the
+    gap is under 30 us, else other. Gaps are summed signed, as HTA sums them. `capture` is not read (kept for
+    callers of the HTA-backed version)."""
     frames = []
     for rank, events in events_by_rank.items():
-        if not events["kind"].isin(("kernel", "memcpy", "memset")).any():
-            continue
-        frame, _ = BreakdownAnalysis.get_idle_time_breakdown(
-            trace, CONSECUTIVE_KERNEL_DELAY_US, rank=rank, streams=None, visualize=False)
-        frames.append(frame)
+        frame = _idle_of_rank(events, consecutive_kernel_delay_us * 1000)
+        if frame is not None:
+            frames.append(frame.assign(rank=rank))
     if not frames:
         return pd.DataFrame(columns=["rank", "stream", "idle_category", "idle_time (us)", "idle_time_ratio"])
     out = pd.concat(frames, ignore_index=True)
-    return out.rename(columns={"idle_time": "idle_time (us)"})
+    out["idle_time (us)"] = (out["idle_ns"] / 1000.0).round(2)
+    return out[["rank", "stream", "idle_category", "idle_time (us)", "idle_time_ratio"]]
+
+
+_IDLE_CATEGORIES = ("host_wait", "kernel_wait", "other")
+
+
+def _idle_of_rank(events: pd.DataFrame, delay_ns: int) -> pd.DataFrame | None:
+    kind = events["kind"]
+    stream = events["stream"].to_numpy()
+    gpu = kind.isin(GPU_WORK).to_numpy() & (stream != -1)
+    if not gpu.any():
+        return None
+    corr = events["correlation"].to_numpy()
+    ts = events["ts_ns"].to_numpy()
+    cpu = ~kind.isin(GPU_KINDS).to_numpy() & (corr >= 0)
+    launches = pd.Series(ts[cpu], index=corr[cpu])
+    launches = launches[~launches.index.duplicated(keep="last")]  # HTA links an op to the last such CPU event
+    none = np.iinfo(np.int64).min
+    g_corr, g_ts, g_stream = corr[gpu], ts[gpu], stream[gpu]
+    g_end = g_ts + events["dur_ns"].to_numpy()[gpu]
+    launched = launches.reindex(g_corr, fill_value=none).to_numpy() if len(launches) else np.full(g_ts.size, none)
+    launched = np.where(g_corr >= 0, launched, none)
+    rows = []
+    for s in pd.unique(g_stream):
+        pick = np.flatnonzero(g_stream == s)
+        pick = pick[np.argsort(g_ts[pick], kind="stable")]
+        start, end, at = g_ts[pick], g_end[pick], launched[pick]
+        gap = start[1:] - end[:-1]
+        host = at[1:] > end[:-1]
+        kernel_wait = ~host & (gap < delay_ns)
+        category = np.where(host, 0, np.where(kernel_wait, 1, 2))
+        sums = np.zeros(3, dtype=np.int64)
+        np.add.at(sums, category, gap)
+        present = np.bincount(category, minlength=3) > 0
+        present[2] = True  # HTA counts a stream's first op as "other", with no gap
+        total = int(sums.sum())
+        for c in np.flatnonzero(present):
+            rows.append((int(s), _IDLE_CATEGORIES[c], int(sums[c]),
+                         round(sums[c] / total, 2) if total else float("nan")))
+    return pd.DataFrame(rows, columns=["stream", "idle_category", "idle_ns", "idle_time_ratio"])

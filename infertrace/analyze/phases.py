@@ -271,12 +271,35 @@ def phase_categories(steps: pd.DataFrame) -> pd.DataFrame:
 def capture_categories(gpu_by_rank: dict[int, pd.DataFrame]) -> pd.DataFrame:
     """GPU time by kernel category over a whole capture (the GPU work of every rank), each op's from the end of
     the one before it on its stream (`exclusive_ns`)."""
-    parts = [pd.DataFrame({"category": per_event(gpu, category), "dur_ns": exclusive_ns(gpu)})
-             for gpu in gpu_by_rank.values() if not gpu.empty]
+    return combine_categories([rank_categories(gpu) for gpu in gpu_by_rank.values()])
+
+
+def rank_categories(gpu: pd.DataFrame) -> pd.DataFrame:
+    """One rank's GPU ops and exclusive nanoseconds per category (`combine_categories` adds ranks up)."""
+    if gpu.empty:
+        return pd.DataFrame(columns=["category", "ops", "total_ns"])
+    frame = pd.DataFrame({"category": per_event(gpu, category), "dur_ns": exclusive_ns(gpu)})
+    return frame.groupby("category").agg(ops=("dur_ns", "size"), total_ns=("dur_ns", "sum")).reset_index()
+
+
+def combine_categories(parts: list[pd.DataFrame]) -> pd.DataFrame:
+    parts = [p for p in parts if not p.empty]
     if not parts:
         return pd.DataFrame(columns=["category", "ops", "total (ms)", "share"])
-    table = pd.concat(parts).groupby("category").agg(ops=("dur_ns", "size"), total_ns=("dur_ns", "sum"))
+    table = pd.concat(parts).groupby("category")[["ops", "total_ns"]].sum()
     table = table.reindex([c for c in CATEGORIES if c in table.index]).reset_index()
     table["total (ms)"] = table["total_ns"] / 1e6
     table["share"] = table["total_ns"] / table["total_ns"].sum()
     return table[["category", "ops", "total (ms)", "share"]]
+
+
+def gpu_ops_by_step(events: pd.DataFrame, steps: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray]:
+    """The rank's GPU ops and, for each, the index (into `steps`) of the step that launched it, -1 for none."""
+    gpu = events[events["kind"].isin(GPU_WORK).to_numpy()]
+    runtime = events[(events["kind"] == "runtime").to_numpy() & (events["correlation"] >= 0).to_numpy()]
+    runtime = runtime.drop_duplicates("correlation", keep="first")
+    cpu = events[events["kind"].isin(("cpu_op", "annotation")).to_numpy()]
+    cpu_threads = pd.MultiIndex.from_frame(cpu[["pid", "tid"]].drop_duplicates())
+    step_of_corr = _launches_in_steps(runtime, steps, cpu_threads)
+    found = step_of_corr.reindex(gpu["correlation"].to_numpy()).to_numpy()
+    return gpu, np.where(np.isnan(found), -1, found).astype(np.int64)

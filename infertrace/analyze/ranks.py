@@ -116,6 +116,10 @@ def multi_rank_tables(events: dict[int, pd.DataFrame], steps: pd.DataFrame) -> d
     for rank, g in steps.groupby("rank"):
         g = g.sort_values("ts_ns", kind="stable").reset_index(drop=True)
         per_rank[int(rank)] = step_communication(events[rank], g)
-    per_step, summary = step_skew(per_rank)
-    return {"rank_communication": rank_communication(per_rank), "step_skew": summary}
+    return tables_of(per_rank)
 
+
+def tables_of(per_rank: dict[int, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """The multi-rank tables from each rank's `step_communication` (steps in time order)."""
+    _, summary = step_skew(per_rank)
+    return {"rank_communication": rank_communication(per_rank), "step_skew": summary}

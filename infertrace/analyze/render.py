@@ -28,6 +28,11 @@ TITLES = {
     "rank_communication": "Communication per rank and step type (all-reduce and other collectives)",
     "step_skew": "Cross-rank skew of step ends (the straggler ends each step last)",
     "step_requests": "Requests per step (the request log beside the capture; GPU time by token share)",
+    "critical_summary": "Cross-rank critical path by step type (through the collectives; what-if: the gating rank "
+                        "at the median rank's speed)",
+    "critical_path": "Critical path of each step: gating rank, gate, what-if",
+    "cpu_ops": "CPU operators by self time (no GPU activity in the capture)",
+    "cpu_steps": "CPU operators per step (self time)",
 }
 
 # column headers shared by the terminal and the HTML page (`html.display`), where the table's field names read badly
@@ -233,11 +238,56 @@ def _step_skew(df: pd.DataFrame) -> Table:
     return table
 
 
+def _critical_summary(df: pd.DataFrame) -> Table:
+    table = _new(TITLES["critical_summary"], "step type", "steps", "critical mean (ms)", "transfer mean (ms)",
+                 "gating rank", "gating share", "top gate", "what-if saved (ms)", "what-if share")
+    for r in df.to_dict("records"):
+        table.add_row(str(r["type"]), str(r["steps"]), _num(r["critical mean (ms)"]), _num(r["transfer mean (ms)"]),
+                      f"rank {r['gating rank']}", _pct(r["gating share"]), str(r["top gate"]),
+                      _num(r.get("what-if saved mean (ms)")), _pct(r.get("what-if share")))
+    return table
+
+
+CRITICAL_ROWS = 20  # steps listed in the terminal; the JSON, CSV and HTML hold every step
+
+
+def _critical_path(df: pd.DataFrame) -> Table:
+    shown = df.sort_values("critical (ms)", ascending=False, kind="stable").head(CRITICAL_ROWS)
+    caption = None if len(df) <= CRITICAL_ROWS else f"the {CRITICAL_ROWS} longest of {len(df):,} steps"
+    table = _new(TITLES["critical_path"], "step", "type", "critical (ms)", "collectives", "gating rank", "gate",
+                 "gate (ms)", "what-if saved (ms)", text=2, caption=caption)
+    for r in shown.to_dict("records"):
+        table.add_row(str(r["step"]), str(r["type"]), _num(r["critical (ms)"]), str(r["collectives"]),
+                      f"rank {r['gating rank']}", f"{r['gate kind']} on rank {r['gate rank']}: {r['gate']}",
+                      _num(r["gate (ms)"]), _num(r.get("what-if saved (ms)")))
+    return table
+
+
+def _cpu_ops(df: pd.DataFrame) -> Table:
+    table = _new(TITLES["cpu_ops"], "rank", "operator", "calls", "self (ms)", "self share", "total (ms)", text=2,
+                 wide=1)
+    for r in df.to_dict("records"):
+        table.add_row(str(r["rank"]), str(r["name"]), f"{r['calls']:,}", _num(r["self (ms)"]), _pct(r["self share"]),
+                      _num(r["total (ms)"]))
+    return table
+
+
+def _cpu_steps(df: pd.DataFrame) -> Table:
+    table = _new(TITLES["cpu_steps"], "step type", "operator", "steps", "self per step (ms)", "share of step",
+                 text=2, wide=1)
+    for r in df.to_dict("records"):
+        table.add_row(str(r["type"]), str(r["name"]), str(r["steps"]), _num(r["self per step (ms)"]),
+                      _pct(r["share of step"]))
+    return table
+
+
 _BUILDERS = {
     "temporal": _temporal, "idle": _idle, "kernel_types": _kernel_types, "top_kernels": _top_kernels,
     "overlap": _overlap, "launches": _launches, "categories": _categories, "phases": _phases,
     "phase_categories": _phase_categories, "frontend": _frontend, "rank_communication": _rank_communication,
     "step_skew": _step_skew, "step_requests": lambda df: render_step_requests(df, TITLES["step_requests"]),
+    "critical_summary": _critical_summary, "critical_path": _critical_path, "cpu_ops": _cpu_ops,
+    "cpu_steps": _cpu_steps,
 }
 
 

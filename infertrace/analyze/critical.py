@@ -1,0 +1,156 @@
+"""The cross-rank critical path of each engine step: which rank, and which kernel or collective, held it up.
+
+In tensor- (or pipeline-) parallel inference every rank runs the same step, and the step's collectives (all-reduce,
+all-gather, ...) synchronise the ranks: a collective finishes only after the last rank has arrived at it. A rank's
+step is therefore a chain of segments, each the rank's own work from the end of one collective (or the start of the
+step) to its arrival at the next collective (or the end of the step), with the collectives between them. The step
+takes, for each segment, as long as the slowest rank's segment, plus each collective's own transfer time:
+
+    critical = sum over segments j of max over ranks r of segment(r, j)  +  sum over collectives of transfer
+
+where a collective's transfer time is its shortest duration over the ranks (the last rank to arrive waits least, so
+its kernel is the transfer alone). Segments and transfers are measured on each rank's own clock, so ranks on
+different hosts need no common clock. The critical path runs through, for each segment, the rank with the longest
+one; the gate of a step is the largest item on that path (a segment, named by the rank and its longest kernel, or a
+collective's transfer), and the step's gating rank is the rank whose segments on the path exceed the other ranks'
+median by the most. What-if: the time the step would save if the gating rank ran each segment at the median rank's
+speed (the median over ranks of that segment), all else equal.
+
+Steps are matched across ranks by order (as `ranks.py` does), collectives within a step by order; a step whose ranks
+ran different numbers of collectives is compared as one segment, from its start to its end.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from infertrace.analyze.kernels import category, per_event, short_name
+from infertrace.analyze.phases import gpu_ops_by_step
+
+PATH_COLUMNS = ["step", "type", "segment", "start_ns", "arrive_ns", "seg_ns", "kernel", "kernel_ns", "collective",
+                "coll_start_ns", "coll_ns"]
+
+
+def step_path(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """One rank's steps cut at their collectives: per step (in time order) and segment j = 0..J, the segment's
+    start and arrival at collective j+1 (or the step's end, for the last segment), its longest kernel, and the
+    collective that ends it (name, start, duration)."""
+    steps = steps.sort_values("ts_ns", kind="stable").reset_index(drop=True)
+    if steps.empty:
+        return pd.DataFrame(columns=PATH_COLUMNS)
+    gpu, step_of = gpu_ops_by_step(events, steps)
+    own = step_of >= 0
+    gpu, step_of = gpu[own], step_of[own]
+    cats = per_event(gpu, category)
+    names = gpu["name"].astype(str).to_numpy()
+    ts = gpu["ts_ns"].to_numpy()
+    end = ts + gpu["dur_ns"].to_numpy()
+    is_comm = (cats == "communication") & (gpu["kind"] == "kernel").to_numpy()
+    order = np.lexsort((ts, step_of))
+    step_of, ts, end, is_comm, names = step_of[order], ts[order], end[order], is_comm[order], names[order]
+    start = steps["ts_ns"].to_numpy()
+    stop = start + np.rint(steps["step_ms"].to_numpy() * 1e6).astype(np.int64)
+    rows = []
+    bounds = np.searchsorted(step_of, np.arange(len(steps) + 1))
+    for k in range(len(steps)):
+        lo, hi = bounds[k], bounds[k + 1]
+        comm = np.flatnonzero(is_comm[lo:hi]) + lo
+        seg_start = int(start[k])
+        # each op belongs to the segment after the collectives that started before it
+        seg_of = np.cumsum(is_comm[lo:hi]) - is_comm[lo:hi]
+        work = ~is_comm[lo:hi]
+        for j in range(comm.size + 1):
+            arrive = int(ts[comm[j]]) if j < comm.size else int(max(stop[k], seg_start))
+            pick = np.flatnonzero(work & (seg_of == j)) + lo
+            if pick.size:
+                longest = pick[np.argmax(end[pick] - ts[pick])]
+                kernel, kernel_ns = names[longest], int(end[longest] - ts[longest])
+            else:
+                kernel, kernel_ns = "", 0
+            coll = (names[comm[j]], int(ts[comm[j]]), int(end[comm[j]] - ts[comm[j]])) if j < comm.size \
+                else ("", -1, 0)
+            rows.append((k, steps.at[k, "type"], j, seg_start, arrive, max(arrive - seg_start, 0), kernel, kernel_ns,
+                         *coll))
+            if j < comm.size:
+                seg_start = int(end[comm[j]])
+    return pd.DataFrame(rows, columns=PATH_COLUMNS)
+
+
+def critical_path(paths: dict[int, pd.DataFrame]) -> pd.DataFrame:
+    """Per step, over the ranks' `step_path` tables: the critical time, the gating rank and item, and the what-if
+    saving (see the module's docstring). One rank gives the path through its own collectives, and no what-if."""
+    ranks = sorted(r for r, p in paths.items() if not p.empty)
+    if not ranks:
+        return pd.DataFrame()
+    n = min(int(paths[r]["step"].max()) + 1 for r in ranks)
+    grouped = {r: dict(tuple(paths[r].groupby("step", sort=True))) for r in ranks}
+    rows = []
+    for k in range(n):
+        per = [grouped[r].get(k) for r in ranks]
+        if any(p is None for p in per):
+            continue
+        counts = {len(p) for p in per}
+        if len(counts) == 1:
+            seg = np.stack([p["seg_ns"].to_numpy() for p in per])  # ranks x segments
+            coll = np.stack([p["coll_ns"].to_numpy()[:-1] for p in per])
+            kernels = [p["kernel"].to_numpy() for p in per]
+            coll_names = per[0]["collective"].to_numpy()[:-1]
+        else:  # the ranks ran different collectives: the whole step as one segment
+            seg = np.array([[int(p["arrive_ns"].iloc[-1] - p["start_ns"].iloc[0])] for p in per])
+            coll = np.zeros((len(per), 0), dtype=np.int64)
+            kernels = [np.array([p.loc[p["kernel_ns"].idxmax(), "kernel"]]) for p in per]
+            coll_names = np.array([], dtype=object)
+        slowest = seg.argmax(axis=0)
+        seg_max = seg.max(axis=0)
+        transfer = coll.min(axis=0) if coll.size else np.zeros(0, dtype=np.int64)
+        critical = int(seg_max.sum() + transfer.sum())
+        median = np.median(seg, axis=0)
+        excess = np.where(np.arange(len(ranks))[:, None] == slowest[None, :], seg - median[None, :], 0).sum(axis=1)
+        gate_rank_i = int(excess.argmax())
+        if len(ranks) > 1:
+            others = np.delete(seg, gate_rank_i, axis=0).max(axis=0)
+            saved = int(seg_max.sum() - np.maximum(others, median).sum())
+        else:
+            saved = None
+        # the largest item on the path: a segment (its rank's longest kernel) or a collective's transfer
+        big_seg = int(seg_max.argmax())
+        big_coll = int(transfer.argmax()) if transfer.size else -1
+        if big_coll >= 0 and transfer[big_coll] > seg_max[big_seg]:
+            gate, gate_kind, gate_ns = coll_names[big_coll], "collective", int(transfer[big_coll])
+            gate_rank = ranks[int(coll[:, big_coll].argmin())]
+        else:
+            gate_rank = ranks[int(slowest[big_seg])]
+            gate = kernels[int(slowest[big_seg])][big_seg]
+            gate_kind, gate_ns = "segment", int(seg_max[big_seg])
+        row = {
+            "step": k, "type": per[0]["type"].iloc[0], "ranks": len(ranks), "collectives": int(coll.shape[1]),
+            "critical (ms)": critical / 1e6, "transfer (ms)": int(transfer.sum()) / 1e6,
+            "gating rank": ranks[gate_rank_i], "gate": short_name(str(gate), width=None) if gate else "",
+            "gate kind": gate_kind, "gate rank": gate_rank, "gate (ms)": gate_ns / 1e6,
+            "path": ",".join(str(ranks[i]) for i in slowest),
+        }
+        if saved is not None:  # one rank has no median to run at
+            row["what-if saved (ms)"] = saved / 1e6
+            row["what-if share"] = saved / critical if critical else 0.0
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def summary(table: pd.DataFrame) -> pd.DataFrame:
+    """Per step type: steps, mean critical time, the rank that gated most often (and how often), the most frequent
+    gate, and the mean what-if saving."""
+    rows = []
+    for kind, g in table.groupby("type", sort=False):
+        counts = g["gating rank"].value_counts()
+        gates = g["gate"].value_counts()
+        row = {"type": kind, "steps": len(g), "critical mean (ms)": g["critical (ms)"].mean(),
+               "transfer mean (ms)": g["transfer (ms)"].mean(),
+               "gating rank": int(counts.idxmax()), "gating share": counts.max() / len(g),
+               "top gate": str(gates.idxmax())}
+        if "what-if saved (ms)" in g:
+            row["what-if saved mean (ms)"] = g["what-if saved (ms)"].mean()
+            total = g["critical (ms)"].sum()
+            row["what-if share"] = g["what-if saved (ms)"].sum() / total if total else 0.0
+        rows.append(row)
+    return pd.DataFrame(rows)
