@@ -11,6 +11,8 @@ from typing import NoReturn
 
 from rich.console import Console, ConsoleDimensions
 
+from infertrace.exits import BAD_INPUT
+
 WIDE_OFF_TERMINAL = 1000  # columns; tables are sized to their content, so this only bounds them
 
 
@@ -30,7 +32,7 @@ out_console = _Console()
 err_console = _Console(stderr=True)
 
 
-def fail(message: str, code: int = 2) -> NoReturn:
-    """Print one red line to stderr and exit with `code`."""
+def fail(message: str, code: int = BAD_INPUT) -> NoReturn:
+    """Print one red line to stderr and exit with `code` (infertrace/exits.py)."""
     err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise SystemExit(code)

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1] / "infertrace"
 # that is its name or a package above it ("infertrace" and "infertrace.load" name only their own __init__).
 LAYERS: list[tuple[str, ...]] = [
     # shared by every part
-    ("infertrace", "infertrace.console", "infertrace.auth", "infertrace.cache", "infertrace.config_fields"),
+    ("infertrace", "infertrace.console", "infertrace.auth", "infertrace.cache", "infertrace.config_fields",
+     "infertrace.exits", "infertrace.output"),
     ("infertrace.engine", "infertrace.modelgen"),
     ("infertrace.analyze",),
     ("infertrace.capture",),

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from infertrace.ablate.recipe import Recipe, RecipeError, load_recipe
 from infertrace.console import err_console, fail, out_console
-
-EXIT_PHASE_FAILED = 1
-EXIT_INTERRUPTED = 130
+from infertrace.exits import BAD_INPUT
+from infertrace.exits import FAILURE as EXIT_PHASE_FAILED
+from infertrace.exits import INTERRUPTED as EXIT_INTERRUPTED
+from infertrace.output import OutputError, check_writable
 
 
 @dataclass(slots=True)
@@ -43,7 +44,7 @@ def prepare(options: AblateOptions) -> Recipe:
             model=options.model, preset=options.preset, quick=options.quick, workload=options.workload,
             engine=options.engine, profile=options.profile, profile_steps=options.profile_steps)
     except RecipeError as exc:
-        fail(str(exc), 2)
+        fail(str(exc), BAD_INPUT)
 
 
 def check_recipe(options: AblateOptions) -> int:
@@ -61,7 +62,7 @@ def check_recipe(options: AblateOptions) -> int:
             check_model_dir(recipe)
         check_dataset(recipe)
     except RecipeError as exc:
-        fail(str(exc), 2)
+        fail(str(exc), BAD_INPUT)
     out_console.print(f"{recipe.path}: usable, {len(planned)} phase(s)", highlight=False)
     return 0
 
@@ -85,9 +86,9 @@ def execute(options: AblateOptions) -> int:
         model_dir = recipe_model_dir(recipe, lambda out: _info(f"writing the {recipe.preset} model into {out} "
                                                                 "(first use only)"))
     except RecipeError as exc:
-        fail(str(exc), 2)
+        fail(str(exc), BAD_INPUT)
     except OSError as exc:
-        fail(f"cannot write the {recipe.preset} model: {exc}", 1)
+        fail(f"cannot write the {recipe.preset} model: {exc}", BAD_INPUT)
     trace_root = None
     if recipe.profile.enabled:
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -159,12 +160,9 @@ async def _run(recipe: Recipe, model_dir: Path, total: int, trace_root: Path | N
 def _check_writable(path: Path) -> None:
     """Output files are checked before the first phase: a run must not end with nowhere to put its result."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        probe = path.with_name(f".{path.name}.probe")
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        fail(f"cannot write {path}: {exc.strerror or exc}", 2)
+        check_writable(path)
+    except OutputError as exc:
+        fail(str(exc), BAD_INPUT)
 
 
 def _model_label(recipe: Recipe, model_dir: Path) -> str:

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
-import os
 from pathlib import Path
 
+from infertrace import output
 from infertrace.ablate.recipe import Recipe
 from infertrace.ablate.run import PhaseResult, PhaseStatus
 from infertrace.ablate.waterfall import waterfall
@@ -60,9 +59,4 @@ def ablation_document(recipe: Recipe, model_dir: Path, results: list[PhaseResult
 
 
 def write_json(path: str | Path, document: dict) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(document, indent=2, allow_nan=False, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
+    return output.write_json(path, document, default=str)

@@ -7,13 +7,15 @@ from pathlib import Path
 import click
 
 from infertrace.console import err_console, fail, out_console
+from infertrace.exits import BAD_INPUT
+from infertrace.output import write_json, writing
 
 EXIT_CODES = """\b
 Exit codes:
   0  the report was produced (files that could not be used are listed as warnings on stderr)
-  1  an output file (--json, --csv, --html) could not be written
   2  nothing to analyse: the path does not exist, holds no trace files, or none of them is readable; or a
-     report given to `diff` is cut short or not a report"""
+     report given to `diff` is cut short or not a report; or an output file (--json, --csv, --html) could not
+     be written"""
 
 
 DIFF_SCHEMA = "infertrace.analyze-diff/1"  # first, so the comparison is never read back as a trace
@@ -62,8 +64,7 @@ step, time by kernel category and a CPU-bound verdict. Timestamps are kept to th
 @click.option("--csv", "csv_dir", type=click.Path(path_type=Path), metavar="DIR",
               help="Write one CSV file per table into DIR.")
 @click.option("--html", "html_path", type=click.Path(path_type=Path), metavar="PATH",
-              help="Write a self-contained HTML report that opens offline: tables and SVG charts, plus the per-step "
-                   "timeline with plotly's script inlined (4.8 MB) when there are steps.")
+              help="Write a self-contained HTML report (inline CSS and SVG; opens offline).")
 @click.option("--top", "top_kernels", type=click.IntRange(min=1), default=None,
               help="Kernels named per rank and kernel type before the rest are grouped as 'others' [default: 10, "
                    "as HTA].")
@@ -83,7 +84,7 @@ def run(trace_dir: Path, json_path: Path | None, csv_dir: Path | None, html_path
         capture = load_capture(trace_dir, capture=capture_name, rank=rank,
                                exclude=[p for p in (json_path, csv_dir, html_path) if p is not None])
     except CaptureError as exc:
-        fail(str(exc), code=2)
+        fail(str(exc), code=BAD_INPUT)
     report = build_report(capture, config)
     for problem in report.problems:
         err_console.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
@@ -107,8 +108,6 @@ kernel category in total and per step, with AFTER's change relative to BEFORE.
 @click.option("--json", "json_path", type=click.Path(path_type=Path), metavar="PATH",
               help="Write the comparison tables as JSON.")
 def diff(before: Path, after: Path, json_path: Path | None) -> None:
-    import json
-
     from infertrace.analyze.diff import diff_reports
     from infertrace.analyze.persist import table_records
     from infertrace.analyze.render import render_diff
@@ -119,7 +118,7 @@ def diff(before: Path, after: Path, json_path: Path | None) -> None:
     if json_path is not None:
         doc = {"schema": DIFF_SCHEMA, "before": str(before), "after": str(after),
                "tables": {name: table_records(table) for name, table in tables.items()}}
-        _write(json_path, lambda p: p.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n"))
+        _write(json_path, lambda p: write_json(p, doc, indent=1))
 
 
 def _report_of(path: Path):
@@ -131,11 +130,11 @@ def _report_of(path: Path):
         try:
             return read_json(path)
         except ReportError as exc:
-            fail(str(exc), code=2)
+            fail(str(exc), code=BAD_INPUT)
     try:
         capture = load_capture(path)
     except CaptureError as exc:
-        fail(str(exc), code=2)
+        fail(str(exc), code=BAD_INPUT)
     for problem in capture.problems:
         err_console.print(f"[yellow]warning:[/] {path}: {problem}", highlight=False, soft_wrap=True)
     return build_report(capture)
@@ -154,8 +153,5 @@ def _write_outputs(report, json_path: Path | None, csv_dir: Path | None, html_pa
 
 
 def _write(path: Path, writer) -> None:
-    try:
-        writer(path)
-    except OSError as exc:
-        raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
+    writing(path, None, writer)
     err_console.print(f"wrote {path}", highlight=False)

@@ -13,6 +13,7 @@ from infertrace.analyze.kernels import CATEGORIES
 from infertrace.analyze.render import LABELS, TITLES
 from infertrace.analyze.report import Report
 from infertrace.analyze.timeline import phases_data, phases_figure
+from infertrace.output import write_text
 
 _COLORS = {
     "attention": "#4e79a7", "GEMM": "#f28e2b", "norm": "#76b7b2", "activation": "#59a14f",
@@ -34,10 +35,7 @@ th{background:#f6f6f6}td.t,th.t{text-align:left}
 
 
 def write_html(report: Report, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(html_report(report), encoding="utf-8")
-    return path
+    return write_text(path, html_report(report))
 
 
 def html_report(report: Report) -> str:
@@ -47,7 +45,8 @@ def html_report(report: Report) -> str:
     if report.notes:
         parts.append("<ul class='note'>" + "".join(f"<li>{escape(n)}</li>" for n in report.notes) + "</ul>")
     for name in ("phases", "phase_categories", "categories", "temporal", "idle", "kernel_types", "top_kernels",
-                 "overlap", "launches", "rank_communication", "step_skew", "frontend"):
+                 "overlap", "launches", "rank_communication", "step_skew", "critical_summary", "critical_path",
+                 "cpu_ops", "cpu_steps", "frontend"):
         table = report.tables.get(name)
         if table is None or table.empty:
             continue

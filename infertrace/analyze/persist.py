@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from infertrace import output
 from infertrace.analyze.report import SCHEMA, TABLES, Report
 
 
@@ -26,10 +27,7 @@ def report_dict(report: Report) -> dict:
 
 
 def write_json(report: Report, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report_dict(report), indent=1, allow_nan=False) + "\n")
-    return path
+    return output.write_json(path, report_dict(report), indent=1)
 
 
 def write_csv(report: Report, directory: Path) -> list[Path]:

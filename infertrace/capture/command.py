@@ -12,7 +12,8 @@ import click
 from infertrace.auth import check_url, request_headers, server_auth_options
 from infertrace.capture.peers import SERVER_ACTIVITIES, Flavour
 from infertrace.capture.session import WHERE_UNKNOWN
-from infertrace.console import err_console, out_console
+from infertrace.console import err_console, fail, out_console
+from infertrace.exits import BAD_INPUT, FAILURE
 
 FLAVOURS = ("vllm", "sglang", "infertrace")
 ACTIVITY_NAMES = ", ".join(SERVER_ACTIVITIES)
@@ -130,7 +131,7 @@ def _run(coro):
     try:
         return asyncio.run(coro)
     except ProfilerError as exc:
-        raise click.ClickException(str(exc)) from exc
+        fail(str(exc), FAILURE)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
 
@@ -229,18 +230,20 @@ def _nsys(ctx, url, flavour, output_dir, timeout, dry_run, command):
         if nsys_path is None:
             _say("nsys is not installed on this machine")
         return
-    from infertrace.capture.torch_capture import check_writable
+    from infertrace.output import OutputError, check_writable_dir
 
     try:
         nsys_path = nsys_mod.require_nsys()
-        check_writable(out.parent)
-    except (nsys_mod.NsysNotFoundError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from exc
+        check_writable_dir(out.parent, "traces to")
+    except nsys_mod.NsysNotFoundError as exc:
+        fail(str(exc), FAILURE)
+    except OutputError as exc:
+        fail(str(exc), BAD_INPUT)
     rc, reports = nsys_mod.run_under_nsys(command, out, nsys_path)
     for report in reports:
         _emit(str(report))
     if rc != 0:
         raise SystemExit(rc)
     if not reports:
-        raise click.ClickException("nsys wrote no report: the command never called cudaProfilerStart "
-                                   "(give it a capture window, e.g. bench --profile)")
+        fail("nsys wrote no report: the command never called cudaProfilerStart (give it a capture window, e.g. "
+             "bench --profile)", FAILURE)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import tempfile
 import time
 from pathlib import Path
 
 from infertrace.capture.manifest import CaptureManifest, StepRecord, device_info, runtime_versions
 from infertrace.capture.nsys import NSYS_OUTPUT_ENV
 from infertrace.engine.rank_profiler import TRACE_SUFFIX
+from infertrace.output import check_writable_dir
 
 ACTIVITIES = ("CPU", "GPU", "MEM", "CUDA_PROFILER")
 MANIFEST_SUFFIX = ".manifest.json"
@@ -64,7 +64,7 @@ class CaptureSession:
         """Open the window. ValueError when the output directory cannot be written."""
         if self._active:
             raise RuntimeError("a capture is already in progress")
-        check_writable(self.out_dir)
+        check_writable_dir(self.out_dir, "traces to")
         import torch
 
         activities = self._effective_activities(torch.cuda.is_available())
@@ -187,15 +187,6 @@ class CaptureSession:
         if not any(a in requested for a in ("CPU", "GPU", "CUDA_PROFILER")):
             requested.insert(0, "CPU")  # MEM alone is a modifier of the CPU/GPU profiler
         return requested
-
-
-def check_writable(out_dir: Path) -> None:
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".infertrace-probe-"):
-            pass
-    except OSError as exc:
-        raise ValueError(f"cannot write traces to {out_dir}: {exc.strerror or exc}") from exc
 
 
 def _field(stats, *names):

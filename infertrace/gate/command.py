@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from infertrace.console import err_console, fail, out_console
+from infertrace.exits import BAD_INPUT, FAILURE
 from infertrace.gate.bounds import Bound, Kind, higher_is_better, parse_bounds
 from infertrace.gate.check import GateConfig, evaluate
 from infertrace.gate.render import failure_markdown, markdown, table
@@ -18,6 +19,7 @@ from infertrace.gate.results import (
     load_runs,
     write_baseline,
 )
+from infertrace.output import OutputError, check_writable
 
 DEFAULTS = GateConfig()
 
@@ -119,12 +121,12 @@ def gate(
     except (ResultError, ValueError) as exc:
         if summary is not None:
             _append(summary, failure_markdown(str(exc)))
-        fail(str(exc), code=2)
+        fail(str(exc), code=BAD_INPUT)
     out_console.print(table(report))
     if summary is not None:
         _append(summary, markdown(report))
     if report.regressed:
-        raise SystemExit(1)
+        raise SystemExit(FAILURE)
 
 
 def _check_outputs(summary: Path | None, new_baseline: Path | None) -> None:
@@ -134,17 +136,12 @@ def _check_outputs(summary: Path | None, new_baseline: Path | None) -> None:
             with summary.open("a"):  # appending nothing leaves an existing summary as it was
                 pass
         except OSError as exc:
-            fail(f"cannot write the summary {summary}: {exc.strerror or exc}", code=2)
+            fail(f"cannot write the summary {summary}: {exc.strerror or exc}", code=BAD_INPUT)
     if new_baseline is not None:
-        if new_baseline.is_dir():
-            fail(f"cannot write the baseline {new_baseline}: it is a directory", code=2)
-        probe = new_baseline.with_name(f".{new_baseline.name}.probe")
         try:
-            new_baseline.parent.mkdir(parents=True, exist_ok=True)
-            probe.write_text("")
-            probe.unlink()
-        except OSError as exc:
-            fail(f"cannot write the baseline {new_baseline}: {exc.strerror or exc}", code=2)
+            check_writable(new_baseline, "the baseline")
+        except OutputError as exc:
+            fail(str(exc), code=BAD_INPUT)
 
 
 def _load_all(paths: tuple[Path, ...]) -> list[Run]:
@@ -183,7 +180,7 @@ def _write_baseline(runs: list[Run], bounds: list[Bound], baseline: Path | None)
     try:
         write_baseline(runs, baseline)
     except OSError as exc:
-        fail(f"cannot write the baseline {baseline}: {exc.strerror or exc}", code=2)
+        fail(f"cannot write the baseline {baseline}: {exc.strerror or exc}", code=BAD_INPUT)
     err_console.print(f"wrote a baseline of {len(runs)} run{'s' if len(runs) != 1 else ''} to {baseline}")
 
 
@@ -211,4 +208,4 @@ def _append(path: Path, text: str) -> None:
         with path.open("a") as out:
             out.write(text + "\n")
     except OSError as exc:
-        fail(f"cannot write the summary {path}: {exc.strerror or exc}", code=2)
+        fail(f"cannot write the summary {path}: {exc.strerror or exc}", code=BAD_INPUT)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
+from infertrace.output import write_text
+
 BASELINE_KIND = "infertrace-gate-baseline"
 MAX_DEPTH = 64  # nesting a result may have; results nest a few levels, and deeper ones would exhaust recursion
 
@@ -135,10 +137,7 @@ def write_baseline(runs: list[Run], path: Path) -> None:
             raise ResultError(f"{run.source}: '{found[0]}' is {json.dumps(found[1])}: a baseline records finite "
                               "figures only")
     text = json.dumps(document, indent=2, allow_nan=False) + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)
+    write_text(path, text)
 
 
 def _first_non_finite(data: dict[str, Any]) -> tuple[str, float] | None:

@@ -13,16 +13,14 @@ from typing import TYPE_CHECKING
 import click
 
 from infertrace.console import err_console, fail, out_console
+from infertrace.exits import BAD_INPUT as EXIT_BAD_INPUT
+from infertrace.exits import FAILURE as EXIT_ALL_FAILED
+from infertrace.exits import INTERRUPTED as EXIT_INTERRUPTED
 from infertrace.load.options import bench_config, bench_options
 
 if TYPE_CHECKING:
     from infertrace.load.config import BenchConfig
     from infertrace.load.results.point import PointRecord
-
-EXIT_ALL_FAILED = 1
-EXIT_BAD_INPUT = 2  # a bad option, an unreachable target, an unwritable output
-EXIT_INTERRUPTED = 130
-
 
 @click.command("bench")
 @bench_options
@@ -125,13 +123,16 @@ def execute(cfg: BenchConfig) -> int:
     `infertrace --help` and the other commands do not load it."""
     from infertrace.load.client.fdlimit import OpenFileLimitError, ensure_open_files
     from infertrace.load.client.timing import TargetError
-    from infertrace.load.results.outputs import OutputError, check_writable
+    from infertrace.load.observe.findings import findings_table
+    from infertrace.load.observe.observer import run_findings
     from infertrace.load.results.render import summary_table, sweep_table
-    from infertrace.load.results.result import result_document, write_json, write_requests_jsonl
+    from infertrace.load.results.result import result_document, write_requests_jsonl
     from infertrace.load.workloads.dataset import DatasetError
+    from infertrace.output import OutputError, check_writable, write_json
 
     try:
-        check_writable(cfg.output_paths())
+        for flag, path in cfg.output_paths().items():
+            check_writable(path, flag)
         streams = cfg.max_in_flight or (cfg.num_prompts if cfg.duration_s is None else 0)
         if cfg.base_url is not None and streams:
             ensure_open_files(-(-streams // (cfg.workers or 1)))  # each worker process opens its own share
@@ -150,12 +151,8 @@ def execute(cfg: BenchConfig) -> int:
     else:
         out_console.print(sweep_table(records, cfg.sweep_param))
     print_warnings(records)
-    if cfg.report and records:
-        from infertrace.load.observe.findings import findings_table
-        from infertrace.load.observe.observer import run_findings
-
-        if findings := run_findings(records[-1]):
-            err_console.print(findings_table(findings))
+    if cfg.report and records and (findings := run_findings(records[-1])):
+        err_console.print(findings_table(findings))
     paths = cfg.output_paths()
     try:
         if cfg.result_json:
@@ -169,7 +166,7 @@ def execute(cfg: BenchConfig) -> int:
             _info(f"plot: {plot_sweep(records, cfg.sweep_param, paths['--plot'])}")
         if cfg.report and records:
             _info(f"report: {write_run_report(cfg.report, records[-1])}")
-    except OSError as e:  # checked before the run; the disk can still fill up or vanish meanwhile
+    except (OSError, OutputError) as e:  # checked before the run; the disk can still fill up or vanish meanwhile
         fail(f"cannot save the results: {e}", EXIT_BAD_INPUT)
     code = exit_code(records)
     for line in lost_workers(records):
@@ -204,7 +201,8 @@ def finish_capacity(capacity, cfg: BenchConfig, target) -> int:
     """The search's table, warnings, result file and plot; the exit code of all its runs."""
     from infertrace.load.results.plot import plot_capacity
     from infertrace.load.results.render import capacity_table
-    from infertrace.load.results.result import capacity_document, write_json
+    from infertrace.load.results.result import capacity_document
+    from infertrace.output import OutputError, write_json
 
     out_console.print(capacity_table(capacity))
     print_warnings(capacity.records)
@@ -217,7 +215,7 @@ def finish_capacity(capacity, cfg: BenchConfig, target) -> int:
             _info(f"requests: {write_requests_jsonl(cfg.requests_jsonl, capacity.records)}")
         if capacity.trials:
             _info(f"plot: {plot_capacity(capacity, cfg.output_paths()['--plot'])}")
-    except OSError as e:
+    except (OSError, OutputError) as e:
         fail(f"cannot save the results: {e}", EXIT_BAD_INPUT)
     return exit_code(capacity.records)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from infertrace.console import err_console, fail, out_console
+from infertrace.exits import BAD_INPUT
 
 PRESET_NAMES = ("tiny", "qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
 
@@ -43,5 +44,5 @@ def init(preset: str, out_dir: Path, seed: int, dtype: str | None) -> None:
         try:
             path = init_model(preset, out_dir, seed=seed, dtype=dtype, on_progress=on_progress)
         except (ValueError, OSError) as e:
-            fail(str(e), code=1)
+            fail(str(e), code=BAD_INPUT)
     out_console.print(f"wrote {preset} ({n_params / 1e9:.3f} B parameters) to {path}")

@@ -9,6 +9,7 @@ import click
 
 from infertrace.console import err_console, fail
 from infertrace.engine.config import ENGINE_FLAGS
+from infertrace.exits import FAILURE
 from infertrace.server.settings import ServerSettings
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerSettings) if f.default is not dataclasses.MISSING}
@@ -88,10 +89,10 @@ def _model_dir(ctx: click.Context, value: str) -> Path:
 
 def _prepare_profile_dir(profile_dir: Path) -> None:
     """Create --profile-dir and prove it writable now, not at the first capture."""
-    from infertrace.capture.torch_capture import check_writable
+    from infertrace.output import check_writable_dir
 
     try:
-        check_writable(profile_dir)
+        check_writable_dir(profile_dir, "traces to")
     except ValueError as e:
         fail(f"--profile-dir: {e}")
 
@@ -121,9 +122,9 @@ def _serve(settings: ServerSettings, config, api_servers: int) -> None:
         aborted = asyncio.run(run_split(settings, engine_spec(settings, config), api_servers, ready, listening,
                                         _draining(settings)))
     except EngineFailure as e:
-        raise click.ClickException(str(e)) from None
+        fail(str(e), FAILURE)
     except OSError as e:
-        raise click.ClickException(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
+        fail(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", FAILURE)
     _say(f"stopped ({aborted} request(s) aborted)")
 
 
@@ -137,7 +138,7 @@ def _serve_in_process(settings: ServerSettings, config) -> None:
     try:
         engine = Engine(settings.model_dir, config)
     except (ValueError, OSError) as e:
-        raise click.ClickException(f"cannot load the model: {e}") from None
+        fail(f"cannot load the model: {e}", FAILURE)
 
     def listening(url: str) -> None:
         _say(f"serving {settings.served_model_name!r} on {url} (max context {engine.max_model_len}, "
@@ -147,7 +148,7 @@ def _serve_in_process(settings: ServerSettings, config) -> None:
         aborted = asyncio.run(run_in_process(engine, settings, dataclasses.asdict(config), listening,
                                             _draining(settings)))
     except OSError as e:
-        raise click.ClickException(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
+        fail(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", FAILURE)
     _say(f"stopped ({aborted} request(s) aborted)")
 
 

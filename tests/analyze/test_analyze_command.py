@@ -51,7 +51,8 @@ def test_output_files(engine_trace, tmp_path):
     assert phases["DECODE"]["verdict"] == "CPU-bound" and phases["PREFILL"]["verdict"] == "GPU-bound"
     assert sorted(p.name for p in (out / "csv").iterdir()) == sorted(
         f"{n}.csv" for n in ["ranks", "temporal", "idle", "kernel_types", "top_kernels", "overlap", "launches",
-                             "categories", "steps", "phases", "phase_categories"])
+                             "categories", "steps", "phases", "phase_categories", "critical_path",
+                             "critical_summary"])
     html = (out / "r.html").read_text()
     assert html.startswith("<!DOCTYPE html>") and "<svg" in html and "CPU-bound" in html
     import re
@@ -126,11 +127,11 @@ def test_missing_path_exits_2(tmp_path):
     assert result.exit_code == 2 and "does not exist" in result.stderr
 
 
-def test_unwritable_output_exits_1(engine_trace, tmp_path):
+def test_unwritable_output_exits_2(engine_trace, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     result = invoke(engine_trace, "--json", blocker / "r.json", "--quiet")
-    assert result.exit_code == 1 and "cannot write" in result.output
+    assert result.exit_code == 2 and "cannot write" in result.output
 
 
 def test_explicit_run_and_help():

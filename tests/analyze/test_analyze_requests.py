@@ -26,3 +26,11 @@ def test_no_numbered_step_no_rows():
     steps = pd.DataFrame({"rank": [0], "type": ["DECODE"], "label": ["step[DECODE bs=2]"], "step_ms": [5.0],
                           "busy_ms": [4.0]})
     assert step_requests(steps, {"requests": [{"request_id": "a", "steps": [[1, 1, 0, 1]]}]}).empty
+
+
+def test_step_numbers_leave_the_step_label_as_it_was():
+    from infertrace.analyze.phases import StepLabel, parse_step_name
+
+    assert parse_step_name("step[DECODE bs=16 #42]") == StepLabel("DECODE", 16, None)
+    assert parse_step_name("step[PREFILL bs=2 toks=300 #7]") == StepLabel("PREFILL", 2, 300)
+    assert parse_step_name("step[MIXED bs=9 toks=72 #1234]") == StepLabel("MIXED", 9, 72)

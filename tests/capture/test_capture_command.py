@@ -19,7 +19,7 @@ def invoke(*args):
 
 
 def error_lines(result):
-    return [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    return [line for line in result.stderr.splitlines() if line.startswith(("Error", "error"))]
 
 
 def replying(response_factory):
@@ -95,7 +95,7 @@ def test_vllm_second_start_names_the_cause(vllm_server):
     result = invoke("--url", vllm_server.url, "--start")
     assert result.exit_code == 1
     assert error_lines(result) == [
-        "Error: vllm server refused POST /start_profile (HTTP 409): A profiling session is already active. Call "
+        "error: vllm server refused POST /start_profile (HTTP 409): A profiling session is already active. Call "
         "/stop_profile before starting another session.; a capture is already running on the server; stop it "
         "first (infertrace profile --stop)"]
 
@@ -194,7 +194,7 @@ def test_sglang_stop_without_start_names_the_cause(sglang_server):
     result = invoke("--url", sglang_server.url, "--stop")
     assert result.exit_code == 1
     assert error_lines(result) == [
-        "Error: sglang server refused POST /stop_profile (HTTP 500): Internal Server Error; nothing is being "
+        "error: sglang server refused POST /stop_profile (HTTP 500): Internal Server Error; nothing is being "
         "captured: it was never started, or it already stopped by itself after --num-steps"]
 
 
@@ -274,7 +274,7 @@ def test_server_down_is_one_line(dead_url):
     for args in (["--start"], ["--stop"], ["--seconds", "1"], ["--server", "sglang", "--start"]):
         result = invoke("--url", dead_url, *args)
         assert result.exit_code == 1, args
-        assert error_lines(result) == [f"Error: cannot reach the server at {dead_url}: Connection refused"]
+        assert error_lines(result) == [f"error: cannot reach the server at {dead_url}: Connection refused"]
 
 
 def test_unknown_server_asks_for_flavour(serve_app):
@@ -337,7 +337,7 @@ def test_openai_style_error_message_is_shown(serve_app):
         result = invoke("--url", url, "--server", "infertrace", "--stop")
     assert result.exit_code == 1
     assert error_lines(result) == [
-        "Error: infertrace server refused POST /stop_profile (HTTP 409): no capture in progress"]
+        "error: infertrace server refused POST /stop_profile (HTTP 409): no capture in progress"]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -137,7 +137,7 @@ def invoke(*args):
 
 
 def error_lines(result):
-    return [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    return [line for line in result.stderr.splitlines() if line.startswith(("Error", "error"))]
 
 
 @needs_server

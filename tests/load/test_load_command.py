@@ -229,7 +229,7 @@ def test_an_unwritable_output_is_one_line_and_exit_2_before_any_request(standin,
     res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl, "--warmup", 0,
                  flag, blocker / "out", *extra)
     assert res.exit_code == 2
-    assert f"{flag} {blocker / 'out'}: cannot write there" in res.stderr
+    assert f"cannot write {flag} {blocker / 'out'}: Not a directory" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert standin.count == 0  # checked before the first request
     res = invoke("--base-url", standin.url, "--result-json", tmp_path)

@@ -14,6 +14,7 @@ from pathlib import Path
 from infertrace.load.results.metrics import from_scheduled, vllm_keys
 from infertrace.load.results.point import PointRecord
 from infertrace.load.stats import Stats
+from infertrace.output import write_text
 
 SCHEMA_VERSION = 1
 
@@ -185,23 +186,14 @@ def capacity_document(cap, config: dict, target) -> dict:
     }
 
 
-def write_json(path: str | Path, document: dict) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
-    return path
-
-
 def write_requests_jsonl(path: str | Path, records: list[PointRecord]) -> Path:
     """Every request of every point, warmup included (marked), with its timings and failure reason.
 
     Times are seconds after the point's first measured send (warmup requests have negative times)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for point, record in enumerate(records):
-            origin = min((r.t0 for r in record.results or record.warmup_results), default=0.0)
-            for phase, results in (("warmup", record.warmup_results), ("measured", record.results)):
-                for r in sorted(results, key=lambda r: r.t0):
-                    f.write(json.dumps({"point": point, "phase": phase, **r.to_json(origin)}) + "\n")
-    return path
+    lines = []
+    for point, record in enumerate(records):
+        origin = min((r.t0 for r in record.results or record.warmup_results), default=0.0)
+        for phase, results in (("warmup", record.warmup_results), ("measured", record.results)):
+            for r in sorted(results, key=lambda r: r.t0):
+                lines.append(json.dumps({"point": point, "phase": phase, **r.to_json(origin)}) + "\n")
+    return write_text(path, "".join(lines))
