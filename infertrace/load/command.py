@@ -123,8 +123,6 @@ def execute(cfg: BenchConfig) -> int:
     `infertrace --help` and the other commands do not load it."""
     from infertrace.load.client.fdlimit import OpenFileLimitError, ensure_open_files
     from infertrace.load.client.timing import TargetError
-    from infertrace.load.observe.findings import findings_table
-    from infertrace.load.observe.observer import run_findings
     from infertrace.load.results.render import summary_table, sweep_table
     from infertrace.load.results.result import result_document, write_requests_jsonl
     from infertrace.load.workloads.dataset import DatasetError
@@ -151,8 +149,12 @@ def execute(cfg: BenchConfig) -> int:
     else:
         out_console.print(sweep_table(records, cfg.sweep_param))
     print_warnings(records)
-    if cfg.report and records and (findings := run_findings(records[-1])):
-        err_console.print(findings_table(findings))
+    if cfg.report and records:
+        from infertrace.load.observe.findings import findings_table
+        from infertrace.load.observe.observer import run_findings
+
+        if findings := run_findings(records[-1]):
+            err_console.print(findings_table(findings))
     paths = cfg.output_paths()
     try:
         if cfg.result_json:
