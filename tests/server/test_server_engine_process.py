@@ -522,6 +522,32 @@ def test_a_lone_front_end_that_is_dropped_still_hears_why_before_the_loop_ends()
         stuck.close()
         thread.join(10)
 
+def test_a_dropped_front_end_that_does_not_go_is_killed_so_its_listener_takes_no_more_connections():
+    """A SIGSTOPped front end keeps its SO_REUSEPORT listener and its share of new connections, which hang. Once
+    dropped it has its farewell time to take why and go; past it the engine kills its process (named by its
+    "hello"), while the other front end is served on."""
+    from infertrace.server.engine_link.messages import ToEngine, frame
+
+    stopped = subprocess.Popen(["sleep", "600"])
+    os.kill(stopped.pid, signal.SIGSTOP)
+    engine = _ScriptedEngine(tokens=10**9)
+    loop, thread, (idle, stuck) = _engine_loop(engine, 2, max_stall_s=0.5, farewell_s=0.5)
+    try:
+        stuck.sendall(frame(ToEngine("hello", args={"pid": stopped.pid})))
+        _add_until_aborted(engine, stuck, "stuck-0")
+        assert engine.aborted == ["stuck-0"]
+        assert stopped.wait(timeout=60) == -signal.SIGKILL  # killed, though stopped and never reading
+        assert loop.leaving == {} and len(loop.peers) == 1 and thread.is_alive()
+        idle.sendall(frame(ToEngine("add", request_id="idle-0", prompt=[1])))
+        assert _messages(idle, lambda msgs: bool(msgs), deadline_s=30)  # the other one is still served
+    finally:
+        stopped.kill()
+        stopped.wait()
+        idle.close(), stuck.close()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
 async def test_a_front_end_that_stops_reading_leaves_the_engine_process_serving_the_others(tiny_model_dir):
     """The real engine process with two front ends: ours, and a bare socket that reads while `reading` is set,
     its requests' outputs made large (64 KiB a step) by their request ids. When it stops reading, its outputs pile

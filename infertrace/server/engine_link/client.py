@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ class ProcessEngine:
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
         self._transport, _ = await loop.create_unix_connection(lambda: _Link(self), sock=self._sock)
+        self._transport.write(frame(ToEngine("hello", args={"pid": os.getpid()})))  # whom to kill if it is dropped
         try:
             self.info = await self._ready
         except EngineDeadError as e:

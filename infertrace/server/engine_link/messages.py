@@ -36,7 +36,8 @@ class ToEngine(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Front end to engine. kind: "add" (request_id, prompt, params), "abort" (request_id; call_id > 0 asks for a
     reply once its KV is free), "call" (name, args, call_id: an engine-side command such as start_profile, ping or
     metrics), "count" (args: server counter deltas, e.g. {"finished:stop": 1, "in_flight": -1}), "stamp"
-    (request_id, args: the front end's times of a request for the request log, e.g. {"received": t, "sent": t})."""
+    (request_id, args: the front end's times of a request for the request log, e.g. {"received": t, "sent": t}),
+    "hello" (args: {"pid": the front end's process id}, sent first)."""
 
     kind: str
     request_id: str = ""

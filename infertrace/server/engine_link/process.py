@@ -111,7 +111,8 @@ class _Peer:
     """One front end: its socket, what it has sent so far, the requests it owns, and the frames it has not taken
     yet (the first `sent` bytes of the first frame already went out)."""
 
-    __slots__ = ("backlog", "backlog_bytes", "dropped", "progress", "reader", "requests", "sent", "sock", "writing")
+    __slots__ = ("backlog", "backlog_bytes", "dropped", "leave_by", "pid", "progress", "reader", "requests", "sent",
+                 "sock", "writing")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -122,6 +123,8 @@ class _Peer:
         self.sent = 0
         self.writing = False  # the selector watches the socket for room to write
         self.dropped = False  # told why it was dropped; closed once that is flushed
+        self.leave_by = 0.0  # once dropped: when it is killed if it has not taken why and gone by then
+        self.pid: int | None = None  # the front end's process, from its "hello"
         self.progress = time.monotonic()  # when the socket last took bytes, or the backlog last began
 
     def flush(self) -> None:
@@ -151,11 +154,13 @@ class _Peer:
 
 class EngineLoop:
     def __init__(self, engine: Any, services: Any, socks: list[socket.socket],
-                 max_backlog_bytes: int = MAX_BACKLOG_BYTES, max_stall_s: float = MAX_STALL_S) -> None:
+                 max_backlog_bytes: int = MAX_BACKLOG_BYTES, max_stall_s: float = MAX_STALL_S,
+                 farewell_s: float = FAREWELL_S) -> None:
         self.engine = engine
         self.services = services
         self.max_backlog_bytes = max_backlog_bytes
         self.max_stall_s = max_stall_s
+        self.farewell_s = farewell_s
         self.peers = {sock: _Peer(sock) for sock in socks}
         self.leaving: dict[socket.socket, _Peer] = {}  # dropped, not yet told why
         self.owner: dict[str, _Peer] = {}
@@ -169,13 +174,18 @@ class EngineLoop:
         engine = self.engine
         try:
             while self.peers:
-                busy = engine.has_unfinished()
-                for key, events in self.selector.select(timeout=0 if busy else None):
+                timeout = 0 if engine.has_unfinished() else None
+                if self.leaving:
+                    due = min(peer.leave_by for peer in self.leaving.values()) - time.monotonic()
+                    timeout = max(0.0, min(due, timeout if timeout is not None else due))
+                for key, events in self.selector.select(timeout=timeout):
                     peer = key.data
                     if events & selectors.EVENT_WRITE:
                         self._flush(peer)
                     if events & selectors.EVENT_READ and peer.sock.fileno() != -1:
                         self._read(peer)
+                if self.leaving:
+                    self._evict_overdue()
                 if engine.has_unfinished():
                     self._step()
             self._farewell()
@@ -185,16 +195,33 @@ class EngineLoop:
             self._tell_all(FromEngine("dead", error={"message": f"{type(e).__name__}: {e}"}))
             return 1
 
-    def _farewell(self, within_s: float = FAREWELL_S) -> None:
-        """Every live front end is gone: the ones dropped before get `within_s` to take why, then the loop ends."""
-        deadline = time.monotonic() + within_s
-        while self.leaving and (left := deadline - time.monotonic()) > 0:
+    def _farewell(self) -> None:
+        """Every live front end is gone: the ones dropped before get the rest of their farewell time to take why,
+        then the loop ends."""
+        while self.leaving and (left := min(p.leave_by for p in self.leaving.values()) - time.monotonic()) > 0:
             for key, events in self.selector.select(timeout=left):
                 peer = key.data
                 if events & selectors.EVENT_WRITE:
                     self._flush(peer)
                 if events & selectors.EVENT_READ and peer.sock.fileno() != -1:
                     self._read(peer)  # its end of the socket closing closes ours
+            self._evict_overdue()
+
+    def _evict_overdue(self) -> None:
+        """A dropped front end that has not taken why and gone within its farewell time is stopped or hung: its
+        process is killed, or its listening socket would go on taking its share of new connections (SO_REUSEPORT
+        spreads them over every listener, awake or not) that nobody answers. The process that started this one
+        (the first front end) is left to its own watchdogs: killing it would take the whole server down."""
+        now = time.monotonic()
+        for peer in [p for p in self.leaving.values() if p.leave_by <= now]:
+            if peer.pid is not None and peer.pid != os.getppid():
+                log.error("killing front end pid %d: dropped %g s ago, it has not read why", peer.pid,
+                          self.farewell_s)
+                try:
+                    os.kill(peer.pid, signal.SIGKILL)
+                except OSError as e:
+                    log.error("could not kill front end pid %d: %s", peer.pid, e)
+            self._close(peer)
 
     def _tell_all(self, message: FromEngine) -> None:
         """`message` to every front end, after the frame in flight, waiting at most a second on each one."""
@@ -246,6 +273,8 @@ class EngineLoop:
                 self._send(peer, FromEngine("reply", call_id=msg.call_id))
         elif kind == "count":
             self.services.metrics.count(msg.args)
+        elif kind == "hello":
+            peer.pid = msg.args.get("pid")
         elif kind == "stamp":
             if self.engine.request_log is not None:
                 self.engine.request_log.stamp(msg.request_id, msg.args)
@@ -284,6 +313,9 @@ class EngineLoop:
         """A front end is gone (or done with): abort its requests and forget it."""
         self.peers.pop(peer.sock, None)
         self.leaving.pop(peer.sock, None)
+        if peer.requests and not peer.dropped:  # a front end that drains ends its requests before it goes
+            log.error("a front end (pid %s) went away with %d request(s) running; the engine aborted them",
+                      peer.pid, len(peer.requests))
         self._abort_all(peer)
         peer.backlog.clear()
         peer.backlog_bytes = 0
@@ -302,6 +334,7 @@ class EngineLoop:
         self._abort_all(peer)
         peer.discard_backlog()
         peer.dropped = True
+        peer.leave_by = time.monotonic() + self.farewell_s
         self._queue(peer, frame(FromEngine("dropped", error={"message": why})))
 
     # ----- output -----

@@ -126,6 +126,7 @@ async def run_split(settings: ServerSettings, spec: EngineSpec, api_servers: int
     proc, socks = start_engine_process(spec, api_servers)
     engine = ProcessEngine(socks[0], describe_exit=lambda: describe_exit(proc))
     children: list[multiprocessing.Process] = []
+    reports: list = []  # each other front end's pipe: "listening", then how many requests its drain aborted
     signalled: list[int] = []  # signals forwarded to the other front ends
     stop = asyncio.Event()
     lost: list[str] = []  # a front end that exited while serving: the server drains and exits non-zero
@@ -142,7 +143,7 @@ async def run_split(settings: ServerSettings, spec: EngineSpec, api_servers: int
 
         def listening(url: str) -> None:
             port = int(url.rsplit(":", 1)[1])
-            children.extend(_start_frontends(replace(settings, port=port), socks[1:], api_servers))
+            children.extend(_start_frontends(replace(settings, port=port), socks[1:], api_servers, reports))
             for sock in socks[1:]:
                 sock.close()  # the children hold them now
             if children:
@@ -150,11 +151,13 @@ async def run_split(settings: ServerSettings, spec: EngineSpec, api_servers: int
             if on_listening is not None:
                 on_listening(url)
 
-        def frontend_exited(why: str) -> None:
+        def frontend_exited(why: str, code: int | None) -> None:
             if not signalled and not stop.is_set():  # not an exit our own shutdown asked for
                 log.error("%s; draining and stopping the server", why)
                 lost.append(why)
                 stop.set()
+            elif code != 0:  # killed or failed while draining: its clients' connections ended with it
+                log.error("%s while the server stopped; the engine aborted the requests it had", why)
 
         def forward(n: int) -> None:
             signalled.append(n)
@@ -164,6 +167,8 @@ async def run_split(settings: ServerSettings, spec: EngineSpec, api_servers: int
 
         aborted = await serve_until_signal(app, settings.host, settings.port, listening, on_draining,
                                            reuse_port=api_servers > 1, on_signal=forward, stop=stop)
+        await _stop_children(children, settings.drain_timeout_s, signal_them=not signalled)
+        aborted += _aborted_by(reports)
         if engine.error is not None:
             raise EngineFailure(str(engine.error))
         if lost:
@@ -178,22 +183,39 @@ async def run_split(settings: ServerSettings, spec: EngineSpec, api_servers: int
         await _reap(proc)
 
 
-async def _watch_frontends(children: list[multiprocessing.Process], exited: Callable[[str], None]) -> None:
-    """Tell `exited` how the first of the other front ends to end ended (the shutdown's own exits included: the
-    caller tells them apart)."""
-    first = (await asyncio.to_thread(multiprocessing.connection.wait, [c.sentinel for c in children]))[0]
-    child = next(c for c in children if c.sentinel == first)
-    await asyncio.to_thread(child.join, 1.0)
-    code = child.exitcode
-    how = f"exited with code {code}"
-    if code is not None and code < 0:
-        known = -code in signal.valid_signals()
-        how = f"was killed by {signal.Signals(-code).name}" if known else f"was killed by signal {-code}"
-    exited(f"front end {child.name} (pid {child.pid}) {how}")
+async def _watch_frontends(children: list[multiprocessing.Process],
+                           exited: Callable[[str, int | None], None]) -> None:
+    """Tell `exited` how each of the other front ends ended, in words and its exit code, as each ends (the
+    shutdown's own exits included: the caller tells them apart)."""
+    left = list(children)
+    while left:
+        ended = await asyncio.to_thread(multiprocessing.connection.wait, [c.sentinel for c in left])
+        for child in [c for c in left if c.sentinel in ended]:
+            left.remove(child)
+            await asyncio.to_thread(child.join, 1.0)
+            code = child.exitcode
+            how = f"exited with code {code}"
+            if code is not None and code < 0:
+                known = -code in signal.valid_signals()
+                how = f"was killed by {signal.Signals(-code).name}" if known else f"was killed by signal {-code}"
+            exited(f"front end {child.name} (pid {child.pid}) {how}", code)
 
 
-def _start_frontends(settings: ServerSettings, socks: list[socket.socket], count: int) -> list:
-    """Front ends 1..count-1, each with its socket to the engine; returns once each listens (or fails)."""
+def _aborted_by(reports: list) -> int:
+    """How many requests the other front ends' drains aborted, as each told on its pipe before it exited."""
+    total = 0
+    for conn in reports:
+        with contextlib.suppress(EOFError, OSError):
+            while conn.poll():
+                message = conn.recv()
+                if isinstance(message, tuple) and message[0] == "aborted":
+                    total += message[1]
+    return total
+
+
+def _start_frontends(settings: ServerSettings, socks: list[socket.socket], count: int, reports: list) -> list:
+    """Front ends 1..count-1, each with its socket to the engine; returns once each listens (or fails). Each one's
+    pipe goes on `reports`."""
     if not socks:
         return []
     ctx = multiprocessing.get_context("spawn")
@@ -213,6 +235,7 @@ def _start_frontends(settings: ServerSettings, socks: list[socket.socket], count
                 p.kill()
             reason = message or ("it exited" if proc.sentinel in ready else "it did not answer")
             raise EngineFailure(f"front end {proc.name} did not start: {reason}")
+    reports.extend(conn for _, conn in started)
     return [proc for proc, _ in started]
 
 
@@ -236,8 +259,10 @@ async def _frontend(settings: ServerSettings, sock: socket.socket, index: int, c
         tokenizer = FrontendTokenizer(settings.model_dir)
         await engine.connect()
         app = build_app(engine, tokenizer, settings, {"index": index, "count": count, "engine_in_process": False})
-        await serve_until_signal(app, settings.host, settings.port, lambda url: conn.send("listening"),
-                                 reuse_port=True)
+        aborted = await serve_until_signal(app, settings.host, settings.port, lambda url: conn.send("listening"),
+                                           reuse_port=True)
+        with contextlib.suppress(OSError):
+            conn.send(("aborted", aborted))
     except Exception as e:
         with contextlib.suppress(OSError):
             conn.send(f"{type(e).__name__}: {e}")
@@ -249,9 +274,9 @@ async def _frontend(settings: ServerSettings, sock: socket.socket, index: int, c
 
 async def _stop_children(children: list, grace_s: float, signal_them: bool) -> None:
     """Wait for the other front ends to drain (SIGTERM, unless they had it already), then kill what is left."""
-    if not children:
-        return
     sentinels = [c.sentinel for c in children if c.exitcode is None]
+    if not sentinels:  # wait() on nothing would sleep out its whole timeout
+        return
     for c in children:
         if signal_them and c.exitcode is None:
             with contextlib.suppress(OSError):
