@@ -171,6 +171,9 @@ def _model_label(recipe: Recipe, model_dir: Path) -> str:
 
 def _load_label(recipe: Recipe) -> str:
     cfg = recipe.bench_config()
+    if cfg.dataset == "trace":  # an open loop on the trace's own times, of the trace's own lengths
+        return (f"trace replay of {Path(cfg.dataset_path).name}, its first {cfg.num_prompts} requests at most "
+                f"(time x{cfg.time_scale:g}, tokens x{cfg.token_scale:g})")
     shape = f"{cfg.request_rate:g} req/s" if cfg.open_loop else f"concurrency {cfg.effective_concurrency}"
     return (f"{shape}, {cfg.num_prompts} x {cfg.input_len} -> {cfg.effective_output_len} tokens"
             + (f", {cfg.dataset}" if cfg.dataset != "random" else ""))

@@ -211,3 +211,36 @@ def test_tensor_parallel_profile_writes_one_trace_per_rank(tiny_model_dir, tmp_p
         assert info["rank"] == rank and info["world_size"] == 2
     manifest = json.loads(next(Path(two["trace_dir"]).glob("*.manifest.json")).read_text())
     assert manifest["traces"] == [t.name for t in traces]
+
+
+def test_a_deeply_nested_recipe_is_one_line_and_exit_2(tmp_path):
+    recipe = tmp_path / "deep.yaml"
+    recipe.write_text("phases: " + "[" * 20_000 + "]" * 20_000 + "\n")
+    for args in ((), ("--check",)):
+        res = invoke(recipe, *args)
+        assert res.exit_code == 2 and res.stderr.strip() == f"error: {recipe}: not a recipe: nested too deeply"
+
+
+TRACE_RECIPE = """\
+phases: [{{name: a}}]
+workload:
+  dataset: trace
+  dataset_path: {path}
+  num_prompts: 3
+{scales}"""
+
+
+def test_a_trace_workload_is_checked_and_replayed(write_recipe, tiny_model_dir, tmp_path):
+    """`dataset: trace` passed --check and then crashed every run where the table's label was made."""
+    burst = tmp_path / "burst.csv"
+    burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                     "0,ChatGPT,40,4,44,Conversation log\nnan,ChatGPT,30,4,34,Conversation log\n")
+    res = invoke(write_recipe(TRACE_RECIPE.format(path=burst, scales="")), "--check")
+    assert res.exit_code == 2 and f"{burst}:3: Timestamp must be a finite number" in res.stderr
+    burst.write_text(burst.read_text().replace("nan,", "500,"))
+    recipe = write_recipe(TRACE_RECIPE.format(path=burst, scales="  time_scale: 0.001\n  token_scale: 0.5\n"))
+    assert invoke(recipe, "--check").exit_code == 0
+    res = invoke(recipe, "--model", tiny_model_dir, "--json", tmp_path / "a.json")
+    assert res.exit_code == 0, res.output
+    label = "trace replay of burst.csv, its first 3 requests at most (time x0.001, tokens x0.5)"
+    assert label in " ".join(res.stdout.split())
