@@ -23,7 +23,7 @@ AR_KERNELS = ("all_reduce", "allreduce", "AllReduce")  # one_shot_all_reduce*, t
 
 
 def run_one(model_dir: str, tp: int, all_reduce: str, batch: int, input_len: int, output_len: int,
-            profile_dir: str | None) -> dict:
+            profile_dir: str | None, overrides: dict) -> dict:
     """One configuration in this process: warm up, time one batch, optionally capture a short profile."""
     import random
 
@@ -31,7 +31,8 @@ def run_one(model_dir: str, tp: int, all_reduce: str, batch: int, input_len: int
 
     llm = LLM(model_dir, tensor_parallel_size=tp, all_reduce=all_reduce, max_num_seqs=batch,
               kv_cache_tokens=batch * (input_len + output_len) + 1024, max_num_batched_tokens=2048,
-              cuda_graph_batch_sizes=(1, 2, 4, 8, 16), cuda_graph_token_sizes=(128, 256, 512, 1024, 2048))
+              cuda_graph_batch_sizes=(1, 2, 4, 8, 16), cuda_graph_token_sizes=(128, 256, 512, 1024, 2048),
+              **overrides)
     path = llm.engine.decode_path()
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 100000) for _ in range(input_len)] for _ in range(batch)]
@@ -44,7 +45,7 @@ def run_one(model_dir: str, tp: int, all_reduce: str, batch: int, input_len: int
         runs.append(time.perf_counter() - t0)
         assert all(len(o.token_ids) == output_len for o in outs)
     elapsed = min(runs)
-    result = {"tp": tp, "all_reduce": path["all_reduce"], "all_reduce_note": path["all_reduce_note"],
+    result = {"tp": tp, "all_reduce": path["all_reduce"], "overrides": overrides, "all_reduce_note": path["all_reduce_note"],
               "tok_s": batch * output_len / elapsed, "elapsed_s": elapsed, "runs_s": runs,
               "async_scheduling": path["async_scheduling"], "skinny_gemm": path["skinny_gemm"],
               "prefill_cuda_graphs_captured": path["prefill_cuda_graphs_captured"]}
@@ -57,6 +58,7 @@ def run_one(model_dir: str, tp: int, all_reduce: str, batch: int, input_len: int
         wall = time.perf_counter() - t0
         traces = engine.stop_profile()
         result |= all_reduce_share(traces[0])
+        result["ranks"] = [rank_summary(t) for t in traces]
         result["profiled_wall_ms_per_step"] = wall * 1e3 / steps
         result["traces"] = [str(p) for p in traces]
     llm.shutdown()
@@ -88,6 +90,28 @@ def all_reduce_share(trace_path: Path) -> dict:
                                                if any(s in k["name"] for s in AR_KERNELS)})}
 
 
+def rank_summary(trace_path: Path, top: int = 12) -> dict:
+    """One rank's decode steps: host time inside each step range (CPU), and its top GPU kernels in us per step."""
+    trace = json.loads(gzip.decompress(Path(trace_path).read_bytes()))
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("step[DECODE")]
+    if not steps:
+        return {}
+    start = min(e["ts"] for e in steps)
+    per: dict[str, float] = {}
+    for k in events:
+        if k.get("cat") == "kernel" and k["ts"] >= start:
+            name = k["name"][:70]
+            per[name] = per.get(name, 0.0) + k["dur"]
+    n = len(steps)
+    host = sorted(e["dur"] for e in steps)
+    starts = sorted(e["ts"] for e in steps)
+    gaps = sorted(b - a for a, b in zip(starts, starts[1:]))
+    return {"steps": n, "host_us_per_step_median": host[n // 2],
+            "step_start_interval_us_median": gaps[len(gaps) // 2] if gaps else None,
+            "top_kernels_us_per_step": {k: round(v / n, 1) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-4b")
@@ -97,15 +121,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=512)
-    ap.add_argument("--profile-dir", default=None, help="capture a profile of each TP>1 configuration here")
+    ap.add_argument("--profile-dir", default=None, help="capture a profile of each configuration here")
+    ap.add_argument("--variants", default="", help="more TP>1 runs, ';'-separated, each tp:all_reduce:key=value,...")
     ap.add_argument("--out", default=None, help="JSON file for every figure")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one configuration
     args = ap.parse_args()
 
     if args.one:
-        tp, ar = args.one.split(":")
-        res = run_one(args.model, int(tp), ar, args.batch, args.input_len, args.output_len,
-                      args.profile_dir if int(tp) > 1 else None)
+        tp, ar, *rest = args.one.split(":")
+        overrides = dict(kv.split("=", 1) for kv in rest[0].split(",")) if rest and rest[0] else {}
+        res = run_one(args.model, int(tp), ar, args.batch, args.input_len, args.output_len, args.profile_dir,
+                      overrides)
         print("RESULT " + json.dumps(res), flush=True)
         return
 
@@ -126,10 +152,12 @@ def main() -> None:
         if torch.cuda.is_available() and tp > torch.cuda.device_count():
             print(f"skipping TP={tp}: {torch.cuda.device_count()} GPUs", file=sys.stderr)
             continue
-        configs += [(tp, "nccl")] if tp == 1 else [(tp, ar) for ar in args.all_reduce.split(",")]
+        configs += [f"{tp}:nccl"] if tp == 1 else [f"{tp}:{ar}" for ar in args.all_reduce.split(",")]
+    configs += [v for v in args.variants.split(";") if v]
     results = []
-    for tp, ar in configs:
-        cmd = [sys.executable, __file__, "--one", f"{tp}:{ar}", "--model", model, "--batch", str(args.batch),
+    for one in configs:
+        tp, ar = one.split(":")[:2]
+        cmd = [sys.executable, __file__, "--one", one, "--model", model, "--batch", str(args.batch),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
         if args.profile_dir:
             cmd += ["--profile-dir", args.profile_dir]
@@ -137,22 +165,25 @@ def main() -> None:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=os.environ)
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
-            print(f"TP={tp} {ar}: failed (code {out.returncode})\n{out.stderr[-3000:]}", file=sys.stderr)
+            print(f"{one}: failed (code {out.returncode})\n{out.stderr[-3000:]}", file=sys.stderr)
             continue
         res = json.loads(line[len("RESULT "):])
         res["process_s"] = time.perf_counter() - t0
         results.append(res)
-        print(f"TP={tp} {ar}: {res['tok_s']:.0f} tok/s ({res['process_s']:.0f} s)", file=sys.stderr, flush=True)
+        print(f"{one}: {res['tok_s']:.0f} tok/s ({res['process_s']:.0f} s)", file=sys.stderr, flush=True)
+        for rank, summary in enumerate(res.get("ranks", [])):
+            print(f"  rank {rank}: {json.dumps(summary)}", file=sys.stderr, flush=True)
     base = next((r["tok_s"] for r in results if r["tp"] == 1), None)
     print(f"\n{args.preset}, batch {args.batch}, {args.input_len} in / {args.output_len} out, greedy")
-    print(f"{'TP':>3} {'all-reduce':>10} {'tok/s':>8} {'x TP=1':>7} {'AR us/step':>10} {'AR share':>8} "
+    print(f"{'TP':>3} {'all-reduce':>10} {'overrides':>24} {'tok/s':>8} {'x TP=1':>7} {'AR us/step':>10} {'AR share':>8} "
           f"{'GPU busy us/step':>16} {'wall ms/step':>12}")
     def fmt(value, spec: str) -> str:
         return "" if value is None else format(value, spec)
 
     for r in results:
         ratio = r["tok_s"] / base if base else float("nan")
-        print(f"{r['tp']:>3} {r['all_reduce']:>10} {r['tok_s']:>8.0f} {ratio:>7.2f} "
+        extra = ",".join(f"{k}={v}" for k, v in r["overrides"].items())
+        print(f"{r['tp']:>3} {r['all_reduce']:>10} {extra:>24} {r['tok_s']:>8.0f} {ratio:>7.2f} "
               f"{fmt(r.get('all_reduce_us_per_step'), '.0f'):>10} {fmt(r.get('all_reduce_share_of_span'), '.1%'):>8} "
               f"{fmt(r.get('gpu_busy_us_per_step'), '.0f'):>16} {fmt(r.get('profiled_wall_ms_per_step'), '.2f'):>12}")
     if args.out:

@@ -121,6 +121,6 @@ def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_s
             symm_mem.set_backend("CUDA")  # driver IPC and peer loads: no NVSHMEM, no multicast
         except Exception:  # noqa: BLE001 - older PyTorch has one backend and no setter
             pass
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
+    # no enable_symm_mem_for_group (deprecated): it caches the group's store by name, and an engine started after
+    # another in the same process gets a new group of the same name
     return PeerMemoryAllReduce(device, dtype, world_size), None
