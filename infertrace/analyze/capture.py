@@ -89,30 +89,17 @@ def load_capture(path: str | Path, keep_python: bool = False, capture: str | Non
     or under `exclude` (this run's outputs) are not read. Raises CaptureError when not one file is usable, `path`
     is a document infertrace wrote, or the capture or rank asked for is not there."""
     path = Path(path)
-    if not path.exists():
-        raise CaptureError(f"{path} does not exist")
-    if not path.is_dir() and not path.is_file():
-        raise CaptureError(f"{path} is not a regular file or a directory")
-    if path.is_file() and (what := own_document(path)) is not None:
-        raise CaptureError(f"{path} is {what} written by infertrace, not a trace")
-    groups = catalog(path, exclude)
-    if not groups:
-        raise CaptureError(f"no trace files in {path} (looked for {', '.join('*' + s for s in TRACE_SUFFIXES)})")
-    try:
-        group, notes = select(groups, capture, rank)
-    except LookupError as exc:
-        raise CaptureError(str(exc)) from None
-    units = _rank_units(group)
+    group, notes, units = plan_capture(path, capture, rank, exclude)
     files = [f.path for unit in units for f in unit] + [f.path for f in group.frontend()]
     read = dict(zip(files, _read_all(files, keep_python)))
     problems: list[str] = []
     loaded: list[tuple[Path, list[TraceColumns]]] = []
     for unit in units:
-        parts = [cols for cols in (_usable(f.path, read[f.path], problems) for f in unit) if cols is not None]
+        parts = [cols for cols in (usable(f.path, read[f.path], problems) for f in unit) if cols is not None]
         if parts:
             loaded.append((unit[0].path, parts))
     frontend = [(f.path, cols) for f in group.frontend()
-                if (cols := _usable(f.path, read[f.path], problems)) is not None]
+                if (cols := usable(f.path, read[f.path], problems)) is not None]
     if not loaded:
         raise CaptureError(f"no usable trace in {path}: " + "; ".join(problems))
     ranks = _assign_ranks([(file, parts[0]) for file, parts in loaded], problems)
@@ -138,6 +125,25 @@ def load_capture(path: str | Path, keep_python: bool = False, capture: str | Non
     return Capture(path, sorted(traces, key=lambda t: t.rank), problems, origin, group.name, notes, fronts)
 
 
+def plan_capture(path: Path, capture: str | None = None, rank: int | None = None,
+                 exclude: Iterable[Path] = ()) -> tuple[CaptureGroup, list[str], list[list[TraceFile]]]:
+    """The capture to read at `path`, notes on the choice, and its per-rank units of files (`load_capture`)."""
+    if not path.exists():
+        raise CaptureError(f"{path} does not exist")
+    if not path.is_dir() and not path.is_file():
+        raise CaptureError(f"{path} is not a regular file or a directory")
+    if path.is_file() and (what := own_document(path)) is not None:
+        raise CaptureError(f"{path} is {what} written by infertrace, not a trace")
+    groups = catalog(path, exclude)
+    if not groups:
+        raise CaptureError(f"no trace files in {path} (looked for {', '.join('*' + s for s in TRACE_SUFFIXES)})")
+    try:
+        group, notes = select(groups, capture, rank)
+    except LookupError as exc:
+        raise CaptureError(str(exc)) from None
+    return group, notes, _rank_units(group)
+
+
 def _rank_units(group: CaptureGroup) -> list[list[TraceFile]]:
     """The capture's per-rank files; SGLang's stage files of one rank together, EXTEND before DECODE."""
     units: dict[object, list[TraceFile]] = {}
@@ -147,7 +153,7 @@ def _rank_units(group: CaptureGroup) -> list[list[TraceFile]]:
     return [sorted(unit, key=lambda f: (f.stage != "EXTEND", f.path.name)) for unit in units.values()]
 
 
-def _usable(path: Path, outcome: tuple[TraceColumns | None, str | None], problems: list[str]) -> TraceColumns | None:
+def usable(path: Path, outcome: tuple[TraceColumns | None, str | None], problems: list[str]) -> TraceColumns | None:
     cols, failure = outcome
     if cols is None:
         problems.append(f"{path.name}: {failure}; skipped")
@@ -197,7 +203,13 @@ def claimed_rank(path: Path, metadata: dict) -> int | None:
 
 
 def _assign_ranks(loaded: list[tuple[Path, TraceColumns]], problems: list[str]) -> list[tuple[int, int | None]]:
-    claims = [claimed_rank(file, cols.metadata) for file, cols in loaded]
+    return assign_ranks([(file, claimed_rank(file, cols.metadata)) for file, cols in loaded], problems)
+
+
+def assign_ranks(claims_of: list[tuple[Path, int | None]], problems: list[str]) -> list[tuple[int, int | None]]:
+    """Each file's rank: the one it claims, unless another file claimed it first, else the lowest free one."""
+    loaded = claims_of
+    claims = [claim for _, claim in claims_of]
     owner: dict[int, Path] = {}
     ranks: list[int | None] = []
     for (file, _), claim in zip(loaded, claims):

@@ -54,7 +54,13 @@ Prints HTA's temporal, idle-time, kernel-type, top-kernel and communication-over
 includes collectives not named nccl), launch statistics (graph launches included), GPU time by kernel category,
 and inference phases: steps found from `step[PREFILL|DECODE|MIXED ..]` (infertrace), `step[EXTEND|DECODE ..]`
 (SGLang) or `execute_context_.._generation_..` (vLLM) annotations, with step time, GPU busy share, kernels per
-step, time by kernel category and a CPU-bound verdict. Timestamps are kept to the nanosecond.
+step, time by kernel category and a CPU-bound verdict. On several ranks (or one rank with collectives): the
+critical path of each step through the collectives, the gating rank and kernel, and what the step would save with
+that rank at the median rank's speed. A capture without GPU activity gets its CPU operators by self time, in all
+and per step. Timestamps are kept to the nanosecond.
+
+Ranks are read and analysed each in its own process (--jobs), or as Ray tasks (--ray), and each file's events are
+cached as columns (--cache-dir), so a second run over the same traces reads only the cache.
 
 {EXIT_CODES}
 """)
@@ -73,20 +79,34 @@ step, time by kernel category and a CPU-bound verdict. Timestamps are kept to th
               help="Which capture to read where several lie under TRACE_DIR (its vLLM prefix, SGLang profile id or "
                    "directory name) [default: the newest].")
 @click.option("--rank", type=click.IntRange(min=0), help="Read only this rank of the capture.")
+@click.option("--perfetto", "perfetto_path", type=click.Path(path_type=Path), metavar="PATH",
+              help="Write the capture in Chrome trace format (Perfetto and chrome://tracing open it) with its steps, "
+                   "phases and critical path as extra tracks.")
+@click.option("--jobs", type=click.IntRange(min=1), default=None,
+              help="Ranks analysed at once, each in its own process [default: one per core].")
+@click.option("--ray", "ray_address", metavar="ADDRESS",
+              help="Analyse each rank as a Ray task on the cluster at ADDRESS (auto: the one `ray start` made); "
+                   "the traces must be at the same path on every node. Needs the [distributed] extra.")
+@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), metavar="DIR",
+              help="Where decoded events and analysed ranks are cached [default: $INFERTRACE_CACHE_DIR, else "
+                   "~/.cache/infertrace/analyze].")
+@click.option("--no-cache", is_flag=True, help="Neither read nor write the cache.")
 @click.option("--quiet", is_flag=True, help="Print no tables (only warnings and the files written).")
 def run(trace_dir: Path, json_path: Path | None, csv_dir: Path | None, html_path: Path | None,
-        top_kernels: int | None, capture_name: str | None, rank: int | None, quiet: bool) -> None:
-    from infertrace.analyze.capture import CaptureError, load_capture
+        top_kernels: int | None, capture_name: str | None, rank: int | None, perfetto_path: Path | None,
+        jobs: int | None, ray_address: str | None, cache_dir: Path | None, no_cache: bool, quiet: bool) -> None:
+    from infertrace.analyze.capture import CaptureError
+    from infertrace.analyze.fleet import analyze_fleet, default_cache_dir
     from infertrace.analyze.render import render
-    from infertrace.analyze.report import AnalyzeConfig, build_report
+    from infertrace.analyze.report import AnalyzeConfig
 
     config = AnalyzeConfig() if top_kernels is None else AnalyzeConfig(top_kernels=top_kernels)
+    outputs = [p for p in (json_path, csv_dir, html_path, perfetto_path) if p is not None]
+    cache = None if no_cache else (cache_dir or default_cache_dir())
     try:
-        capture = load_capture(trace_dir, capture=capture_name, rank=rank,
-                               exclude=[p for p in (json_path, csv_dir, html_path) if p is not None])
+        report = analyze_fleet(trace_dir, config, capture_name, rank, outputs, jobs, ray_address, cache)
     except CaptureError as exc:
         fail(str(exc), code=BAD_INPUT)
-    report = build_report(capture, config)
     for problem in report.problems:
         err_console.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
     for note in report.notes:
@@ -94,6 +114,10 @@ def run(trace_dir: Path, json_path: Path | None, csv_dir: Path | None, html_path
     if not quiet:
         out_console.print(render(report, fit=out_console.is_terminal))
     _write_outputs(report, json_path, csv_dir, html_path)
+    if perfetto_path is not None:
+        from infertrace.analyze.perfetto import write_perfetto
+
+        _write(perfetto_path, lambda p: write_perfetto(report, p, cache))
 
 
 @analyze.command(name="diff", help=f"""Compare two captures, BEFORE and AFTER, by step type and kernel category.

@@ -85,7 +85,7 @@ def critical_path(paths: dict[int, pd.DataFrame]) -> pd.DataFrame:
         return pd.DataFrame()
     n = min(int(paths[r]["step"].max()) + 1 for r in ranks)
     grouped = {r: dict(tuple(paths[r].groupby("step", sort=True))) for r in ranks}
-    rows = []
+    rows, segments = [], []
     for k in range(n):
         per = [grouped[r].get(k) for r in ranks]
         if any(p is None for p in per):
@@ -134,7 +134,16 @@ def critical_path(paths: dict[int, pd.DataFrame]) -> pd.DataFrame:
             row["what-if saved (ms)"] = saved / 1e6
             row["what-if share"] = saved / critical if critical else 0.0
         rows.append(row)
-    return pd.DataFrame(rows)
+        if len(counts) == 1:
+            for j, i in enumerate(slowest):
+                p = per[i].iloc[j]
+                segments.append({"step": k, "segment": j, "rank": ranks[i], "start_ns": int(p["start_ns"]),
+                                 "arrive_ns": int(p["arrive_ns"]), "kernel": short_name(str(p["kernel"]), width=None),
+                                 "collective": short_name(str(p["collective"]), width=None),
+                                 "coll_ns": int(p["coll_ns"])})
+    table = pd.DataFrame(rows)
+    table.attrs["segments"] = pd.DataFrame(segments)
+    return table
 
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:

@@ -18,7 +18,7 @@ SCHEMA = "infertrace.analyze/1"
 # Table names in display order.
 TABLES = ("temporal", "idle", "kernel_types", "top_kernels", "overlap", "launches", "categories", "phases",
           "phase_categories", "steps", "frontend", "rank_communication", "step_skew", "step_requests",
-          "critical_summary", "critical_path", "cpu_ops", "cpu_steps")
+          "critical_summary", "critical_path", "critical_segments", "cpu_ops", "cpu_steps")
 
 
 @dataclass(slots=True)
@@ -41,6 +41,7 @@ class Report:
     notes: list[str] = field(default_factory=list)  # how the figures were made, where it is not obvious
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    files: dict[int, list[str]] = field(default_factory=dict)  # each rank's trace files (for --perfetto)
 
     def table(self, name: str) -> pd.DataFrame | None:
         return self.tables.get(name)
@@ -122,6 +123,7 @@ def build_report(capture: Capture, config: AnalyzeConfig | None = None) -> Repor
     trim = len(breakdown.profiler_step_names(list(events.values()))) >= 2
     parts = {r.rank: rank_part(r.events, _rank_row(r), trim, config) for r in capture.ranks}
     report = combine(str(capture.source), parts, config, list(capture.problems), list(capture.notes))
+    report.files = {r.rank: [str(r.path)] for r in capture.ranks}
     if capture.frontend:
         report.tables["frontend"] = frontend_ops(capture.frontend)
     add_step_requests(report, capture)
@@ -201,6 +203,8 @@ def combine(source: str, parts: dict[int, RankPart], config: AnalyzeConfig | Non
     paths = {rank: p.tables["step_path"] for rank, p in ordered if "step_path" in p.tables}
     if len(paths) >= 2 or any((p["collective"] != "").any() for p in paths.values()):
         run("critical_path", lambda: critical.critical_path(paths))
+        if "critical_path" in report.tables:
+            report.tables["critical_segments"] = report.tables["critical_path"].attrs.pop("segments", pd.DataFrame())
         if "critical_path" in report.tables and not report.tables["critical_path"].empty:
             run("critical_summary", lambda: critical.summary(report.tables["critical_path"]))
     if has_gpu:

@@ -33,6 +33,12 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore::Warning:hta")
 
 
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path_factory, monkeypatch):
+    """`analyze` caches decoded traces; each test gets an empty cache of its own, never the user's."""
+    monkeypatch.setenv("INFERTRACE_CACHE_DIR", str(tmp_path_factory.mktemp("analyze-cache")))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _quiet_hta():
     logging.getLogger("hta").setLevel(logging.ERROR)

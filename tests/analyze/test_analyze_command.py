@@ -52,7 +52,7 @@ def test_output_files(engine_trace, tmp_path):
     assert sorted(p.name for p in (out / "csv").iterdir()) == sorted(
         f"{n}.csv" for n in ["ranks", "temporal", "idle", "kernel_types", "top_kernels", "overlap", "launches",
                              "categories", "steps", "phases", "phase_categories", "critical_path",
-                             "critical_summary"])
+                             "critical_summary", "critical_segments"])
     html = (out / "r.html").read_text()
     assert html.startswith("<!DOCTYPE html>") and "<svg" in html and "CPU-bound" in html
     import re

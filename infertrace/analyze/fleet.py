@@ -1,0 +1,330 @@
+"""`infertrace analyze` over many ranks: each rank read and analysed on its own, in worker processes or as Ray
+tasks, with a columnar cache of every file's events.
+
+A worker reads one rank's files (SGLang's EXTEND and DECODE files of a rank together), runs every per-rank analysis
+(`report.rank_part`) and sends back only the rank's tables, so the process that combines them never holds more than
+one rank's events at a time, and each worker holds one rank's: peak memory is about one rank's per process,
+whatever the number of ranks. `--jobs` bounds the processes on this host; `--ray ADDRESS` runs the ranks as Ray
+tasks on a cluster instead (the trace files must be readable at the same path on every node, as on a shared file
+system).
+
+The cache: a file's decoded events are kept as one `.npy` column per field (names and metadata beside them, in
+JSON), and a rank's analysed part beside it, under the cache directory (`--cache-dir`, else $INFERTRACE_CACHE_DIR,
+else $XDG_CACHE_HOME/infertrace/analyze, else ~/.cache/infertrace/analyze). An entry is keyed by the file's real
+path, size and modification time and a hash of its first and last 64 KB, so a trace that changes is read again; an
+analysed part is keyed also by the options that shape it and by a hash of this package's source, so new code never
+reads an old part. A second `analyze` of the same folder reads only the parts. Entries are written to a temporary
+name and renamed, so a reader never sees half an entry; a damaged entry is read again from the trace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from infertrace.analyze.capture import (
+    PARALLEL_MIN_BYTES,
+    CaptureError,
+    RankTrace,
+    assign_ranks,
+    claimed_rank,
+    plan_capture,
+    read_trace_file,
+    usable,
+)
+from infertrace.analyze.kineto import TraceColumns, TraceError
+
+CACHE_VERSION = 1
+EDGE_BYTES = 64 << 10  # hashed from each end of a trace for its cache key
+_COLUMNS = ("name", "cat", "pid", "tid", "ts_ns", "dur_ns", "stream", "correlation", "external_id")
+
+
+def default_cache_dir() -> Path:
+    if env := os.environ.get("INFERTRACE_CACHE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "infertrace" / "analyze"
+
+
+def file_key(path: Path) -> str:
+    """What identifies a trace file's content: its real path, size, modification time and both ends' bytes."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{CACHE_VERSION}\0{real}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    with open(real, "rb") as fh:
+        digest.update(fh.read(EDGE_BYTES))
+        if st.st_size > EDGE_BYTES:
+            fh.seek(max(EDGE_BYTES, st.st_size - EDGE_BYTES))
+            digest.update(fh.read(EDGE_BYTES))
+    return digest.hexdigest()
+
+
+_CODE_HASH: str | None = None
+
+
+def code_hash() -> str:
+    """A hash of this package's source: an analysed part made by other code is never read back."""
+    global _CODE_HASH
+    if _CODE_HASH is None:
+        digest = hashlib.blake2b(digest_size=8)
+        for source in sorted(Path(__file__).parent.glob("*.py")):
+            digest.update(source.read_bytes())
+        _CODE_HASH = digest.hexdigest()
+    return _CODE_HASH
+
+
+class ColumnCache:
+    """Decoded events (`TraceColumns`) and analysed parts on disk, keyed as the module's docstring says."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def _entry(self, key: str) -> Path:
+        return self.root / key[:2] / key
+
+    def load_columns(self, key: str) -> TraceColumns | None:
+        entry = self._entry(key)
+        try:
+            info = json.loads((entry / "info.json").read_text())
+            arrays = {c: np.load(entry / f"{c}.npy", allow_pickle=False) for c in _COLUMNS}
+        except (OSError, ValueError, KeyError):
+            return None
+        return TraceColumns(names=info["names"], cats=info["cats"], metadata=info["metadata"],
+                            problem=info["problem"], warnings=info["warnings"], exact_times=info["exact_times"],
+                            **arrays)
+
+    def store_columns(self, key: str, cols: TraceColumns) -> None:
+        info = {"names": cols.names, "cats": cols.cats, "metadata": cols.metadata, "problem": cols.problem,
+                "warnings": cols.warnings, "exact_times": cols.exact_times}
+        self._write(self._entry(key), lambda tmp: (
+            (tmp / "info.json").write_text(json.dumps(info)),
+            [np.save(tmp / f"{c}.npy", getattr(cols, c), allow_pickle=False) for c in _COLUMNS]))
+
+    def load_part(self, key: str):
+        try:
+            with open(self._entry(key) / "part.pickle", "rb") as fh:
+                return pickle.load(fh)
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError):
+            return None
+
+    def store_part(self, key: str, part) -> None:
+        self._write(self._entry(key), lambda tmp: (tmp / "part.pickle").write_bytes(
+            pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)))
+
+    def _write(self, entry: Path, fill) -> None:
+        """Fill a temporary directory and rename it into place; a cache that cannot be written is skipped."""
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
+            try:
+                fill(tmp)
+                if entry.exists():
+                    shutil.rmtree(entry, ignore_errors=True)
+                os.rename(tmp, entry)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+
+
+@dataclass(slots=True)
+class UnitResult:
+    """What a worker sends back for one rank's files: the rank's part, or why nothing was usable."""
+
+    files: list[str]
+    outcomes: list[tuple[TraceColumns | None, str | None]]  # per file: columns (events dropped) or the failure
+    part: object | None  # report.RankPart
+    claim: int | None
+    events: int = 0
+    names: set = field(default_factory=set)
+    from_cache: bool = False
+
+
+def read_unit(paths: list[Path], keep_python: bool, cache: ColumnCache | None) -> list[tuple]:
+    out = []
+    for path in paths:
+        key = file_key(path) + ("-py" if keep_python else "") if cache is not None else None
+        cols = cache.load_columns(key) if cache is not None else None
+        if cols is None:
+            try:
+                cols = read_trace_file(path, keep_python)
+            except TraceError as exc:
+                out.append((None, str(exc)))
+                continue
+            except Exception as exc:  # noqa: BLE001 - a file we cannot read must not stop the others
+                out.append((None, f"unreadable ({type(exc).__name__}: {exc})".splitlines()[0]))
+                continue
+            if cache is not None:
+                cache.store_columns(key, cols)
+        out.append((cols, None))
+    return out
+
+
+def analyze_unit(paths: list[str], config, trim: bool | None, cache_root: str | None,
+                 keep_python: bool = False) -> UnitResult:
+    """One rank: read (or take from the cache) its files and run every per-rank analysis. Runs in a worker."""
+    from infertrace.analyze.events import event_frame
+    from infertrace.analyze.report import rank_part, rank_row
+
+    cache = ColumnCache(Path(cache_root)) if cache_root else None
+    files = [Path(p) for p in paths]
+    part_key = None
+    if cache is not None:
+        try:
+            keys = [file_key(f) for f in files]
+        except OSError:
+            keys = None
+        if keys is not None:
+            part_key = hashlib.blake2b("|".join([*keys, repr(trim), repr(config), code_hash(),
+                                                 str(keep_python)]).encode(), digest_size=16).hexdigest()
+            cached = cache.load_part(part_key)
+            if isinstance(cached, UnitResult):
+                cached.from_cache = True
+                return cached
+    outcomes = read_unit(files, keep_python, cache)
+    good = [(f, cols) for f, (cols, _) in zip(files, outcomes) if cols is not None]
+    part, claim, count = None, None, 0
+    if good:
+        first_path, first = good[0]
+        claim = claimed_rank(first_path, first.metadata)
+        non_empty = [int(cols.ts_ns.min()) for _, cols in good if len(cols)]
+        origin = min(non_empty) if non_empty else 0
+        frames = [event_frame(cols, origin) for _, cols in good]
+        import pandas as pd
+
+        events = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+        count = len(events)
+        device = RankTrace(0, first_path, events.iloc[:0], first.metadata, True, None).device
+        part = rank_part(events, rank_row(first_path, events, claim, device, all(c.exact_times for _, c in good)),
+                         trim, config)
+        del events, frames
+    # the events are not sent back: only the lines the parent reports about each file
+    light = [(None if cols is None else _without_events(cols), failure) for cols, failure in outcomes]
+    result = UnitResult([str(f) for f in files], light, part, claim, count,
+                        part.step_names if part is not None else set())
+    if cache is not None and part_key is not None:
+        cache.store_part(part_key, result)
+    return result
+
+
+def _without_events(cols: TraceColumns) -> TraceColumns:
+    empty = np.empty(0, dtype=np.int64)
+    return TraceColumns(names=[], name=empty.astype(np.int32), cats=[], cat=empty.astype(np.int32), pid=empty,
+                        tid=empty, ts_ns=empty, dur_ns=empty, stream=empty, correlation=empty, external_id=empty,
+                        metadata=cols.metadata, problem=cols.problem, warnings=list(cols.warnings),
+                        exact_times=cols.exact_times)
+
+
+def analyze_fleet(path: str | Path, config=None, capture: str | None = None, rank: int | None = None,
+                  exclude: Iterable[Path] = (), jobs: int | None = None, ray_address: str | None = None,
+                  cache_dir: Path | None = None):
+    """The report of the capture at `path`, its ranks analysed apart (in `jobs` processes, or as Ray tasks on the
+    cluster at `ray_address`), each file's events cached under `cache_dir` (None: no cache)."""
+    from infertrace.analyze.report import AnalyzeConfig, add_step_requests, combine, frontend_ops
+
+    config = config or AnalyzeConfig()
+    path = Path(path)
+    group, notes, units = plan_capture(path, capture, rank, exclude)
+    cache_root = str(cache_dir) if cache_dir is not None else None
+    unit_paths = [[str(f.path) for f in unit] for unit in units]
+    if ray_address is None and jobs is None and sum(_size(p) for u in unit_paths for p in u) < PARALLEL_MIN_BYTES:
+        jobs = 1  # starting worker processes would cost more than it saves
+    results = _run(unit_paths, config, None, cache_root, jobs, ray_address)
+    names = set().union(*(r.names for r in results))
+    if len(names) >= 2:  # HTA trims the last step over the whole capture: redo a rank that could not tell alone
+        redo = [i for i, r in enumerate(results) if r.part is not None and not r.part.trimmed and r.names]
+        if redo:
+            again = _run([unit_paths[i] for i in redo], config, True, cache_root, jobs, ray_address)
+            for i, r in zip(redo, again):
+                results[i] = r
+    problems: list[str] = []
+    for result in results:
+        for file, outcome in zip(result.files, result.outcomes):
+            usable(Path(file), outcome, problems)
+    done = [(Path(r.files[0]), r) for r in results if r.part is not None]
+    if not done:
+        raise CaptureError(f"no usable trace in {path}: " + "; ".join(problems))
+    if all(r.events == 0 for _, r in done):
+        raise CaptureError(f"no events in {path}: no trace there holds a complete event"
+                           + "".join(f"; {p}" for p in problems))
+    ranks = assign_ranks([(file, r.claim) for file, r in done], problems)
+    parts = {}
+    for (file, result), (r, claimed) in zip(done, ranks):
+        result.part.row["claimed_rank"] = claimed if claimed is not None else ""
+        parts[r] = result.part
+        if result.events == 0:
+            problems.append(f"{file.name}: no complete events")
+    for unit in units:
+        if len(unit) > 1:
+            notes.append(f"{' and '.join(f.path.name for f in unit)}: stages of one rank, read as one")
+    report = combine(str(path), parts, config, problems, notes)
+    report.files = {r: result.files for (_, result), (r, _) in zip(done, ranks)}
+    fronts = []
+    for f in group.frontend():
+        cols = usable(f.path, read_unit([f.path], False, None)[0], report.problems)
+        if cols is not None:
+            from infertrace.analyze.events import event_frame
+
+            fronts.append(RankTrace(-1, f.path, event_frame(cols, 0), cols.metadata, cols.exact_times, None))
+            report.notes.append(f"{f.path.name}: the API server's CPU trace (the frontend), not a rank")
+    if fronts:
+        report.tables["frontend"] = frontend_ops(fronts)
+    add_step_requests(report, _Files([RankTrace(r, file, None, {}, True, None)
+                                      for (file, _), (r, _) in zip(done, ranks)]))
+    report.notes.append(f"{len(done)} rank(s) analysed apart"
+                        + (f" as Ray tasks on {ray_address}" if ray_address else f" in up to {_workers(jobs, len(unit_paths))} process(es)")
+                        + (f"; {sum(r.from_cache for _, r in done)} from the cache" if cache_root else ""))
+    return report
+
+
+@dataclass(slots=True)
+class _Files:
+    ranks: list
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _workers(jobs: int | None, units: int) -> int:
+    return max(1, min(units, jobs or os.cpu_count() or 1))
+
+
+def _run(unit_paths: list[list[str]], config, trim, cache_root, jobs, ray_address) -> list[UnitResult]:
+    if ray_address:
+        return _run_ray(unit_paths, config, trim, cache_root, ray_address)
+    workers = _workers(jobs, len(unit_paths))
+    if workers > 1:
+        try:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+                futures = [pool.submit(analyze_unit, paths, config, trim, cache_root) for paths in unit_paths]
+                return [f.result() for f in futures]
+        except (OSError, RuntimeError):  # no processes allowed here: one rank after another
+            pass
+    return [analyze_unit(paths, config, trim, cache_root) for paths in unit_paths]
+
+
+def _run_ray(unit_paths, config, trim, cache_root, address: str) -> list[UnitResult]:
+    try:
+        import ray
+    except ImportError:
+        raise CaptureError("--ray needs Ray: pip install -e '.[distributed]'") from None
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False)
+    task = ray.remote(num_cpus=1, max_retries=0)(analyze_unit)
+    return ray.get([task.remote(paths, config, trim, cache_root) for paths in unit_paths])

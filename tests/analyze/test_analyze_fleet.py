@@ -1,0 +1,138 @@
+"""Ranks analysed apart (worker processes, Ray tasks) and the columnar cache: the same report as in one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pandas as pd
+import pytest
+
+from infertrace.analyze import build_report, load_capture
+from infertrace.analyze.fleet import analyze_fleet
+
+
+def assert_same_report(a, b):
+    assert sorted(a.tables) == sorted(b.tables)
+    assert a.skipped == b.skipped and a.problems == b.problems
+    pd.testing.assert_frame_equal(a.ranks, b.ranks, check_dtype=False)
+    for name in a.tables:
+        pd.testing.assert_frame_equal(a.tables[name].reset_index(drop=True), b.tables[name].reset_index(drop=True),
+                                      check_dtype=False, obj=name)
+
+
+@pytest.fixture()
+def two_rank(traces, tmp_path):
+    for name in ("sampled_rank-0.json.gz", "sampled_rank-1.json.gz"):
+        shutil.copy(traces / "hta-samples/two_rank_nccl" / name, tmp_path)
+    return tmp_path
+
+
+def test_ranks_in_worker_processes_give_the_one_process_report(two_rank):
+    expected = build_report(load_capture(two_rank))
+    got = analyze_fleet(two_rank, jobs=2)
+    assert_same_report(got, expected)
+    assert "2 rank(s) analysed apart in up to 2 process(es)" in got.notes
+
+
+def test_second_run_reads_the_cache_and_a_changed_file_is_read_again(two_rank, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    first = analyze_fleet(two_rank, jobs=1, cache_dir=cache)
+    assert "2 rank(s) analysed apart in up to 1 process(es); 0 from the cache" in first.notes
+    second = analyze_fleet(two_rank, jobs=1, cache_dir=cache)
+    assert "2 rank(s) analysed apart in up to 1 process(es); 2 from the cache" in second.notes
+    assert_same_report(second, first)
+    # a trace rewritten with other content (same size, same mtime) is read again: its ends are hashed
+    path = two_rank / "sampled_rank-1.json.gz"
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-9] ^= 0xFF  # the gzip trailer's CRC: the file now ends differently
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    third = analyze_fleet(two_rank, jobs=1, cache_dir=cache)
+    assert "1 from the cache" in third.notes[-1]
+    # a damaged cache entry is read again from the trace, not trusted
+    for part in cache.rglob("part.pickle"):
+        part.write_bytes(b"not a pickle")
+    for info in cache.rglob("info.json"):
+        info.write_text("{")
+    fourth = analyze_fleet(two_rank, jobs=1, cache_dir=cache)
+    assert "0 from the cache" in fourth.notes[-1]
+    assert_same_report(fourth, third)
+
+
+def _rank_file(path, traces, rank: int, copies: int):
+    """A rank made of `copies` shifted copies of the vLLM B200 rank-0 trace (about 14 MB of JSON each)."""
+    import gzip
+
+    doc = json.loads(gzip.decompress((traces / "tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz").read_bytes()))
+    events = doc.pop("traceEvents")
+    timed = [e for e in events if "ts" in e]
+    span = max(e["ts"] + e.get("dur", 0) for e in timed) - min(e["ts"] for e in timed) + 1000.0
+    out = []
+    for c in range(copies):
+        for e in events:
+            e = dict(e)
+            if "ts" in e:
+                e["ts"] = round(e["ts"] + c * span, 3)
+            if isinstance(e.get("args"), dict) and "correlation" in e["args"]:
+                e["args"] = {**e["args"], "correlation": e["args"]["correlation"] + c * 10**7}
+            out.append(e)
+    doc["distributedInfo"] = {"rank": rank, "world_size": 4}
+    doc["traceEvents"] = out
+    path.write_text(json.dumps(doc))
+
+
+_MEASURE = """
+import json, resource, sys
+from infertrace.analyze.fleet import analyze_fleet
+report = analyze_fleet(sys.argv[1], jobs=int(sys.argv[2]))
+status = open("/proc/self/status").read()
+own = int(status.split("VmHWM:")[1].split()[0]) / 1024
+children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+print(json.dumps({"own_mb": own, "children_mb": children, "ranks": len(report.ranks)}))
+"""
+
+
+def test_peak_memory_is_about_one_ranks_whatever_the_ranks(traces, tmp_path, run_python):
+    one, four = tmp_path / "one", tmp_path / "four"
+    one.mkdir()
+    four.mkdir()
+    _rank_file(one / "rank0.json", traces, 0, 6)
+    for rank in range(4):
+        shutil.copy(one / "rank0.json", four / f"rank{rank}.json")
+        text = (four / f"rank{rank}.json").read_text().replace('"rank": 0,', f'"rank": {rank},')
+        (four / f"rank{rank}.json").write_text(text)
+    alone = json.loads(run_python(["-c", _MEASURE, str(one), "1"], timeout=300).stdout)
+    spread = json.loads(run_python(["-c", _MEASURE, str(four), "2"], timeout=300).stdout)
+    assert alone["ranks"] == 1 and spread["ranks"] == 4
+    # the combining process never holds a rank's events; each worker holds one rank's at a time
+    assert spread["own_mb"] < alone["own_mb"]
+    assert spread["children_mb"] < alone["own_mb"] * 1.25
+
+
+ray = pytest.importorskip("ray", reason="Ray is the optional [distributed] extra")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_ranks_as_ray_tasks_on_a_local_cluster(cluster, two_rank, tmp_path):
+    from click.testing import CliRunner
+
+    from infertrace.analyze.command import analyze
+
+    expected = build_report(load_capture(two_rank))
+    got = analyze_fleet(two_rank, ray_address="auto")
+    assert_same_report(got, expected)
+    assert "2 rank(s) analysed apart as Ray tasks on auto" in got.notes
+    result = CliRunner().invoke(analyze, [str(two_rank), "--ray", "auto", "--no-cache", "--json",
+                                          str(tmp_path / "r.json"), "--quiet"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "as Ray tasks" in result.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["ranks"][1]["rank"] == 1
