@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from infertrace.config_fields import key_values
 from infertrace.modelgen.presets import PRESETS
 
 EXIT_CODES = """\b
@@ -17,13 +18,10 @@ Exit codes:
 
 
 def _key_values(ctx, param, values):
-    out = {}
-    for item in values:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
+    try:
+        return key_values(values, "--engine-opt")
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 @click.command("ablate", help=f"""Run phase-by-phase ablations of the bundled engine from a recipe.
