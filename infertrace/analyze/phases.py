@@ -303,3 +303,82 @@ def gpu_ops_by_step(events: pd.DataFrame, steps: pd.DataFrame) -> tuple[pd.DataF
     step_of_corr = _launches_in_steps(runtime, steps, cpu_threads)
     found = step_of_corr.reindex(gpu["correlation"].to_numpy()).to_numpy()
     return gpu, np.where(np.isnan(found), -1, found).astype(np.int64)
+
+
+CPU_NESTING = ("cpu_op", "annotation", "runtime")  # what an operator's self time leaves out when nested inside it
+
+
+def self_times(events: pd.DataFrame) -> pd.DataFrame:
+    """The CPU operators (`cpu_op`) of one rank with their self time: the duration less that of the operators,
+    annotations and runtime calls directly inside them on the same thread."""
+    cpu = events[events["kind"].isin(CPU_NESTING).to_numpy()]
+    if cpu.empty:
+        return pd.DataFrame(columns=["name", "pid", "tid", "ts_ns", "dur_ns", "self_ns"])
+    order = np.lexsort((-cpu["dur_ns"].to_numpy(), cpu["ts_ns"].to_numpy(), cpu["tid"].to_numpy(),
+                        cpu["pid"].to_numpy()))
+    pid, tid = cpu["pid"].to_numpy()[order], cpu["tid"].to_numpy()[order]
+    ts, dur = cpu["ts_ns"].to_numpy()[order], cpu["dur_ns"].to_numpy()[order]
+    end = ts + dur
+    child_ns = np.zeros(len(order), dtype=np.int64)
+    stack: list[int] = []
+    for i in range(len(order)):
+        if stack and (pid[stack[-1]] != pid[i] or tid[stack[-1]] != tid[i]):
+            stack.clear()
+        while stack and end[stack[-1]] <= ts[i]:
+            stack.pop()
+        if stack:  # the innermost open event encloses this one: its direct parent
+            parent = stack[-1]
+            child_ns[parent] += min(end[i], end[parent]) - ts[i]
+        stack.append(i)
+    self_ns = np.maximum(dur - child_ns, 0)
+    is_op = (cpu["kind"] == "cpu_op").to_numpy()[order]
+    return pd.DataFrame({"name": cpu["name"].astype(str).to_numpy()[order][is_op], "pid": pid[is_op],
+                         "tid": tid[is_op], "ts_ns": ts[is_op], "dur_ns": dur[is_op], "self_ns": self_ns[is_op]})
+
+
+CPU_TOP = 15  # operators listed per rank, and per step type
+
+
+def cpu_operators(ops: pd.DataFrame, top: int = CPU_TOP) -> pd.DataFrame:
+    """One rank's CPU operators by self time: calls, self and total (inclusive) time, share of all self time."""
+    if ops.empty:
+        return pd.DataFrame(columns=["name", "calls", "self (ms)", "self share", "total (ms)"])
+    table = ops.groupby("name").agg(calls=("self_ns", "size"), self_ns=("self_ns", "sum"), total_ns=("dur_ns", "sum"))
+    table = table.sort_values("self_ns", ascending=False, kind="stable")
+    whole = table["self_ns"].sum()
+    table = table.head(top).reset_index()
+    return pd.DataFrame({"name": table["name"], "calls": table["calls"], "self (ms)": table["self_ns"] / 1e6,
+                         "self share": table["self_ns"] / whole if whole else 0.0,
+                         "total (ms)": table["total_ns"] / 1e6})
+
+
+def cpu_in_steps(ops: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Self nanoseconds per step type and operator, of the operators that start inside a step on its thread."""
+    if ops.empty or steps.empty:
+        return pd.DataFrame(columns=["type", "name", "self_ns"])
+    ranges = pd.DataFrame({"ts_ns": steps["ts_ns"].to_numpy(), "pid": steps["pid"].to_numpy(),
+                           "tid": steps["tid"].to_numpy(), "end_ns": steps["end_ns"].to_numpy(),
+                           "type": steps["type"].to_numpy()}).sort_values("ts_ns", kind="stable")
+    left = ops.sort_values("ts_ns", kind="stable")
+    matched = pd.merge_asof(left, ranges, on="ts_ns", by=["pid", "tid"], direction="backward")
+    inside = matched["end_ns"].notna().to_numpy().copy()
+    inside[inside] = matched["ts_ns"].to_numpy()[inside] < matched["end_ns"].to_numpy()[inside].astype(np.int64)
+    inside &= matched["name"].to_numpy() != matched["type"].to_numpy()
+    return matched[inside].groupby(["type", "name"], sort=False)["self_ns"].sum().reset_index()
+
+
+def cpu_steps_table(parts: list[pd.DataFrame], steps: pd.DataFrame, top: int = 10) -> pd.DataFrame:
+    """Per step type, the operators with the most self time per step, over every rank's steps."""
+    parts = [p for p in parts if not p.empty]
+    if not parts or steps.empty:
+        return pd.DataFrame(columns=["type", "name", "steps", "self per step (ms)", "share of step"])
+    raw = pd.concat(parts).groupby(["type", "name"], sort=False)["self_ns"].sum().reset_index()
+    rows = []
+    for kind, g in raw.groupby("type", sort=False):
+        of_type = steps[steps["type"] == kind]
+        count, wall_ms = len(of_type), of_type["step_ms"].sum()
+        for r in g.sort_values("self_ns", ascending=False, kind="stable").head(top).to_dict("records"):
+            rows.append({"type": kind, "name": r["name"], "steps": count,
+                         "self per step (ms)": r["self_ns"] / 1e6 / count if count else float("nan"),
+                         "share of step": r["self_ns"] / 1e6 / wall_ms if wall_ms else float("nan")})
+    return pd.DataFrame(rows)

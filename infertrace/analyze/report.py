@@ -107,6 +107,14 @@ def rank_part(events: pd.DataFrame, row: dict, trim: bool | None = None,
             part.skipped["categories"] = _failure(exc)
     run("steps", lambda: _steps({0: events}))
     steps = part.tables.get("steps")
+    if not has_gpu:  # a CPU-only capture: where its CPU time went, instead of empty GPU tables
+        try:
+            ops = phases.self_times(events)
+            part.tables["cpu_ops"] = phases.cpu_operators(ops)
+            if steps is not None and not steps.empty:
+                part.tables["cpu_in_steps"] = phases.cpu_in_steps(ops, steps)
+        except Exception as exc:  # noqa: BLE001
+            part.skipped["cpu_ops"] = _failure(exc)
     if steps is not None and not steps.empty:
         try:
             ordered = steps.sort_values("ts_ns", kind="stable").reset_index(drop=True)
@@ -177,6 +185,11 @@ def combine(source: str, parts: dict[int, RankPart], config: AnalyzeConfig | Non
     else:
         for name in GPU_TABLES:
             report.skipped[name] = NO_GPU
+        if "cpu_ops" not in report.skipped:
+            _concat_into(report, "cpu_ops", ordered)
+            if "cpu_ops" in report.tables:
+                cpu = report.tables["cpu_ops"]
+                report.tables["cpu_ops"] = cpu[["rank"] + [c for c in cpu.columns if c != "rank"]]
     if "steps" in report.skipped:
         return report
     _concat_into(report, "steps", ordered)
@@ -211,6 +224,8 @@ def combine(source: str, parts: dict[int, RankPart], config: AnalyzeConfig | Non
         run("phase_categories", lambda: phases.phase_categories(steps))
     else:
         report.skipped["phase_categories"] = NO_GPU
+        run("cpu_steps", lambda: phases.cpu_steps_table(
+            [p.tables["cpu_in_steps"] for _, p in ordered if "cpu_in_steps" in p.tables], steps))
     return report
 
 

@@ -310,3 +310,29 @@ def test_kernels_started_early_by_pdl_count_from_the_end_of_the_one_before(tmp_p
     step = _steps(make_trace(tmp_path / "t.json", events)).iloc[0]
     assert (step["GEMM (ms)"], step["norm (ms)"], step["attention (ms)"]) == pytest.approx((0.035, 0.005, 0.015))
     assert step["busy_ms"] == pytest.approx(0.050)  # 110-160, the union, as before
+
+
+def test_cpu_only_capture_gets_cpu_operators_by_self_time(tmp_path, make_trace, make_events):
+    from infertrace.analyze import analyze_path
+
+    make_trace(tmp_path / "cpu.pt.trace.json", make_events([
+        ("user_annotation", "step[DECODE bs=1]", 0, 100, 1, {}),
+        ("cpu_op", "aten::linear", 10, 50, 1, {}),
+        ("cpu_op", "aten::addmm", 15, 40, 1, {}),  # inside linear: linear keeps 10 us of its own
+        ("cpu_op", "aten::relu", 70, 10, 1, {}),
+        ("cpu_op", "aten::copy_", 200, 10, 1, {}),  # after the step
+        ("cpu_op", "aten::addmm", 0, 30, 2, {}),  # another thread, no step there
+    ]))
+    report = analyze_path(tmp_path)
+    assert report.skipped["temporal"] == "no GPU kernels in the capture (a CPU-only trace)"
+    ops = report.tables["cpu_ops"]
+    got = {r["name"]: (r["calls"], round(r["self (ms)"], 6), round(r["total (ms)"], 6))
+           for r in ops.to_dict("records")}
+    assert got == {"aten::addmm": (2, 0.07, 0.07), "aten::linear": (1, 0.01, 0.05), "aten::relu": (1, 0.01, 0.01),
+                   "aten::copy_": (1, 0.01, 0.01)}
+    assert ops["name"].iloc[0] == "aten::addmm" and ops["self share"].iloc[0] == pytest.approx(70 / 100)
+    per_step = report.tables["cpu_steps"]
+    assert per_step[["type", "name"]].values.tolist() == [["DECODE", "aten::addmm"], ["DECODE", "aten::linear"],
+                                                          ["DECODE", "aten::relu"]]
+    assert per_step["self per step (ms)"].tolist() == pytest.approx([0.04, 0.01, 0.01])
+    assert per_step["share of step"].tolist() == pytest.approx([0.4, 0.1, 0.1])

@@ -14,13 +14,14 @@ from infertrace.analyze.report import AnalyzeConfig
 
 def test_cpu_only_trace_runs_what_it_can(traces, tmp_path, make_trace, make_events):
     report = analyze_path(traces / "hta-samples" / "cpu_only")
-    assert set(report.tables) == {"steps", "phases"}  # its one ProfilerStep is still timed
+    # its one ProfilerStep is still timed, and its CPU operators take the place of the GPU tables
+    assert set(report.tables) == {"steps", "phases", "cpu_ops", "cpu_steps"}
     assert report.tables["phases"]["verdict"].tolist() == ["no GPU work"]
     assert report.skipped["temporal"] == "no GPU kernels in the capture (a CPU-only trace)"
     assert report.skipped["phase_categories"] == "no GPU kernels in the capture (a CPU-only trace)"
     plain = make_trace(tmp_path / "t.json", make_events([("cpu_op", "aten::mm", 10, 5, 1, {})]))
     no_steps = analyze_path(plain)
-    assert no_steps.skipped["phases"].startswith("no step annotations") and no_steps.tables == {}
+    assert no_steps.skipped["phases"].startswith("no step annotations") and set(no_steps.tables) == {"cpu_ops"}
 
 
 def test_one_failing_analysis_leaves_the_others(engine_trace, monkeypatch):
