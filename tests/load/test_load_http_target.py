@@ -115,3 +115,20 @@ def test_a_base_url_without_a_scheme_or_host_is_one_clear_line(url, message):
 def test_good_urls_pass():
     for url in ("http://127.0.0.1:8000", "https://api.example.com/v1", "http://[::1]:8000"):
         assert check_url(url) == url
+
+
+async def test_a_load_worker_counts_the_salt_in_the_tokenizer_directory(tiny_model_dir):
+    """Load workers load no tokenizer: the salt's tokens are counted from tokenizer.json at open, the same count
+    the parent's tokenizer gives, so the server's prompt counts still agree with the built lengths."""
+    from infertrace.load.client.targets import load_tokenizer
+
+    class Quiet:
+        async def open(self):
+            pass
+
+    worker = HttpTarget("http://h", "completions", "m", Quiet(), prompt_salt="run 0123456789ab",
+                        tokenizer_dir=tiny_model_dir)
+    await worker.open()
+    parent = HttpTarget("http://h", "completions", "m", None, prompt_salt="run 0123456789ab",
+                        tokenizer=load_tokenizer(tiny_model_dir))
+    assert worker.salt_tokens == parent.salt_tokens > 0

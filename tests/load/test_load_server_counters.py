@@ -89,3 +89,6 @@ def test_a_repeated_run_against_infertrace_serve_is_warned_and_a_salted_one_is_n
     assert "warm" in output and "--prompt-salt random" in output
     assert salted["server_prefix_cache_hit_rate"] < 0.1 and salted["prefix_cache_warnings"] == []
     assert salted["config"]["prompt_salt"].startswith("run ") and salted["input_token_mismatches"] == 0
+    spread, _ = run("spread", "--prompt-salt", "random", "--workers", "2")  # each worker counts the salt too
+    assert spread["input_tokens_compared"] == 4 and spread["input_token_mismatches"] == 0
+    assert spread["prefix_cache_warnings"] == []

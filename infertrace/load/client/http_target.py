@@ -8,6 +8,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
@@ -286,6 +287,17 @@ def _names_by_rid(server_info: dict | None) -> bool:
     return isinstance(info, dict) and "internal_states" in info
 
 
+def _count_tokens(tokenizer_dir: Path, text: str) -> int:
+    """Tokens of `text` in the directory's tokenizer.json (the fast tokenizer transformers would load), without
+    special tokens; 0 when there is none to read."""
+    from tokenizers import Tokenizer
+
+    try:
+        return len(Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode(text, add_special_tokens=False))
+    except Exception:  # noqa: BLE001 - no tokenizer.json, or one tokenizers cannot read: counts stay unadjusted
+        return 0
+
+
 def normalize_base_url(url: str) -> str:
     url = url.rstrip("/")
     return url.removesuffix("/v1")
@@ -315,7 +327,7 @@ class HttpTarget:
     def __init__(self, base_url: str, endpoint: str, model: str | None, transport: Transport,
                  model_is_path: bool = False, ignore_eos: bool = False, temperature: float = 0.0,
                  continuous_usage: bool = True, extra_body: dict | None = None, tokenizer=None,
-                 prompt_salt: str | None = None) -> None:
+                 prompt_salt: str | None = None, tokenizer_dir: str | Path | None = None) -> None:
         self.base_url = normalize_base_url(base_url)
         self.endpoint = endpoint
         self.path = ENDPOINT_PATHS[endpoint]
@@ -331,6 +343,7 @@ class HttpTarget:
         self.max_model_len: int | None = None  # the served model's context length, when /v1/models gives it
         self.prompt_salt = prompt_salt  # --prompt-salt: a line before every prompt, so no earlier run's cache fits
         self._salt_tokens: int | None = None
+        self.tokenizer_dir = tokenizer_dir  # where a load worker, which loads no tokenizer, counts the salt's tokens
         self._profiler = None  # the ProfilerClient of a capture in progress
         self._capture = None
         # X-Request-Id of every send: unique to this target, so the server's request log joins back to the run
@@ -338,6 +351,8 @@ class HttpTarget:
 
     async def open(self) -> None:
         await self.transport.open()
+        if self.prompt_salt and self.tokenizer is None and self.tokenizer_dir is not None:
+            self._salt_tokens = await asyncio.to_thread(_count_tokens, Path(self.tokenizer_dir), self.salt_line)
 
     async def close(self) -> None:
         await self.transport.close()
@@ -376,7 +391,7 @@ class HttpTarget:
     def salt_tokens(self) -> int:
         """The salt line's tokens in our tokenizer (0 without a salt or a tokenizer): added to each prompt's
         built length, so that the server's count still agrees with ours."""
-        if not self.prompt_salt or self.tokenizer is None:
+        if self._salt_tokens is None and (not self.prompt_salt or self.tokenizer is None):
             return 0
         if self._salt_tokens is None:
             self._salt_tokens = len(self.tokenizer.encode(self.salt_line, add_special_tokens=False))
