@@ -75,12 +75,12 @@ def trace_files(path: Path) -> list[Path]:
     return sorted(f.path for group in catalog(path) for f in group.files)
 
 
-def read_trace_file(path: Path, keep_python: bool = False) -> TraceColumns:
+def read_trace_file(path: Path, keep_python: bool = False, workers: int = 1) -> TraceColumns:
     if path.name.endswith(".sqlite"):
         return read_nsys_sqlite(path)
     if path.name.endswith(".nsys-rep"):
         return read_nsys_report(path)
-    return read_kineto(path, keep_python=keep_python)
+    return read_kineto(path, keep_python=keep_python, workers=workers)
 
 
 def load_capture(path: str | Path, keep_python: bool = False, capture: str | None = None,

@@ -83,7 +83,8 @@ cached as columns (--cache-dir), so a second run over the same traces reads only
               help="Write the capture in Chrome trace format (Perfetto and chrome://tracing open it) with its steps, "
                    "phases and critical path as extra tracks.")
 @click.option("--jobs", type=click.IntRange(min=1), default=None,
-              help="Ranks analysed at once, each in its own process [default: one per core].")
+              help="Processes: ranks analysed at once, each in its own; for a one-rank capture, the processes a "
+                   "large JSON trace is decoded in [default: one per core; one file in one process below 4 cores].")
 @click.option("--ray", "ray_address", metavar="ADDRESS",
               help="Analyse each rank as a Ray task on the cluster at ADDRESS (auto: the one `ray start` made); "
                    "the traces must be at the same path on every node. Needs the [distributed] extra.")

@@ -83,23 +83,25 @@ def critical_path(paths: dict[int, pd.DataFrame]) -> pd.DataFrame:
     ranks = sorted(r for r, p in paths.items() if not p.empty)
     if not ranks:
         return pd.DataFrame()
-    n = min(int(paths[r]["step"].max()) + 1 for r in ranks)
-    grouped = {r: dict(tuple(paths[r].groupby("step", sort=True))) for r in ranks}
+    cols = {r: {c: paths[r][c].to_numpy() for c in PATH_COLUMNS} for r in ranks}
+    bounds = {r: np.searchsorted(cols[r]["step"], np.arange(int(cols[r]["step"].max()) + 2)) for r in ranks}
+    n = min(len(bounds[r]) - 1 for r in ranks)
     rows, segments = [], []
     for k in range(n):
-        per = [grouped[r].get(k) for r in ranks]
-        if any(p is None for p in per):
+        per = [{c: v[bounds[r][k]:bounds[r][k + 1]] for c, v in cols[r].items()} for r in ranks]
+        if any(p["step"].size == 0 for p in per):
             continue
-        counts = {len(p) for p in per}
-        if len(counts) == 1:
-            seg = np.stack([p["seg_ns"].to_numpy() for p in per])  # ranks x segments
-            coll = np.stack([p["coll_ns"].to_numpy()[:-1] for p in per])
-            kernels = [p["kernel"].to_numpy() for p in per]
-            coll_names = per[0]["collective"].to_numpy()[:-1]
+        counts = {p["step"].size for p in per}
+        aligned = len(counts) == 1
+        if aligned:
+            seg = np.stack([p["seg_ns"] for p in per])  # ranks x segments
+            coll = np.stack([p["coll_ns"][:-1] for p in per])
+            kernels = [p["kernel"] for p in per]
+            coll_names = per[0]["collective"][:-1]
         else:  # the ranks ran different collectives: the whole step as one segment
-            seg = np.array([[int(p["arrive_ns"].iloc[-1] - p["start_ns"].iloc[0])] for p in per])
+            seg = np.array([[int(p["arrive_ns"][-1] - p["start_ns"][0])] for p in per])
             coll = np.zeros((len(per), 0), dtype=np.int64)
-            kernels = [np.array([p.loc[p["kernel_ns"].idxmax(), "kernel"]]) for p in per]
+            kernels = [np.array([p["kernel"][int(np.argmax(p["kernel_ns"]))]]) for p in per]
             coll_names = np.array([], dtype=object)
         slowest = seg.argmax(axis=0)
         seg_max = seg.max(axis=0)
@@ -108,11 +110,10 @@ def critical_path(paths: dict[int, pd.DataFrame]) -> pd.DataFrame:
         median = np.median(seg, axis=0)
         excess = np.where(np.arange(len(ranks))[:, None] == slowest[None, :], seg - median[None, :], 0).sum(axis=1)
         gate_rank_i = int(excess.argmax())
+        saved = None
         if len(ranks) > 1:
             others = np.delete(seg, gate_rank_i, axis=0).max(axis=0)
             saved = int(seg_max.sum() - np.maximum(others, median).sum())
-        else:
-            saved = None
         # the largest item on the path: a segment (its rank's longest kernel) or a collective's transfer
         big_seg = int(seg_max.argmax())
         big_coll = int(transfer.argmax()) if transfer.size else -1
@@ -124,7 +125,7 @@ def critical_path(paths: dict[int, pd.DataFrame]) -> pd.DataFrame:
             gate = kernels[int(slowest[big_seg])][big_seg]
             gate_kind, gate_ns = "segment", int(seg_max[big_seg])
         row = {
-            "step": k, "type": per[0]["type"].iloc[0], "ranks": len(ranks), "collectives": int(coll.shape[1]),
+            "step": k, "type": per[0]["type"][0], "ranks": len(ranks), "collectives": int(coll.shape[1]),
             "critical (ms)": critical / 1e6, "transfer (ms)": int(transfer.sum()) / 1e6,
             "gating rank": ranks[gate_rank_i], "gate": short_name(str(gate), width=None) if gate else "",
             "gate kind": gate_kind, "gate rank": gate_rank, "gate (ms)": gate_ns / 1e6,
@@ -134,16 +135,24 @@ def critical_path(paths: dict[int, pd.DataFrame]) -> pd.DataFrame:
             row["what-if saved (ms)"] = saved / 1e6
             row["what-if share"] = saved / critical if critical else 0.0
         rows.append(row)
-        if len(counts) == 1:
+        if aligned:
             for j, i in enumerate(slowest):
-                p = per[i].iloc[j]
-                segments.append({"step": k, "segment": j, "rank": ranks[i], "start_ns": int(p["start_ns"]),
-                                 "arrive_ns": int(p["arrive_ns"]), "kernel": short_name(str(p["kernel"]), width=None),
-                                 "collective": short_name(str(p["collective"]), width=None),
-                                 "coll_ns": int(p["coll_ns"])})
+                p = per[i]
+                segments.append({"step": k, "segment": j, "rank": ranks[i], "start_ns": int(p["start_ns"][j]),
+                                 "arrive_ns": int(p["arrive_ns"][j]), "kernel": _short(p["kernel"][j]),
+                                 "collective": _short(p["collective"][j]), "coll_ns": int(p["coll_ns"][j])})
     table = pd.DataFrame(rows)
     table.attrs["segments"] = pd.DataFrame(segments)
     return table
+
+
+_SHORT: dict[str, str] = {}
+
+
+def _short(name: str) -> str:
+    if name not in _SHORT:
+        _SHORT[name] = short_name(str(name), width=None) if name else ""
+    return _SHORT[name]
 
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:

@@ -44,9 +44,9 @@ def event_frame(cols: TraceColumns, origin_ns: int) -> pd.DataFrame:
     dur = cols.dur_ns / 1000.0
     frame = pd.DataFrame({
         "index": np.arange(len(cols), dtype=np.int64),
-        "name": pd.Categorical.from_codes(cols.name, categories=cols.names),
-        "cat": pd.Categorical.from_codes(cols.cat, categories=cols.cats),
-        "kind": pd.Categorical.from_codes(kind, categories=list(KINDS)),
+        "name": pd.Categorical.from_codes(cols.name, categories=cols.names, validate=False),
+        "cat": pd.Categorical.from_codes(cols.cat, categories=cols.cats, validate=False),
+        "kind": pd.Categorical.from_codes(kind, categories=list(KINDS), validate=False),
         "pid": cols.pid,
         "tid": cols.tid,
         "ts_ns": cols.ts_ns,

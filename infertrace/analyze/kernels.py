@@ -86,10 +86,11 @@ def per_event(events: pd.DataFrame, fn) -> np.ndarray:
     """`fn(name, kind)` for each row of `events`, evaluated once per distinct (name, kind)."""
     if events.empty:
         return np.empty(0, dtype=object)
-    pairs = pd.MultiIndex.from_arrays([events["name"].cat.codes, events["kind"].cat.codes])
-    codes, uniques = pd.factorize(pairs)
     names, kinds = events["name"].cat.categories, events["kind"].cat.categories
-    values = np.array([fn(names[n], kinds[k]) for n, k in uniques], dtype=object)
+    # one int64 per (name, kind): factorizing it is a hash of integers, not of tuples
+    pairs = events["name"].cat.codes.to_numpy().astype(np.int64) * len(kinds) + events["kind"].cat.codes.to_numpy()
+    codes, uniques = pd.factorize(pairs)
+    values = np.array([fn(names[u // len(kinds)], kinds[u % len(kinds)]) for u in uniques.tolist()], dtype=object)
     return values[codes]
 
 

@@ -71,11 +71,16 @@ class TraceColumns:
         return int(self.ts_ns.size)
 
 
-def read_kineto(path: str | Path, keep_python: bool = False, typed: bool = True) -> TraceColumns:
+def read_kineto(path: str | Path, keep_python: bool = False, typed: bool = True, workers: int = 1) -> TraceColumns:
     """Read one Kineto JSON trace (`.json` or gzip, told apart by content). Raises TraceError when unusable.
 
     `keep_python` keeps `python_function` events (with_stack traces hold millions of them and no analysis
-    here needs them). `typed=False` decodes through plain dicts even where msgspec is installed."""
+    here needs them). `typed=False` decodes through plain dicts even where msgspec is installed. `workers` above
+    one decodes a large plain file in that many processes, a stretch of the events array each (`_read_split`)."""
+    if workers > 1 and typed and _typed_decoder() is not None:
+        split = _read_split(Path(path), keep_python, workers)
+        if split is not None:
+            return split
     sink = _ColumnSink(keep_python)
     decoder = _StreamDecoder(sink, _typed_decoder() if typed else None)
     problem = late = None
@@ -111,6 +116,141 @@ def read_kineto(path: str | Path, keep_python: bool = False, typed: bool = True)
         raise TraceError(problem.replace(" (truncated file)", ", before its first complete event (truncated file)"))
     if problem is not None:
         columns.problem = f"{problem}; kept the {len(columns):,} complete events before it"
+    return columns
+
+
+SPLIT_MIN_BYTES = 64 << 20  # a plain file at least this large is decoded in several processes when asked
+_BOUNDARY = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")
+
+
+def _read_split(path: Path, keep_python: bool, workers: int) -> TraceColumns | None:
+    """Decode a plain JSON trace in `workers` processes, each a stretch of the events array cut where one event
+    ends and the next begins. None (read it in one process instead) for a gzip or small file, or when a stretch does
+    not decode as whole events from its start to its end: each stretch but the last must decode completely and end
+    exactly at its cut, and the first starts at the array's real start, so every cut is a real event boundary."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            if fh.read(2) == b"\x1f\x8b" or size < SPLIT_MIN_BYTES:
+                return None
+            fh.seek(0)
+            head = fh.read(METADATA_LIMIT + BLOCK)
+            start = _array_start(head)
+            if start is None:
+                return None
+            cuts = [start]
+            for i in range(1, workers):
+                fh.seek(max(start, size * i // workers))
+                window = fh.read(EVENT_LIMIT)
+                m = _BOUNDARY.search(window)
+                if m is None:
+                    return None
+                at = fh.tell() - len(window) + m.start() + 1  # just past the `}`
+                if at > cuts[-1]:
+                    cuts.append(at)
+    except OSError:
+        return None
+    ranges = [(cuts[i] if i == 0 else _next_brace(path, cuts[i]), cuts[i + 1] if i + 1 < len(cuts) else size)
+              for i in range(len(cuts))]
+    try:
+        with ProcessPoolExecutor(len(ranges), mp_context=multiprocessing.get_context("fork")) as pool:
+            parts = list(pool.map(_decode_range, [str(path)] * len(ranges), [r[0] for r in ranges],
+                                  [r[1] for r in ranges], [i == len(ranges) - 1 for i in range(len(ranges))],
+                                  [keep_python] * len(ranges)))
+    except (OSError, RuntimeError):
+        return None
+    if any(p is None for p in parts):
+        return None
+    header = _StreamDecoder(_ColumnSink(keep_python), None)
+    header.feed(head[: start])
+    header.header = bytearray(head[: start].lstrip(_WS))
+    key = header.header.rfind(_KEY)
+    if key >= 0:
+        del header.header[key:]
+    header.trailer = parts[-1]["trailer"]
+    return _merge(parts, header.metadata(), parts[-1]["late"])
+
+
+def _array_start(head: bytes) -> int | None:
+    """The offset of the first byte inside the top-level `traceEvents` array, or None."""
+    decoder = _StreamDecoder(_ColumnSink(False), None)
+    stripped = head.lstrip(_WS)
+    lead = len(head) - len(stripped)
+    if stripped[:1] == b"[":
+        return lead + 1
+    try:
+        for at in range(0, len(head), 1 << 16):  # only until the array opens: the events are the workers'
+            decoder.feed(head[at: at + (1 << 16)])
+            if decoder.state != _HEADER:
+                break
+    except TraceError:
+        return None
+    if decoder.state != _EVENTS:
+        return None
+    key_at = lead + len(decoder.header)  # the header is cut at the key
+    bracket = head.find(b"[", key_at + len(_KEY))
+    return None if bracket < 0 else bracket + 1
+
+
+def _next_brace(path: Path, at: int) -> int:
+    with open(path, "rb") as fh:
+        fh.seek(at)
+        window = fh.read(EVENT_LIMIT)
+    return at + window.index(b"{")
+
+
+def _decode_range(path: str, lo: int, hi: int, last: bool, keep_python: bool) -> dict | None:
+    sink = _ColumnSink(keep_python)
+    decoder = _StreamDecoder(sink, _typed_decoder())
+    decoder._start_events(b"")
+    gc.disable()
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(lo)
+            left = hi - lo
+            while left > 0 and (block := fh.read(min(BLOCK, left))):
+                left -= len(block)
+                if not decoder.feed(block):
+                    break
+        if not last:
+            if decoder.state != _EVENTS:
+                return None
+            decoder.feed(b"]")
+        late = decoder.finish()
+    except TraceError:
+        return None
+    if not last and (late is not None or decoder.state != _TRAILER or decoder.trailer.strip()):
+        return None
+    return {"sink": sink, "trailer": bytes(decoder.trailer), "late": late}
+
+
+def _merge(parts: list[dict], metadata: dict, late: str | None) -> TraceColumns:
+    """One TraceColumns from the stretches' sinks, their name, category and text-id codes made one."""
+    whole = _ColumnSink(False)
+    for part in parts:
+        sink = part["sink"]
+        names = np.array([whole.names.setdefault(n, len(whole.names)) for n in sink.names], dtype=np.int32)
+        cats = np.array([whole.cats.setdefault(c, len(whole.cats)) for c in sink.cats], dtype=np.int32)
+        texts = {-1 - k: -1 - whole.text_ids.setdefault(t, len(whole.text_ids)) for t, k in sink.text_ids.items()}
+        for chunk in sink.chunks:
+            name, cat, pid, tid, *rest = chunk
+            if texts:
+                pid = np.array([texts.get(v, v) for v in pid.tolist()], dtype=np.int64) if (pid < 0).any() else pid
+                tid = np.array([texts.get(v, v) for v in tid.tolist()], dtype=np.int64) if (tid < 0).any() else tid
+            whole.chunks.append((names[name] if names.size else name, cats[cat] if cats.size else cat, pid, tid,
+                                 *rest))
+        whole.count += sink.count
+        whole.exact &= sink.exact
+        whole.invalid += sink.invalid
+        whole.cut_names |= sink.cut_names
+    columns = whole.columns(metadata)
+    if late is not None:
+        if not len(columns):
+            raise TraceError(late.replace(" (truncated file)", ", before its first complete event (truncated file)"))
+        columns.problem = f"{late}; kept the {len(columns):,} complete events before it"
     return columns
 
 

@@ -157,10 +157,16 @@ def exclusive_ns(gpu: pd.DataFrame) -> np.ndarray:
     frame = pd.DataFrame({"pid": gpu["pid"].to_numpy()[order], "stream": gpu["stream"].to_numpy()[order],
                           "end": end[order]})
     # the latest end among the ops that started earlier on the same stream (none for a stream's first op)
-    before = frame.groupby(["pid", "stream"], sort=False)["end"].transform(lambda e: e.cummax().shift(1))
-    first = before.isna().to_numpy()
+    pid_s, stream_s, end_s = frame["pid"].to_numpy(), frame["stream"].to_numpy(), frame["end"].to_numpy()
+    cut = np.flatnonzero((pid_s[1:] != pid_s[:-1]) | (stream_s[1:] != stream_s[:-1])) + 1
+    before = np.empty(len(end_s), dtype=np.int64)
+    first = np.zeros(len(end_s), dtype=bool)
+    for lo, hi in zip(np.concatenate(([0], cut)), np.concatenate((cut, [len(end_s)]))):
+        if hi > lo:
+            first[lo] = True
+            before[lo + 1:hi] = np.maximum.accumulate(end_s[lo:hi - 1])
     start = ts[order].copy()
-    start[~first] = np.maximum(start[~first], before.to_numpy()[~first].astype(np.int64))
+    start[~first] = np.maximum(start[~first], before[~first])
     out = np.empty(len(ts), dtype=np.int64)
     out[order] = np.maximum(end[order] - start, 0)
     return out

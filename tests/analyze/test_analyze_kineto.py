@@ -240,3 +240,47 @@ def test_gzip_bomb_of_whitespace_reads_in_bounded_memory(tmp_path, read_in_child
     out = read_in_child(path, gzip_ratio_limit=10**6)  # each state of the reader, past the gzip bound below
     assert {k: out.get(k) for k in expect} == expect
     assert out["peak_mb"] < 250  # the columns, one event's worth of buffer and the libraries; not the 128 MB
+
+
+def _plain_trace(traces, path):
+    import gzip
+
+    path.write_bytes(gzip.decompress((traces / "tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz").read_bytes()))
+    return path
+
+
+def _same_columns(a, b):
+    for field in ("ts_ns", "dur_ns", "pid", "tid", "stream", "correlation", "external_id"):
+        assert np.array_equal(getattr(a, field), getattr(b, field)), field
+    assert [a.names[i] for i in a.name] == [b.names[i] for i in b.name]
+    assert [a.cats[i] for i in a.cat] == [b.cats[i] for i in b.cat]
+    assert (a.metadata, a.problem, a.exact_times) == (b.metadata, b.problem, b.exact_times)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_file_decoded_in_several_processes_equals_one_process(traces, tmp_path, monkeypatch, workers):
+    path = _plain_trace(traces, tmp_path / "t.json")
+    whole = read_kineto(path)
+    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    calls = []
+    real_merge = kineto._merge
+    monkeypatch.setattr(kineto, "_merge", lambda parts, *a: calls.append(len(parts)) or real_merge(parts, *a))
+    split = read_kineto(path, workers=workers)
+    assert calls == [workers]  # it was split, not read in one process
+    _same_columns(whole, split)
+
+
+def test_a_cut_inside_an_event_falls_back_to_one_process(tmp_path, monkeypatch):
+    # the middle of the file is inside one event's long list of objects, where "}, {" is no event boundary
+    small = [{"ph": "X", "cat": "cpu_op", "name": f"op{i}", "pid": 1, "tid": 1, "ts": i, "dur": 1} for i in range(50)]
+    big = {"ph": "X", "cat": "cpu_op", "name": "big", "pid": 1, "tid": 1, "ts": 100, "dur": 1,
+           "args": {"list": [{"a": i} for i in range(200_000)]}}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": small + [big] + small}))
+    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    calls = []
+    real_merge = kineto._merge
+    monkeypatch.setattr(kineto, "_merge", lambda parts, *a: calls.append(len(parts)) or real_merge(parts, *a))
+    split = read_kineto(path, workers=2)
+    assert calls == []  # the stretch before the false cut did not decode as whole events
+    assert [split.names[i] for i in split.name] == [e["name"] for e in small + [big] + small]
