@@ -7,9 +7,8 @@ process watched, so a rank that fails to start is an error naming it rather than
 
 Every way out ends every rank. Rank 0's `OtherRanks` owns the others: `shutdown()` (called by the engine's finalizer
 too, so a script that returns or raises without calling it still stops them at interpreter exit) tells each rank to
-exit, and every rank destroys its side of the process group at the same time (NCCL's destroy waits for all of them:
-rank 0 destroying after the others had gone waited for ever), each bounded by TEARDOWN_WAIT_S; what is left after
-EXIT_WAIT_S is killed. A watcher thread sees a rank
+exit (a rank leaves by os._exit, without NCCL's teardown), kills what is left after EXIT_WAIT_S, then aborts rank 0's
+side of an NCCL group (a destroy with the peers gone waits for ever), bounded by TEARDOWN_WAIT_S. A watcher thread sees a rank
 that dies on its own: it records why, kills the other ranks (they would wait for ever in a collective with the dead
 one) and aborts rank 0's NCCL communicator, so a step waiting on the dead rank ends and raises RankFailedError; the
 step's wait polls for that instead of blocking in the driver, since a peer-memory all-reduce spinning on a dead
@@ -231,8 +230,6 @@ class OtherRanks:
                 conn.send_bytes(pickle.dumps(("exit",)))
             except OSError:
                 pass
-        # the ranks tear down their side at the same time: NCCL's destroy waits for every rank to call it
-        _teardown_process_group(self.backend, orderly=self.failure is None)
         running = {p.sentinel: p for p in self.procs}
         deadline = time.monotonic() + EXIT_WAIT_S
         while running and (left := deadline - time.monotonic()) > 0:
@@ -248,6 +245,7 @@ class OtherRanks:
             self._watcher.join(1)
         os.close(self._wake_r)
         os.close(self._wake_w)
+        _teardown_process_group(self.backend)
 
 
 def _abort_process_group() -> None:
@@ -262,16 +260,16 @@ def _abort_process_group() -> None:
             print(f"infertrace: aborting the process group failed: {e}", file=sys.stderr, flush=True)
 
 
-def _teardown_process_group(backend: str, orderly: bool) -> None:
-    """This rank's side of the process group. `orderly`: every rank tears down at the same time (shutdown), and the
-    group is destroyed; NCCL's destroy waits for the other ranks to call it too (called after they had exited, it
-    waited for ever: the hang at exit). Else (a rank died) NCCL's group is aborted, which waits for nobody. In a
+def _teardown_process_group(backend: str) -> None:
+    """Rank 0's side of the process group, once the other ranks are gone: gloo's is destroyed; NCCL's aborted (its
+    destroy, called after the other ranks had gone, waited for ever: the hang at exit; called by every rank at once,
+    it did not finish within 3 s on 4 H200s either, and left the next engine of the process unable to start). In a
     thread, so that a teardown that still blocks costs at most TEARDOWN_WAIT_S."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return
-    teardown = dist.destroy_process_group if orderly or backend != "nccl" else _abort_process_group
+    teardown = dist.destroy_process_group if backend != "nccl" else _abort_process_group
     thread = threading.Thread(target=teardown, name="infertrace-tp-teardown", daemon=True)
     thread.start()
     thread.join(TEARDOWN_WAIT_S)
@@ -283,7 +281,7 @@ def _teardown_process_group(backend: str, orderly: bool) -> None:
 def rank_main(config: EngineConfig, model_dir: Path, hf_config: dict, rank: int, init: str,
               conn: multiprocessing.connection.Connection) -> None:
     """A rank's process: join the group, build the model shard and KV cache, then run what rank 0 sends. It ends
-    with os._exit, after a bounded teardown of the group when told to exit."""
+    with os._exit: NCCL's teardown can wait on peers that have gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process of the group: rank 0 decides
     exit_with_parent()
     try:
@@ -305,8 +303,7 @@ def rank_main(config: EngineConfig, model_dir: Path, hf_config: dict, rank: int,
         os._exit(1)
     code = 0
     try:
-        if _Rank(runner, conn).loop():  # told to exit: rank 0 tears down the group now too
-            _teardown_process_group(backend_for(config), orderly=True)
+        _Rank(runner, conn).loop()
     except BaseException:
         traceback.print_exc()  # a failed step (a peer gone mid-collective, say); rank 0 names the rank
         code = 1

@@ -30,26 +30,55 @@ def model_dir(request, tmp_path_factory):
 
 
 def greedy_and_first_logits(model_dir, prompts, new_tokens, **config):
-    engine = Engine(model_dir, EngineConfig(**LIGHT, **config))
-    first = []
-    sampler = engine.runner.sampler
+    """(greedy tokens per prompt, first step's logits, decode path) of an engine started in a process of its own:
+    each engine gets a fresh process group, whatever the last one's teardown left behind."""
+    import multiprocessing
 
-    def spy(rows, params, generators):
-        if not first:
-            first.append(rows.float().cpu().clone())
-        return sampler(rows, params, generators)
-
-    engine.runner.sampler = spy
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_run_engine, args=(str(model_dir), prompts, new_tokens, config, theirs))
+    proc.start()
+    theirs.close()
     try:
+        if not ours.poll(240):
+            raise AssertionError("the engine process sent nothing within 240 s")
+        kind, value = ours.recv()
+    except EOFError:
+        raise AssertionError(f"the engine process exited with {proc.join(5) or proc.exitcode}") from None
+    finally:
+        proc.join(15)
+        if proc.exitcode is None:
+            proc.kill()
+    if kind == "error":
+        raise AssertionError(value)
+    tokens, logits, path = value
+    return tokens, torch.from_numpy(logits), path
+
+
+def _run_engine(model_dir, prompts, new_tokens, config, conn) -> None:
+    import traceback
+
+    try:
+        engine = Engine(model_dir, EngineConfig(**LIGHT, **config))
+        first = []
+        sampler = engine.runner.sampler
+
+        def spy(rows, params, generators):
+            if not first:
+                first.append(rows.float().cpu().clone())
+            return sampler(rows, params, generators)
+
+        engine.runner.sampler = spy
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
         tokens = {f"r{i}": [] for i in range(len(prompts))}
         while engine.has_unfinished():
             for out in engine.step():
                 tokens[out.request_id] += out.new_token_ids
-        return [tokens[f"r{i}"] for i in range(len(prompts))], first[0], engine.decode_path()
-    finally:
+        conn.send(("ok", ([tokens[f"r{i}"] for i in range(len(prompts))], first[0].numpy(), engine.decode_path())))
         engine.shutdown()
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
 
 
 PROMPTS = [[(7 * i + 13 * j) % 150000 + 100 for j in range(n)] for i, n in enumerate([5, 37, 120])]
