@@ -17,7 +17,7 @@ def run_report_document(record, result: dict) -> dict:
     doc = report_document(record.results, observed.origin, scrape=observed.scrape, telemetry=observed.telemetry,
                           findings=[*run_findings(record), *tail_findings(record.results)],
                           profile_window=observed.profile_window,
-                          requests=requests_data(record.results, record.request_log),
+                          requests=requests_data(record.results, getattr(record, "request_log", None)),
                           trace_span_s=window.trace_span_s if window else None, result=result,
                           phases=window.phases if window else None, steps=window.steps if window else None)
     doc["notes"] = observed.notes + ([window.note] if window and window.note else []) + doc["notes"]
