@@ -1,11 +1,13 @@
-"""`infertrace analyze` against HTA on a large trace: parse plus every analysis here, HTA's parse alone there.
+"""`infertrace analyze` against HTA (traceinsight) on one large rank: our command with every analysis, cold and from
+its cache, against HTA's parse alone with its default loader and with its fastest (ijson, yajl2_c backend).
 
 The trace is made by replicating the real events of TraceLens' vLLM TP8 B200 capture (shifted in time, with
 fresh correlation and external ids) until it reaches --size-mb of JSON; it is written under /tmp, never into
-the repository. Each measurement runs in a fresh Python process, one at a time, alternating the two tools; a
-process reports its own wall time (imports included) and peak resident memory (ru_maxrss).
+the repository. Each measurement runs in a fresh Python process, one at a time, the tools alternating. Wall time is
+measured around the whole process (interpreter start and imports included); peak memory is the process's own peak
+resident set (VmHWM) plus, where it started worker processes, the largest of theirs.
 
-    python benchmarks/analyze_speed.py --size-mb 520 --repeats 3
+    python benchmarks/analyze_speed.py --size-mb 520 --repeats 2
 """
 
 from __future__ import annotations
@@ -16,18 +18,29 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1].parent / "shared/traces/tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz"
 DEFAULT_TRACE = Path("/tmp/infertrace-bench/vllm_b200_x/trace.json")
+TOOLS = ("hta", "hta_fast", "ours", "ours_cached")
+LABELS = {
+    "hta": "traceinsight 0.6.1 `TraceAnalysis(trace_dir)`, default loader (parse only)",
+    "hta_fast": "traceinsight 0.6.1, `ParserBackend.IJSON_BATCH_AND_COMPRESS` (parse only)",
+    "ours": "`infertrace analyze DIR --quiet --no-cache` (parse + every analysis)",
+    "ours_cached": "`infertrace analyze DIR --quiet`, second run (from the cache)",
+}
 
 
-def build_trace(out: Path, size_mb: float) -> dict:
+def build_trace(out: Path, size_mb: float, rank: int | None = None) -> dict:
     doc = json.loads(gzip.decompress(SOURCE.read_bytes()))
+    if rank is not None:
+        doc["distributedInfo"] = {**doc.get("distributedInfo", {}), "rank": rank}
     events = doc.pop("traceEvents")
     timed = [e for e in events if "ts" in e]
     span = max(e["ts"] + e.get("dur", 0) for e in timed) - min(e["ts"] for e in timed) + 1000.0
@@ -64,45 +77,59 @@ def build_trace(out: Path, size_mb: float) -> dict:
     return {"copies": copies, "events": copies * len(events), "bytes": out.stat().st_size}
 
 
-def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _peaks() -> dict:
+    status = Path("/proc/self/status").read_text()
+    own = int(status.split("VmHWM:")[1].split()[0]) / 1024
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return {"own_mb": own, "children_mb": children}
 
 
-def child_hta(trace_dir: str) -> dict:
-    start = time.perf_counter()
+def child_hta(trace_dir: str, fast: bool) -> dict:
     import logging
 
+    from hta.common.trace_parser import ParserBackend, set_default_trace_parsing_backend
     from hta.trace_analysis import TraceAnalysis
 
     logging.getLogger("hta").setLevel(logging.ERROR)
+    if fast:
+        import ijson
+
+        assert "yajl2_c" in ijson.backend, ijson.backend
+        set_default_trace_parsing_backend(ParserBackend.IJSON_BATCH_AND_COMPRESS)
     analysis = TraceAnalysis(trace_dir=trace_dir)
-    wall, peak = time.perf_counter() - start, _peak_mb()
+    out = _peaks()
     frame = analysis.t.get_trace(0)
     kernels = frame[frame["cat"] == analysis.t.symbol_table.get_sym_id_map()["kernel"]]
-    return {"wall_s": wall, "max_rss_mb": peak, "kernels": len(kernels),
-            "kernel_us": float(kernels["dur"].sum())}
+    return {**out, "kernels": len(kernels), "kernel_us": float(kernels["dur"].sum())}
 
 
-def child_ours(trace_dir: str) -> dict:
-    start = time.perf_counter()
-    from infertrace.analyze import build_report, load_capture
+def child_ours(trace_dir: str, cache_dir: str | None) -> dict:
+    from infertrace.cli import main
 
-    capture = load_capture(trace_dir)
-    report = build_report(capture)
-    wall, peak = time.perf_counter() - start, _peak_mb()
-    assert not report.skipped, report.skipped
-    events = capture.ranks[0].events
+    args = ["analyze", trace_dir, "--quiet"] + (["--cache-dir", cache_dir] if cache_dir else ["--no-cache"])
+    main(args, standalone_mode=False)
+    return _peaks()
+
+
+def child_exact(trace_dir: str) -> dict:
+    from infertrace.analyze import load_capture
+
+    events = load_capture(trace_dir).ranks[0].events
     kernels = events[events["kind"] == "kernel"]
-    return {"wall_s": wall, "max_rss_mb": peak, "kernels": len(kernels),
-            "kernel_us": int(kernels["dur_ns"].sum()) / 1000.0}
+    return {"kernels": len(kernels), "kernel_ns": int(kernels["dur_ns"].sum())}
 
 
-def measure(tool: str, trace_dir: Path, env: dict | None = None) -> dict:
-    cmd = [sys.executable, __file__, "--child", tool, str(trace_dir)]
+def measure(tool: str, trace_dir: Path, extra: list[str] | None = None, env: dict | None = None) -> dict:
+    cmd = [sys.executable, __file__, "--child", tool, str(trace_dir), *(extra or [])]
+    start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, check=False)
+    wall = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{tool} run failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out["wall_s"] = wall
+    out["peak_mb"] = out["own_mb"] + (out["children_mb"] if tool.startswith("ours") else 0.0)
+    return out
 
 
 def machine() -> str:
@@ -117,14 +144,14 @@ def machine() -> str:
             break
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{os.cpu_count()} CPU cores ({model or platform.processor()}), {mem_gb:.0f} GiB RAM, Python " \
-           f"{platform.python_version()}"
+           f"{platform.python_version()}, load average {os.getloadavg()[0]:.1f} at start"
 
 
 def versions() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     out = []
-    for pkg in ("HolisticTraceAnalysis", "pandas", "numpy", "msgspec"):
+    for pkg in ("traceinsight", "ijson", "pandas", "numpy", "msgspec"):
         try:
             out.append(f"{pkg} {version(pkg)}")
         except PackageNotFoundError:
@@ -132,48 +159,74 @@ def versions() -> str:
     return ", ".join(out)
 
 
+def _has_ijson() -> bool:
+    try:
+        import ijson
+    except ImportError:
+        return False
+    return "yajl2_c" in ijson.backend
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="where the replicated trace is written")
     parser.add_argument("--size-mb", type=float, default=520, help="size of the replicated trace in MB (1e6 B)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each tool, alternating")
-    parser.add_argument("--child", nargs=2, metavar=("TOOL", "DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each tool, alternating")
+    parser.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps({"hta": child_hta, "ours": child_ours}[args.child[0]](args.child[1])))
+        tool, trace_dir, *rest = args.child
+        result = {"hta": lambda: child_hta(trace_dir, False), "hta_fast": lambda: child_hta(trace_dir, True),
+                  "ours": lambda: child_ours(trace_dir, None),
+                  "ours_cached": lambda: child_ours(trace_dir, rest[0]),
+                  "exact": lambda: {**child_exact(trace_dir), "own_mb": 0, "children_mb": 0}}[tool]()
+        print(json.dumps(result))
         return
     if not args.trace.exists() or args.trace.stat().st_size < args.size_mb * 1e6 * 0.99:
         info = build_trace(args.trace, args.size_mb)
         print(f"built {args.trace}: {info['events']:,} events ({info['copies']} copies), {info['bytes']:,} bytes",
               file=sys.stderr)
-    with open(args.trace, "rb") as fh:  # warm the page cache so neither tool pays for the first read
+    with open(args.trace, "rb") as fh:  # warm the page cache so no tool pays for the first read
         while fh.read(1 << 24):
             pass
-    runs: dict[str, list[dict]] = {"hta": [], "ours": []}
-    for i in range(args.repeats):
-        for tool in ("hta", "ours"):
-            result = measure(tool, args.trace.parent)
-            runs[tool].append(result)
-            print(f"run {i + 1} {tool}: {result['wall_s']:.2f} s, {result['max_rss_mb']:.0f} MB", file=sys.stderr)
-    exact = measure("hta", args.trace.parent, {"HTA_DISABLE_NS_ROUNDING": "1"})
-    med = {tool: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "max_rss_mb")}
-           for tool, rs in runs.items()}
+    tools = [t for t in TOOLS if t != "hta_fast" or _has_ijson()]
+    if "hta_fast" not in tools:
+        print("ijson with the yajl2_c backend is not installed (pip install ijson): the fastest HTA loader is left "
+              "out", file=sys.stderr)
+    cache = Path(tempfile.mkdtemp(prefix="infertrace-bench-cache-"))
+    try:
+        measure("ours_cached", args.trace.parent, [str(cache)])  # fills the cache
+        runs: dict[str, list[dict]] = {t: [] for t in tools}
+        for i in range(args.repeats):
+            for tool in tools:
+                result = measure(tool, args.trace.parent, [str(cache)] if tool == "ours_cached" else None)
+                runs[tool].append(result)
+                print(f"run {i + 1} {tool}: {result['wall_s']:.2f} s, {result['peak_mb']:.0f} MB", file=sys.stderr)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    exact = measure("exact", args.trace.parent)
+    hta_exact = measure("hta", args.trace.parent, env={"HTA_DISABLE_NS_ROUNDING": "1"})
+    med = {t: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "peak_mb")} for t, rs in runs.items()}
     size = args.trace.stat().st_size
     print(f"machine: {machine()}; {versions()}")
-    print(f"trace: {args.trace} ({size / 1e6:.0f} MB of JSON)")
+    print(f"trace: {args.trace} ({size / 1e6:.0f} MB of JSON, one rank)")
     print(f"command: python benchmarks/analyze_speed.py --size-mb {args.size_mb:g} --repeats {args.repeats}")
-    print(f"| | wall time (median of {args.repeats}) | peak RSS (median) |")
+    print(f"| | wall time, median of {args.repeats} (each run) | peak memory, median (each run) |")
     print("|---|---|---|")
-    print(f"| HTA 0.5.0 `TraceAnalysis(trace_dir)` (parse only) | {med['hta']['wall_s']:.1f} s | "
-          f"{med['hta']['max_rss_mb']:,.0f} MB |")
-    print(f"| `infertrace analyze` load + all analyses | {med['ours']['wall_s']:.1f} s | "
-          f"{med['ours']['max_rss_mb']:,.0f} MB |")
-    print(f"| ratio | {med['hta']['wall_s'] / med['ours']['wall_s']:.1f}x faster | "
-          f"{med['ours']['max_rss_mb'] / med['hta']['max_rss_mb']:.2f}x the memory |")
-    ours, hta = runs["ours"][0], runs["hta"][0]
-    print(f"kernels: ours {ours['kernels']:,}, HTA {hta['kernels']:,}, HTA without ns rounding {exact['kernels']:,}")
-    print(f"kernel time (us): ours {ours['kernel_us']:,.3f}; HTA without ns rounding {exact['kernel_us']:,.3f}; "
-          f"HTA default (rounds each kernel inwards to whole us) {hta['kernel_us']:,.3f}")
+    for tool in tools:
+        walls = ", ".join(f"{r['wall_s']:.2f}" for r in runs[tool])
+        peaks = ", ".join(f"{r['peak_mb']:,.0f}" for r in runs[tool])
+        print(f"| {LABELS[tool]} | {med[tool]['wall_s']:.2f} s ({walls}) | {med[tool]['peak_mb']:,.0f} MB ({peaks}) |")
+    for base in ("hta_fast", "hta"):
+        if base in med:
+            for ours in ("ours", "ours_cached"):
+                print(f"| {ours} against {base} | {med[base]['wall_s'] / med[ours]['wall_s']:.1f}x faster | "
+                      f"{med[ours]['peak_mb'] / med[base]['peak_mb']:.2f}x the memory |")
+    hta = runs["hta"][0]
+    print(f"kernels: ours {exact['kernels']:,}, HTA {hta['kernels']:,}, HTA without ns rounding "
+          f"{hta_exact['kernels']:,}")
+    print(f"kernel time (us): ours {exact['kernel_ns'] / 1000:,.3f} (integer ns); HTA without ns rounding "
+          f"{hta_exact['kernel_us']:,.3f}; HTA default (rounds each kernel inwards to whole us) {hta['kernel_us']:,.3f}")
     print("all runs: " + json.dumps(runs))
 
 

@@ -167,7 +167,6 @@ def _report_of(path: Path):
 
 
 def _write_outputs(report, json_path: Path | None, csv_dir: Path | None, html_path: Path | None) -> None:
-    from infertrace.analyze.html import write_html
     from infertrace.analyze.persist import write_csv, write_json
 
     if json_path is not None:
@@ -175,6 +174,8 @@ def _write_outputs(report, json_path: Path | None, csv_dir: Path | None, html_pa
     if csv_dir is not None:
         _write(csv_dir, lambda p: write_csv(report, p))
     if html_path is not None:
+        from infertrace.analyze.html import write_html  # plotly, a fifth of a second: only for the page
+
         _write(html_path, lambda p: write_html(report, p))
 
 
