@@ -111,3 +111,19 @@ def test_unmatched_and_unexplainable_requests_are_counted_not_guessed():
     summary = join([a, b], _log([rec], []))
     assert (summary["requests"], summary["matched"], summary["explained"]) == (2, 1, 0)
     assert summary["offset_ms"] is None and b.server is None and "ttft_parts" not in a.server
+
+
+def test_the_bundled_engine_in_process_is_joined_on_one_clock(tiny_model_dir, tmp_path):
+    out, lines = tmp_path / "r.json", tmp_path / "r.jsonl"
+    result = CliRunner().invoke(bench, [
+        "--model", str(tiny_model_dir), "--num-prompts", "24", "--concurrency", "6", "--input-len", "40",
+        "--output-len", "6", "--ignore-eos", "--result-json", str(out), "--requests-jsonl", str(lines)],
+        catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    joined = json.loads(out.read_text())["request_log"]
+    assert joined["matched"] == joined["explained"] == 24 and joined["offset_consistent"]
+    assert abs(joined["offset_ms"]) <= joined["offset_error_ms"] + 1e-6  # the same process: the same clock
+    for r in map(json.loads, lines.read_text().splitlines()):
+        if r["phase"] == "measured":
+            assert sum(r["ttft_parts"].values()) == pytest.approx(r["ttft_ms"], abs=1e-6)
+            assert r["request_id"].startswith("bench-") and len(r["itl_steps"]) == 5

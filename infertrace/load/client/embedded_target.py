@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -80,6 +81,9 @@ class EmbeddedTarget:
     def max_model_len(self) -> int | None:
         return getattr(self.engine, "max_model_len", None)
 
+    def new_request_id(self) -> str:
+        return f"bench-{next(self._ids)}"
+
     async def stream(self, spec: RequestSpec) -> AsyncIterator[list[StreamEvent]]:
         from infertrace.engine import SamplingParams
 
@@ -87,8 +91,12 @@ class EmbeddedTarget:
         prompt = spec.prompt_ids if spec.prompt_ids is not None else spec.prompt
         if spec.messages is not None:  # a session's turn: the whole history through the model's chat template
             prompt = self.tokenizer.apply_chat_template(spec.messages, tokenize=False, add_generation_prompt=True)
+        request_id = spec.request_id or self.new_request_id()
+        now = time.perf_counter()  # the request log's front-end times: handed to the engine, first output, sent
+        stamps = {"received": now, "tokenized": now}
         try:
-            async for out in self.aengine.generate(f"bench-{next(self._ids)}", prompt, params):
+            async for out in self.aengine.generate(request_id, prompt, params):
+                stamps.setdefault("first_output", time.perf_counter())
                 if out.finished and out.finish_reason == "abort":
                     yield [StreamEvent(error="aborted: the engine aborted the request")]
                     return
@@ -99,6 +107,9 @@ class EmbeddedTarget:
             yield [StreamEvent(error=f"rejected: {e}")]
         except Exception as e:  # noqa: BLE001 - an engine fault fails this request, with its reason
             yield [StreamEvent(error=f"engine error: {type(e).__name__}: {e}")]
+        finally:
+            if self.engine.request_log is not None:
+                self.engine.request_log.stamp(request_id, {**stamps, "sent": time.perf_counter()})
 
     def describe(self) -> dict:
         import dataclasses

@@ -216,6 +216,8 @@ def itl_steps(r: RequestResult, rows: list, steps: dict[int, dict], preempted: l
 # ----- fetching -----
 async def log_cursor(target) -> int | None:
     """Where the server's request log stands now (its `next`), or None when the target keeps no log."""
+    if (log := _embedded_log(target)) is not None:
+        return await target.aengine.call(lambda: log.next_seq)
     transport = getattr(target, "transport", None)
     if getattr(target, "kind", None) != "http" or transport is None:
         return None
@@ -226,8 +228,16 @@ async def log_cursor(target) -> int | None:
     return body.get("next") if status == 200 and isinstance(body, dict) else None
 
 
+def _embedded_log(target):
+    """The bundled engine's own request log, when the target runs it in this process."""
+    engine = getattr(target, "engine", None) if getattr(target, "kind", None) == "embedded" else None
+    return getattr(engine, "request_log", None)
+
+
 async def fetch_log(target, since: int) -> dict | None:
     """Every request the server logged from `since` on (page by page), with the steps they rode."""
+    if (log := _embedded_log(target)) is not None:  # read between two steps, on the engine's thread
+        return await target.aengine.call(lambda: log.read(since=since))
     transport = target.transport
     requests, steps = [], {}
     answer = None
