@@ -9,7 +9,7 @@ from enum import Enum
 
 from infertrace.gate.bounds import Bound
 from infertrace.gate.results import ResultError, Run
-from infertrace.gate.stats import bootstrap_interval
+from infertrace.gate.stats import bootstrap_interval, change_interval
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,14 @@ def _check(bound: Bound, current: list[Run], baseline: list[Run], config: GateCo
     median_now = statistics.median(now)
     median_before = None if before is None else statistics.median(before)
     point = checked(median_now, median_before)
-    interval = bootstrap_interval(
-        checked, now, before, confidence=config.confidence, resamples=config.resamples, seed=config.seed
-    )
+    if before is None:
+        interval = bootstrap_interval(
+            checked, now, None, confidence=config.confidence, resamples=config.resamples, seed=config.seed
+        )
+    else:  # see stats.py: the pooled scatter, so that more runs of one slowdown only narrow the interval
+        interval = change_interval(now, before, relative=bound.relative, confidence=config.confidence,
+                                   resamples=config.resamples, seed=config.seed)
+    interval = (min(interval[0], point), max(interval[1], point))  # rounding must not leave the point outside
     change = None if before is None else point
     return Check(bound, median_before, median_now, change, interval, _verdict(bound, point, interval))
 

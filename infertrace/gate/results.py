@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
@@ -40,6 +42,10 @@ DERIVED_METRICS = {
 }
 
 
+# Derived figures that mean what their name says only when the engine ran inside the benchmark process: against a
+# --base-url the process is only the load generator, and its CPU time says nothing of the server's.
+EMBEDDED_ONLY = frozenset({"cpu_ms_per_output_token"})
+
 _ABSENT = object()  # a setting one run has and the other lacks
 
 
@@ -58,7 +64,20 @@ class Run:
     def flavour(self) -> str:
         return "infertrace" if isinstance(self.data.get("config"), dict) else "vllm"
 
+    @property
+    def target_url(self) -> str | None:
+        """The server an infertrace run measured (--base-url), None for the bundled engine in-process."""
+        config = self.data.get("config")
+        url = config.get("base_url") if isinstance(config, dict) else None
+        return url if isinstance(url, str) else None
+
     def metric(self, name: str) -> float:
+        if name not in self.data and name in EMBEDDED_ONLY and self.target_url is not None:
+            raise ResultError(
+                f"{self.source}: '{name}' is the benchmark process's CPU time per output token, and this run "
+                f"measured --base-url {self.target_url}, so it would be the load generator's CPU, not the "
+                "server's: gate it on runs of the bundled engine in-process (no --base-url)"
+            )
         if name not in self.data and name in DERIVED_METRICS:
             inputs, formula = DERIVED_METRICS[name]
             try:
@@ -93,12 +112,7 @@ class Run:
 
 def load_runs(path: Path) -> list[Run]:
     """Every run in a result file, a JSON-lines file of results, or a gate baseline."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ResultError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ResultError(f"{path}: cannot read ({exc})") from None
+    text = _read_regular(path)
     objects = _parse_json_objects(path, text)
     if not objects:
         raise ResultError(f"{path}: holds no benchmark results")
@@ -117,6 +131,25 @@ def load_runs(path: Path) -> list[Run]:
             raise ResultError(f"{source} comes from an interrupted run: its figures cover only part of it")
         runs.append(Run(source, obj))
     return runs
+
+
+def _read_regular(path: Path) -> str:
+    """The text of `path`, which must be a regular file (a symlink to one is fine): a FIFO would be read for ever
+    and /dev/zero until memory ran out. Opened without blocking, so that a FIFO is refused, not waited on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ResultError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ResultError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ResultError(f"{path}: not a regular file (a directory, device or pipe): give a result file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ResultError(f"{path}: cannot read ({exc})") from None
 
 
 def baseline_document(runs: list[Run]) -> dict[str, Any]:

@@ -95,3 +95,26 @@ def test_config_is_validated():
         GateConfig(confidence=1.0)
     with pytest.raises(ValueError, match="resamples"):
         GateConfig(resamples=10)
+
+
+@pytest.mark.parametrize(
+    "baseline",
+    [
+        [100.0, 60.0, 95.0],  # a shared CPU, where one run of three came out 40% slow
+        [100.0, 99.0, 101.0],
+        [100.0],
+    ],
+)
+def test_more_runs_of_the_same_slowdown_never_turn_a_regression_into_a_pass(baseline):
+    # the runs of one build at about half the baseline's throughput, taken in the order they came
+    slow = [50.0, 46.0, 58.0, 49.0, 53.0, 51.0, 47.0, 55.0, 48.0]
+    verdicts = [verdict(DROP_5, slow[:n], baseline) for n in range(1, len(slow) + 1)]
+    first = verdicts.index(Verdict.REGRESSION)  # with enough runs it is found
+    assert all(v is Verdict.REGRESSION for v in verdicts[first:]), verdicts
+
+
+def test_one_run_and_three_runs_of_one_slowdown_get_the_same_verdict():
+    # resampled from its own runs only, one run had no scatter and failed, and three such runs spread over their
+    # range, reached the baseline's slow run (60) and passed as "within noise"
+    assert verdict(DROP_5, [50.0], [100.0, 60.0, 95.0]) is Verdict.REGRESSION
+    assert verdict(DROP_5, [50.0, 46.0, 58.0], [100.0, 60.0, 95.0]) is Verdict.REGRESSION

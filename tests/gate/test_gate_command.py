@@ -65,7 +65,7 @@ def test_summary_appends_markdown(make_runs, baseline, tmp_path):
     assert result.exit_code == 1
     text = summary.read_text()
     assert text.startswith("earlier step\n### infertrace gate: regression")
-    row = "| `output_throughput` | **regression** | -20.0% | [-21.0%, -19.0%] | ≥ -5% | 100.0 tok/s | 80.00 tok/s |"
+    row = "| `output_throughput` | **regression** | -20.0% | [-22.0%, -18.0%] | ≥ -5% | 100.0 tok/s | 80.00 tok/s |"
     assert row in text
     assert "3 runs against 1 baseline run" in text
 
@@ -222,3 +222,40 @@ def test_update_baseline_refuses_a_figure_that_is_not_finite(make_result, tmp_pa
     assert result.exit_code == 2
     assert _one_error_line(result) == f"error: {current}: 'median_itl_ms' is NaN: a baseline records finite figures only"
     assert not base.exists()
+
+
+def test_update_baseline_writes_through_a_symlink_and_refuses_special_files(make_runs, tmp_path):
+    import os
+
+    current = make_runs("cur", "output_throughput", [99.0, 100.0, 101.0])
+    real = tmp_path / "store" / "baseline.json"
+    real.parent.mkdir()
+    real.write_text("{}")
+    link = tmp_path / "baseline.json"
+    link.symlink_to(real)
+    result = run_gate(*current, "--baseline", link, "--update-baseline")
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and os.readlink(link) == str(real)  # the link stays a link
+    assert json.loads(real.read_text())["kind"] == "infertrace-gate-baseline"
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    result = run_gate(*current, "--baseline", fifo, "--update-baseline")
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "not a regular file" in result.output
+    assert fifo.exists() and not fifo.is_file()  # not replaced
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+def test_a_baseline_that_is_a_device_or_a_pipe_is_one_line_and_exit_2(make_runs, tmp_path, special):
+    import os
+
+    current = make_runs("cur", "output_throughput", [99.0, 100.0, 101.0])
+    base = tmp_path / "base.json"
+    if special == "fifo":
+        os.mkfifo(base)  # opened for reading, it waited for a writer for ever
+    else:
+        base.symlink_to(special)  # read until memory ran out
+    result = run_gate(*current, "--baseline", base, "--max-drop", "output_throughput=5%")
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1 and "not a regular file" in result.output

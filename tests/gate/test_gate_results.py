@@ -145,3 +145,31 @@ def test_a_setting_added_since_the_baseline_compares_at_its_default(make_result)
     assert config_differences(older, load_runs(make_result("same.json", config={"prefix_len": 256}))) == []
     (line,) = config_differences(older, load_runs(make_result("other.json", config={"prefix_len": 512})))
     assert line.startswith("config.prefix_len: (absent) in ") and "512 in" in line
+
+
+def test_cpu_per_token_of_a_base_url_run_is_refused_as_the_load_generators(make_result):
+    from infertrace.gate.results import ResultError, load_runs
+
+    embedded = load_runs(make_result("embedded.json"))[0]
+    assert embedded.metric("cpu_ms_per_output_token") > 0  # the engine ran in the benchmark process
+    remote = load_runs(make_result("remote.json", config={"base_url": "http://127.0.0.1:8000"}))[0]
+    with pytest.raises(ResultError, match="load generator's CPU, not the server's"):
+        remote.metric("cpu_ms_per_output_token")
+    assert remote.metric("output_throughput") > 0
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir", "dev_zero"])
+def test_a_result_that_is_not_a_regular_file_is_refused_not_read(tmp_path, kind):
+    import os
+
+    from infertrace.gate.results import ResultError, load_runs
+
+    path = tmp_path / "base.json"
+    if kind == "fifo":
+        os.mkfifo(path)  # opened blocking, it waited for a writer for ever
+    elif kind == "dir":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")  # read until memory ran out
+    with pytest.raises(ResultError, match="not a regular file"):
+        load_runs(path)
