@@ -160,9 +160,12 @@ class RequestLog:
         steps_out = []
         oldest_step = self._steps[0].number if self._steps else None
         dropped = self._dropped_start
-        for st in self._steps:
+        window = []  # the steps from the first chosen arrival on, found from the newest back: a recent `since`
+        for st in reversed(self._steps):  # costs only its own steps, however full the ring
             if first_arrival is None or st.start + st.duration < first_arrival:
-                continue
+                break
+            window.append(st)
+        for st in reversed(window):
             prefill_tokens = prefill_rows = 0
             for request_id, n, prefill, took in zip(st.ids, st.tokens, st.prefill, st.sampled):
                 if prefill:
