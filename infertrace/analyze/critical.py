@@ -25,11 +25,13 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from infertrace.analyze.intervals import covered, union
 from infertrace.analyze.kernels import category, per_event, short_name
 from infertrace.analyze.phases import gpu_ops_by_step
 
-PATH_COLUMNS = ["step", "type", "segment", "start_ns", "arrive_ns", "seg_ns", "kernel", "kernel_ns", "collective",
-                "coll_start_ns", "coll_ns"]
+PATH_COLUMNS = ["step", "type", "segment", "start_ns", "arrive_ns", "seg_ns", "kernel", "kernel_ns", "busy_ns",
+                "collective", "coll_start_ns", "coll_ns"]
+HOST_BOUND = 0.5  # a segment whose GPU ran less than this share of it is named for the host, not its longest kernel
 
 
 def step_path(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
@@ -66,12 +68,13 @@ def step_path(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
             if pick.size:
                 longest = pick[np.argmax(end[pick] - ts[pick])]
                 kernel, kernel_ns = names[longest], int(end[longest] - ts[longest])
+                busy_ns = covered(*union(np.maximum(ts[pick], seg_start), np.minimum(end[pick], max(arrive, seg_start))))
             else:
-                kernel, kernel_ns = "", 0
+                kernel, kernel_ns, busy_ns = "", 0, 0
             coll = (names[comm[j]], int(ts[comm[j]]), int(end[comm[j]] - ts[comm[j]])) if j < comm.size \
                 else ("", -1, 0)
             rows.append((k, steps.at[k, "type"], j, seg_start, arrive, max(arrive - seg_start, 0), kernel, kernel_ns,
-                         *coll))
+                         busy_ns, *coll))
             if j < comm.size:
                 seg_start = int(end[comm[j]])
     return pd.DataFrame(rows, columns=PATH_COLUMNS)
@@ -96,12 +99,13 @@ def critical_path(paths: dict[int, pd.DataFrame]) -> pd.DataFrame:
         if aligned:
             seg = np.stack([p["seg_ns"] for p in per])  # ranks x segments
             coll = np.stack([p["coll_ns"][:-1] for p in per])
-            kernels = [p["kernel"] for p in per]
+            kernels = [_labels(p["kernel"], p["busy_ns"], p["seg_ns"]) for p in per]
             coll_names = per[0]["collective"][:-1]
         else:  # the ranks ran different collectives: the whole step as one segment
             seg = np.array([[int(p["arrive_ns"][-1] - p["start_ns"][0])] for p in per])
             coll = np.zeros((len(per), 0), dtype=np.int64)
-            kernels = [np.array([p["kernel"][int(np.argmax(p["kernel_ns"]))]]) for p in per]
+            kernels = [np.array([_label(p["kernel"][int(np.argmax(p["kernel_ns"]))], int(p["busy_ns"].sum()),
+                                        int(p["arrive_ns"][-1] - p["start_ns"][0]))]) for p in per]
             coll_names = np.array([], dtype=object)
         slowest = seg.argmax(axis=0)
         seg_max = seg.max(axis=0)
@@ -127,7 +131,7 @@ def critical_path(paths: dict[int, pd.DataFrame]) -> pd.DataFrame:
         row = {
             "step": k, "type": per[0]["type"][0], "ranks": len(ranks), "collectives": int(coll.shape[1]),
             "critical (ms)": critical / 1e6, "transfer (ms)": int(transfer.sum()) / 1e6,
-            "gating rank": ranks[gate_rank_i], "gate": short_name(str(gate), width=None) if gate else "",
+            "gating rank": ranks[gate_rank_i], "gate": str(gate),
             "gate kind": gate_kind, "gate rank": gate_rank, "gate (ms)": gate_ns / 1e6,
             "path": ",".join(str(ranks[i]) for i in slowest),
         }
@@ -139,11 +143,24 @@ def critical_path(paths: dict[int, pd.DataFrame]) -> pd.DataFrame:
             for j, i in enumerate(slowest):
                 p = per[i]
                 segments.append({"step": k, "segment": j, "rank": ranks[i], "start_ns": int(p["start_ns"][j]),
-                                 "arrive_ns": int(p["arrive_ns"][j]), "kernel": _short(p["kernel"][j]),
+                                 "arrive_ns": int(p["arrive_ns"][j]), "kernel": kernels[i][j],
                                  "collective": _short(p["collective"][j]), "coll_ns": int(p["coll_ns"][j])})
     table = pd.DataFrame(rows)
     table.attrs["segments"] = pd.DataFrame(segments)
     return table
+
+
+def _label(kernel: str, busy_ns: int, seg_ns: int) -> str:
+    """What a segment of the path is named for: its longest kernel, or the host when the GPU was mostly idle."""
+    name = _short(kernel)
+    if seg_ns > 0 and busy_ns < HOST_BOUND * seg_ns:
+        share = f"{100 * busy_ns / seg_ns:.0f}%"
+        return f"host (GPU busy {share} of it; longest kernel {name})" if name else "host (no GPU work)"
+    return name
+
+
+def _labels(kernels, busy, seg) -> np.ndarray:
+    return np.array([_label(k, int(b), int(s)) for k, b, s in zip(kernels, busy, seg)], dtype=object)
 
 
 _SHORT: dict[str, str] = {}

@@ -75,5 +75,7 @@ def test_one_rank_gives_the_path_through_its_own_collectives(traces):
     step = report.tables["critical_path"].iloc[0]
     assert step["collectives"] == 74  # the multimem all-reduce kernels, not named nccl
     assert step["gating rank"] == 0 and "what-if saved (ms)" not in step  # no other rank's median to run at
+    # a CPU-bound prefill: its longest segment is the GPU waiting for launches, named for the host
+    assert step["gate"].startswith("host (GPU busy ") and "longest kernel fmhaSm100aKernel" in step["gate"]
     # the path is the whole step: its segments and the all-reduces' transfers
     assert step["critical (ms)"] == pytest.approx(report.tables["steps"].iloc[0]["step_ms"], rel=1e-6)
