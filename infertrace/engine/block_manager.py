@@ -139,6 +139,17 @@ class BlockManager:
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
         return published
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every unreferenced cached block (they become plain free blocks); returns how many."""
+        for block_id in self._cached_free:
+            block = self.blocks[block_id]
+            del self.hash_to_block[block.hash]
+            block.hash = block.token_ids = None
+            self._free.append(block_id)
+        forgotten = len(self._cached_free)
+        self._cached_free.clear()
+        return forgotten
+
     def note_dropped(self, block_hash: int) -> None:
         """Remember that no tier holds the KV of `block_hash` any more (unless this cache still does)."""
         if block_hash in self.hash_to_block:

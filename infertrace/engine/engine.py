@@ -299,6 +299,17 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (device and host tier), so that the next requests compute their
+        prompts afresh; False, and nothing forgotten, while requests are running or waiting (as vLLM's and
+        SGLang's resets refuse while blocks are held)."""
+        if self.has_unfinished():
+            return False
+        self.block_manager.reset_prefix_cache()
+        if self.offload is not None and self.offload.prefix is not None:
+            self.offload.pool.reset_prefix_cache()
+        return True
+
     def decode_path(self) -> dict:
         """What the engine chose at start-up for its steps, for a run's provenance."""
         runner = self.runner

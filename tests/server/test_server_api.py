@@ -250,3 +250,43 @@ async def test_unknown_route_method_and_big_body_get_json_errors(serve_tiny):
                                  headers={"Content-Type": "application/json"})
         assert resp.status == 413
         assert "too large" in _check_error_body(await resp.json(), "invalid_request_error")["message"]
+
+
+@pytest.mark.parametrize("engine_process", [False, True])
+async def test_the_prefix_cache_is_reset_by_vllms_and_sglangs_routes(serve_tiny, engine_process):
+    prompt = {"prompt": list(range(100, 164)), "max_tokens": 2, "ignore_eos": True}  # 4 full blocks of 16
+
+    async def cached(client) -> int:
+        resp = await client.post("/v1/completions", json=prompt)
+        assert resp.status == 200
+        return (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async with serve_tiny(engine_process=engine_process) as client:
+        assert await cached(client) == 0
+        assert await cached(client) == 48  # the same prompt again: its full blocks but the last one's
+        resp = await client.post("/reset_prefix_cache")  # vLLM's bare POST
+        assert resp.status == 200 and await resp.json() == {"success": True}
+        assert await cached(client) == 0
+        assert await cached(client) == 48
+        resp = await client.post("/flush_cache")  # SGLang's
+        assert resp.status == 200 and (await resp.text()).startswith("Cache flushed.")
+        assert await cached(client) == 0
+
+        # while a request runs, both refuse as the peers do, and the cache stays
+        stream = await client.post("/v1/completions", json={"prompt": "busy", "max_tokens": 3000,
+                                                            "ignore_eos": True, "stream": True})
+        await stream.content.readline()  # it runs
+        assert await (await client.post("/reset_prefix_cache")).json() == {"success": False}
+        busy = await client.post("/flush_cache")
+        assert busy.status == 400 and "running or waiting" in await busy.text()
+        stream.close()  # the client goes: its request is aborted, and ?timeout waits for that
+        resp = await client.post("/flush_cache?timeout=600")
+        assert resp.status == 200, await resp.text()
+
+        refused = await client.post("/reset_prefix_cache?reset_running_requests=true")
+        assert refused.status == 400 and (await refused.json())["error"]["param"] == "reset_running_requests"
+        assert (await client.post("/flush_cache?timeout=-1")).status == 400
+        assert (await client.get("/flush_cache")).status == 405  # a side effect takes POST only
+        form = await client.post("/flush_cache", data="x=1",
+                                 headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert form.status == 415

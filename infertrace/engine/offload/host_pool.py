@@ -118,6 +118,17 @@ class HostKVPool:
         block.hash, block.token_ids = block_hash, token_ids
         self.hash_to_block[block_hash] = block_id
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every unpinned cached block (they become free); returns how many. Not counted as evictions."""
+        for block_id in self._cached:
+            block = self.blocks[block_id]
+            del self.hash_to_block[block.hash]
+            block.hash = block.token_ids = None
+            self._free[block_id] = None
+        forgotten = len(self._cached)
+        self._cached.clear()
+        return forgotten
+
     def pin(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

@@ -69,6 +69,8 @@ class EngineServices:
             started = self.profiler.start(ProfileRequest(**{**args, "activities": tuple(args["activities"])}))
             self._capture_started = time.perf_counter()
             return started
+        if name == "reset_prefix_cache":
+            return {"success": bool(self.engine.reset_prefix_cache())}
         if name == "stop_profile":
             return write_capture_log(self.engine.request_log, self.profiler.stop(), self._capture_started)
         if name == "request_log":

@@ -63,6 +63,8 @@ def build_app(engine: Any, tokenizer: Any, settings: ServerSettings,
     app.router.add_get("/server_info", _server_info)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/request_log", _request_log)
+    app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)  # vLLM's route
+    app.router.add_post("/flush_cache", _flush_cache)  # SGLang's
     app.router.add_post("/start_profile", _start_profile)
     app.router.add_post("/stop_profile", _stop_profile)
     app.on_cleanup.append(_release_state)
@@ -329,6 +331,51 @@ async def _request_log(request: web.Request) -> web.Response:
     except EngineDeadError as e:
         raise ApiError(503, f"the engine is not running: {e}", code="engine_dead") from None
     return web.json_response(check_read(answer))
+
+
+# ----- prefix cache -----
+FLUSH_POLL_S = 0.05
+
+
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM 0.33's POST /reset_prefix_cache: {"success": false} while requests hold blocks (retry later). Its
+    reset_running_requests=true, which would preempt them, is not offered; there is no external cache to reset."""
+    await _json_body(request, bare_ok=True)
+    if _query_flag(request, "reset_running_requests"):
+        raise ApiError(400, "reset_running_requests is not supported: reset once the running requests end",
+                       param="reset_running_requests")
+    _query_flag(request, "reset_external")
+    return web.json_response(await request.app[STATE].engine.command("reset_prefix_cache"))
+
+
+async def _flush_cache(request: web.Request) -> web.Response:
+    """SGLang 0.5.23's /flush_cache: plain text, 200 once flushed, 400 while requests are running or waiting;
+    `timeout` (seconds) waits that long for them to end. POST only here: a GET with a side effect could be sent
+    by any web page."""
+    await _json_body(request, bare_ok=True)
+    try:
+        timeout = float(request.query.get("timeout", "0"))
+    except ValueError:
+        timeout = -1.0
+    if not 0 <= timeout < float("inf"):
+        raise ApiError(400, f"timeout must be a number of seconds >= 0, not {brief(request.query['timeout'])}",
+                       param="timeout")
+    engine = request.app[STATE].engine
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (await engine.command("reset_prefix_cache"))["success"]:
+        if loop.time() >= deadline:
+            return web.Response(status=400, text="Cache not flushed: requests are running or waiting; retry "
+                                                 "once they end, or pass ?timeout=SECONDS to wait for them.\n")
+        await asyncio.sleep(FLUSH_POLL_S)
+    return web.Response(text="Cache flushed.\n")
+
+
+def _query_flag(request: web.Request, name: str) -> bool:
+    value = request.query.get(name, "false").lower()
+    if value not in ("true", "false", "1", "0"):
+        raise ApiError(400, f"{name} must be true or false, not {brief(value)}", param=name)
+    return value in ("true", "1")
 
 
 # ----- profiler -----
