@@ -284,3 +284,21 @@ def test_profile_with_one_rank_writes_one_trace(make_engine, run_engine, make_pr
     assert any(re.fullmatch(r"step\[DECODE bs=1 #\d+\]", n) for n in names)
     with pytest.raises(RuntimeError, match="no profile"):
         engine.stop_profile()
+
+
+def test_the_custom_all_reduce_where_it_cannot_run_is_a_value_error_naming_why(make_engine):
+    import multiprocessing
+
+    with pytest.raises(ValueError, match=r"all_reduce='custom' is not available: it needs CUDA GPUs \(device cpu\)"):
+        make_engine(kv_cache_tokens=256, tensor_parallel_size=2, all_reduce="custom")
+    assert not multiprocessing.active_children()
+
+
+def test_auto_all_reduce_on_cpu_is_torch_distributed_s(make_engine):
+    engine = make_engine(kv_cache_tokens=256, tensor_parallel_size=2)
+    try:
+        path = engine.decode_path()
+        assert path["all_reduce"] == "nccl"  # torch.distributed's all-reduce: gloo here
+        assert path["all_reduce_note"] == "it needs CUDA GPUs (device cpu)"
+    finally:
+        engine.shutdown()
