@@ -13,6 +13,7 @@ from infertrace.exits import FAILURE
 from infertrace.server.settings import ServerSettings
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerSettings) if f.default is not dataclasses.MISSING}
+MODEL_FILES = ("config.json", "tokenizer.json")  # what the engine and the front end read first
 _SERVER_FLAGS = {"model", "served-model-name", "host", "port", "max-queue", "profile-dir", "drain-timeout",
                  "api-server-count", "engine-in-process"}
 
@@ -63,6 +64,7 @@ def serve(model_dir: Path, served_model_name: str | None, host: str, port: int, 
         fail(str(e))
     if settings.profile_dir is not None:
         _prepare_profile_dir(settings.profile_dir)
+    _check_port(settings.host, settings.port, api_server_count > 1)
     if engine_in_process:
         if api_server_count != 1:
             fail("--api-server-count needs the engine in its own process: drop --engine-in-process")
@@ -84,7 +86,22 @@ def _model_dir(ctx: click.Context, value: str) -> Path:
             raise click.BadParameter(f"cannot write the {value} preset: {e}") from None
     if not Path(value).is_dir():
         raise click.BadParameter(f"{value!r} is neither a model directory nor a preset name")
+    missing = [name for name in MODEL_FILES if not (Path(value) / name).is_file()]
+    if missing:  # found now, not as a traceback from the engine process and the tokenizer thread
+        fail(f"--model {value} is not a model directory: it has no {' or '.join(missing)} (a Hugging Face model "
+             "directory holds config.json, the safetensors weights and tokenizer.json)")
     return Path(value)
+
+
+def _check_port(host: str, port: int, shared: bool) -> None:
+    """A port another process listens on is reported now, not after the model has loaded (minutes, for a big
+    one). The server binds it again later; this only catches what is already there."""
+    from infertrace.server.engine_link.runner import check_port_free
+
+    try:
+        check_port_free(host, port)
+    except OSError as e:
+        fail(f"cannot listen on {host}:{port}: {e.strerror or e}", FAILURE)
 
 
 def _prepare_profile_dir(profile_dir: Path) -> None:

@@ -154,3 +154,30 @@ async def test_sigterm_drains_in_flight_requests_then_aborts_and_exits_0(tiny_mo
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def test_a_folder_that_is_no_model_is_one_line_before_anything_starts(tmp_path):
+    result = CliRunner().invoke(serve, ["--model", str(tmp_path)])  # it printed a 46-line traceback
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert "is not a model directory" in result.output and "config.json" in result.output
+
+
+def test_a_busy_port_is_reported_before_the_model_loads(tiny_model_dir, monkeypatch):
+    import socket
+
+    from infertrace.server import command
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(command, "_serve", load)
+    monkeypatch.setattr(command, "_serve_in_process", load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for extra in ([], ["--api-server-count", "2"], ["--engine-in-process"]):
+            result = CliRunner().invoke(serve, ["--model", str(tiny_model_dir), "--port", str(port), *extra])
+            assert result.exit_code == 1, result.output
+            assert result.output.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"

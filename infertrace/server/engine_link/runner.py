@@ -97,6 +97,21 @@ async def serve_until_signal(app: web.Application, host: str, port: int,
     return aborted
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Bind host:port as the server will (SO_REUSEADDR, as asyncio's listeners set it) and let it go; OSError when
+    another socket listens there. Port 0 is always free. SO_REUSEPORT is left off, so that a port held by another
+    server's SO_REUSEPORT listeners counts as taken, not shared."""
+    if port == 0:
+        return
+    for family, kind, proto, _, address in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind(address)
+
+
 # ----- --engine-in-process -----
 async def run_in_process(engine, settings: ServerSettings, engine_config: dict,
                          on_listening: Callable[[str], None] | None = None,
@@ -132,7 +147,10 @@ async def run_split(settings: ServerSettings, spec: EngineSpec, api_servers: int
     lost: list[str] = []  # a front end that exited while serving: the server drains and exits non-zero
     watch: list[asyncio.Task] = []
     try:
-        tokenizer = await asyncio.to_thread(FrontendTokenizer, settings.model_dir)  # while the engine loads
+        try:
+            tokenizer = await asyncio.to_thread(FrontendTokenizer, settings.model_dir)  # while the engine loads
+        except Exception as e:  # a broken tokenizer.json: one line, not a traceback
+            raise EngineFailure(f"cannot load the tokenizer of {settings.model_dir}: {e}") from None
         try:
             await engine.connect()
         except EngineStartError as e:
