@@ -198,23 +198,28 @@ def analyze_unit(paths: list[str], config, trim: bool | None, cache_root: str | 
                 return cached
     outcomes = read_unit(files, keep_python, cache, split)
     good = [(f, cols) for f, (cols, _) in zip(files, outcomes) if cols is not None]
+    # the events are not sent back: only the lines the parent reports about each file
+    light = [(None if cols is None else _without_events(cols), failure) for cols, failure in outcomes]
+    del outcomes
     part, claim, count = None, None, 0
     if good:
         first_path, first = good[0]
         claim = claimed_rank(first_path, first.metadata)
+        exact = all(c.exact_times for _, c in good)
         non_empty = [int(cols.ts_ns.min()) for _, cols in good if len(cols)]
         origin = min(non_empty) if non_empty else 0
-        frames = [event_frame(cols, origin) for _, cols in good]
+        frames = []
+        while good:  # each file's columns dropped as soon as its table is made: one copy of the events at a time
+            frames.append(event_frame(good.pop(0)[1], origin))
         import pandas as pd
 
         events = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+        del frames
         count = len(events)
         device = RankTrace(0, first_path, events.iloc[:0], first.metadata, True, None).device
-        part = rank_part(events, rank_row(first_path, events, claim, device, all(c.exact_times for _, c in good)),
-                         trim, config)
-        del events, frames
-    # the events are not sent back: only the lines the parent reports about each file
-    light = [(None if cols is None else _without_events(cols), failure) for cols, failure in outcomes]
+        del first
+        part = rank_part(events, rank_row(first_path, events, claim, device, exact), trim, config)
+        del events
     result = UnitResult([str(f) for f in files], light, part, claim, count,
                         part.step_names if part is not None else set())
     if cache is not None and part_key is not None:
