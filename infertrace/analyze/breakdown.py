@@ -7,7 +7,8 @@ end before it starts. Differences from HTA, on purpose:
 - communication also counts collectives not named `nccl*` (see `kernels.COMM_RE`);
 - top kernels carry their real max/min/mean; HTA, once it groups kernels into "others", reports a kept
   kernel's total as its max, min and mean.
-The idle-time breakdown is HTA's own function, run on these event tables (see `hta_bridge`).
+The idle-time breakdown is computed the same way in `hta_bridge`, which also builds HTA's own `Trace` from these
+tables for any of HTA's functions.
 """
 
 from __future__ import annotations
