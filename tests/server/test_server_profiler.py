@@ -225,3 +225,14 @@ async def test_a_named_capture_on_two_tensor_parallel_ranks_writes_one_trace_per
             doc = json.load(f)
         assert doc["distributedInfo"]["rank"] == rank and doc["distributedInfo"]["world_size"] == 2
         assert any(e.get("name", "").startswith("step[") for e in doc["traceEvents"])
+
+
+async def test_an_output_dir_too_long_for_the_file_system_is_a_400(serve_tiny, tmp_path):
+    async with serve_tiny(profile_dir=tmp_path) as client:
+        for output_dir in ("x" * 5000, "a/" + "y" * 300, "/".join(["z" * 200] * 30)):  # it was a 500
+            resp = await client.post("/start_profile", json={"output_dir": output_dir})
+            assert resp.status == 400, (len(output_dir), await resp.text())
+            assert (await resp.json())["error"]["param"] == "output_dir"
+        ok = await client.post("/start_profile", json={"output_dir": "fine", "activities": ["CPU"]})
+        assert ok.status == 200, await ok.text()
+        assert (await client.post("/stop_profile")).status == 200

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infertrace.server.frontend.protocol import ApiError, bad_request
+from infertrace.server.frontend.protocol import ApiError, bad_request, brief
 
 log = logging.getLogger("infertrace.server")
 DEFAULT_ACTIVITIES = ("CPU", "GPU")
@@ -34,6 +34,12 @@ class ProfileRequest:
     frontend: bool = False  # also trace the HTTP front end's Python (infertrace's own field)
 
 
+# What a path may be before the file system refuses it (ENAMETOOLONG, which surfaced as a 500): Linux's PATH_MAX
+# for the whole, NAME_MAX for one name.
+MAX_PATH_CHARS = 4096
+MAX_NAME_BYTES = 255
+
+
 def parse_profile_request(body: dict | None) -> ProfileRequest:
     body = body or {}
     output_dir = body.get("output_dir")
@@ -41,6 +47,10 @@ def parse_profile_request(body: dict | None) -> ProfileRequest:
         raise bad_request("output_dir must be a non-empty string", "output_dir")
     if output_dir is not None and "\x00" in output_dir:
         raise bad_request("output_dir must not contain a NUL character", "output_dir")
+    if output_dir is not None and (len(output_dir) > MAX_PATH_CHARS
+                                   or any(len(part.encode()) > MAX_NAME_BYTES for part in Path(output_dir).parts)):
+        raise bad_request(f"output_dir is too long: at most {MAX_PATH_CHARS} characters, {MAX_NAME_BYTES} bytes a "
+                          "folder name", "output_dir")
     num_steps = body.get("num_steps")
     if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1):
         raise bad_request(f"num_steps must be a positive integer, got {num_steps!r}", "num_steps")
@@ -75,7 +85,10 @@ def resolve_output_dir(profile_dir: Path, output_dir: str | None) -> Path:
     if output_dir is None:
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
         return root / f"capture-{stamp}"
-    target = (root / output_dir).resolve()  # an absolute output_dir replaces root; resolve() follows symlinks
+    try:
+        target = (root / output_dir).resolve()  # an absolute output_dir replaces root; resolve() follows symlinks
+    except OSError as e:  # a name the file system refuses (too long with root in front, a loop of links)
+        raise bad_request(f"output_dir {brief(output_dir)}: {e.strerror or e}", "output_dir") from None
     if not target.is_relative_to(root):
         raise bad_request(f"output_dir {output_dir!r} is outside the server's profile directory {root}",
                           "output_dir", code="output_dir_outside_profile_dir")
