@@ -6,8 +6,12 @@ run on the thread that runs the engine steps: with `AsyncEngine`, `await aeng.ca
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
+import re
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +22,35 @@ from infertrace.output import check_writable_dir
 
 ACTIVITIES = ("CPU", "GPU", "MEM", "CUDA_PROFILER")
 MANIFEST_SUFFIX = ".manifest.json"
+# What Kineto's C++ side prints on stderr at a profiler's start and stop that says nothing wrong (torch 2.13):
+# USDT probe markers and stage notes from SyncActivityProfilerHandler.cpp, and a thread check that fires when the
+# profiler first starts on another thread than the one that imported torch, which is where the server's engine
+# thread and ablate's run start it. These lines leaked into ablate's output and the server log.
+KINETO_CHATTER = re.compile(
+    rb"^(USDT:|STAGE:|ERROR: External init callback must run in same thread as registerClient \(-?\d+ != -?\d+\))")
+
+
+@contextlib.contextmanager
+def kineto_chatter_filtered():
+    """Run the block with file descriptor 2 sent to a temporary file, then write back to stderr every line but
+    Kineto's chatter (KINETO_CHATTER). C++ output can only be caught at the descriptor; anything else printed
+    meanwhile, by any thread, still reaches stderr whole, after the block."""
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().splitlines(keepends=True) if not KINETO_CHATTER.match(line)]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 class CaptureSession:
@@ -77,8 +110,9 @@ class CaptureSession:
         if profiler_activities and self.engine is not None:
             self._start_ns = time.time_ns()
             kineto = tuple(a for a in activities if a in ("CPU", "GPU"))
-            self.engine.start_profile(self.out_dir, kineto, self.record_shapes, self.with_stack,
-                                      stem=f"{self.label}.{self._start_ns}")
+            with kineto_chatter_filtered():
+                self.engine.start_profile(self.out_dir, kineto, self.record_shapes, self.with_stack,
+                                          stem=f"{self.label}.{self._start_ns}")
             self._profiler = self.engine
             if "MEM" in activities:
                 self._notes.append("MEM is not recorded on tensor-parallel ranks")
@@ -86,7 +120,8 @@ class CaptureSession:
             self._profiler = torch.profiler.profile(
                 activities=profiler_activities, record_shapes=self.record_shapes,
                 with_stack=self.with_stack, profile_memory="MEM" in activities)
-            self._profiler.start()
+            with kineto_chatter_filtered():
+                self._profiler.start()
         if "CUDA_PROFILER" in activities:
             try:
                 torch.cuda.profiler.start()  # cudaProfilerStart: opens nsys's cudaProfilerApi capture range
@@ -136,9 +171,11 @@ class CaptureSession:
             if self._cuda_profiler:
                 torch.cuda.profiler.stop()
             if self._profiler is self.engine and self.engine is not None:
-                paths.extend(Path(p) for p in self.engine.stop_profile())  # one trace per rank, rank order
+                with kineto_chatter_filtered():
+                    paths.extend(Path(p) for p in self.engine.stop_profile())  # one trace per rank, rank order
             elif self._profiler is not None:
-                self._profiler.stop()
+                with kineto_chatter_filtered():
+                    self._profiler.stop()
             stopped_ns, duration_s = time.time_ns(), time.perf_counter() - self._start_perf
             if self._profiler is not None and self._profiler is not self.engine:
                 trace = self.out_dir / f"{stem}{TRACE_SUFFIX}"

@@ -166,3 +166,32 @@ def test_gpu_capture_holds_kernels_inside_steps(tmp_path):
     events = load_trace(trace)["traceEvents"]
     assert any(e.get("cat") == "kernel" for e in events)
     assert json.loads(manifest.read_text())["device"]["type"] == "cuda"
+
+
+def test_kinetos_chatter_stays_out_of_stderr_and_real_errors_do_not(tmp_path):
+    """A fresh process starts a capture on a thread other than the one that imported torch, as the server's engine
+    thread and ablate do: Kineto printed an "External init callback" ERROR line and USDT lines on stderr at every
+    start and stop. They are dropped; a line printed at the descriptor meanwhile still comes through."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, threading, torch
+from pathlib import Path
+from infertrace.capture import torch_capture
+
+def run():
+    session = torch_capture.CaptureSession(Path({str(tmp_path)!r}), activities=("CPU",))
+    session.start()
+    torch.ones(3) + 1
+    with torch_capture.kineto_chatter_filtered():
+        os.write(2, b"a real error from C++\\n")
+    session.stop()
+
+thread = threading.Thread(target=run)
+thread.start()
+thread.join()
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["a real error from C++"], done.stderr
