@@ -101,7 +101,7 @@ class OtherRanks:
         self._watcher = threading.Thread(target=self._watch, name="infertrace-tp-watch", daemon=True)
         self._watcher.start()
         # before multiprocessing's own exit hook (registered earlier, so run later), which would SIGTERM the ranks
-        atexit.register(self.shutdown)
+        atexit.register(self._shutdown_at_exit)
 
     def _watch(self) -> None:
         """Wait for a rank to exit; if that was not shutdown() asking, stop the rest and unblock rank 0."""
@@ -217,13 +217,14 @@ class OtherRanks:
         self.check()
         self._check_alive(wait_s=5.0)
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> bool | None:
         """Stop every rank (politely, then by force) and tear down rank 0's side of the process group, in at most
-        EXIT_WAIT_S + TEARDOWN_WAIT_S. Idempotent."""
+        EXIT_WAIT_S + TEARDOWN_WAIT_S. Idempotent. False when the teardown did not finish (see
+        _teardown_process_group)."""
         if self._closed:
-            return
+            return None
         self._closed = True
-        atexit.unregister(self.shutdown)
+        atexit.unregister(self._shutdown_at_exit)
         os.write(self._wake_w, b"x")
         for conn in self.conns:
             try:
@@ -245,7 +246,23 @@ class OtherRanks:
             self._watcher.join(1)
         os.close(self._wake_r)
         os.close(self._wake_w)
-        _teardown_process_group(self.backend)
+        return _teardown_process_group(self.backend)
+
+    def _shutdown_at_exit(self) -> None:
+        """shutdown() from the interpreter's exit. A teardown still running in its thread when the interpreter
+        finalises makes C++ end the process with SIGABRT ("terminate called without an active exception", seen on
+        H200s with NCCL); so the process ends here instead, with the status the interpreter would have given (1
+        after an uncaught exception, else 0; a sys.exit(n) code is not known here and becomes 0)."""
+        if self.shutdown() is False:
+            import logging
+
+            code = 1 if getattr(sys, "last_value", None) is not None else 0
+            print(f"infertrace: ending the process now (exit status {code}) rather than let the interpreter's exit "
+                  "abort on the process group", file=sys.stderr, flush=True)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
 
 def _abort_process_group() -> None:
@@ -260,22 +277,24 @@ def _abort_process_group() -> None:
             print(f"infertrace: aborting the process group failed: {e}", file=sys.stderr, flush=True)
 
 
-def _teardown_process_group(backend: str) -> None:
+def _teardown_process_group(backend: str) -> bool:
     """Rank 0's side of the process group, once the other ranks are gone: gloo's is destroyed; NCCL's aborted (its
     destroy, called after the other ranks had gone, waited for ever: the hang at exit; called by every rank at once,
     it did not finish within 3 s on 4 H200s either, and left the next engine of the process unable to start). In a
-    thread, so that a teardown that still blocks costs at most TEARDOWN_WAIT_S."""
+    thread, so that a teardown that still blocks costs at most TEARDOWN_WAIT_S; False when it is still running."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return
+        return True
     teardown = dist.destroy_process_group if backend != "nccl" else _abort_process_group
     thread = threading.Thread(target=teardown, name="infertrace-tp-teardown", daemon=True)
     thread.start()
     thread.join(TEARDOWN_WAIT_S)
     if thread.is_alive():
-        print(f"infertrace: the NCCL process group did not tear down within {TEARDOWN_WAIT_S:.0f} s; leaving it",
+        print(f"infertrace: the {backend} process group did not tear down within {TEARDOWN_WAIT_S:.0f} s; leaving it",
               file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def rank_main(config: EngineConfig, model_dir: Path, hf_config: dict, rank: int, init: str,

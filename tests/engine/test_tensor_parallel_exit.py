@@ -29,6 +29,10 @@ SCRIPT = textwrap.dedent("""
         params = SamplingParams(max_tokens=4, ignore_eos=True)
         llm.generate([[1, 2, 3]], params)
         mode = sys.argv[2]
+        if mode.startswith("stuck-"):  # a teardown that never ends, as NCCL's abort on H200s
+            import torch.distributed
+            torch.distributed.destroy_process_group = lambda *args: time.sleep(600)
+            mode = mode.removeprefix("stuck-")
         if mode == "raise":
             print("DONE", flush=True)
             raise RuntimeError("the caller failed")
@@ -105,6 +109,17 @@ def test_a_script_that_never_calls_shutdown_exits_promptly(script, mode):
     assert (proc.returncode == 0) == (mode == "return")
     if mode == "raise":
         assert "the caller failed" in proc.stderr.read()
+    assert not gone(ranks)
+
+
+@pytest.mark.parametrize(("mode", "status"), [("stuck-return", 0), ("stuck-raise", 1)])
+def test_a_teardown_that_never_ends_still_exits_with_the_script_s_status(script, mode, status):
+    proc, ranks = script(mode)
+    read_until(proc, "DONE")
+    ended_within(proc)
+    err = proc.stderr.read()
+    assert proc.returncode == status, err[-2000:]
+    assert "did not tear down within 3 s" in err and f"ending the process now (exit status {status})" in err
     assert not gone(ranks)
 
 
