@@ -283,6 +283,50 @@ def test_two_front_ends_share_one_port(tiny_model_dir):
     assert all(_gone(pid) for pid in pids | {served.engine_pid})
 
 
+@pytest.mark.slow
+def test_a_front_end_trace_stopped_on_the_other_front_end_is_stopped_and_written(tiny_model_dir, tmp_path):
+    """Start with "frontend": true on one front end, stop on the other: the stop answered 200 with no front-end
+    trace and the first one's profile hook stayed on (requests 2.6x slower). Now the engine tells the tracing
+    front end to stop and write its trace, and the stop names it."""
+    served = Served(tiny_model_dir, "--api-server-count", "2", "--profile-dir", str(tmp_path))
+
+    async def session_on(pid_wanted=None, pid_not=None):
+        while True:  # one kept-alive connection each: the kernel picks the front end when it is opened
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+            async with session.get(served.url + "/server_info") as r:
+                pid = (await r.json())["frontend"]["pid"]
+            if pid != pid_not and pid_wanted in (None, pid):
+                return session, pid
+            await session.close()
+
+    async def drive():
+        first, first_pid = await session_on()
+        second, second_pid = await session_on(pid_not=first_pid)
+        try:
+            async with first.post(served.url + "/start_profile",
+                                  json={"profile_id": "across", "activities": ["CPU"], "frontend": True}) as r:
+                assert r.status == 200, await r.text()
+            async with first.post(served.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}) as r:
+                assert r.status == 200
+            async with second.post(served.url + "/stop_profile") as r:
+                assert r.status == 200, await r.text()
+                return first_pid, await r.json()
+        finally:
+            await first.close()
+            await second.close()
+
+    try:
+        first_pid, stopped = asyncio.run(drive())
+    finally:
+        served.proc.send_signal(signal.SIGTERM)
+        code, log = served.finish()
+    assert code == 0, log
+    front = Path(stopped["frontend_trace"])
+    assert front.name.endswith(f"-{first_pid}.trace.json") and str(front) in stopped["files"]
+    names = [e["name"] for e in json.loads(front.read_text())["traceEvents"]]
+    assert any("_generate" in name for name in names)  # the request the tracing front end served
+
+
 def _events(body: str) -> list:
     out = []
     for line in body.splitlines():

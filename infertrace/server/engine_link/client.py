@@ -48,6 +48,7 @@ class ProcessEngine:
         self._ready: asyncio.Future | None = None
         self._stats: dict[str, Any] = {"running": 0, "waiting": 0}
         self._death_callbacks: list[Callable[[], None]] = []
+        self.on_trace_stop: Callable[[str], None] | None = None  # another front end stopped our traced capture
         self.info: dict[str, Any] = {}
         self.error: EngineDeadError | None = None
         self._closing = False
@@ -154,6 +155,9 @@ class ProcessEngine:
             stream = self._streams.get(msg.request_id)
             if stream is not None:
                 stream.put(ValueError((msg.error or {}).get("message", "the engine refused the request")))
+        elif kind == "trace_stop":
+            if self.on_trace_stop is not None:
+                self.on_trace_stop((msg.value or {}).get("output_dir"))
         elif kind == "ready":
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(msg.value)

@@ -52,7 +52,8 @@ class FromEngine(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Engine to front end. kind: "ready" (value: the engine's info), "step" (outputs, stats), "reply" (call_id,
     value or error), "refused" (request_id, error: the engine would not take the request), "dead" (error: why the
     engine loop stopped; the process exits after it), "dropped" (error: why the engine let this front end go, its
-    requests aborted; the socket closes after it)."""
+    requests aborted; the socket closes after it), "trace_stop" (value: {"output_dir"}: another front end stopped the
+    capture this one traces itself in; stop the trace and write it there)."""
 
     kind: str
     outputs: list[Delta] = []

@@ -54,6 +54,7 @@ MAX_BACKLOG_BYTES = 64 << 20
 # Seconds a front end's socket may take nothing while outputs wait for it: far beyond any pause of a working front
 # end (its event loop reads every few milliseconds), short enough that a hung one soon gives back its requests' KV.
 MAX_STALL_S = 60.0
+PROFILE_CALLS = ("start_profile", "stop_profile")
 # How long front ends dropped before the last live one left still get to take why, before the engine process exits.
 FAREWELL_S = 5.0
 
@@ -163,6 +164,7 @@ class EngineLoop:
         self.farewell_s = farewell_s
         self.peers = {sock: _Peer(sock) for sock in socks}
         self.leaving: dict[socket.socket, _Peer] = {}  # dropped, not yet told why
+        self.trace_owner: _Peer | None = None  # the front end tracing itself in the running capture
         self.owner: dict[str, _Peer] = {}
         self.selector = selectors.DefaultSelector()
         for sock, peer in self.peers.items():
@@ -279,9 +281,30 @@ class EngineLoop:
             if self.engine.request_log is not None:
                 self.engine.request_log.stamp(msg.request_id, msg.args)
         elif kind == "call":
-            self._send(peer, self._call(msg))
+            self._send(peer, self._profiled_call(peer, msg) if msg.name in PROFILE_CALLS else self._call(msg))
         else:
             log.error("unknown message kind %r from a front end", kind)
+
+    def _profiled_call(self, peer: _Peer, msg: ToEngine) -> FromEngine:
+        """start_profile and stop_profile, which may land on different front ends: the one that started a capture
+        with its own front-end trace ("frontend": true) is told to stop that trace and write it whichever front
+        end asks to stop (or its profile hook stayed on, slowing every request it served), and the stop's answer
+        names it."""
+        traced = msg.name == "start_profile" and bool(msg.args.pop("frontend_trace", False))
+        reply = self._call(msg)
+        if reply.error is not None:
+            return reply
+        if msg.name == "start_profile":
+            self.trace_owner = peer if traced else None
+            return reply
+        owner, self.trace_owner = self.trace_owner, None
+        if owner is not None and owner is not peer and isinstance(reply.value, dict):
+            if owner.sock in self.peers and not owner.dropped:
+                self._send(owner, FromEngine("trace_stop", value={"output_dir": reply.value.get("output_dir")}))
+                reply.value["frontend_trace_pid"] = owner.pid
+            else:
+                reply.value["frontend_trace_error"] = "the front end that traced itself is gone"
+        return reply
 
     def _call(self, msg: ToEngine) -> FromEngine:
         from infertrace.server.frontend.protocol import ApiError

@@ -66,6 +66,7 @@ class EngineServices:
             self.metrics.count(args)
             return None
         if name == "start_profile":
+            args = {k: v for k, v in args.items() if k != "frontend_trace"}  # the engine loop's to read
             started = self.profiler.start(ProfileRequest(**{**args, "activities": tuple(args["activities"])}))
             self._capture_started = time.perf_counter()
             return started

@@ -384,6 +384,7 @@ async def _start_profile(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse_profile_request(await _json_body(request, bare_ok=True))
     args = {f: getattr(req, f) for f in req.__dataclass_fields__ if f != "frontend"}
+    args["frontend_trace"] = req.frontend  # so that a stop on another front end ends this one's trace too
     result = await state.engine.command("start_profile", args)
     if req.frontend:
         state.frontend_trace = FrontendTrace(state.frontend.get("index", 0))
@@ -403,4 +404,28 @@ async def _stop_profile(request: web.Request) -> web.Response:
         path = await asyncio.to_thread(trace.write, Path(result["output_dir"]))
         result["files"] = [*result["files"], str(path)]
         result["frontend_trace"] = str(path)
+    elif (pid := result.pop("frontend_trace_pid", None)) is not None:  # another front end traced itself
+        path = await _written_by(Path(result["output_dir"]), pid)
+        if path is None:
+            result["frontend_trace_error"] = (f"front end pid {pid} did not write its trace within "
+                                              f"{FRONTEND_TRACE_WAIT_S:g}s")
+        else:
+            result["files"] = [*result["files"], str(path)]
+            result["frontend_trace"] = str(path)
     return web.json_response(result)
+
+
+FRONTEND_TRACE_WAIT_S = 10.0
+
+
+async def _written_by(out_dir: Path, pid: int) -> Path | None:
+    """The front-end trace that front end `pid` writes into `out_dir` once told the capture stopped (it writes
+    to a temporary name and renames, so a file found here is whole); None if it has not within the wait."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + FRONTEND_TRACE_WAIT_S
+    while loop.time() < deadline:
+        found = sorted(out_dir.glob(f"frontend*-{pid}.trace.json"))
+        if found:
+            return found[0]
+        await asyncio.sleep(0.05)
+    return None

@@ -10,6 +10,7 @@ import logging
 import os
 import platform
 import time
+from pathlib import Path
 from typing import Any
 
 from infertrace.server.frontend.protocol import (
@@ -54,6 +55,8 @@ class ServerState:
         self.in_flight: set[str] = set()
         self.draining = False
         self.frontend_trace: Any = None  # a FrontendTrace while /start_profile asked for one
+        if hasattr(engine, "on_trace_stop"):  # the engine process's client: a stop may land on another front end
+            engine.on_trace_stop = self._trace_stopped
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -63,6 +66,18 @@ class ServerState:
         module-level LRU of 1,024 entries), and it must not keep an engine with it."""
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self.engine = self.tokenizer = self.frontend_trace = None
+
+    def _trace_stopped(self, output_dir: str | None) -> None:
+        """Another front end stopped the capture this one traces itself in: stop the profile hook and write the
+        trace into the capture's folder."""
+        trace, self.frontend_trace = self.frontend_trace, None
+        if trace is None:
+            return
+        trace.stop()
+        if output_dir:
+            written = asyncio.get_running_loop().run_in_executor(None, trace.write, Path(output_dir))
+            written.add_done_callback(lambda f: f.exception() and log.error("cannot write the front-end trace: %s",
+                                                                             f.exception()))
 
     def count(self, **deltas: int) -> None:
         """Add to the server counters behind /metrics ("finished:stop", "rejected:queue_full", ...)."""

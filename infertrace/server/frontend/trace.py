@@ -65,7 +65,9 @@ class FrontendTrace:
         doc = {"traceEvents": trace, "displayTimeUnit": "ms",
                "otherData": {"source": "infertrace front end", "events": len(self.events),
                              "truncated": self.truncated}}
-        path.write_text(json.dumps(doc))
+        tmp = path.with_name(f".{path.name}.tmp")  # renamed when whole: another front end may be waiting for it
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
         self.events = []
         return path
 
