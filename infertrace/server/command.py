@@ -64,7 +64,8 @@ def serve(model_dir: Path, served_model_name: str | None, host: str, port: int, 
         fail(str(e))
     if settings.profile_dir is not None:
         _prepare_profile_dir(settings.profile_dir)
-    _check_port(settings.host, settings.port, api_server_count > 1)
+    _check_model_dir(model_dir)
+    _check_port(settings.host, settings.port)
     if engine_in_process:
         if api_server_count != 1:
             fail("--api-server-count needs the engine in its own process: drop --engine-in-process")
@@ -86,14 +87,19 @@ def _model_dir(ctx: click.Context, value: str) -> Path:
             raise click.BadParameter(f"cannot write the {value} preset: {e}") from None
     if not Path(value).is_dir():
         raise click.BadParameter(f"{value!r} is neither a model directory nor a preset name")
-    missing = [name for name in MODEL_FILES if not (Path(value) / name).is_file()]
-    if missing:  # found now, not as a traceback from the engine process and the tokenizer thread
-        fail(f"--model {value} is not a model directory: it has no {' or '.join(missing)} (a Hugging Face model "
-             "directory holds config.json, the safetensors weights and tokenizer.json)")
     return Path(value)
 
 
-def _check_port(host: str, port: int, shared: bool) -> None:
+def _check_model_dir(model_dir: Path) -> None:
+    """A folder without the model's files is one line now, not a traceback from the tokenizer thread and the
+    engine process."""
+    missing = [name for name in MODEL_FILES if not (model_dir / name).is_file()]
+    if missing:
+        fail(f"--model {model_dir} is not a model directory: it has no {' or '.join(missing)} (a Hugging Face "
+             "model directory holds config.json, the safetensors weights and tokenizer.json)")
+
+
+def _check_port(host: str, port: int) -> None:
     """A port another process listens on is reported now, not after the model has loaded (minutes, for a big
     one). The server binds it again later; this only catches what is already there."""
     from infertrace.server.engine_link.runner import check_port_free
