@@ -232,7 +232,7 @@ def test_an_engine_that_dies_ends_the_server_with_a_non_zero_exit(tiny_model_dir
     os.kill(served.engine_pid, signal.SIGKILL)
     code, log = served.finish(timeout=30)
     assert code == 1
-    assert "Error: the engine process is gone (the engine process was killed by SIGKILL)" in log
+    assert "error: the engine process is gone (the engine process was killed by SIGKILL)" in log
 
 
 @pytest.mark.slow
@@ -255,7 +255,7 @@ def test_a_front_end_that_dies_ends_the_server_with_a_non_zero_exit(tiny_model_d
     os.kill(frontends[0], signal.SIGKILL)
     code, log = served.finish(timeout=60)
     assert code == 1, log
-    assert f"Error: front end infertrace-frontend1 (pid {frontends[0]}) was killed by SIGKILL" in log
+    assert f"error: front end infertrace-frontend1 (pid {frontends[0]}) was killed by SIGKILL" in log
     assert _gone(served.engine_pid)
 
 
