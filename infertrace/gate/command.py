@@ -93,7 +93,8 @@ def gate(
 
     METRIC is any numeric top-level key of a result: output_throughput, median_tpot_ms, p99_e2el_ms, ...
     A unit, where given, must fit the metric. cpu_ms_per_output_token (CPU time of the benchmark process per
-    output token, derived from an infertrace result) is the figure to gate on a shared CPU machine, where
+    output token, derived from an infertrace result of the bundled engine in-process; refused for a --base-url
+    result, where it would be the load generator's CPU) is the figure to gate on a shared CPU machine, where
     wall-clock figures move too much from run to run.
 
     Results from another model or workload than the baseline's are refused (exit 2) unless
