@@ -98,8 +98,7 @@ def step_metrics(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     runtime = events[(events["kind"] == "runtime").to_numpy() & (events["correlation"] >= 0).to_numpy()]
     runtime = runtime.drop_duplicates("correlation", keep="first")
     launch_ts = pd.Series(runtime["ts_ns"].to_numpy(), index=runtime["correlation"].to_numpy())
-    cpu = events[events["kind"].isin(("cpu_op", "annotation")).to_numpy()]
-    cpu_threads = pd.MultiIndex.from_frame(cpu[["pid", "tid"]].drop_duplicates())
+    cpu_threads = _cpu_threads(events)
     step_of_corr = _launches_in_steps(runtime, out, cpu_threads)
     g_ts, g_end = gpu["ts_ns"].to_numpy(), (gpu["ts_ns"] + gpu["dur_ns"]).to_numpy()
     g_step = step_of_corr.reindex(gpu["correlation"].to_numpy()).to_numpy()
@@ -170,6 +169,13 @@ def exclusive_ns(gpu: pd.DataFrame) -> np.ndarray:
     out = np.empty(len(ts), dtype=np.int64)
     out[order] = np.maximum(end[order] - start, 0)
     return out
+
+
+def _cpu_threads(events: pd.DataFrame) -> pd.MultiIndex:
+    """The (pid, tid) pairs that ran a CPU operator or annotation (without copying the events to find them)."""
+    cpu = events["kind"].isin(("cpu_op", "annotation")).to_numpy()
+    pairs = pd.DataFrame({"pid": events["pid"].to_numpy()[cpu], "tid": events["tid"].to_numpy()[cpu]})
+    return pd.MultiIndex.from_frame(pairs.drop_duplicates())
 
 
 def _launches_in_steps(runtime: pd.DataFrame, steps: pd.DataFrame, cpu_threads: pd.MultiIndex) -> pd.Series:
@@ -304,8 +310,7 @@ def gpu_ops_by_step(events: pd.DataFrame, steps: pd.DataFrame) -> tuple[pd.DataF
     gpu = events[events["kind"].isin(GPU_WORK).to_numpy()]
     runtime = events[(events["kind"] == "runtime").to_numpy() & (events["correlation"] >= 0).to_numpy()]
     runtime = runtime.drop_duplicates("correlation", keep="first")
-    cpu = events[events["kind"].isin(("cpu_op", "annotation")).to_numpy()]
-    cpu_threads = pd.MultiIndex.from_frame(cpu[["pid", "tid"]].drop_duplicates())
+    cpu_threads = _cpu_threads(events)
     step_of_corr = _launches_in_steps(runtime, steps, cpu_threads)
     found = step_of_corr.reindex(gpu["correlation"].to_numpy()).to_numpy()
     return gpu, np.where(np.isnan(found), -1, found).astype(np.int64)
