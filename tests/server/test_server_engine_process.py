@@ -247,8 +247,9 @@ def test_a_sigkilled_front_end_leaves_no_engine_behind(tiny_model_dir):
 
 @pytest.mark.slow
 def test_a_front_end_that_dies_ends_the_server_with_a_non_zero_exit(tiny_model_dir):
-    """With two front ends, the second one SIGKILLed: the first drains, stops the engine and exits 1 naming it."""
-    served = Served(tiny_model_dir, "--api-server-count", "2")
+    """With two front ends, the second one SIGKILLed: the first drains, stops the engine and exits 1 naming it, at
+    once: with nothing in flight the drain time is not waited out (it idled drain-timeout + 10 s)."""
+    served = Served(tiny_model_dir, "--api-server-count", "2", "--drain-timeout", "3600")
     children = [int(p) for p in Path(f"/proc/{served.proc.pid}/task/{served.proc.pid}/children").read_text().split()]
     frontends = [pid for pid in children if pid != served.engine_pid and b"spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(frontends) == 1, [Path(f"/proc/{p}/cmdline").read_bytes() for p in children]
