@@ -328,6 +328,38 @@ def test_a_front_end_trace_stopped_on_the_other_front_end_is_stopped_and_written
     assert any("_generate" in name for name in names)  # the request the tracing front end served
 
 
+@pytest.mark.slow
+def test_the_stop_line_counts_the_requests_every_front_end_aborted(tiny_model_dir):
+    """Eight endless streams over two front ends and no drain time: every one is aborted, and the last line
+    counts all eight, not only the first front end's."""
+    served = Served(tiny_model_dir, "--api-server-count", "2", "--drain-timeout", "0")
+
+    async def drive() -> list[str]:
+        running = asyncio.Event()
+        started: list[int] = []
+
+        async def stream() -> str:
+            async with aiohttp.ClientSession() as session:  # a fresh connection: either front end may take it
+                async with session.post(served.url + "/v1/completions", json={
+                        "prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+                    await r.content.readline()
+                    started.append(1)
+                    if len(started) == 8:
+                        running.set()
+                    return await r.text()
+
+        streams = [asyncio.ensure_future(stream()) for _ in range(8)]
+        await asyncio.wait_for(running.wait(), 120)
+        served.proc.send_signal(signal.SIGTERM)
+        return await asyncio.wait_for(asyncio.gather(*streams), 120)
+
+    bodies = asyncio.run(drive())
+    code, log = served.finish()
+    assert code == 0, log
+    assert all('"finish_reason":"abort"' in body.replace(" ", "") for body in bodies)
+    assert "stopped (8 request(s) aborted)" in log, log
+
+
 def _events(body: str) -> list:
     out = []
     for line in body.splitlines():
