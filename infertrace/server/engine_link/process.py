@@ -208,6 +208,7 @@ class EngineLoop:
                 if events & selectors.EVENT_READ and peer.sock.fileno() != -1:
                     self._read(peer)  # its end of the socket closing closes ours
             self._evict_overdue()
+        self._evict_overdue()  # those already past their time when the last live front end left
 
     def _evict_overdue(self) -> None:
         """A dropped front end that has not taken why and gone within its farewell time is stopped or hung: its
