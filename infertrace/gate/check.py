@@ -78,9 +78,9 @@ def _check(bound: Bound, current: list[Run], baseline: list[Run], config: GateCo
     median_now = statistics.median(now)
     median_before = None if before is None else statistics.median(before)
     point = checked(median_now, median_before)
-    if before is None:
+    if before is None or (bound.relative and min(now) <= 0):  # no log scale for a run at 0 (every request failed)
         interval = bootstrap_interval(
-            checked, now, None, confidence=config.confidence, resamples=config.resamples, seed=config.seed
+            checked, now, before, confidence=config.confidence, resamples=config.resamples, seed=config.seed
         )
     else:  # see stats.py: the pooled scatter, so that more runs of one slowdown only narrow the interval
         interval = change_interval(now, before, relative=bound.relative, confidence=config.confidence,

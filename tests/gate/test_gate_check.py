@@ -118,3 +118,8 @@ def test_one_run_and_three_runs_of_one_slowdown_get_the_same_verdict():
     # range, reached the baseline's slow run (60) and passed as "within noise"
     assert verdict(DROP_5, [50.0], [100.0, 60.0, 95.0]) is Verdict.REGRESSION
     assert verdict(DROP_5, [50.0, 46.0, 58.0], [100.0, 60.0, 95.0]) is Verdict.REGRESSION
+
+
+def test_a_run_at_zero_is_a_regression_not_a_crash():
+    assert verdict(DROP_5, [0.0], [100.0, 99.0, 101.0]) is Verdict.REGRESSION
+    assert verdict(DROP_5, [0.0, 0.0, 1.0], [100.0, 99.0, 101.0]) is Verdict.REGRESSION
