@@ -2,8 +2,10 @@
 prompt salt in the body, and the base URL check. A scripted transport answers; no socket is opened."""
 
 import pytest
+from click.testing import CliRunner
 
 from infertrace.auth import check_url
+from infertrace.cli import main
 from infertrace.load.client.http_target import HttpTarget
 from infertrace.load.client.targets import check_context, make_target
 from infertrace.load.client.timing import TargetError
@@ -132,3 +134,14 @@ async def test_a_load_worker_counts_the_salt_in_the_tokenizer_directory(tiny_mod
     parent = HttpTarget("http://h", "completions", "m", None, prompt_salt="run 0123456789ab",
                         tokenizer=load_tokenizer(tiny_model_dir))
     assert worker.salt_tokens == parent.salt_tokens > 0
+
+
+def test_connections_are_pooled_and_reused(standin, tmp_path):
+    res = bench("--base-url", standin.url, "--num-prompts", 60, "--concurrency", 3, "--warmup", 0,
+                "--output-len", 2, "--result-json", tmp_path / "r.json")
+    assert res.exit_code == 0, res.output
+    assert 0 < len(standin.peers) <= 3 + 1  # the requests' connections (and the preflight's, at most one more)
+
+
+def bench(*args):
+    return CliRunner().invoke(main, ["bench", *map(str, args)])

@@ -1,9 +1,12 @@
 """The closed and open loops against a fake target on the real clock (short sleeps, no sockets)."""
 
 import asyncio
+import json
 
 import pytest
+from click.testing import CliRunner
 
+from infertrace.cli import main
 from infertrace.load.benchmark import Interrupted, Interrupter
 from infertrace.load.clock import MonotonicClock
 from infertrace.load.records import RequestSpec, StreamEvent
@@ -162,3 +165,21 @@ async def test_requests_held_behind_a_slot_wait_count_that_wait_as_their_own():
     by_index = {r.index: r for r in runner.results}
     assert [by_index[i].slot_wait for i in range(5)] == [0.0, 0.0, 1.0, 1.0, 0.0]
     assert [by_index[i].schedule_lag - by_index[i].slot_wait for i in range(5)] == [0.0] * 5
+
+
+def test_latency_from_the_intended_start_is_reported_and_warned(standin, tmp_path):
+    """An open loop capped at one request in flight: requests queue for the slot, so counted from when they were
+    due their TTFT grows while the measured one does not."""
+    standin.token_delay = 0.02
+    out = tmp_path / "r.json"
+    res = bench("--base-url", standin.url, "--num-prompts", 12, "--request-rate", "inf", "--concurrency", 1,
+                "--warmup", 0, "--output-len", 3, "--result-json", out)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["median_ttft_from_scheduled_ms"] > 2 * doc["median_ttft_ms"]
+    assert doc["p99_e2el_from_scheduled_ms"] >= doc["p99_e2el_ms"]
+    assert "counted from each request's scheduled time" in " ".join(doc["headroom_warnings"])
+
+
+def bench(*args):
+    return CliRunner().invoke(main, ["bench", *map(str, args)])
