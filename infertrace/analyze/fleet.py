@@ -335,7 +335,11 @@ def _run_ray(unit_paths, config, trim, cache_root, address: str) -> list[UnitRes
         import ray
     except ImportError:
         raise CaptureError("--ray needs Ray: pip install -e '.[distributed]'") from None
-    if not ray.is_initialized():
-        ray.init(address=address, log_to_driver=False)
-    task = ray.remote(num_cpus=1, max_retries=0)(analyze_unit)
-    return ray.get([task.remote(paths, config, trim, cache_root) for paths in unit_paths])
+    try:
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False)
+        task = ray.remote(num_cpus=1, max_retries=0)(analyze_unit)
+        return ray.get([task.remote(paths, config, trim, cache_root) for paths in unit_paths])
+    except Exception as exc:  # noqa: BLE001 - no cluster there, or a task lost: one line, not Ray's traceback
+        text = str(exc).strip().splitlines()
+        raise CaptureError(f"--ray {address}: {type(exc).__name__}: {text[0] if text else ''}") from None
