@@ -243,16 +243,17 @@ class FlagSet:
 def to_json(obj: Any) -> dict[str, Any]:
     """A config dataclass instance as a JSON object; JSON has no infinity, so a non-finite number is its text
     ("inf"), which `from_json` reads back by the field's type."""
-    return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """`value` as JSON holds it: a non-finite number as its text ("inf"), inside lists and dicts too."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {k: jsonable(v) for k, v in value.items()}
     return value
 
 

@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import math
 import os
 import platform
 import sys
 from importlib import metadata
 from pathlib import Path
 
+from infertrace.config_fields import jsonable
 from infertrace.load.results.metrics import from_scheduled, vllm_keys
 from infertrace.load.results.point import PointRecord
 from infertrace.load.stats import Stats
 from infertrace.output import write_text
 
 SCHEMA_VERSION = 1
-
-
-def _finite(value):
-    """JSON has no infinity: an infinite request rate is written as the string "inf"."""
-    return "inf" if isinstance(value, float) and math.isinf(value) else value
 
 
 def _version(dist: str) -> str | None:
@@ -58,7 +53,7 @@ def point_result(record: PointRecord) -> dict:
     out.update({  # as vLLM writes them: a closed loop is an infinite rate capped by max_concurrency
         "num_prompts": cfg.num_prompts,
         "max_concurrency": cfg.effective_concurrency,
-        "request_rate": _finite(cfg.request_rate) if cfg.request_rate is not None else "inf",
+        "request_rate": jsonable(cfg.request_rate) if cfg.request_rate is not None else "inf",
         "burstiness": cfg.burstiness,
         "good_requests": m.good_requests, "slo": cfg.slo,
     })
@@ -168,7 +163,7 @@ def capacity_document(cap, config: dict, target) -> dict:
     """A --find-max search: the answer, then every load tried with its verdict, its bounds' estimates and
     intervals, and the full result of each of its runs."""
     def est(e) -> dict:
-        return {"estimate_ms": _finite(e.value_ms), "low_ms": _finite(e.low_ms), "high_ms": _finite(e.high_ms),
+        return {"estimate_ms": jsonable(e.value_ms), "low_ms": jsonable(e.low_ms), "high_ms": jsonable(e.high_ms),
                 "samples": e.samples}
 
     return {
