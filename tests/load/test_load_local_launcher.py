@@ -62,3 +62,50 @@ def test_a_killed_worker_counts_as_failed_requests_and_fails_the_run(standin, tm
                for r in failed) and len(failed) == owed
     assert f"load worker {worker} lost" in stdout  # the failure's reason in the table
 
+
+
+def test_a_worker_that_exits_while_its_pipe_stays_open_is_lost_not_waited_for(standin, tmp_path, monkeypatch):
+    """Another process may hold a copy of a worker's end of its pipe (here: this one, which keeps a duplicate), so
+    the pipe never reports its end when the worker dies: its process's exit is enough to count it lost."""
+    import multiprocessing
+    import os
+    import threading
+
+    import psutil
+
+    ctx = multiprocessing.get_context("spawn")
+    real_pipe = ctx.Pipe
+    held: list[int] = []
+
+    def pipe_with_a_copy(*args, **kwargs):
+        parent, child = real_pipe(*args, **kwargs)
+        held.append(os.dup(child.fileno()))
+        return parent, child
+
+    monkeypatch.setattr(ctx, "Pipe", pipe_with_a_copy)
+    standin.token_delay = 0.05
+    killed: list[int] = []
+
+    def kill_one_worker():
+        deadline = time.monotonic() + 60
+        while standin.count < 10 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pids = _worker_pids(os.getpid())
+        if pids:
+            psutil.Process(pids[0]).kill()
+            killed.append(pids[0])
+
+    killer = threading.Thread(target=kill_one_worker, daemon=True)
+    killer.start()
+    out = tmp_path / "r.json"
+    try:
+        res = bench("--base-url", standin.url, "--num-prompts", 80, "--concurrency", 4, "--warmup", 0,
+                    "--output-len", 4, "--workers", 2, "--result-json", out)
+    finally:
+        for fd in held:
+            os.close(fd)
+    killer.join(10)
+    assert killed, "no worker was found to kill"
+    assert res.exit_code == 1, res.output
+    doc = json.loads(out.read_text())
+    assert doc["completed"] + doc["failed"] == 80 and doc["failed"] > 0 and len(doc["lost_workers"]) == 1

@@ -99,12 +99,18 @@ async def run_local(fleet, parts: list[Slice]) -> None:
         fleet.lose(k, len(procs), parts[k], _how_it_ended(procs[k].exitcode), procs[k].pid)
         close(k)
 
+    gone: set[int] = set()  # the pipe ended without a final batch: lost(k) is under way
+
+    def give_up(k: int) -> None:
+        gone.add(k)
+        loop.remove_reader(conns[k].fileno())
+        losses.append(asyncio.ensure_future(lost(k)))
+
     def readable(k: int) -> None:
         try:
             batch = decoder.decode(conns[k].recv_bytes())
         except (EOFError, OSError):
-            loop.remove_reader(conns[k].fileno())
-            losses.append(asyncio.ensure_future(lost(k)))
+            give_up(k)
             return
         if batch.ready:
             start_when_ready(k)
@@ -113,8 +119,19 @@ async def run_local(fleet, parts: list[Slice]) -> None:
         if batch.done:
             close(k)
 
+    def exited(k: int) -> None:
+        """The process ended. What it wrote is in the pipe: read it all; if no final batch came, it is lost, even
+        when the pipe does not report its end (another process that holds a copy of the worker's end keeps it
+        open: the parent would otherwise wait for ever)."""
+        loop.remove_reader(procs[k].sentinel)
+        while k in open_conns and k not in gone and conns[k].poll():
+            readable(k)
+        if k in open_conns and k not in gone:
+            give_up(k)
+
     for k, conn in enumerate(conns):
         loop.add_reader(conn.fileno(), readable, k)
+        loop.add_reader(procs[k].sentinel, exited, k)
     try:
         await finished.wait()
     except asyncio.CancelledError:  # Ctrl-C: every worker stops, sends what it measured, and the parent keeps it
@@ -130,6 +147,8 @@ async def run_local(fleet, parts: list[Slice]) -> None:
     finally:
         for k in list(open_conns):
             loop.remove_reader(conns[k].fileno())
+        for proc in procs:
+            loop.remove_reader(proc.sentinel)
         for task in losses:
             task.cancel()
         for proc in procs:
