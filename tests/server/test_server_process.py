@@ -4,6 +4,7 @@ the process lifecycle (drain, engine death, front-end death, several front ends 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -164,10 +165,10 @@ def test_the_front_end_never_imports_torch(tiny_model_dir):
 
 # ----- `infertrace serve` as a process tree -----
 class Served:
-    def __init__(self, model_dir: Path, *args: str) -> None:
+    def __init__(self, model_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "infertrace", "serve", "--model", str(model_dir),
                                       "--port", "0", "--kv-cache-tokens", "16384", *args],
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -258,6 +259,63 @@ def test_a_front_end_that_dies_ends_the_server_with_a_non_zero_exit(tiny_model_d
     assert code == 1, log
     assert f"error: front end infertrace-frontend1 (pid {frontends[0]}) was killed by SIGKILL" in log
     assert _gone(served.engine_pid)
+
+
+def _other_front_ends(served: Served) -> list[int]:
+    children = [int(p) for p in Path(f"/proc/{served.proc.pid}/task/{served.proc.pid}/children").read_text().split()]
+    return [pid for pid in children if pid != served.engine_pid and b"spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+@pytest.mark.slow
+def test_a_stopped_idle_front_end_is_dropped_on_its_silence_and_the_server_stops(tiny_model_dir):
+    """A SIGSTOPped front end with nothing in flight has no outputs waiting, so no stall bound ever caught it, and
+    its listener took about half the new connections, which hung. Its heartbeat stops: past the silence bound
+    (3 s here, through $INFERTRACE_MAX_SILENCE_S) the engine drops it and, past its farewell time, kills it; the
+    first front end then stops the server with status 1, naming it, and nothing is left running."""
+    served = Served(tiny_model_dir, "--api-server-count", "2", env={"INFERTRACE_MAX_SILENCE_S": "3"})
+    (frontend,) = _other_front_ends(served)
+    os.kill(frontend, signal.SIGSTOP)
+    try:
+        code, log = served.finish(timeout=40)  # 3 s of silence, 5 s of farewell, then the stop
+    finally:
+        served.proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frontend, signal.SIGKILL)
+    assert code == 1, log
+    assert (f"dropping front end pid {frontend}: this front end sent nothing, not even its heartbeat, for more "
+            f"than 3 s (stopped or hung)") in log
+    assert f"error: front end infertrace-frontend1 (pid {frontend}) was killed by SIGKILL" in log
+    assert _gone(frontend) and _gone(served.engine_pid)
+
+
+@pytest.mark.slow
+def test_healthy_idle_front_ends_are_never_dropped_for_silence(tiny_model_dir):
+    """Two idle front ends over four times the silence bound (3 s here): their heartbeats keep both, /health is
+    answered throughout, and SIGTERM stops the server with status 0."""
+    served = Served(tiny_model_dir, "--api-server-count", "2", env={"INFERTRACE_MAX_SILENCE_S": "3"})
+    (frontend,) = _other_front_ends(served)
+
+    async def poll(seconds: float) -> set[int]:
+        pids = set()
+        deadline = time.monotonic() + seconds
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                async with session.get(served.url + "/server_info", timeout=aiohttp.ClientTimeout(total=5),
+                                       headers={"Connection": "close"}) as r:  # a new connection: either listener
+                    assert r.status == 200
+                    pids.add((await r.json())["frontend"]["pid"])
+                await asyncio.sleep(0.25)
+        return pids
+
+    try:
+        answered = asyncio.run(poll(12.0))
+        assert served.proc.poll() is None and not _gone(frontend, timeout=0)
+    finally:
+        served.proc.send_signal(signal.SIGTERM)
+        code, log = served.finish(timeout=60)
+    assert answered == {served.proc.pid, frontend}  # both were asked, and both answered
+    assert code == 0, log
+    assert "dropping front end" not in log and "killed" not in log
 
 
 @pytest.mark.slow
@@ -509,6 +567,10 @@ def _messages(sock, until, deadline_s: float) -> list:
     return got
 
 
+def _told_why(msgs: list) -> bool:
+    return bool(msgs) and msgs[-1].kind == "dropped"
+
+
 def _finished(request_id: str):
     return lambda msgs: any(d.finished and d.request_id == request_id for m in msgs for d in m.outputs)
 
@@ -549,7 +611,7 @@ def test_a_front_end_past_its_backlog_bound_is_dropped_and_its_requests_aborted(
         got = _messages(fast, _finished("fast-0"), deadline_s=20)
         assert len([d for m in got for d in m.outputs]) == 100
         # what the dropped front end reads once it reads again: whole frames, then why, then the end
-        backlog = _messages(stuck, lambda msgs: False, deadline_s=5)
+        backlog = _messages(stuck, _told_why, deadline_s=5)
         assert backlog and all(m.kind == "step" for m in backlog[:-1])
         last = backlog[-1]
         assert last.kind == "dropped" and "fell more than 1 MiB of outputs behind" in last.error["message"]
@@ -570,7 +632,7 @@ def test_a_front_end_that_takes_nothing_past_the_stall_bound_is_dropped_though_u
         took = _add_until_aborted(engine, stuck, "stuck-0")
         assert engine.aborted == ["stuck-0"] and engine.running == {}
         assert took < 10
-        backlog = _messages(stuck, lambda msgs: False, deadline_s=5)
+        backlog = _messages(stuck, _told_why, deadline_s=5)
         last = backlog[-1]
         assert last.kind == "dropped" and "took no output for more than 0.5 s" in last.error["message"]
         assert all(m.kind == "step" for m in backlog[:-1])
@@ -583,16 +645,18 @@ def test_a_front_end_that_takes_nothing_past_the_stall_bound_is_dropped_though_u
 
 def test_a_lone_front_end_that_is_dropped_still_hears_why_before_the_loop_ends():
     """The only front end stops reading and is dropped past the stall bound: the loop, with no live front end left,
-    waits for it to take the "dropped" message (up to FAREWELL_S) before it ends, instead of ending at once."""
+    waits for it to take the "dropped" message and go (up to FAREWELL_S) before it ends, instead of ending at once."""
     engine = _ScriptedEngine(tokens=10**9)
     loop, thread, (stuck,) = _engine_loop(engine, 1, max_stall_s=0.5)
     try:
         _add_until_aborted(engine, stuck, "alone-0")
         assert engine.aborted == ["alone-0"] and loop.peers == {}
         assert thread.is_alive()  # still waiting for the dropped front end to read why
-        backlog = _messages(stuck, lambda msgs: False, deadline_s=5)
+        backlog = _messages(stuck, _told_why, deadline_s=5)
         assert backlog and backlog[-1].kind == "dropped"
         assert "took no output for more than 0.5 s" in backlog[-1].error["message"]
+        assert thread.is_alive()  # told why, but not gone yet: a stopped front end never reads it
+        stuck.close()  # what a front end does once it has read why
         thread.join(5)
         assert not thread.is_alive() and loop.leaving == {}
     finally:
@@ -621,6 +685,48 @@ def test_a_dropped_front_end_that_does_not_go_is_killed_so_its_listener_takes_no
         stopped.kill()
         stopped.wait()
         idle.close(), stuck.close()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_an_idle_front_end_that_falls_silent_is_dropped_and_killed_while_one_that_beats_is_kept():
+    """No request anywhere, so no output waits and no stall bound applies: the loop still wakes to judge silence.
+    The front end that said hello and then nothing (a SIGSTOPped process) is dropped past the silence bound and
+    killed past its farewell; the one that beats is kept; one that has not said hello yet (still starting) is not
+    judged."""
+    import threading
+
+    from infertrace.server.engine_link.messages import ToEngine, frame
+
+    stopped, alive = subprocess.Popen(["sleep", "600"]), subprocess.Popen(["sleep", "600"])
+    os.kill(stopped.pid, signal.SIGSTOP)
+    engine = _ScriptedEngine()
+    loop, thread, (silent, beating, starting) = _engine_loop(engine, 3, max_silence_s=0.5, farewell_s=0.5)
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(0.05):
+            beating.sendall(frame(ToEngine("beat")))
+
+    beater = threading.Thread(target=beat, daemon=True)
+    try:
+        silent.sendall(frame(ToEngine("hello", args={"pid": stopped.pid})))
+        beating.sendall(frame(ToEngine("hello", args={"pid": alive.pid})))
+        beater.start()
+        assert stopped.wait(timeout=30) == -signal.SIGKILL
+        why = _messages(silent, _told_why, deadline_s=5)[-1]
+        assert why.kind == "dropped"
+        assert "sent nothing, not even its heartbeat, for more than 0.5 s" in why.error["message"]
+        time.sleep(2.0)  # four silence bounds more
+        assert alive.poll() is None and thread.is_alive()
+        assert sorted(p.pid or 0 for p in loop.peers.values()) == sorted([alive.pid, 0]) and loop.leaving == {}
+    finally:
+        done.set()
+        beater.join(5)
+        for proc in (stopped, alive):
+            proc.kill()
+            proc.wait()
+        silent.close(), beating.close(), starting.close()
         thread.join(10)
     assert not thread.is_alive()
 

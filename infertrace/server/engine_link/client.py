@@ -28,6 +28,9 @@ from infertrace.server.engine_link.messages import (
 from infertrace.server.frontend.protocol import ApiError
 
 log = logging.getLogger("infertrace.server")
+# Seconds between heartbeats to the engine, sent from the event loop: a front end silent for MAX_SILENCE_S
+# (process.py, 15 s) is taken for stopped or hung and dropped, so the period leaves a wide margin.
+HEARTBEAT_S = 1.0
 
 
 class EngineStartError(RuntimeError):
@@ -52,6 +55,7 @@ class ProcessEngine:
         self.info: dict[str, Any] = {}
         self.error: EngineDeadError | None = None
         self._closing = False
+        self._heartbeat: asyncio.TimerHandle | None = None
 
     async def connect(self) -> None:
         """Wait for the engine's handshake; EngineStartError if it ended instead."""
@@ -59,10 +63,19 @@ class ProcessEngine:
         self._ready = loop.create_future()
         self._transport, _ = await loop.create_unix_connection(lambda: _Link(self), sock=self._sock)
         self._transport.write(frame(ToEngine("hello", args={"pid": os.getpid()})))  # whom to kill if it is dropped
+        self._beat()
         try:
             self.info = await self._ready
         except EngineDeadError as e:
             raise EngineStartError(str(e)) from None
+
+    def _beat(self) -> None:
+        """Tell the engine this front end is alive, now and every HEARTBEAT_S until it closes or the link dies."""
+        if self._closing or self.error is not None or self._transport is None or self._transport.is_closing():
+            self._heartbeat = None
+            return
+        self._transport.write(_BEAT)
+        self._heartbeat = asyncio.get_running_loop().call_later(HEARTBEAT_S, self._beat)
 
     def on_death(self, callback: Callable[[], None]) -> None:
         """`callback()` once, on the event loop, if the engine process dies or its loop fails."""
@@ -71,6 +84,8 @@ class ProcessEngine:
     async def close(self) -> None:
         """Tell the engine this front end is done (it aborts whatever of ours still runs)."""
         self._closing = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         if self._transport is not None:
             self._transport.close()
 
@@ -184,6 +199,9 @@ class ProcessEngine:
             callback()
         if self._transport is not None:
             self._transport.close()
+
+
+_BEAT = frame(ToEngine("beat"))
 
 
 class _Link(asyncio.Protocol):

@@ -3,7 +3,7 @@ stream socket.
 
 A frame is a 4-byte big-endian length and a MessagePack body (MessagePack, not JSON: step histograms hold +Inf).
 The engine sends one `FromEngine` per front end per step, with every output of that step for that front end's
-requests; the front end sends one `ToEngine` per request, abort, command or counter update.
+requests; the front end sends one `ToEngine` per request, abort, command or counter update, and a heartbeat.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class ToEngine(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     reply once its KV is free), "call" (name, args, call_id: an engine-side command such as start_profile, ping or
     metrics), "count" (args: server counter deltas, e.g. {"finished:stop": 1, "in_flight": -1}), "stamp"
     (request_id, args: the front end's times of a request for the request log, e.g. {"received": t, "sent": t}),
-    "hello" (args: {"pid": the front end's process id}, sent first)."""
+    "hello" (args: {"pid": the front end's process id}, sent first), "beat" (nothing: the front end's heartbeat,
+    every HEARTBEAT_S, so that the engine can tell a stopped front end from an idle one)."""
 
     kind: str
     request_id: str = ""
@@ -52,8 +53,8 @@ class FromEngine(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Engine to front end. kind: "ready" (value: the engine's info), "step" (outputs, stats), "reply" (call_id,
     value or error), "refused" (request_id, error: the engine would not take the request), "dead" (error: why the
     engine loop stopped; the process exits after it), "dropped" (error: why the engine let this front end go, its
-    requests aborted; the socket closes after it), "trace_stop" (value: {"output_dir"}: another front end stopped the
-    capture this one traces itself in; stop the trace and write it there)."""
+    requests aborted; the front end exits, or is killed), "trace_stop" (value: {"output_dir"}: another front end
+    stopped the capture this one traces itself in; stop the trace and write it there)."""
 
     kind: str
     outputs: list[Delta] = []

@@ -11,8 +11,11 @@ its own, flushed when the socket is writable, so a front end that stops reading 
 only its own streams; the step loop and the other front ends go on. A front end whose backlog passes
 MAX_BACKLOG_BYTES, or whose socket has taken nothing for MAX_STALL_S while outputs wait for it, is dropped: its
 requests are aborted (their KV and batch slots freed), its backlog discarded after the frame in flight, and it is
-told why (a "dropped" message) before its socket is closed; so memory stays bounded, and a front end that stalls
-with few streams does not hold them for ever.
+told why (a "dropped" message); its socket is closed once it closes its end (having read why, it exits), and
+past FAREWELL_S it is killed. So memory stays bounded, and a front end that stalls with few streams does not hold
+them for ever. A front end that has said nothing (its heartbeat included: one every HEARTBEAT_S from its event
+loop) for MAX_SILENCE_S is dropped too, streams or not: a stopped front end with nothing in flight has no outputs
+waiting, yet its listener goes on taking its share of new connections.
 
 Lifetime: the process ends when every front end has closed its socket or been dropped (requests still running are
 aborted first; a dropped front end gets FAREWELL_S more to take why once no live one is left),
@@ -54,6 +57,12 @@ MAX_BACKLOG_BYTES = 64 << 20
 # Seconds a front end's socket may take nothing while outputs wait for it: far beyond any pause of a working front
 # end (its event loop reads every few milliseconds), short enough that a hung one soon gives back its requests' KV.
 MAX_STALL_S = 60.0
+# Seconds a front end (after its "hello") may send nothing before it is dropped. Each one's event loop sends a
+# heartbeat every HEARTBEAT_S (client.py) and never blocks for long (tokenizing runs on threads), so only a stopped
+# or hung front end goes this long unheard; the engine reads before it judges, so a long step of its own never
+# blames a front end. The first front end (the engine's parent, the server itself) is exempt: see _silent.
+MAX_SILENCE_S = 15.0
+MAX_SILENCE_ENV = "INFERTRACE_MAX_SILENCE_S"  # overrides MAX_SILENCE_S, read when the server starts
 PROFILE_CALLS = ("start_profile", "stop_profile")
 # How long front ends dropped before the last live one left still get to take why, before the engine process exits.
 FAREWELL_S = 5.0
@@ -66,6 +75,22 @@ class EngineSpec:
     model_dir: str
     config: dict[str, Any]  # EngineConfig fields
     profile_dir: str | None = None
+    max_silence_s: float = MAX_SILENCE_S
+
+
+def max_silence_from_env() -> float:
+    """MAX_SILENCE_S, or $INFERTRACE_MAX_SILENCE_S when set; ValueError (one line) when that is not a positive
+    number of seconds."""
+    raw = os.environ.get(MAX_SILENCE_ENV)
+    if raw is None or not raw.strip():
+        return MAX_SILENCE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"${MAX_SILENCE_ENV} must be a positive number of seconds, not {raw!r}")
+    return value
 
 
 def start_engine_process(spec: EngineSpec, frontends: int = 1) -> tuple[multiprocessing.Process, list[socket.socket]]:
@@ -101,7 +126,7 @@ def engine_main(spec: EngineSpec, socks: list[socket.socket]) -> None:
         _tell_all(socks, FromEngine("dead", error={"message": f"cannot load the model: {type(e).__name__}: {e}"}))
         os._exit(1)
     _tell_all(socks, FromEngine("ready", value=info))
-    code = EngineLoop(engine, services, socks).run()
+    code = EngineLoop(engine, services, socks, max_silence_s=spec.max_silence_s).run()
     try:
         engine.shutdown()  # tensor-parallel ranks are processes of their own
     finally:
@@ -112,8 +137,8 @@ class _Peer:
     """One front end: its socket, what it has sent so far, the requests it owns, and the frames it has not taken
     yet (the first `sent` bytes of the first frame already went out)."""
 
-    __slots__ = ("backlog", "backlog_bytes", "dropped", "leave_by", "pid", "progress", "reader", "requests", "sent",
-                 "sock", "writing")
+    __slots__ = ("backlog", "backlog_bytes", "dropped", "heard", "leave_by", "pid", "progress", "reader", "requests",
+                 "sent", "sock", "writing")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -123,10 +148,11 @@ class _Peer:
         self.backlog_bytes = 0
         self.sent = 0
         self.writing = False  # the selector watches the socket for room to write
-        self.dropped = False  # told why it was dropped; closed once that is flushed
+        self.dropped = False  # told why it was dropped; closed when it closes its end, or killed past leave_by
         self.leave_by = 0.0  # once dropped: when it is killed if it has not taken why and gone by then
         self.pid: int | None = None  # the front end's process, from its "hello"
         self.progress = time.monotonic()  # when the socket last took bytes, or the backlog last began
+        self.heard = time.monotonic()  # when the front end last sent anything
 
     def flush(self) -> None:
         """Send what the socket takes now, without blocking. OSError when the front end is gone."""
@@ -156,12 +182,13 @@ class _Peer:
 class EngineLoop:
     def __init__(self, engine: Any, services: Any, socks: list[socket.socket],
                  max_backlog_bytes: int = MAX_BACKLOG_BYTES, max_stall_s: float = MAX_STALL_S,
-                 farewell_s: float = FAREWELL_S) -> None:
+                 farewell_s: float = FAREWELL_S, max_silence_s: float = MAX_SILENCE_S) -> None:
         self.engine = engine
         self.services = services
         self.max_backlog_bytes = max_backlog_bytes
         self.max_stall_s = max_stall_s
         self.farewell_s = farewell_s
+        self.max_silence_s = max_silence_s
         self.peers = {sock: _Peer(sock) for sock in socks}
         self.leaving: dict[socket.socket, _Peer] = {}  # dropped, not yet told why
         self.trace_owner: _Peer | None = None  # the front end tracing itself in the running capture
@@ -177,8 +204,10 @@ class EngineLoop:
         try:
             while self.peers:
                 timeout = 0 if engine.has_unfinished() else None
-                if self.leaving:
-                    due = min(peer.leave_by for peer in self.leaving.values()) - time.monotonic()
+                dues = [peer.leave_by for peer in self.leaving.values()]
+                dues += [peer.heard + self.max_silence_s for peer in self.peers.values() if self._watched(peer)]
+                if dues:  # idle, the loop still wakes to judge silence and farewells
+                    due = min(dues) - time.monotonic()
                     timeout = max(0.0, min(due, timeout if timeout is not None else due))
                 for key, events in self.selector.select(timeout=timeout):
                     peer = key.data
@@ -186,6 +215,7 @@ class EngineLoop:
                         self._flush(peer)
                     if events & selectors.EVENT_READ and peer.sock.fileno() != -1:
                         self._read(peer)
+                self._drop_silent()  # after reading: what a front end sent during a long step counts
                 if self.leaving:
                     self._evict_overdue()
                 if engine.has_unfinished():
@@ -209,6 +239,21 @@ class EngineLoop:
                     self._read(peer)  # its end of the socket closing closes ours
             self._evict_overdue()
         self._evict_overdue()  # those already past their time when the last live front end left
+
+    def _watched(self, peer: _Peer) -> bool:
+        """Whether `peer`'s silence is judged: once it said "hello" (before that, its start is the server's to time),
+        and unless it is the first front end, the process that started this one: that is the server itself, whose
+        stop is the whole server's stop (its own connections wait in its backlog until it runs again; dropping it
+        would only fail it when it does)."""
+        return peer.pid is not None and peer.pid != os.getppid()
+
+    def _drop_silent(self) -> None:
+        """Drop every front end heard from last more than max_silence_s ago (stopped or hung): dropped, it is killed
+        past its farewell time like any other."""
+        now = time.monotonic()
+        for peer in [p for p in self.peers.values() if self._watched(p) and now - p.heard > self.max_silence_s]:
+            self._drop(peer, f"sent nothing, not even its heartbeat, for more than {self.max_silence_s:g} s "
+                             f"(stopped or hung)")
 
     def _evict_overdue(self) -> None:
         """A dropped front end that has not taken why and gone within its farewell time is stopped or hung: its
@@ -249,6 +294,7 @@ class EngineLoop:
         if not data:
             self._close(peer)
             return
+        peer.heard = time.monotonic()
         if peer.dropped:
             return  # it has not read why yet; what it asks for now is not served
         try:
@@ -276,8 +322,11 @@ class EngineLoop:
                 self._send(peer, FromEngine("reply", call_id=msg.call_id))
         elif kind == "count":
             self.services.metrics.count(msg.args)
+        elif kind == "beat":
+            pass  # reading it was the point (peer.heard)
         elif kind == "hello":
             peer.pid = msg.args.get("pid")
+            peer.heard = time.monotonic()
         elif kind == "stamp":
             if self.engine.request_log is not None:
                 self.engine.request_log.stamp(msg.request_id, msg.args)
@@ -348,11 +397,13 @@ class EngineLoop:
             peer.sock.close()
 
     def _drop(self, peer: _Peer, behind: str) -> None:
-        """A front end past its backlog or stall bound (`behind` says which): its requests are aborted and it is
-        told why, after the frame in flight; its socket closes once that is sent. It no longer counts among the
+        """A front end past its backlog, stall or silence bound (`behind` says which): its requests are aborted and it is
+        told why, after the frame in flight; its socket closes once it closes its end (a front end that reads why
+        exits), or it is killed past its farewell time (FAREWELL_S): a why sent into the socket's buffer is not yet
+        read, and a stopped front end never reads it. It no longer counts among the
         front ends."""
-        why = f"this front end {behind} (it stopped reading); its {len(peer.requests)} request(s) were aborted"
-        log.error("dropping a front end: %s", why)
+        why = f"this front end {behind}; its {len(peer.requests)} request(s) were aborted"
+        log.error("dropping front end pid %s: %s", peer.pid, why)
         self.peers.pop(peer.sock, None)
         self.leaving[peer.sock] = peer
         self._abort_all(peer)
@@ -396,9 +447,11 @@ class EngineLoop:
             return
         self._queue(peer, frame(message))
         if peer.backlog_bytes > self.max_backlog_bytes:
-            self._drop(peer, f"fell more than {self.max_backlog_bytes / (1 << 20):g} MiB of outputs behind the engine")
+            self._drop(peer, f"fell more than {self.max_backlog_bytes / (1 << 20):g} MiB of outputs behind the engine "
+                             f"(it stopped reading)")
         elif peer.backlog and time.monotonic() - peer.progress > self.max_stall_s:
-            self._drop(peer, f"took no output for more than {self.max_stall_s:g} s while outputs waited")
+            self._drop(peer, f"took no output for more than {self.max_stall_s:g} s while outputs waited (it stopped "
+                             f"reading)")
 
     def _queue(self, peer: _Peer, data: bytes) -> None:
         """Send `data` after what `peer` has not taken yet, as far as its socket takes it now; the rest waits."""
@@ -420,9 +473,7 @@ class EngineLoop:
         except OSError:
             self._close(peer)
             return
-        if peer.dropped and not peer.backlog:
-            self._close(peer)  # it has been told why
-        elif peer.writing != bool(peer.backlog):
+        if peer.writing != bool(peer.backlog):
             peer.writing = bool(peer.backlog)
             events = selectors.EVENT_READ | (selectors.EVENT_WRITE if peer.writing else 0)
             self.selector.modify(peer.sock, events, peer)

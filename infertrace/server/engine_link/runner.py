@@ -33,6 +33,7 @@ from infertrace.server.engine_link.client import (
 from infertrace.server.engine_link.process import (
     EngineSpec,
     describe_exit,
+    max_silence_from_env,
     start_engine_process,
 )
 from infertrace.server.frontend.app import STATE, build_app
@@ -318,5 +319,10 @@ async def _reap(proc: multiprocessing.Process) -> None:
 def engine_spec(settings: ServerSettings, config: Any) -> EngineSpec:
     import dataclasses
 
+    try:
+        max_silence_s = max_silence_from_env()
+    except ValueError as e:
+        raise EngineFailure(str(e)) from None
     return EngineSpec(model_dir=settings.model_dir, config=dataclasses.asdict(config),
-                      profile_dir=str(settings.profile_dir) if settings.profile_dir else None)
+                      profile_dir=str(settings.profile_dir) if settings.profile_dir else None,
+                      max_silence_s=max_silence_s)
