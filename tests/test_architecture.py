@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "infertrace"
 LAYERS: list[tuple[str, ...]] = [
     # shared by every part
     ("infertrace", "infertrace.console", "infertrace.auth", "infertrace.cache", "infertrace.config_fields",
+     "infertrace.input_files",
      "infertrace.exits", "infertrace.output"),
     ("infertrace.engine", "infertrace.modelgen"),
     ("infertrace.analyze",),

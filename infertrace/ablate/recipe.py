@@ -11,13 +11,13 @@ import dataclasses
 import difflib
 import math
 import re
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from infertrace import input_files
 from infertrace.config_fields import FieldError, parse_overrides
 
 RECIPE_KEYS = ("name", "description", "model", "preset", "engine", "workload", "profile", "phases")
@@ -248,22 +248,9 @@ def _recipe_text(path: Path) -> str:
     """The recipe's UTF-8 text, from a regular file of at most MAX_RECIPE_BYTES (a device or a pipe would be read
     forever)."""
     try:
-        info = path.stat()
-        if not stat.S_ISREG(info.st_mode):
-            raise RecipeError(f"cannot read recipe {path}: not a regular file")
-        if info.st_size > MAX_RECIPE_BYTES:
-            raise RecipeError(f"cannot read recipe {path}: {info.st_size} bytes, above the {MAX_RECIPE_BYTES} a "
-                              "recipe may hold")
-        with path.open("rb") as f:
-            data = f.read(MAX_RECIPE_BYTES + 1)
-    except OSError as exc:
-        raise RecipeError(f"cannot read recipe {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_RECIPE_BYTES:
-        raise RecipeError(f"cannot read recipe {path}: it grew past {MAX_RECIPE_BYTES} bytes while read")
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise RecipeError(f"cannot read recipe {path}: not UTF-8 text (byte {exc.start})") from None
+        return input_files.read_text(path, MAX_RECIPE_BYTES)
+    except input_files.InputFileError as exc:
+        raise RecipeError(f"cannot read recipe {path}: {exc}") from None
 
 
 class _AnchorRefused(yaml.YAMLError):

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
+from infertrace import input_files
 from infertrace.output import write_text
 
 BASELINE_KIND = "infertrace-gate-baseline"
+MAX_RESULT_BYTES = 4 << 30  # a detailed result of many requests is large, but not this
 MAX_DEPTH = 64  # nesting a result may have; results nest a few levels, and deeper ones would exhaust recursion
 
 # Top-level keys of a vLLM result that say which model and workload were run; anything else there is either a
@@ -135,21 +135,12 @@ def load_runs(path: Path) -> list[Run]:
 
 def _read_regular(path: Path) -> str:
     """The text of `path`, which must be a regular file (a symlink to one is fine): a FIFO would be read for ever
-    and /dev/zero until memory ran out. Opened without blocking, so that a FIFO is refused, not waited on."""
+    and /dev/zero until memory ran out."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise ResultError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise ResultError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ResultError(f"{path}: not a regular file (a directory, device or pipe): give a result file")
-    with os.fdopen(fd, "rb") as f:
-        try:
-            return f.read().decode("utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ResultError(f"{path}: cannot read ({exc})") from None
+        return input_files.read_text(path, MAX_RESULT_BYTES)
+    except input_files.InputFileError as exc:
+        hint = ": give a result file" if "regular" in str(exc) else ""
+        raise ResultError(f"{path}: {exc}{hint}") from None
 
 
 def baseline_document(runs: list[Run]) -> dict[str, Any]:

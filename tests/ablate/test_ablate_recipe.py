@@ -265,7 +265,7 @@ def test_unreadable_recipe_files_are_one_line(tmp_path):
                         (latin, f"cannot read recipe {latin}: not UTF-8 text (byte 9)"),
                         (zero, f"cannot read recipe {zero}: not a regular file"),
                         (fifo, f"cannot read recipe {fifo}: not a regular file"),
-                        (big, f"cannot read recipe {big}: 2000000 bytes, above the 1048576 a recipe may hold")):
+                        (big, f"cannot read recipe {big}: 1.907 MiB, above the 1 MiB such a file may hold")):
         with pytest.raises(RecipeError) as caught:
             load_recipe(path)
         assert str(caught.value) == words

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from infertrace import input_files
 from infertrace.load.records import RequestSpec
 
 EXACT_LENGTH_ROUNDS = 8
@@ -38,18 +39,10 @@ def regular_file(path: str | Path, what: str) -> Path:
 
 def read_text(path: str | Path, what: str) -> str:
     """The UTF-8 text of a regular file (a byte-order mark dropped), read up to MAX_FILE_BYTES."""
-    path = regular_file(path, what)
     try:
-        with path.open("rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as e:
-        raise DatasetError(f"cannot read {what} {path}: {e.strerror or e}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise DatasetError(f"cannot read {what} {path}: it grew past {MAX_FILE_BYTES >> 30} GiB while read")
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"cannot read {what} {path}: not UTF-8 text (byte {e.start})") from None
+        return input_files.read_text(path, MAX_FILE_BYTES)
+    except input_files.InputFileError as e:
+        raise DatasetError(f"cannot read {what} {path}: {e}") from None
 
 
 def loads(text: str):
