@@ -199,6 +199,11 @@ class OtherRanks:
     def _death(self, i: int) -> str:
         proc = self.procs[i]
         proc.join(1)
+        # another thread of this process (the watcher, or the main thread's check) may be reaping the same child:
+        # its wait then fails here and the exit code appears once that thread has it
+        deadline = time.monotonic() + 1
+        while proc.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         code = "" if proc.exitcode is None else f" with code {proc.exitcode}"  # None: reaped by someone else
         return f"tensor-parallel rank {i + 1} (pid {proc.pid}) exited{code}"
 
