@@ -1,20 +1,40 @@
-"""The `infertrace` command-line entry point: one click group, one module per subcommand."""
+"""The `infertrace` command-line entry point: one click group, one module per subcommand, each imported only
+when it runs (or when `--help` lists them), so that `infertrace analyze` does not pay for bench's imports."""
 
 from __future__ import annotations
+
+import importlib
 
 import click
 
 from infertrace import __version__
-from infertrace.ablate.command import ablate
-from infertrace.analyze.command import analyze
-from infertrace.capture.command import profile
-from infertrace.gate.command import gate
-from infertrace.load.command import bench
-from infertrace.modelgen.command import model
-from infertrace.server.command import serve
+
+# name -> where the command is defined: every command lives at <package>/command.py
+COMMANDS = {
+    "bench": "infertrace.load.command:bench",
+    "serve": "infertrace.server.command:serve",
+    "profile": "infertrace.capture.command:profile",
+    "analyze": "infertrace.analyze.command:analyze",
+    "ablate": "infertrace.ablate.command:ablate",
+    "gate": "infertrace.gate.command:gate",
+    "model": "infertrace.modelgen.command:model",
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """A group whose commands are imported on first use (click's documented pattern for large CLIs)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, _, attr = COMMANDS[name].partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="infertrace")
 def main() -> None:
     """Benchmark, profile and explain LLM inference.
@@ -23,7 +43,3 @@ def main() -> None:
     capture profiles on live servers, analyze traces, ablate the engine phase by phase,
     and gate CI on throughput and latency.
     """
-
-
-for command in (bench, serve, profile, analyze, ablate, gate, model):
-    main.add_command(command)

@@ -164,7 +164,8 @@ def test_only_the_bench_command_imports_the_report(graph):
 def test_every_command_lives_at_its_package_command_module():
     from infertrace.cli import main
 
-    for name, command in main.commands.items():
+    for name in main.list_commands(None):
+        command = main.get_command(None, name)
         module = command.callback.__module__
         package, _, leaf = module.rpartition(".")
         assert leaf == "command" and package.count(".") == 1 and package.startswith("infertrace."), (name, module)
