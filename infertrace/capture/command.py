@@ -222,7 +222,7 @@ def _nsys(ctx, url, flavour, output_dir, timeout, dry_run, command):
     if not command:
         raise click.UsageError("--nsys needs a COMMAND to run, e.g. `infertrace profile --nsys -- bench --profile`")
     group = ctx.parent.command if ctx.parent else None
-    if isinstance(group, click.Group) and command[0] in group.commands:
+    if isinstance(group, click.Group) and command[0] in group.list_commands(ctx.parent):
         command = nsys_mod.infertrace_argv(command)
     if dry_run:
         line = nsys_mod.nsys_profile_command(out, command, nsys_path or "nsys")
