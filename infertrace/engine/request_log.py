@@ -99,10 +99,8 @@ class RequestLog:
         tokens = array("i", [s.num_new_tokens for s in scheduled])
         prefill = bytes([s.is_prefill for s in scheduled])
         took = bytes([t is not None for t in sampled])
-        for seq in plan.preempted:
-            rec = self._live.get(seq.request_id)
-            if rec is not None:
-                rec.preempted.append(number)
+        if plan.preempted:
+            self.preempted([seq.request_id for seq in plan.preempted], number)
         self._steps.append(_Step(number, _KIND_CODE[plan.kind.value], start, duration, ids, tokens, prefill, took,
                                  len(plan.preempted)))
         self._rows += len(ids)
@@ -112,7 +110,8 @@ class RequestLog:
             self._dropped_start = old.start
 
     def preempted(self, request_ids: list[str], number: int) -> None:
-        """Preemptions of a step that scheduled nothing (every running request's KV had to go first)."""
+        """Requests preempted at step `number` (also called for a step that scheduled nothing, when every running
+        request's KV had to go first)."""
         for request_id in request_ids:
             rec = self._live.get(request_id)
             if rec is not None:

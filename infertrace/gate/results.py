@@ -139,8 +139,7 @@ def _read_regular(path: Path) -> str:
     try:
         return input_files.read_text(path, MAX_RESULT_BYTES)
     except input_files.InputFileError as exc:
-        hint = ": give a result file" if "regular" in str(exc) else ""
-        raise ResultError(f"{path}: {exc}{hint}") from None
+        raise ResultError(f"{path}: {exc}") from None
 
 
 def baseline_document(runs: list[Run]) -> dict[str, Any]:
