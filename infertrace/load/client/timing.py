@@ -75,11 +75,13 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
                         last_text_t = t
                         result.chunk_tokens.append(n)
                         if ev.text:
-                            kept = ev.text[:room]
-                            if kept:
-                                texts.append(kept)
-                                room -= len(kept)
-                            if len(kept) < len(ev.text):
+                            if len(ev.text) <= room:  # the usual case: kept whole, no copy
+                                texts.append(ev.text)
+                                room -= len(ev.text)
+                            else:
+                                if room:
+                                    texts.append(ev.text[:room])
+                                    room = 0
                                 result.text_cut = True
                     if ev.finish_reason is not None:
                         result.finish_reason = ev.finish_reason
