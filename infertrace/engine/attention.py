@@ -36,6 +36,8 @@ class AttentionMetadata:
     tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None
     # a decode step's rows, longest context first: the Triton kernel launches their programs in this order
     decode_order: torch.Tensor | None = None
+    # (cu_seqlens_q, seqused_k, page_table) as int32, for the flash backend (`FlashAttention.begin_forward`)
+    int32_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -217,13 +219,16 @@ class TritonAttention:
         return out
 
 
-def make_attention_backend(config: EngineConfig, device: torch.device) -> TorchAttention | TritonAttention:
-    """The attention backend `config` asks for on `device`: Triton kernels on CUDA, the torch reference elsewhere."""
+def make_attention_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """The attention backend `config` asks for on `device`: Triton kernels on CUDA (`auto`), FlashAttention-4 with
+    `flash`, the torch reference elsewhere."""
     backend = config.attention_backend
-    if backend in ("triton", "flash_attn") and device.type != "cuda":
+    if backend == "triton" and device.type != "cuda":
         raise ValueError(f"attention_backend={backend!r} needs a CUDA device; this engine runs on {device.type}")
-    if backend == "flash_attn":
-        raise ValueError("attention_backend='flash_attn' is not available in this build; use 'triton', 'torch' or 'auto'")
+    if backend == "flash":
+        from infertrace.engine.flash_attention import FlashAttention
+
+        return FlashAttention(config, device, dtype)
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
         return TritonAttention(config.attention, config.block_size, config.cuda_graph_batch_sizes, config.max_num_seqs)
     return TorchAttention(config.attention)

@@ -9,7 +9,7 @@ from typing import Any
 from infertrace.config_fields import FlagSet, check_types, parse_overrides, setting
 
 ATTENTION_MODES = ("batched", "looped")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 OFFLOAD_MODES = ("off", "prefix", "long", "prefix+long")
 SCHEDULING_POLICIES = ("fcfs",)
 ASYNC_SCHEDULING = ("auto", "on", "off")
@@ -58,7 +58,9 @@ class EngineConfig:
     # attention and the decode path
     attention: str = setting(
         "batched", "batched: one attention kernel for the batch; looped: one request at a time (ablation).")
-    attention_backend: str = setting("auto", "Attention kernels: auto, torch, triton or flash_attn.")
+    attention_backend: str = setting(
+        "auto", "Attention kernels: auto (triton on CUDA, torch elsewhere), torch, triton, or flash (FlashAttention-4, "
+        "Hopper and later; pip install 'infertrace[flash]').")
     cuda_graphs: bool = setting(True, "Capture decode steps in CUDA graphs per batch-size bucket (no effect on CPU).")
     # prefill and mixed steps replay CUDA graphs per token-count bucket (cuda_graph_token_sizes, up to
     # max_num_batched_tokens; larger steps run eagerly), the paged attention inside them over a grid fixed by the

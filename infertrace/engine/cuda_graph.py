@@ -89,12 +89,15 @@ class TokenGraphs:
     """
 
     def __init__(self, model, buffers: StepBuffers, bucket_sizes: tuple[int, ...], max_tokens: int, max_seqs: int,
-                 block_size: int, group: int):
+                 block_size: int, group: int, tile_list: bool = True):
         self.model = model
         self.buffers = buffers
         self.block_size = block_size
         self.max_seqs = max_seqs
         self.group = group  # query heads per KV head
+        # the attention runs over a tile list (Triton); otherwise over the bucket's `batch_rows` requests, those past
+        # the step's empty
+        self.tile_list = tile_list
         below = [b for b in bucket_sizes if b < max_tokens]
         self.buckets = below + [max_tokens] if max(bucket_sizes) >= max_tokens else below
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -115,10 +118,13 @@ class TokenGraphs:
     def num_tiles(self, bucket: int) -> int:
         return max_attention_tiles(bucket, self.max_seqs, self.group, self.block_m(bucket))
 
+    def batch_rows(self, bucket: int) -> int:
+        return min(bucket, self.max_seqs)
+
     def meta(self, bucket: int) -> AttentionMetadata:
         b = self.buffers
-        seqs = min(bucket, self.max_seqs)
-        n = self.num_tiles(bucket)
+        seqs = self.batch_rows(bucket)
+        n = self.num_tiles(bucket) if self.tile_list else 0
         return AttentionMetadata(
             slot_mapping=b.slot_mapping[:bucket],
             query_start_loc=b.query_start_loc[: seqs + 1],
@@ -129,7 +135,7 @@ class TokenGraphs:
             max_query_len=bucket,
             max_seq_len=bucket,
             block_size=self.block_size,
-            tiles=(b.attn_tile_seq[:n], b.attn_tile_index[:n], self.block_m(bucket)),
+            tiles=(b.attn_tile_seq[:n], b.attn_tile_index[:n], self.block_m(bucket)) if self.tile_list else None,
         )
 
     @torch.inference_mode()
@@ -138,6 +144,8 @@ class TokenGraphs:
         b = self.buffers
         b.slot_mapping.fill_(-1)  # the warm-ups and captures write no KV and attend to nothing
         b.attn_tile_seq.fill_(-1)
+        b.query_start_loc.zero_()  # (no tile list: every request is empty)
+        b.seq_lens.zero_()
         for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool
             meta = self.meta(bucket)
             self.model(b.input_ids[:bucket], b.positions[:bucket], meta)  # warm-up

@@ -151,7 +151,7 @@ class ModelRunner:
         self.spec = Qwen3Spec.from_hf_config(hf_config)
         self.num_kv_heads = self.spec.num_key_value_heads // tp.size  # this rank's
         self.block_size = config.block_size
-        self.attention = make_attention_backend(config, self.device)
+        self.attention = make_attention_backend(config, self.device, self.dtype)
         # decode attention launched longest context first (the Triton kernel's `seq_order`)
         self._ordered_decode = config.decode_longest_first and self.attention.name == "triton"
 
@@ -190,10 +190,12 @@ class ModelRunner:
         ] if on_cuda else []
         self._turn = 0
 
-        use_graphs = config.cuda_graphs and on_cuda and self.attention.name == "triton"
-        # the tile-list attention is the batched kernel's
-        use_token_graphs = (config.prefill_cuda_graphs and on_cuda and self.attention.name == "triton"
-                            and self.attention.mode == "batched")
+        # the backends whose calls are captured in CUDA graphs; the Triton one's token-count graphs run the batched
+        # kernel over a tile list (`tile_list`), FlashAttention's over the step's padded cu_seqlens
+        capturable = on_cuda and self.attention.name in ("triton", "flash")
+        use_graphs = config.cuda_graphs and capturable
+        use_token_graphs = config.prefill_cuda_graphs and capturable and self.attention.mode == "batched"
+        self._tile_list = use_token_graphs and self.attention.name == "triton"
         group = self.spec.num_attention_heads // self.spec.num_key_value_heads
         self.buffers = None
         if config.static_buffers or use_graphs or use_token_graphs:
@@ -201,7 +203,7 @@ class ModelRunner:
 
             max_tokens = max(config.max_num_batched_tokens, max_positions, config.max_num_seqs)
             max_tiles = TokenGraphs.max_tiles(config.cuda_graph_token_sizes, config.max_num_batched_tokens,
-                                              config.max_num_seqs, group) if use_token_graphs else 1
+                                              config.max_num_seqs, group) if self._tile_list else 1
             self.buffers = StepBuffers(max_tokens, config.max_num_seqs, -(-max_positions // self.block_size),
                                        self.device, max_tiles)
         self.graphs = None
@@ -223,7 +225,8 @@ class ModelRunner:
         pool = None
         if tokens:
             self.token_graphs = TokenGraphs(self.model, self.buffers, config.cuda_graph_token_sizes,
-                                            config.max_num_batched_tokens, config.max_num_seqs, self.block_size, group)
+                                            config.max_num_batched_tokens, config.max_num_seqs, self.block_size, group,
+                                            tile_list=self._tile_list)
             pool = self.token_graphs.capture(pool)
         if decode:
             self.graphs = DecodeGraphs(self.model, self.buffers, config.cuda_graph_batch_sizes, config.max_num_seqs,
@@ -432,10 +435,15 @@ class ModelRunner:
             # padding tokens write no KV; their ids and positions are whatever earlier steps left (valid values)
             buffers.put("slot_mapping", np.full(bucket - num_tokens, -1, dtype=np.int64), num_tokens)
             graphs = self.token_graphs
-            tiles = attention_tile_array(np.asarray(inputs.query_lens, dtype=np.int64), graphs.group,
-                                         graphs.block_m(bucket), graphs.num_tiles(bucket))
-            buffers.put("attn_tile_seq", tiles[0])
-            buffers.put("attn_tile_index", tiles[1])
+            if graphs.tile_list:
+                tiles = attention_tile_array(np.asarray(inputs.query_lens, dtype=np.int64), graphs.group,
+                                             graphs.block_m(bucket), graphs.num_tiles(bucket))
+                buffers.put("attn_tile_seq", tiles[0])
+                buffers.put("attn_tile_index", tiles[1])
+            else:  # the graph's batch is the bucket's: the rows past the step's are empty requests
+                rows = graphs.batch_rows(bucket)
+                buffers.put("query_start_loc", np.full(rows - num_seqs, num_tokens, dtype=np.int64), num_seqs + 1)
+                buffers.put("seq_lens", np.zeros(rows - num_seqs, dtype=np.int64), num_seqs)
         fed = None
         if feed is not None:
             tokens, rows, sources = feed

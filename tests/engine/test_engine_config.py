@@ -88,3 +88,16 @@ def test_engine_level_config_errors(tiny_model_dir):
         Engine(tiny_model_dir, EngineConfig(kv_cache_tokens=1024, max_model_len=2048))
     with pytest.raises(ValueError, match="needs a CUDA device"):
         Engine(tiny_model_dir, EngineConfig(kv_cache_tokens=1024, attention_backend="triton", device="cpu"))
+    with pytest.raises(ValueError, match="attention_backend='flash' needs a CUDA device"):
+        Engine(tiny_model_dir, EngineConfig(kv_cache_tokens=1024, attention_backend="flash", device="cpu"))
+
+
+def test_flash_backend_without_flash_attn_says_how_to_install(monkeypatch):
+    """Where flash-attn-4 does not import, the flash backend's error names the package and the extra."""
+    import sys
+
+    from infertrace.engine.flash_attention import load_flash_attn
+
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # importing it now raises ImportError
+    with pytest.raises(ImportError, match=r"needs flash-attn-4.*pip install 'infertrace\[flash\]'"):
+        load_flash_attn()

@@ -297,6 +297,9 @@ class Qwen3ForCausalLM(nn.Module):
             layer.self_attn.v_cache = v_cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        begin = getattr(self.attn, "begin_forward", None)  # per-forward work of the backend, inside a CUDA graph
+        if begin is not None:
+            begin(meta)
         if self.fused_norm:
             return self._forward_fused(input_ids, positions, meta)
         x = self.model.embed_tokens(input_ids)
