@@ -49,6 +49,8 @@ _OWN_DOCUMENTS = (
     ("a bench result", re.compile(rb'^\s*\{\s*"schema_version"\s*:')),  # load/result.py: run, sweep, --find-max
     ("a bench request log", re.compile(rb'^\s*\{\s*"point"\s*:\s*\d+\s*,\s*"phase"\s*:')),  # --requests-jsonl
     ("a gate baseline", re.compile(rb'^\s*\{\s*"kind"\s*:\s*"infertrace-')),  # gate/results.py
+    # the server's request log beside a capture (`<capture>.request_log.json`, engine/request_log.py's read())
+    ("a server request log", re.compile(rb'^\s*\{\s*"clock"\s*:\s*"perf_counter"')),
     ("an HTML report", re.compile(rb"^\s*<(?:!doctype html|html)", re.IGNORECASE)),  # analyze --html
 )
 

@@ -83,3 +83,85 @@ def test_our_own_two_rank_cpu_capture(tp2_capture):
     skew = report.table("step_skew").iloc[0]
     assert skew["type"] == "DECODE" and skew["steps"] == 5 and skew["straggler"] in (0, 1)
     assert 0 <= skew["skew p50 (ms)"] <= skew["skew p99 (ms)"] <= skew["skew max (ms)"]
+
+
+ONE_SHOT = ("void c10d::symmetric_memory::one_shot_all_reduce_kernel<c10::BFloat16, 16>(c10::BFloat16**, "
+            "c10::BFloat16*, c10::BFloat16*, unsigned long, unsigned long, unsigned int**, unsigned long, unsigned long)")
+NCCL_AR = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+NCCL_BCAST = "ncclDevKernel_Broadcast_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_execute_kernel"
+NORM = "triton_red_fused_add_rmsnorm_0"
+
+
+def _server_rank(make_events, rank: int) -> list[dict]:
+    """One rank of `infertrace serve --tensor-parallel-size 2` under load, as its profiler writes it: two DECODE
+    steps replayed from a CUDA graph (GEMM, one-shot all-reduce, GEMM, one-shot all-reduce, norm) and one eager
+    MIXED step whose large all-reduce goes through NCCL; every step ends with rank 0's sampled tokens broadcast.
+    Rank 1's first GEMM of DECODE step 1 is 30 us slower; each all-reduce ends when the later rank arrives + 5 us."""
+    spec, corr = [], 0
+    for k, kind in enumerate(("DECODE", "DECODE", "MIXED")):
+        t = 1000 * k
+        label = f"step[{kind} bs=8{' toks=520' if kind == 'MIXED' else ''}{f' #{k}' if rank == 0 else ''}]"
+        spec.append(("user_annotation", label, t, 400, 100, {}))
+        first = {0: 100, 1: 130 if k == 1 else 100}
+        ar = NCCL_AR if kind == "MIXED" else ONE_SHOT
+        arrive1 = t + 20 + first[rank]
+        end1 = t + 20 + max(first.values()) + 5
+        ops = [(GEMM, t + 20, first[rank]), (ar, arrive1, end1 - arrive1), (GEMM, end1, 50),
+               (ar, end1 + 50, 5), (NORM, end1 + 55, 10)]
+        if kind == "MIXED":  # eager: one launch per kernel
+            for name, start, dur in ops:
+                corr += 1
+                spec.append(("cuda_runtime", "cudaLaunchKernel", start - 10, 2, 100, {"correlation": corr}))
+                spec.append(("kernel", name, start, dur, 7, {"stream": 7, "correlation": corr}))
+        else:  # one graph launch for the whole forward
+            corr += 1
+            spec.append(("cuda_runtime", "cudaGraphLaunch", t + 10, 5, 100, {"correlation": corr}))
+            spec += [("kernel", name, start, dur, 7, {"stream": 7, "correlation": corr}) for name, start, dur in ops]
+        corr += 1
+        spec.append(("cuda_runtime", "cudaLaunchKernel", t + 300, 2, 100, {"correlation": corr}))
+        spec.append(("kernel", NCCL_BCAST, t + 310, 4, 7, {"stream": 7, "correlation": corr}))
+    return make_events(spec)
+
+
+@pytest.fixture()
+def server_capture(tmp_path, make_trace, make_events):
+    """A two-rank capture folder as `infertrace serve --tensor-parallel-size 2 --profile-dir` leaves it after
+    /stop_profile: one trace per rank named after the capture, with distributedInfo, and beside them the capture's
+    manifest, `infertrace profile`'s manifest and the server's request log."""
+    folder = tmp_path / "capture-tp2"
+    stem = "tp2.1795799207515723220"
+    for rank in (0, 1):
+        make_trace(folder / f"{stem}.rank{rank}.pt.trace.json.gz", _server_rank(make_events, rank), rank=rank)
+    (folder / f"{stem}.manifest.json").write_text('{"label": "tp2", "schema": "infertrace.capture/1"}')
+    (folder / "tp2.infertrace.json").write_text('{"url": "http://h", "schema": "infertrace.server-capture/1"}')
+    (folder / f"{stem}.request_log.json").write_text(
+        '{"clock": "perf_counter", "now": 10.0, "next": 3, "oldest": 0, "oldest_step": 0, "requests": []}')
+    return folder
+
+
+def test_our_own_two_rank_server_capture(server_capture):
+    """Ranks come from the files, the one-shot all-reduce kernels (torch symmetric memory) count as
+    communication beside NCCL's, and the sidecar files of a server capture are not traces (the request log was
+    reported as 'not a Kineto trace; skipped' on every analysis of a server's capture)."""
+    capture = load_capture(server_capture)
+    assert [(r.rank, r.claimed_rank) for r in capture.ranks] == [(0, 0), (1, 1)]
+    assert capture.problems == []
+    report = build_report(capture)
+    comm = report.table("rank_communication").set_index(["type", "rank"])
+    # DECODE, rank 0: one-shot 5 + 5 us (step 0), 35 + 5 us (step 1: it waits 30 us for rank 1), broadcast 4 us
+    assert comm.loc[("DECODE", 0), "all-reduce mean (ms)"] == pytest.approx((10 + 40 + 8) / 2 / 1000)
+    assert comm.loc[("DECODE", 1), "all-reduce mean (ms)"] == pytest.approx((10 + 10 + 8) / 2 / 1000)
+    assert comm.loc[("MIXED", 0), "all-reduce mean (ms)"] == pytest.approx((5 + 5 + 4) / 1000)
+    # one stream: nothing computes while a collective runs, so all of it is exposed
+    assert (report.table("rank_communication")["exposed share"]
+            == report.table("rank_communication")["all-reduce share"]).all()
+    overlap = report.table("overlap").set_index("rank")  # HTA's overlap, one-shot kernels counted
+    assert overlap.loc[0, "comm_time(us)"] == pytest.approx(10 + 40 + 10 + 3 * 4)
+    path = report.table("critical_path")
+    assert path["collectives"].tolist() == [3, 3, 3]  # two all-reduces and the broadcast, matched across ranks
+    slow = path.iloc[1]
+    assert (slow["gating rank"], slow["gate kind"], slow["gate rank"]) == (1, "segment", 1)
+    assert slow["gate"].startswith("sm90_xmma_gemm")
+    assert slow["what-if saved (ms)"] == pytest.approx(0.015)  # rank 1 at the median of 100 and 130 us
+    assert report.table("step_skew")["steps"].tolist() == [2, 1]
