@@ -139,16 +139,21 @@ SCENARIOS = {
 }
 
 
+def _rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_engine_logits_within_rounding_of_triton(qwen06_bf16, scenario):
-    """Every step's logits within bfloat16 rounding of the Triton engine's until the first step whose greedy
-    tokens differ (random weights leave near-ties that rounding flips), and the same step kinds throughout."""
+    """The same step kinds as the Triton engine, and logits as close to the torch reference attention's (plain
+    matmul and float32 softmax, in bfloat16 like the others) as the Triton engine's are: every step is compared
+    until the first one whose greedy tokens differ (random weights leave near-ties that rounding flips)."""
     from infertrace.engine import SamplingParams
 
     overrides, waves = SCENARIOS[scenario]
     overrides = {"kv_cache_tokens": 16384, **overrides}
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    got, kinds, logits, engine = _run(qwen06_bf16, waves, params, attention_backend="flash", **overrides)
+    _, kinds, logits, engine = _run(qwen06_bf16, waves, params, attention_backend="flash", **overrides)
     path = engine.decode_path()
     assert engine.runner.attention.name == "flash"
     assert path["cuda_graphs_captured"] and path["prefill_cuda_graphs_captured"]
@@ -158,19 +163,23 @@ def test_engine_logits_within_rounding_of_triton(qwen06_bf16, scenario):
     if scenario == "preemption":
         assert engine.counters["preemptions"] > 0
     _free(engine)
-    want, want_kinds, want_logits, ref = _run(qwen06_bf16, waves, params, attention_backend="triton", **overrides)
-    _free(ref)
-    assert kinds == want_kinds
-    assert len(logits) == len(want_logits)
+    _, want_kinds, want_logits, triton = _run(qwen06_bf16, waves, params, attention_backend="triton", **overrides)
+    _free(triton)
+    _, ref_kinds, ref_logits, torch_ref = _run(qwen06_bf16, waves, params, attention_backend="torch", **overrides)
+    _free(torch_ref)
+    assert kinds == want_kinds == ref_kinds
+    assert len(logits) == len(want_logits) == len(ref_logits)
     compared = 0
-    for ours, theirs in zip(logits, want_logits):
-        assert ours.shape == theirs.shape
-        assert float((ours - theirs).norm() / theirs.norm()) < 1e-2, f"step {compared}"
+    for ours, theirs, ref in zip(logits, want_logits, ref_logits):
+        assert ours.shape == theirs.shape == ref.shape
+        flash_err, triton_err = _rel(ours, ref), _rel(theirs, ref)
+        print(f"{scenario} step {compared}: |flash - torch| {flash_err:.4f}, |triton - torch| {triton_err:.4f}, "
+              f"|flash - triton| {_rel(ours, theirs):.4f}")
+        assert flash_err <= 1.5 * triton_err + 2e-3, f"step {compared}"
         compared += 1
-        if not torch_equal(ours.argmax(-1), theirs.argmax(-1)):
+        if not (torch_equal(ours.argmax(-1), ref.argmax(-1)) and torch_equal(theirs.argmax(-1), ref.argmax(-1))):
             break
-    assert compared >= 2
-    print(f"{scenario}: {compared} of {len(logits)} sampling steps compared, {len(kinds)} steps")
+    assert compared >= 1
 
 
 def torch_equal(a, b) -> bool:
