@@ -23,7 +23,7 @@ AR_KERNELS = ("all_reduce", "allreduce", "AllReduce")  # one_shot_all_reduce*, t
 
 
 def run_one(model_dir: str, tp: int, all_reduce: str, batch: int, input_len: int, output_len: int,
-            profile_dir: str | None, overrides: dict) -> dict:
+            profile_dir: str | None, overrides: dict, host_profile: int = 0) -> dict:
     """One configuration in this process: warm up, time one batch, optionally capture a short profile."""
     import random
 
@@ -49,6 +49,8 @@ def run_one(model_dir: str, tp: int, all_reduce: str, batch: int, input_len: int
               "tok_s": batch * output_len / elapsed, "elapsed_s": elapsed, "runs_s": runs,
               "async_scheduling": path["async_scheduling"], "skinny_gemm": path["skinny_gemm"],
               "prefill_cuda_graphs_captured": path["prefill_cuda_graphs_captured"]}
+    if host_profile:
+        result["host_profile"] = host_hotspots(llm, prompts, host_profile)
     if profile_dir is not None:
         engine = llm.engine
         engine.start_profile(profile_dir, activities=("CPU", "GPU"), label=f"tp{tp}-{path['all_reduce']}")
@@ -63,6 +65,25 @@ def run_one(model_dir: str, tp: int, all_reduce: str, batch: int, input_len: int
         result["traces"] = [str(p) for p in traces]
     llm.shutdown()
     return result
+
+
+def host_hotspots(llm, prompts, top: int, steps: int = 128) -> list[list]:
+    """Rank 0's host time by function over `steps` decode steps under cProfile: (function, own us per step,
+    cumulative us per step, calls per step), the `top` by own time. cProfile slows every Python call alike, so the
+    figures compare configurations rather than give absolute costs."""
+    import cProfile
+    import pstats
+
+    from infertrace.engine import SamplingParams
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [[f"{Path(f).name}:{line}:{name}", round(tt * 1e6 / steps, 1), round(ct * 1e6 / steps, 1),
+             round(nc / steps, 2)] for (f, line, name), (cc, nc, tt, ct, _) in rows]
 
 
 def all_reduce_share(trace_path: Path) -> dict:
@@ -122,6 +143,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--profile-dir", default=None, help="capture a profile of each configuration here")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also print rank 0's N costliest Python functions per decode step (cProfile)")
     ap.add_argument("--variants", default="", help="more TP>1 runs, ';'-separated, each tp:all_reduce:key=value,...")
     ap.add_argument("--out", default=None, help="JSON file for every figure")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one configuration
@@ -131,7 +154,7 @@ def main() -> None:
         tp, ar, *rest = args.one.split(":")
         overrides = dict(kv.split("=", 1) for kv in rest[0].split(",")) if rest and rest[0] else {}
         res = run_one(args.model, int(tp), ar, args.batch, args.input_len, args.output_len, args.profile_dir,
-                      overrides)
+                      overrides, args.host_profile)
         print("RESULT " + json.dumps(res), flush=True)
         return
 
@@ -161,6 +184,8 @@ def main() -> None:
                "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
         if args.profile_dir:
             cmd += ["--profile-dir", args.profile_dir]
+        if args.host_profile:
+            cmd += ["--host-profile", str(args.host_profile)]
         t0 = time.perf_counter()
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=os.environ)
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -173,6 +198,8 @@ def main() -> None:
         print(f"{one}: {res['tok_s']:.0f} tok/s ({res['process_s']:.0f} s)", file=sys.stderr, flush=True)
         for rank, summary in enumerate(res.get("ranks", [])):
             print(f"  rank {rank}: {json.dumps(summary)}", file=sys.stderr, flush=True)
+        for fn, own, cum, calls in res.get("host_profile", []):
+            print(f"  host {own:>8.1f} us own {cum:>8.1f} us cum {calls:>6.2f}/step  {fn}", file=sys.stderr, flush=True)
     base = next((r["tok_s"] for r in results if r["tp"] == 1), None)
     print(f"\n{args.preset}, batch {args.batch}, {args.input_len} in / {args.output_len} out, greedy")
     print(f"{'TP':>3} {'all-reduce':>10} {'overrides':>24} {'tok/s':>8} {'x TP=1':>7} {'AR us/step':>10} {'AR share':>8} "
