@@ -116,6 +116,10 @@ json.dump(doc, open(path, "w"), indent=1)
 PY
 }
 trap stop_server EXIT
+trap 'exit 143' TERM  # a stopped run still stops its server (bash runs the EXIT trap only through a trap of its own)
+trap 'exit 130' INT
+if command -v setsid >/dev/null; then session=(setsid); else
+  session=(python3 -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])'); fi
 
 start_server() {  # start_server TP: 0 when healthy
   local tp=$1 devices t0
@@ -124,7 +128,7 @@ start_server() {  # start_server TP: 0 when healthy
   rm -rf "$out/profile-tp$tp"
   t0=$(now)
   # a session of its own, so that every process of the server (engine, ranks) can be found after it exits
-  CUDA_VISIBLE_DEVICES=$devices PYTHONFAULTHANDLER=1 setsid "${it[@]}" serve --model "$model" \
+  CUDA_VISIBLE_DEVICES=$devices PYTHONFAULTHANDLER=1 "${session[@]}" "${it[@]}" serve --model "$model" \
     --served-model-name "$preset" --port "$port" --tensor-parallel-size "$tp" --profile-dir "$out/profile-tp$tp" \
     ${SERVE_ARGS:-} >"$out/server-tp$tp.log" 2>&1 &
   server=$! server_tp=$tp
