@@ -54,29 +54,33 @@ def step_path(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     start = steps["ts_ns"].to_numpy()
     stop = start + np.rint(steps["step_ms"].to_numpy() * 1e6).astype(np.int64)
     rows = []
-    bounds = np.searchsorted(step_of, np.arange(len(steps) + 1))
+    bounds = np.searchsorted(step_of, np.arange(len(steps) + 1)).tolist()
+    types = steps["type"].to_numpy()
+    comm_at = np.flatnonzero(is_comm)
+    comm_bounds = np.searchsorted(comm_at, bounds).tolist()
+    ts_list, end_list = ts.tolist(), end.tolist()
     for k in range(len(steps)):
         lo, hi = bounds[k], bounds[k + 1]
-        comm = np.flatnonzero(is_comm[lo:hi]) + lo
+        comm = comm_at[comm_bounds[k]:comm_bounds[k + 1]].tolist()
         seg_start = int(start[k])
-        # each op belongs to the segment after the collectives that started before it
-        seg_of = np.cumsum(is_comm[lo:hi]) - is_comm[lo:hi]
-        work = ~is_comm[lo:hi]
-        for j in range(comm.size + 1):
-            arrive = int(ts[comm[j]]) if j < comm.size else int(max(stop[k], seg_start))
-            pick = np.flatnonzero(work & (seg_of == j)) + lo
-            if pick.size:
-                longest = pick[np.argmax(end[pick] - ts[pick])]
-                kernel, kernel_ns = names[longest], int(end[longest] - ts[longest])
-                busy_ns = covered(*union(np.maximum(ts[pick], seg_start), np.minimum(end[pick], max(arrive, seg_start))))
+        # the ops are in time order: segment j's work lies between the collectives j - 1 and j
+        for j in range(len(comm) + 1):
+            a = lo if j == 0 else comm[j - 1] + 1
+            b = comm[j] if j < len(comm) else hi
+            arrive = ts_list[comm[j]] if j < len(comm) else int(max(stop[k], seg_start))
+            if b > a:
+                longest = a + int(np.argmax(end[a:b] - ts[a:b]))
+                kernel, kernel_ns = names[longest], end_list[longest] - ts_list[longest]
+                busy_ns = covered(*union(np.maximum(ts[a:b], seg_start), np.minimum(end[a:b], max(arrive, seg_start)),
+                                         ordered=True))
             else:
                 kernel, kernel_ns, busy_ns = "", 0, 0
-            coll = (names[comm[j]], int(ts[comm[j]]), int(end[comm[j]] - ts[comm[j]])) if j < comm.size \
+            coll = (names[comm[j]], ts_list[comm[j]], end_list[comm[j]] - ts_list[comm[j]]) if j < len(comm) \
                 else ("", -1, 0)
-            rows.append((k, steps.at[k, "type"], j, seg_start, arrive, max(arrive - seg_start, 0), kernel, kernel_ns,
+            rows.append((k, types[k], j, seg_start, arrive, max(arrive - seg_start, 0), kernel, kernel_ns,
                          busy_ns, *coll))
-            if j < comm.size:
-                seg_start = int(end[comm[j]])
+            if j < len(comm):
+                seg_start = end_list[comm[j]]
     return pd.DataFrame(rows, columns=PATH_COLUMNS)
 
 

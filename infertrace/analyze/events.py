@@ -35,12 +35,15 @@ def kind_of_category(cat: str) -> str:
 
 
 def event_frame(cols: TraceColumns, origin_ns: int) -> pd.DataFrame:
-    """One rank's events as a DataFrame; `origin_ns` (the capture's first event) becomes `ts == 0`."""
+    """One rank's events as a DataFrame; `origin_ns` (the capture's first event) becomes `ts == 0`. The frame holds
+    the columns' own arrays (not copies): they must not be changed afterwards."""
     kind_codes = np.array([KINDS.index(kind_of_category(c)) for c in cols.cats], dtype=np.int8)
     kind = kind_codes[cols.cat] if cols.cat.size else np.empty(0, dtype=np.int8)
     on_gpu = np.isin(kind, [KINDS.index(k) for k in GPU_KINDS])
     rel_ns = cols.ts_ns - origin_ns
     ts = rel_ns / 1000.0
+    end = np.add(rel_ns, cols.dur_ns, out=rel_ns) / 1000.0
+    del rel_ns
     dur = cols.dur_ns / 1000.0
     frame = pd.DataFrame({
         "index": np.arange(len(cols), dtype=np.int64),
@@ -53,12 +56,22 @@ def event_frame(cols: TraceColumns, origin_ns: int) -> pd.DataFrame:
         "dur_ns": cols.dur_ns,
         "ts": ts,
         "dur": dur,
-        "end": (rel_ns + cols.dur_ns) / 1000.0,
+        "end": end,
         "stream": np.where(on_gpu, cols.stream, -1),
         "correlation": cols.correlation,
         "external_id": cols.external_id,
-    })
+    }, copy=False)  # one block per column: pandas would otherwise copy every column into blocks by type
     return frame
+
+
+GPU_COLUMNS = ("name", "kind", "pid", "stream", "ts_ns", "dur_ns", "correlation")  # what the step analyses read
+LAUNCH_COLUMNS = ("pid", "tid", "ts_ns", "correlation")
+
+
+def rows_of(events: pd.DataFrame, mask: np.ndarray, columns) -> pd.DataFrame:
+    """The rows of `events` where `mask` holds, only `columns` of them: a copy of what is read, not of every
+    column (a rank's event table is hundreds of MB)."""
+    return events[list(columns)][mask]
 
 
 def gpu_work(events: pd.DataFrame) -> pd.DataFrame:

@@ -20,8 +20,11 @@ DELAY_OUTLIER_US = 100  # HTA's launch_delay_cutoff
 def launches(events: pd.DataFrame) -> pd.DataFrame:
     """One row per launch call that reached the GPU: api, correlation, cpu/gpu duration, delay, GPU ops."""
     corr = events["correlation"]
-    cpu = events[(events["kind"] == "runtime").to_numpy() & (corr >= 0).to_numpy()]
-    gpu = events[events["kind"].isin(GPU_WORK).to_numpy() & (corr >= 0).to_numpy()]
+    # only the columns used here are copied for the rows picked
+    cpu = events[["correlation", "name", "ts_ns", "dur_ns"]][(events["kind"] == "runtime").to_numpy() &
+                                                             (corr >= 0).to_numpy()]
+    gpu = events[["correlation", "dur_ns", "ts_ns", "kind"]][events["kind"].isin(GPU_WORK).to_numpy() &
+                                                             (corr >= 0).to_numpy()]
     if cpu.empty or gpu.empty:
         return _empty()
     cpu = cpu.drop_duplicates("correlation", keep="first")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from infertrace.analyze.events import GPU_WORK
+from infertrace.analyze.events import GPU_COLUMNS, GPU_WORK, LAUNCH_COLUMNS, rows_of
 from infertrace.analyze.intervals import covered_between, union
 from infertrace.analyze.kernels import CATEGORIES, category, per_event
 
@@ -94,8 +94,9 @@ def step_metrics(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """`steps` with each step's kernels, GPU busy and host-wait time, and GPU time by kernel category."""
     out = steps.copy()
     out["cpu_ms"] = (out["end_ns"] - out["ts_ns"]) / 1e6
-    gpu = events[events["kind"].isin(GPU_WORK).to_numpy()]
-    runtime = events[(events["kind"] == "runtime").to_numpy() & (events["correlation"] >= 0).to_numpy()]
+    gpu = rows_of(events, events["kind"].isin(GPU_WORK).to_numpy(), GPU_COLUMNS)
+    runtime = rows_of(events, (events["kind"] == "runtime").to_numpy() & (events["correlation"] >= 0).to_numpy(),
+                      LAUNCH_COLUMNS)
     runtime = runtime.drop_duplicates("correlation", keep="first")
     launch_ts = pd.Series(runtime["ts_ns"].to_numpy(), index=runtime["correlation"].to_numpy())
     cpu_threads = _cpu_threads(events)
@@ -174,7 +175,10 @@ def exclusive_ns(gpu: pd.DataFrame) -> np.ndarray:
 def _cpu_threads(events: pd.DataFrame) -> pd.MultiIndex:
     """The (pid, tid) pairs that ran a CPU operator or annotation (without copying the events to find them)."""
     cpu = events["kind"].isin(("cpu_op", "annotation")).to_numpy()
-    pairs = pd.DataFrame({"pid": events["pid"].to_numpy()[cpu], "tid": events["tid"].to_numpy()[cpu]})
+    pid, tid = events["pid"].to_numpy()[cpu], events["tid"].to_numpy()[cpu]
+    # the first event of each run of one thread's events: a few thousand, where the events are hundreds of thousands
+    first = np.flatnonzero(np.concatenate(([True], (pid[1:] != pid[:-1]) | (tid[1:] != tid[:-1]))))
+    pairs = pd.DataFrame({"pid": pid[first], "tid": tid[first]})
     return pd.MultiIndex.from_frame(pairs.drop_duplicates())
 
 
@@ -307,8 +311,9 @@ def combine_categories(parts: list[pd.DataFrame]) -> pd.DataFrame:
 
 def gpu_ops_by_step(events: pd.DataFrame, steps: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray]:
     """The rank's GPU ops and, for each, the index (into `steps`) of the step that launched it, -1 for none."""
-    gpu = events[events["kind"].isin(GPU_WORK).to_numpy()]
-    runtime = events[(events["kind"] == "runtime").to_numpy() & (events["correlation"] >= 0).to_numpy()]
+    gpu = rows_of(events, events["kind"].isin(GPU_WORK).to_numpy(), GPU_COLUMNS)
+    runtime = rows_of(events, (events["kind"] == "runtime").to_numpy() & (events["correlation"] >= 0).to_numpy(),
+                      LAUNCH_COLUMNS)
     runtime = runtime.drop_duplicates("correlation", keep="first")
     cpu_threads = _cpu_threads(events)
     step_of_corr = _launches_in_steps(runtime, steps, cpu_threads)

@@ -18,7 +18,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from infertrace.analyze.events import GPU_WORK
+from infertrace.analyze.events import GPU_COLUMNS, GPU_WORK, rows_of
 from infertrace.analyze.intervals import covered_between, union
 from infertrace.analyze.kernels import category, per_event
 
@@ -31,7 +31,7 @@ def step_communication(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     out = steps[["type", "ts_ns", "step_ms"]].copy()
     start = steps["ts_ns"].to_numpy()
     end = start + (steps["step_ms"].to_numpy() * 1e6).astype(np.int64)
-    gpu = events[events["kind"].isin(GPU_WORK).to_numpy()]
+    gpu = rows_of(events, events["kind"].isin(GPU_WORK).to_numpy(), GPU_COLUMNS)
     if not gpu.empty:
         cats = per_event(gpu, category)
         s, e = gpu["ts_ns"].to_numpy(), (gpu["ts_ns"] + gpu["dur_ns"]).to_numpy()

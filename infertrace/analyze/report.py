@@ -99,6 +99,7 @@ def rank_part(events: pd.DataFrame, row: dict, trim: bool | None = None,
                 part.skipped["kernel_types"] = _failure(exc)
             run("top_kernels", lambda: breakdown.top_kernels({0: gpu}, config.top_kernels, config.duration_ratio))
             run("overlap", lambda: breakdown.comm_comp_overlap({0: gpu}))
+        gpu = None  # a copy of the GPU ops: not kept while the step analyses make their own
         run("idle", lambda: hta_bridge.idle_time_breakdown(None, {0: breakdown.hta_window(events, trim)}))
         run("launches", lambda: launches.launch_summary({0: launches.launches(events)}))
         try:

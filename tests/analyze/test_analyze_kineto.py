@@ -284,3 +284,32 @@ def test_a_cut_inside_an_event_falls_back_to_one_process(tmp_path, monkeypatch):
     split = read_kineto(path, workers=2)
     assert calls == []  # the stretch before the false cut did not decode as whole events
     assert [split.names[i] for i in split.name] == [e["name"] for e in small + [big] + small]
+
+
+def _mixed_events(n: int) -> list[dict]:
+    """Kineto-like events with, from the middle on, a category no table knows, and one event without any."""
+    known = ["cpu_op", "kernel", "python_function", "cuda_runtime", "ac2g", "Trace"]
+    out = []
+    for i in range(n):
+        cat = known[i % len(known)] if i < n // 2 or i % 3 else "my_own_category"
+        e = {"ph": "X", "cat": cat, "name": f"op{i % 13}", "pid": 1, "tid": i % 3, "ts": 1000.5 + i,
+             "dur": 1 + i % 5, "args": {"correlation": i, "stream": 7, "External id": i // 2}}
+        if i == n // 4:
+            del e["cat"]
+        out.append(e)
+    return out
+
+
+def test_tagged_decoding_learns_new_categories_and_equals_the_plain_reading(tmp_path, monkeypatch):
+    monkeypatch.setattr(kineto, "BLOCK", 4096)
+    raw = json.dumps({"traceEvents": _mixed_events(4000)}).encode()
+    path = tmp_path / "mixed.json"
+    path.write_bytes(raw)
+    tagged = []
+    real = kineto._ColumnSink._from_tagged
+    monkeypatch.setattr(kineto._ColumnSink, "_from_tagged", lambda self, ev: tagged.append(len(ev)) or real(self, ev))
+    cols = read_kineto(path)
+    assert_same(cols, reference(raw))
+    _same_columns(cols, read_kineto(path, typed=False))
+    assert "my_own_category" in cols.cats and "" in cols.cats  # the event without a category is kept, as ""
+    assert sum(tagged) > 3000  # most pieces went through the tagged decoder, those after the new category too
