@@ -141,6 +141,8 @@ def summary(out: Path, preset: str) -> dict:
         summary["servers"][f"tp{tp}"] = s
         exited = (f"exit {s['exit_s']:.2f} s after SIGTERM (status {s.get('exit_code')})"
                   if s.get("exit_s") is not None else "no exit within 20 s of SIGTERM: SIGKILL")
+        if s.get("exited_by_itself"):
+            exited = f"EXITED BY ITSELF during the run (status {s.get('exit_code')})"
         gone = (f"every process of it gone after {s['all_gone_s']:.2f} s" if s.get("all_gone_s") is not None
                 else f"LEFT BEHIND (SIGKILL): {s.get('left_behind')}")
         say(f"server TP{tp}: all-reduce {s.get('all_reduce') or '?'}, ready after {_fmt(s.get('ready_s'), '.1f', 0)} s;"

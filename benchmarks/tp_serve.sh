@@ -16,10 +16,10 @@
 #
 #   bash benchmarks/tp_serve.sh [PRESET=qwen3-4b] [OUTDIR=/tmp/tp_serve]
 #   (env: PORT 8000, RATE 60, RATE_PROMPTS 1200 (20 s), STREAMS 256, STREAM_PROMPTS 768, INPUT_LEN 512, OUTPUT_LEN 128,
-#    PROFILE_PROMPTS 480, PROFILE_STEPS 150, PROFILE_DELAY_S 5, TPS "1 2", MODEL_DIR /tmp/tp_serve-PRESET,
+#    PROFILE_PROMPTS 600, PROFILE_STEPS 150, PROFILE_DELAY_S 5, TPS "1 2", MODEL_DIR /tmp/tp_serve-PRESET,
 #    START_TIMEOUT_S 300, BENCH_TIMEOUT_S 240, BUDGET_S 480 (no new server or load starts past it, so that the
 #    analysis still ends inside a 10-minute limit),
-#    SERVE_ARGS / BENCH_ARGS: more flags for every server / bench run)
+#    SERVE_ARGS / BENCH_ARGS: more flags for every server / bench run, COMMIT: the code's id where there is no .git)
 set -uo pipefail
 set +m  # no job control: a server started in the background stays this script's child, in the session setsid gives it
 preset=${1:-qwen3-4b}
@@ -31,7 +31,7 @@ streams=${STREAMS:-256}
 stream_prompts=${STREAM_PROMPTS:-768}
 input_len=${INPUT_LEN:-512}
 output_len=${OUTPUT_LEN:-128}
-profile_prompts=${PROFILE_PROMPTS:-480}
+profile_prompts=${PROFILE_PROMPTS:-600}
 profile_steps=${PROFILE_STEPS:-150}
 profile_delay=${PROFILE_DELAY_S:-5}
 tps=${TPS:-1 2}
@@ -59,7 +59,7 @@ since() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1
 
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | sed 's/^ *//; s/ /x /' | paste -sd, -)
 nvidia-smi topo -m >"$out/topology.txt" 2>&1 || true
-commit=$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)
+commit=${COMMIT:-$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)}
 python3 - "$out/meta.json" "$preset" "${device:-no GPU}" "$commit" "$input_len" "$output_len" "$rate" "$streams" \
   "$rate_prompts" "$stream_prompts" "$profile_prompts" "$profile_steps" "${SERVE_ARGS:-}" "${BENCH_ARGS:-}" <<'PY'
 import datetime, json, sys
@@ -86,14 +86,19 @@ server_tp=""
 t_term=""
 stop_server() {  # SIGTERM; the exit of the server and of every process of its session timed; SIGKILL only past 20 s
   [ -n "$server" ] || return 0
-  local pid=$server tp=$server_tp code=0 exit_s="" gone_s="" killed="" left_pids=""
+  local pid=$server tp=$server_tp code=0 exit_s="" gone_s="" killed="" left_pids="" early=""
   server=""
+  if ! alive "$pid"; then  # it ended before it was asked to
+    wait "$pid" 2>/dev/null; code=$? early=1 exit_s=-1
+    fail "TP$tp server: exited by itself during the run, status $code: $(grep -v '^\s*$' "$out/server-tp$tp.log" | tail -1 | cut -c1-200)"
+  fi
   t_term=$(now)
-  kill -TERM "$pid" 2>/dev/null
-  for _ in $(seq 200); do
+  local deadline=$(( $(date +%s%N) + 20000000000 ))
+  [ -n "$early" ] || kill -TERM "$pid" 2>/dev/null
+  while [ "$(date +%s%N)" -lt "$deadline" ]; do
     [ -z "$exit_s" ] && ! alive "$pid" && exit_s=$(since "$t_term")
     if [ -n "$exit_s" ] && [ -z "$(others "$pid")" ]; then gone_s=$(since "$t_term"); break; fi
-    sleep 0.1
+    sleep 0.05
   done
   if [ -z "$exit_s" ] || [ -z "$gone_s" ]; then
     left_pids=$( { [ -z "$exit_s" ] && echo "$pid"; others "$pid"; } | sort -u | paste -sd' ' -)
@@ -103,15 +108,17 @@ stop_server() {  # SIGTERM; the exit of the server and of every process of its s
     for p in $left_pids; do kill -KILL "$p" 2>/dev/null; done
     killed=1
   fi
-  wait "$pid" 2>/dev/null; code=$?
-  stamp "TP$tp server: exit ${exit_s:-(killed)} s after SIGTERM, status $code, every process gone after ${gone_s:-(killed)} s"
-  [ -n "$killed" ] || [ "$code" = 0 ] || fail "TP$tp server: exit status $code after SIGTERM (see $out/server-tp$tp.log)"
-  python3 - "$out/server-tp$tp.json" "$exit_s" "$gone_s" "$code" "$killed" "$left_pids" <<'PY'
+  [ -n "$early" ] || { wait "$pid" 2>/dev/null; code=$?; }
+  [ -n "$early" ] && exit_s=""
+  [ -n "$early" ] || stamp "TP$tp server: exit ${exit_s:-(killed)} s after SIGTERM, status $code, every process gone after ${gone_s:-(killed)} s"
+  [ -n "$killed" ] || [ -n "$early" ] || [ "$code" = 0 ] || fail "TP$tp server: exit status $code after SIGTERM (see $out/server-tp$tp.log)"
+  python3 - "$out/server-tp$tp.json" "$exit_s" "$gone_s" "$code" "$killed" "$left_pids" "$early" <<'PY'
 import json, sys
-path, exit_s, gone_s, code, killed, left = sys.argv[1:]
+path, exit_s, gone_s, code, killed, left, early = sys.argv[1:]
 doc = json.load(open(path)) if __import__("os").path.exists(path) else {}
 doc |= {"exit_s": float(exit_s) if exit_s else None, "all_gone_s": float(gone_s) if gone_s else None,
-        "exit_code": int(code), "sigkill": bool(killed), "left_behind": left or None}
+        "exit_code": int(code), "sigkill": bool(killed), "left_behind": left or None,
+        "exited_by_itself": bool(early)}
 json.dump(doc, open(path, "w"), indent=1)
 PY
 }
