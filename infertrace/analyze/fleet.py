@@ -210,7 +210,7 @@ def analyze_unit(paths: list[str], config, trim: bool | None, cache_root: str | 
         origin = min(non_empty) if non_empty else 0
         frames = []
         while good:  # each file's columns dropped as soon as its table is made: one copy of the events at a time
-            frames.append(event_frame(good.pop(0)[1], origin))
+            frames.append(event_frame(good.pop(0)[1], origin, hta_times=False))
         import pandas as pd
 
         events = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
