@@ -19,7 +19,9 @@
 #    PROFILE_PROMPTS 600, PROFILE_STEPS 150, PROFILE_DELAY_S 5, TPS "1 2", MODEL_DIR /tmp/tp_serve-PRESET,
 #    START_TIMEOUT_S 300, BENCH_TIMEOUT_S 240, BUDGET_S 480 (no new server or load starts past it, so that the
 #    analysis still ends inside a 10-minute limit),
-#    SERVE_ARGS / BENCH_ARGS: more flags for every server / bench run, COMMIT: the code's id where there is no .git)
+#    SERVE_ARGS / BENCH_ARGS: more flags for every server / bench run, COMMIT: the code's id where there is no .git,
+#    COPY_TO: a folder that also gets summary.json, table.txt, analysis-tp2.{txt,json,html}, hta-tp2.json and
+#    failures.txt, named tp_serve-*: seven files)
 set -uo pipefail
 set +m  # no job control: a server started in the background stays this script's child, in the session setsid gives it
 preset=${1:-qwen3-4b}
@@ -226,4 +228,10 @@ fi
 # 4. one table, and summary.json
 python3 "$here/tp_serve.py" summary "$out" "$preset"
 stamp "done in $(( $(date +%s) - t_start )) s; everything in $out"
+if [ -n "${COPY_TO:-}" ]; then  # the few files worth bringing back from a remote machine
+  mkdir -p "$COPY_TO"
+  for f in summary.json table.txt analysis-tp2.txt analysis-tp2.json analysis-tp2.html hta-tp2.json failures.txt; do
+    [ -f "$out/$f" ] && cp "$out/$f" "$COPY_TO/tp_serve-$f"
+  done
+fi
 [ ! -s "$out/failures.txt" ]
