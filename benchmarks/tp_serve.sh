@@ -214,9 +214,13 @@ capture="$out/profile-tp2/capture-tp2"
 if ls "$capture"/*.pt.trace.json* >/dev/null 2>&1; then
   stamp "infertrace analyze $capture"
   t0=$(now)
-  "${it[@]}" analyze "$capture" --json "$out/analysis-tp2.json" --html "$out/analysis-tp2.html" \
-    >"$out/analysis-tp2.txt" 2>&1 || fail "analyze of $capture failed: $(tail -1 "$out/analysis-tp2.txt")"
-  stamp "analyze took $(since "$t0") s; HTA on the same rank files"
+  COLUMNS=${COLUMNS:-200} "${it[@]}" analyze "$capture" --json "$out/analysis-tp2.json" >"$out/analysis-tp2.txt" 2>&1 ||
+    fail "analyze of $capture failed: $(tail -1 "$out/analysis-tp2.txt")"
+  stamp "analyze took $(since "$t0") s; its HTML report (from analyze's cache)"
+  # apart, since the page needs plotly, which the JSON does not
+  "${it[@]}" analyze "$capture" --html "$out/analysis-tp2.html" --quiet >"$out/analysis-tp2-html.txt" 2>&1 ||
+    fail "analyze --html of $capture failed: $(tail -1 "$out/analysis-tp2-html.txt")"
+  stamp "HTA on the same rank files"
   t0=$(now)
   python3 "$here/tp_serve.py" hta "$capture" "$out/analysis-tp2.json" "$out/hta-tp2.json" 2>"$out/hta-tp2.txt" ||
     fail "HTA on $capture: $(tail -1 "$out/hta-tp2.txt")"
