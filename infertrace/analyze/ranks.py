@@ -56,19 +56,16 @@ def step_communication(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
 
 
 def _intersection(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """The segments covered by both disjoint unions `a` and `b`."""
-    i = j = 0
-    out_s, out_e = [], []
-    while i < a[0].size and j < b[0].size:
-        lo, hi = max(a[0][i], b[0][j]), min(a[1][i], b[1][j])
-        if lo < hi:
-            out_s.append(lo)
-            out_e.append(hi)
-        if a[1][i] < b[1][j]:
-            i += 1
-        else:
-            j += 1
-    return np.array(out_s, dtype=np.int64), np.array(out_e, dtype=np.int64)
+    """The segments covered by both disjoint unions `a` and `b`, in time order."""
+    (a_s, a_e), (b_s, b_e) = a, b
+    first = np.searchsorted(b_e, a_s, side="right")  # per segment of `a`, the segments of `b` that overlap it
+    stop = np.searchsorted(b_s, a_e, side="left")
+    count = np.maximum(stop - first, 0)
+    i = np.repeat(np.arange(a_s.size), count)
+    j = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count) + np.repeat(first, count)
+    lo, hi = np.maximum(a_s[i], b_s[j]).astype(np.int64), np.minimum(a_e[i], b_e[j]).astype(np.int64)
+    keep = lo < hi  # a segment of no length (a kernel of 0 ns) overlaps nothing
+    return lo[keep], hi[keep]
 
 
 def rank_communication(per_rank: dict[int, pd.DataFrame]) -> pd.DataFrame:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -165,3 +166,33 @@ def test_our_own_two_rank_server_capture(server_capture):
     assert slow["gate"].startswith("sm90_xmma_gemm")
     assert slow["what-if saved (ms)"] == pytest.approx(0.015)  # rank 1 at the median of 100 and 130 us
     assert report.table("step_skew")["steps"].tolist() == [2, 1]
+
+
+def _walked_intersection(a, b):
+    """The intersection of two disjoint unions by walking both in time order, one segment at a time."""
+    i = j = 0
+    out_s, out_e = [], []
+    while i < a[0].size and j < b[0].size:
+        lo, hi = max(a[0][i], b[0][j]), min(a[1][i], b[1][j])
+        if lo < hi:
+            out_s.append(lo)
+            out_e.append(hi)
+        if a[1][i] < b[1][j]:
+            i += 1
+        else:
+            j += 1
+    return np.array(out_s, dtype=np.int64), np.array(out_e, dtype=np.int64)
+
+
+def test_intersection_of_unions_equals_walking_them():
+    from infertrace.analyze.intervals import union
+    from infertrace.analyze.ranks import _intersection
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        n, m = rng.integers(0, 30, 2)
+        starts_a, starts_b = rng.integers(0, 200, n), rng.integers(0, 200, m)
+        a = union(starts_a, starts_a + rng.integers(0, 20, n))  # lengths of 0 too: a kernel of 0 ns
+        b = union(starts_b, starts_b + rng.integers(0, 20, m))
+        got, want = _intersection(a, b), _walked_intersection(a, b)
+        assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
