@@ -19,13 +19,17 @@ from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from infertrace.analyze.catalog import TRACE_SUFFIXES, CaptureGroup, TraceFile, catalog, own_document, select
-from infertrace.analyze.events import event_frame
 from infertrace.analyze.kineto import TraceColumns, TraceError, read_kineto
 from infertrace.analyze.nsys import read_nsys_report, read_nsys_sqlite
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# pandas (and the event table) are imported where the events are made into tables, not here: planning and reading a
+# capture go without them, so `analyze` can start decoding a trace while it imports them (fleet.read_ahead)
 
 _RANK_IN_NAME = (
     re.compile(r"(?:^|[-_.])rank[-_]?(\d+)(?=[-_.]|$)", re.IGNORECASE),
@@ -118,6 +122,8 @@ def load_capture(path: str | Path, keep_python: bool = False, capture: str | Non
     for unit in units:
         if len(unit) > 1:
             notes.append(f"{' and '.join(f.path.name for f in unit)}: stages of one rank, read as one")
+    from infertrace.analyze.events import event_frame
+
     fronts = [RankTrace(-1, file, event_frame(cols, origin), cols.metadata, cols.exact_times, None)
               for file, cols in frontend]
     for front in fronts:
@@ -167,6 +173,10 @@ def usable(path: Path, outcome: tuple[TraceColumns | None, str | None], problems
 
 
 def _events(parts: list[TraceColumns], origin: int) -> pd.DataFrame:
+    import pandas as pd
+
+    from infertrace.analyze.events import event_frame
+
     frames = [event_frame(cols, origin) for cols in parts]
     return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
 

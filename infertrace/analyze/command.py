@@ -97,13 +97,15 @@ def run(trace_dir: Path, json_path: Path | None, csv_dir: Path | None, html_path
         top_kernels: int | None, capture_name: str | None, rank: int | None, perfetto_path: Path | None,
         jobs: int | None, ray_address: str | None, cache_dir: Path | None, no_cache: bool, quiet: bool) -> None:
     from infertrace.analyze.capture import CaptureError
-    from infertrace.analyze.fleet import analyze_fleet, default_cache_dir
+    from infertrace.analyze.fleet import analyze_fleet, default_cache_dir, read_ahead
+
+    outputs = [p for p in (json_path, csv_dir, html_path, perfetto_path) if p is not None]
+    cache = None if no_cache else (cache_dir or default_cache_dir())
+    read_ahead(trace_dir, capture_name, rank, outputs, jobs, ray_address, cache)  # decodes while the rest imports
     from infertrace.analyze.render import render
     from infertrace.analyze.report import AnalyzeConfig
 
     config = AnalyzeConfig() if top_kernels is None else AnalyzeConfig(top_kernels=top_kernels)
-    outputs = [p for p in (json_path, csv_dir, html_path, perfetto_path) if p is not None]
-    cache = None if no_cache else (cache_dir or default_cache_dir())
     try:
         report = analyze_fleet(trace_dir, config, capture_name, rank, outputs, jobs, ray_address, cache)
     except CaptureError as exc:

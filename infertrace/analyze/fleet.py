@@ -44,6 +44,7 @@ from infertrace.analyze.capture import (
     usable,
 )
 from infertrace.analyze.kineto import TraceColumns, TraceError
+from infertrace.analyze.kineto import read_ahead as read_file_ahead
 
 CACHE_VERSION = 1
 SPLIT_CORES = 4  # a one-rank capture's large file is split over the cores from this many on (on 2 busy cores the
@@ -106,6 +107,9 @@ class ColumnCache:
         return TraceColumns(names=info["names"], cats=info["cats"], metadata=info["metadata"],
                             problem=info["problem"], warnings=info["warnings"], exact_times=info["exact_times"],
                             **arrays)
+
+    def has_columns(self, key: str) -> bool:
+        return (self._entry(key) / "info.json").is_file()
 
     def store_columns(self, key: str, cols: TraceColumns) -> None:
         info = {"names": cols.names, "cats": cols.cats, "metadata": cols.metadata, "problem": cols.problem,
@@ -325,9 +329,37 @@ def _run(unit_paths: list[list[str]], config, trim, cache_root, jobs, ray_addres
         except (OSError, RuntimeError):  # no processes allowed here: one rank after another
             pass
     # one rank at a time here: a large file is decoded in several processes instead
-    cores = os.cpu_count() or 1
-    split = (jobs or (cores if cores >= SPLIT_CORES else 1)) if len(unit_paths) == 1 else 1
+    split = _split_workers(jobs) if len(unit_paths) == 1 else 1
     return [analyze_unit(paths, config, trim, cache_root, split=split) for paths in unit_paths]
+
+
+def _split_workers(jobs: int | None) -> int:
+    """The processes a one-rank capture's large file is decoded in: --jobs, else the cores from SPLIT_CORES on."""
+    cores = os.cpu_count() or 1
+    return jobs or (cores if cores >= SPLIT_CORES else 1)
+
+
+def read_ahead(path: str | Path, capture: str | None = None, rank: int | None = None, exclude: Iterable[Path] = (),
+               jobs: int | None = None, ray_address: str | None = None, cache_dir: Path | None = None) -> bool:
+    """Where `analyze_fleet` will decode a one-rank capture's large JSON trace in several processes, start them
+    now (kineto.read_ahead), before the caller imports the analysis modules (pandas, about a quarter of a second),
+    so that the trace is decoded meanwhile. Nothing starts for several ranks (each is a worker's), under Ray, for
+    one process, or where the cache holds the file's events; False then."""
+    if ray_address is not None or _split_workers(jobs) < 2:
+        return False
+    try:
+        _, _, units = plan_capture(Path(path), capture, rank, exclude)
+    except CaptureError:
+        return False  # analyze_fleet says why
+    if len(units) != 1 or len(units[0]) != 1 or units[0][0].path.name.endswith((".sqlite", ".nsys-rep")):
+        return False
+    file = units[0][0].path
+    try:
+        if cache_dir is not None and ColumnCache(Path(cache_dir)).has_columns(file_key(file)):
+            return False
+    except OSError:
+        return False
+    return read_file_ahead(file, False, _split_workers(jobs))
 
 
 def _run_ray(unit_paths, config, trim, cache_root, address: str) -> list[UnitResult]:

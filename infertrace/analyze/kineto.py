@@ -80,6 +80,10 @@ def read_kineto(path: str | Path, keep_python: bool = False, typed: bool = True,
     `keep_python` keeps `python_function` events (with_stack traces hold millions of them and no analysis
     here needs them). `typed=False` decodes through plain dicts even where msgspec is installed. `workers` above
     one decodes a large plain file in that many processes, a stretch of the events array each (`_read_split`)."""
+    if typed and _AHEAD:
+        ahead = _read_ahead_result(Path(path), keep_python)
+        if ahead is not None:
+            return ahead
     if workers > 1 and typed and _typed_decoder() is not None:
         split = _read_split(Path(path), keep_python, workers)
         if split is not None:
@@ -127,13 +131,34 @@ _BOUNDARY = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")
 
 
 def _read_split(path: Path, keep_python: bool, workers: int) -> TraceColumns | None:
-    """Decode a plain JSON trace in `workers` processes, each a stretch of the events array cut where one event
-    ends and the next begins. None (read it in one process instead) for a gzip or small file, or when a stretch does
-    not decode as whole events from its start to its end: each stretch but the last must decode completely and end
-    exactly at its cut, and the first starts at the array's real start, so every cut is a real event boundary."""
+    """Decode a plain JSON trace in `workers` processes (this one and forked workers), each a stretch of the events
+    array cut where one event ends and the next begins. None (read it in one process instead) for a gzip or small
+    file, or when a stretch does not decode as whole events from its start to its end: each stretch but the last
+    must decode completely and end exactly at its cut, and the first starts at the array's real start, so every cut
+    is a real event boundary."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    plan = _plan_split(path, [1 / workers] * workers)
+    if plan is None:
+        return None
+    head, start, ranges = plan
+    try:
+        with ProcessPoolExecutor(len(ranges) - 1, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [pool.submit(_decode_range, str(path), lo, hi, i == len(ranges) - 1, keep_python)
+                       for i, (lo, hi) in enumerate(ranges) if i > 0]
+            first = _decode_range(str(path), *ranges[0], len(ranges) == 1, keep_python)
+            rest = [f.result() for f in futures]
+    except (OSError, RuntimeError):
+        return None
+    if first is None or any(p is None for p in rest):
+        return None
+    return _joined(head, start, first, [{**_shipped(p.pop("sink")), **p} for p in rest])
+
+
+def _plan_split(path: Path, shares: list[float]) -> tuple[bytes, int, list[tuple[int, int]]] | None:
+    """The head of a plain JSON trace, where its events array starts, and the byte ranges of its stretches, each
+    about its share of the file and cut at an apparent event boundary; None for a gzip or small file."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as fh:
@@ -145,36 +170,97 @@ def _read_split(path: Path, keep_python: bool, workers: int) -> TraceColumns | N
             if start is None:
                 return None
             cuts = [start]
-            for i in range(1, workers):
-                fh.seek(max(start, size * i // workers))
-                window = fh.read(EVENT_LIMIT)
-                m = _BOUNDARY.search(window)
-                if m is None:
+            done = 0.0
+            for share in shares[:-1]:
+                done += share
+                at = _boundary_after(fh, max(start, int(size * done)))
+                if at is None:
                     return None
-                at = fh.tell() - len(window) + m.start() + 1  # just past the `}`
                 if at > cuts[-1]:
                     cuts.append(at)
+        ranges = [(cuts[i] if i == 0 else _next_brace(path, cuts[i]), cuts[i + 1] if i + 1 < len(cuts) else size)
+                  for i in range(len(cuts))]
     except OSError:
         return None
-    ranges = [(cuts[i] if i == 0 else _next_brace(path, cuts[i]), cuts[i + 1] if i + 1 < len(cuts) else size)
-              for i in range(len(cuts))]
-    try:
-        with ProcessPoolExecutor(len(ranges), mp_context=multiprocessing.get_context("fork")) as pool:
-            parts = list(pool.map(_decode_range, [str(path)] * len(ranges), [r[0] for r in ranges],
-                                  [r[1] for r in ranges], [i == len(ranges) - 1 for i in range(len(ranges))],
-                                  [keep_python] * len(ranges)))
-    except (OSError, RuntimeError):
-        return None
-    if any(p is None for p in parts):
-        return None
-    header = _StreamDecoder(_ColumnSink(keep_python), None)
+    return head, start, ranges
+
+
+def _boundary_after(fh, at: int) -> int | None:
+    """Just past the `}` of the first apparent event boundary (`}, {`) from `at` on, within EVENT_LIMIT bytes."""
+    fh.seek(at)
+    window = b""
+    while len(window) < EVENT_LIMIT:
+        more = fh.read(1 << 16)
+        if not more:
+            return None
+        window = window[-8:] + more if window else more  # a boundary may straddle two reads (whitespace aside)
+        m = _BOUNDARY.search(window)
+        if m is not None:
+            return fh.tell() - len(window) + m.start() + 1
+    return None
+
+
+def _joined(head: bytes, start: int, first: dict, rest: list[dict]) -> TraceColumns:
+    """The columns of the first stretch's sink extended with the other stretches' (shipped) events, and the
+    metadata from the head and the last stretch's trailer."""
+    header = _StreamDecoder(_ColumnSink(False), None)
     header.feed(head[: start])
     header.header = bytearray(head[: start].lstrip(_WS))
     key = header.header.rfind(_KEY)
     if key >= 0:
         del header.header[key:]
-    header.trailer = parts[-1]["trailer"]
-    return _merge(parts, header.metadata(), parts[-1]["late"])
+    last = rest[-1] if rest else first
+    header.trailer, late = last["trailer"], last["late"]
+    whole = first["sink"]
+    for part in rest:
+        _join(whole, part)
+        part.clear()  # a stretch's events freed once taken
+    columns = whole.columns(header.metadata())
+    if late is not None:
+        if not len(columns):
+            raise TraceError(late.replace(" (truncated file)", ", before its first complete event (truncated file)"))
+        columns.problem = f"{late}; kept the {len(columns):,} complete events before it"
+    return columns
+
+
+def _shipped(sink: _ColumnSink) -> dict:
+    """What another process needs of a stretch's sink (`_join`): its tables, counts and columns."""
+    return {"names": sink.names, "cats": sink.cats, "text_ids": sink.text_ids, "arrays": sink.arrays(),
+            "count": sink.count, "exact": sink.exact, "invalid": sink.invalid, "cut_names": sink.cut_names}
+
+
+def _join(whole: _ColumnSink, part: dict, arrays=None) -> None:
+    """Append a later stretch's events to `whole`, in place, its name, category and text-id codes made whole's.
+    `arrays` (else part["arrays"]) may be an iterator that reads each column as it is taken, so that only one column
+    of the stretch is held at a time; if it fails part way (OSError, EOFError), `whole` is left as it was."""
+    before = [len(f) for f in whole.fields], len(whole.names), len(whole.cats), len(whole.text_ids)
+    try:
+        names = np.array([whole.names.setdefault(n, len(whole.names)) for n in part["names"]], dtype=np.int32)
+        cats = np.array([whole.cats.setdefault(c, len(whole.cats)) for c in part["cats"]], dtype=np.int32)
+        texts = {-1 - k: -1 - whole.text_ids.setdefault(t, len(whole.text_ids))
+                 for t, k in part["text_ids"].items()}
+        for i, values in enumerate(part["arrays"] if arrays is None else arrays):
+            if i == 0 and names.size:
+                values = names[values]
+            elif i == 1 and cats.size:
+                values = cats[values]
+            elif i in (2, 3) and texts and (values < 0).any():  # pid, tid
+                values = np.array([texts.get(v, v) for v in values.tolist()], dtype=np.int64)
+            into = whole.fields[i]
+            into.frombytes(np.ascontiguousarray(values, dtype=np.int32 if into.typecode == "i" else np.int64)
+                           .view(np.uint8))
+            del values
+    except (OSError, EOFError):
+        for into, n in zip(whole.fields, before[0]):
+            del into[n:]
+        for table, n in zip((whole.names, whole.cats, whole.text_ids), before[1:]):
+            for key in list(table)[n:]:
+                del table[key]
+        raise
+    whole.count += part["count"]
+    whole.exact &= part["exact"]
+    whole.invalid += part["invalid"]
+    whole.cut_names |= part["cut_names"]
 
 
 def _array_start(head: bytes) -> int | None:
@@ -231,30 +317,186 @@ def _decode_range(path: str, lo: int, hi: int, last: bool, keep_python: bool) ->
     return {"sink": sink, "trailer": bytes(decoder.trailer), "late": late}
 
 
-def _merge(parts: list[dict], metadata: dict, late: str | None) -> TraceColumns:
-    """One TraceColumns from the stretches' sinks, their name, category and text-id codes made one."""
-    whole = _ColumnSink(False)
-    for part in parts:
-        sink = part["sink"]
-        names = np.array([whole.names.setdefault(n, len(whole.names)) for n in sink.names], dtype=np.int32)
-        cats = np.array([whole.cats.setdefault(c, len(whole.cats)) for c in sink.cats], dtype=np.int32)
-        texts = {-1 - k: -1 - whole.text_ids.setdefault(t, len(whole.text_ids)) for t, k in sink.text_ids.items()}
-        name, cat, pid, tid, *rest = sink.arrays()
-        if texts:
-            pid = np.array([texts.get(v, v) for v in pid.tolist()], dtype=np.int64) if (pid < 0).any() else pid
-            tid = np.array([texts.get(v, v) for v in tid.tolist()], dtype=np.int64) if (tid < 0).any() else tid
-        whole.append((names[name] if names.size else name, cats[cat] if cats.size else cat, pid, tid, *rest))
-        whole.count += sink.count
-        whole.exact &= sink.exact
-        whole.invalid += sink.invalid
-        whole.cut_names |= sink.cut_names
-        del name, cat, pid, tid, rest, part["sink"], sink  # a stretch's events freed once taken
-    columns = whole.columns(metadata)
-    if late is not None:
-        if not len(columns):
-            raise TraceError(late.replace(" (truncated file)", ", before its first complete event (truncated file)"))
-        columns.problem = f"{late}; kept the {len(columns):,} complete events before it"
-    return columns
+# Read-ahead: a one-rank capture's large trace is split before the analysis modules are imported, so that while
+# this process imports them (pandas most of it), forked processes already decode the later stretches.
+AHEAD_IMPORT_S = 0.25  # what this process spends importing before it decodes its own stretch (2-core host: 0.26 s)
+AHEAD_DECODE_BYTES_S = 500e6  # bytes of JSON one process decodes a second (about 520 MB/s on that host)
+_AHEAD: dict[tuple, "_Ahead"] = {}
+
+
+@dataclass(slots=True)
+class _Ahead:
+    head: bytes
+    start: int
+    ranges: list[tuple[int, int]]
+    children: list[tuple[int, int]]  # (pid, read end of its pipe) per stretch after the first
+
+
+def _ahead_key(path: Path, keep_python: bool) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return os.path.realpath(path), st.st_size, st.st_mtime_ns, keep_python
+
+
+def read_ahead(path: str | Path, keep_python: bool = False, workers: int = 2) -> bool:
+    """Start decoding the later stretches of a large plain JSON trace in `workers - 1` forked processes, for
+    `read_kineto` of the same file to join; this process keeps the first stretch, smaller by what it has to import
+    first. False (nothing started) for a gzip or small file, one worker, or where processes cannot be made."""
+    path = Path(path)
+    key = _ahead_key(path, keep_python)
+    if workers < 2 or key is None or _typed_decoder() is None or key in _AHEAD:
+        return False
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return False
+    whole_s = size / AHEAD_DECODE_BYTES_S
+    own = min(max((whole_s - AHEAD_IMPORT_S * (workers - 1)) / (whole_s * workers), 0.02), 1 / workers)
+    plan = _plan_split(path, [own] + [(1 - own) / (workers - 1)] * (workers - 1))
+    if plan is None or len(plan[2]) < 2:
+        return False
+    head, start, ranges = plan
+    children = []
+    for i, (lo, hi) in enumerate(ranges[1:], start=1):
+        try:
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+        except OSError:
+            _cancel(children)
+            return False
+        if pid == 0:  # the child: decode, send, and leave without running the parent's exit handlers
+            code = 1
+            try:
+                os.close(read_end)
+                _send(write_end, _decode_range(str(path), lo, hi, i == len(ranges) - 1, keep_python))
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write_end)
+        children.append((pid, read_end))
+    _AHEAD[key] = _Ahead(head[:start], start, ranges, children)
+    if len(_AHEAD) == 1:
+        import atexit
+
+        atexit.register(_cancel_all)
+    return True
+
+
+def _send(fd: int, result: dict | None) -> None:
+    """A stretch's result through a pipe: a pickle of its tables and counts, then each column's raw bytes."""
+    import pickle
+
+    with open(fd, "wb", buffering=0) as out:
+        if result is None:
+            out.write((0).to_bytes(8, "little"))
+            return
+        shipped = {**_shipped(result.pop("sink")), **result}
+        arrays = shipped.pop("arrays")
+        shipped["columns"] = [(a.dtype.str, a.size) for a in arrays]
+        header = pickle.dumps(shipped, protocol=pickle.HIGHEST_PROTOCOL)
+        out.write(len(header).to_bytes(8, "little"))
+        out.write(header)
+        for values in arrays:
+            view, written = memoryview(values).cast("B"), 0
+            while written < view.nbytes:
+                written += out.write(view[written:])
+
+
+def _receive_header(inp) -> dict | None:
+    import pickle
+
+    try:
+        size = int.from_bytes(_read_exactly(inp, 8), "little")
+        return pickle.loads(_read_exactly(inp, size)) if size else None
+    except (OSError, EOFError, ValueError, pickle.UnpicklingError):
+        return None
+
+
+def _receive_columns(inp, columns: list[tuple[str, int]]):
+    """Each column of a stretch, read from the pipe as it is asked for."""
+    for dtype, count in columns:
+        buffer = bytearray(np.dtype(dtype).itemsize * count)
+        view, got = memoryview(buffer), 0
+        while got < len(buffer):
+            n = inp.readinto(view[got:])
+            if not n:
+                raise EOFError("the stretch's process ended before sending all its events")
+            got += n
+        del view
+        yield np.frombuffer(buffer, dtype=dtype)
+
+
+def _read_exactly(inp, n: int) -> bytes:
+    data = inp.read(n) if n else b""
+    while len(data) < n:
+        more = inp.read(n - len(data))
+        if not more:
+            raise EOFError("the stretch's process ended early")
+        data += more
+    return data
+
+
+def _exited_cleanly(pid: int) -> bool:
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:
+        return False
+    return status == 0
+
+
+def _cancel(children: list[tuple[int, int]]) -> None:
+    import signal
+
+    for pid, fd in children:
+        for step in (lambda: os.kill(pid, signal.SIGKILL), lambda: os.close(fd), lambda: os.waitpid(pid, 0)):
+            try:
+                step()
+            except OSError:
+                pass
+
+
+def _cancel_all() -> None:
+    while _AHEAD:
+        _cancel(_AHEAD.popitem()[1].children)
+
+
+def _read_ahead_result(path: Path, keep_python: bool) -> TraceColumns | None:
+    """The columns of a file `read_ahead` started: this process decodes the first stretch and joins the others'.
+    None (read it whole instead) when the first stretch does not end at its cut as whole events."""
+    key = _ahead_key(path, keep_python)
+    ahead = _AHEAD.pop(key, None) if key is not None else None
+    if ahead is None:
+        return None
+    first = _decode_range(str(path), *ahead.ranges[0], False, keep_python)
+    if first is None:
+        _cancel(ahead.children)
+        return None
+    whole = first["sink"]
+    last = first
+    for k, ((pid, fd), (lo, hi)) in enumerate(zip(ahead.children, ahead.ranges[1:])):
+        joined = False
+        with open(fd, "rb", buffering=0) as inp:
+            part = _receive_header(inp)
+            if part is not None:
+                try:
+                    _join(whole, part, _receive_columns(inp, part["columns"]))
+                    joined = True
+                except (OSError, EOFError):
+                    pass  # `whole` is as it was
+        if not _exited_cleanly(pid) and joined:  # all of it arrived, yet the process did not end well
+            _cancel(ahead.children[k + 1:])
+            return None
+        if not joined:  # the child failed: its stretch is decoded here
+            decoded = _decode_range(str(path), lo, hi, k == len(ahead.children) - 1, keep_python)
+            if decoded is None:
+                _cancel(ahead.children[k + 1:])
+                return None
+            part = {**_shipped(decoded.pop("sink")), **decoded}
+            _join(whole, part)
+        last = part
+    return _joined(ahead.head, ahead.start, {"sink": whole, "trailer": last["trailer"], "late": last["late"]}, [])
 
 
 class _GzipBomb(Exception):

@@ -257,14 +257,21 @@ def _same_columns(a, b):
     assert (a.metadata, a.problem, a.exact_times) == (b.metadata, b.problem, b.exact_times)
 
 
+def _count_stretches(monkeypatch) -> list[int]:
+    """Records, per joined read, how many stretches it was decoded in."""
+    calls: list[int] = []
+    real = kineto._joined
+    monkeypatch.setattr(kineto, "_joined", lambda head, start, first, rest: calls.append(1 + len(rest))
+                        or real(head, start, first, rest))
+    return calls
+
+
 @pytest.mark.parametrize("workers", [2, 3])
 def test_a_file_decoded_in_several_processes_equals_one_process(traces, tmp_path, monkeypatch, workers):
     path = _plain_trace(traces, tmp_path / "t.json")
     whole = read_kineto(path)
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
-    calls = []
-    real_merge = kineto._merge
-    monkeypatch.setattr(kineto, "_merge", lambda parts, *a: calls.append(len(parts)) or real_merge(parts, *a))
+    calls = _count_stretches(monkeypatch)
     split = read_kineto(path, workers=workers)
     assert calls == [workers]  # it was split, not read in one process
     _same_columns(whole, split)
@@ -278,9 +285,7 @@ def test_a_cut_inside_an_event_falls_back_to_one_process(tmp_path, monkeypatch):
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": small + [big] + small}))
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
-    calls = []
-    real_merge = kineto._merge
-    monkeypatch.setattr(kineto, "_merge", lambda parts, *a: calls.append(len(parts)) or real_merge(parts, *a))
+    calls = _count_stretches(monkeypatch)
     split = read_kineto(path, workers=2)
     assert calls == []  # the stretch before the false cut did not decode as whole events
     assert [split.names[i] for i in split.name] == [e["name"] for e in small + [big] + small]
@@ -313,3 +318,93 @@ def test_tagged_decoding_learns_new_categories_and_equals_the_plain_reading(tmp_
     _same_columns(cols, read_kineto(path, typed=False))
     assert "my_own_category" in cols.cats and "" in cols.cats  # the event without a category is kept, as ""
     assert sum(tagged) > 3000  # most pieces went through the tagged decoder, those after the new category too
+
+
+def _gone(pid: int) -> bool:
+    import os
+
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True  # reaped already
+    return False
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_read_ahead_equals_one_process_and_leaves_no_process(traces, tmp_path, monkeypatch, workers):
+    path = _plain_trace(traces, tmp_path / "t.json")
+    whole = read_kineto(path)
+    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    assert kineto.read_ahead(path, workers=workers)
+    pids = [pid for pid, _ in next(iter(kineto._AHEAD.values())).children]
+    assert len(pids) == workers - 1
+    received, joined = [], []
+    real_receive, real_join = kineto._receive_header, kineto._join
+    monkeypatch.setattr(kineto, "_receive_header", lambda inp: received.append(r := real_receive(inp)) or r)
+    monkeypatch.setattr(kineto, "_join", lambda whole, part, arrays=None: joined.append(1)
+                        or real_join(whole, part, arrays))
+    ahead = read_kineto(path)
+    assert len(received) == workers - 1 and all(r is not None for r in received)  # each child sent its stretch
+    assert len(joined) == workers - 1
+    _same_columns(whole, ahead)
+    assert not kineto._AHEAD and all(_gone(pid) for pid in pids)
+
+
+def test_a_read_ahead_child_that_dies_is_decoded_here(traces, tmp_path, monkeypatch):
+    import os
+
+    path = _plain_trace(traces, tmp_path / "t.json")
+    whole = read_kineto(path)
+    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(kineto, "_send", lambda fd, result: os._exit(3))  # the forked child dies before sending
+    assert kineto.read_ahead(path, workers=2)
+    decoded = []
+    real_decode = kineto._decode_range
+    monkeypatch.setattr(kineto, "_decode_range", lambda *a: decoded.append(a[1:3]) or real_decode(*a))
+    _same_columns(whole, read_kineto(path))
+    assert len(decoded) == 2 and decoded[1][1] == path.stat().st_size  # its own stretch, then the dead child's
+    assert not kineto._AHEAD
+
+
+def test_a_read_ahead_with_a_false_cut_is_read_whole_and_an_unread_one_is_cancelled(tmp_path, monkeypatch):
+    small = [{"ph": "X", "cat": "cpu_op", "name": f"op{i}", "pid": 1, "tid": 1, "ts": i, "dur": 1} for i in range(50)]
+    big = {"ph": "X", "cat": "cpu_op", "name": "big", "pid": 1, "tid": 1, "ts": 100, "dur": 1,
+           "args": {"list": [{"a": i} for i in range(200_000)]}}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": small + [big] + small}))
+    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(kineto, "AHEAD_IMPORT_S", 0.0)  # equal shares: the cut falls inside the big event
+    assert kineto.read_ahead(path, workers=2)
+    pids = [pid for pid, _ in next(iter(kineto._AHEAD.values())).children]
+    calls = _count_stretches(monkeypatch)
+    cols = read_kineto(path)
+    assert calls == []  # the first stretch did not end at its cut as whole events: read in one process
+    assert [cols.names[i] for i in cols.name] == [e["name"] for e in small + [big] + small]
+    assert all(_gone(pid) for pid in pids)
+    other = tmp_path / "u.json"
+    other.write_text(json.dumps({"traceEvents": small * 40}))
+    assert kineto.read_ahead(other, workers=3)
+    pids = [pid for pid, _ in next(iter(kineto._AHEAD.values())).children]
+    kineto._cancel_all()  # what runs at exit when the file was never read (its analysed part was cached)
+    assert not kineto._AHEAD and all(_gone(pid) for pid in pids)
+
+
+def test_a_read_ahead_child_cut_off_mid_transfer_leaves_no_partial_events(traces, tmp_path, monkeypatch):
+    import os
+
+    path = _plain_trace(traces, tmp_path / "t.json")
+    whole = read_kineto(path)
+    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    real_send = kineto._send
+    spool = tmp_path / "spool"
+
+    def cut_send(fd, result):  # sends the header and part of the columns, then ends "cleanly"
+        real_send(os.open(spool, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), result)
+        data = spool.read_bytes()
+        with open(fd, "wb") as out:
+            out.write(data[: int(len(data) * 0.7)])
+        os._exit(0)
+
+    monkeypatch.setattr(kineto, "_send", cut_send)
+    assert kineto.read_ahead(path, workers=2)
+    _same_columns(whole, read_kineto(path))  # the columns taken before the cut were rolled back, then re-read here
