@@ -136,3 +136,25 @@ def test_ranks_as_ray_tasks_on_a_local_cluster(cluster, two_rank, tmp_path):
     assert result.exit_code == 0, result.output
     assert "as Ray tasks" in result.stderr
     assert json.loads((tmp_path / "r.json").read_text())["ranks"][1]["rank"] == 1
+
+
+def test_read_ahead_starts_only_for_one_large_uncached_json_rank(traces, two_rank, tmp_path_factory, monkeypatch):
+    import gzip
+
+    from infertrace.analyze import fleet, kineto
+
+    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    one = tmp_path_factory.mktemp("one")
+    (one / "rank0.json").write_bytes(
+        gzip.decompress((traces / "tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz").read_bytes()))
+    expected = build_report(load_capture(one))
+    assert not fleet.read_ahead(two_rank, jobs=2)  # two ranks: each is a worker's
+    assert not fleet.read_ahead(one, jobs=1)  # one process asked for
+    assert not fleet.read_ahead(one, jobs=2, ray_address="auto")
+    assert fleet.read_ahead(one, jobs=2)
+    assert len(kineto._AHEAD) == 1
+    assert_same_report(analyze_fleet(one, jobs=2), expected)  # the read-ahead taken up by the analysis
+    assert not kineto._AHEAD
+    cache = tmp_path_factory.mktemp("cache")
+    analyze_fleet(one, jobs=1, cache_dir=cache)
+    assert not fleet.read_ahead(one, jobs=2, cache_dir=cache)  # its events are cached: nothing to decode
