@@ -5,7 +5,8 @@ The trace is made by replicating the real events of TraceLens' vLLM TP8 B200 cap
 fresh correlation and external ids) until it reaches --size-mb of JSON; it is written under /tmp, never into
 the repository. Each measurement runs in a fresh Python process, one at a time, the tools alternating. Wall time is
 measured around the whole process (interpreter start and imports included); peak memory is the process's own peak
-resident set (VmHWM) plus, where it started worker processes, the largest of theirs.
+resident set (VmHWM) plus, where it started worker processes, the largest of theirs (a forked process's resident
+set counts the pages it shares with its parent, so this overstates what the two use together).
 
     python benchmarks/analyze_speed.py --size-mb 520 --repeats 2
 """
@@ -28,11 +29,12 @@ from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1].parent / "shared/traces/tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz"
 DEFAULT_TRACE = Path("/tmp/infertrace-bench/vllm_b200_x/trace.json")
-TOOLS = ("hta", "hta_fast", "ours", "ours_cached")
+TOOLS = ("hta", "hta_fast", "ours", "ours_jobs2", "ours_cached")
 LABELS = {
     "hta": "traceinsight 0.6.1 `TraceAnalysis(trace_dir)`, default loader (parse only)",
     "hta_fast": "traceinsight 0.6.1, `ParserBackend.IJSON_BATCH_AND_COMPRESS` (parse only)",
     "ours": "`infertrace analyze DIR --quiet --no-cache` (parse + every analysis)",
+    "ours_jobs2": "`infertrace analyze DIR --quiet --no-cache --jobs 2` (the same, the trace decoded in 2 processes)",
     "ours_cached": "`infertrace analyze DIR --quiet`, second run (from the cache)",
 }
 
@@ -103,10 +105,10 @@ def child_hta(trace_dir: str, fast: bool) -> dict:
     return {**out, "kernels": len(kernels), "kernel_us": float(kernels["dur"].sum())}
 
 
-def child_ours(trace_dir: str, cache_dir: str | None) -> dict:
+def child_ours(trace_dir: str, cache_dir: str | None, extra: tuple[str, ...] = ()) -> dict:
     from infertrace.cli import main
 
-    args = ["analyze", trace_dir, "--quiet"] + (["--cache-dir", cache_dir] if cache_dir else ["--no-cache"])
+    args = ["analyze", trace_dir, "--quiet", *extra] + (["--cache-dir", cache_dir] if cache_dir else ["--no-cache"])
     main(args, standalone_mode=False)
     return _peaks()
 
@@ -178,6 +180,7 @@ def main() -> None:
         tool, trace_dir, *rest = args.child
         result = {"hta": lambda: child_hta(trace_dir, False), "hta_fast": lambda: child_hta(trace_dir, True),
                   "ours": lambda: child_ours(trace_dir, None),
+                  "ours_jobs2": lambda: child_ours(trace_dir, None, ("--jobs", "2")),
                   "ours_cached": lambda: child_ours(trace_dir, rest[0]),
                   "exact": lambda: {**child_exact(trace_dir), "own_mb": 0, "children_mb": 0}}[tool]()
         print(json.dumps(result))
@@ -219,7 +222,7 @@ def main() -> None:
         print(f"| {LABELS[tool]} | {med[tool]['wall_s']:.2f} s ({walls}) | {med[tool]['peak_mb']:,.0f} MB ({peaks}) |")
     for base in ("hta_fast", "hta"):
         if base in med:
-            for ours in ("ours", "ours_cached"):
+            for ours in ("ours", "ours_jobs2", "ours_cached"):
                 print(f"| {ours} against {base} | {med[base]['wall_s'] / med[ours]['wall_s']:.1f}x faster | "
                       f"{med[ours]['peak_mb'] / med[base]['peak_mb']:.2f}x the memory |")
     hta = runs["hta"][0]
