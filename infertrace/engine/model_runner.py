@@ -23,7 +23,7 @@ from infertrace.engine.kernels.tiles import attention_tile_array, decode_order
 from infertrace.engine.models.loader import load_weights
 from infertrace.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from infertrace.engine.parallel import SINGLE, TensorParallel
-from infertrace.engine.sampler import Sampler
+from infertrace.engine.sampler import Sampler, greedy_tokens
 from infertrace.engine.scheduler import StepKind, StepPlan
 from infertrace.engine.step_buffers import StepBuffers
 
@@ -70,6 +70,9 @@ class StepInputs:
     feed_rows: list[int] | None = None
     feed_sources: list[int] | None = None
     share_tokens: bool = False
+    # every request that samples is greedy: the other ranks take the same argmax of the gathered logits themselves
+    # instead of receiving rank 0's tokens (a broadcast held rank 0's host about 1.8 ms a step on two H200s)
+    greedy: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -309,6 +312,7 @@ class ModelRunner:
             if self.other_ranks is not None:
                 inputs.name = step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens)
                 inputs.share_tokens = self.share_tokens
+                inputs.greedy = all(s.seq.params.greedy for s in plan.scheduled if s.samples)
                 if feed is not None:
                     inputs.feed_rows, inputs.feed_sources = feed[1], feed[2]
                 self.other_ranks.step(inputs)
@@ -320,7 +324,7 @@ class ModelRunner:
             if not sampling:
                 return LaunchedStep(plan, samples, None, None, None)
             tokens = self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
-            if self.other_ranks is not None and self.share_tokens:
+            if self.other_ranks is not None and self.share_tokens and not inputs.greedy:
                 self._broadcast_tokens(tokens)
             if not self._landing:
                 return LaunchedStep(plan, samples, tokens, None, None, self.other_ranks)
@@ -339,11 +343,14 @@ class ModelRunner:
             feed = (self._shared_tokens, inputs.feed_rows, inputs.feed_sources)
         with annotate("prepare_inputs"):
             prepared = self.prepare_inputs(inputs, feed)
-        self.forward(inputs, *prepared)
+        logits = self.forward(inputs, *prepared)
         if inputs.share_tokens and inputs.logits_indices.size:
             with annotate("sample"):
-                tokens = torch.empty(inputs.logits_indices.size, dtype=torch.long, device=self.device)
-                self._shared_tokens = self._broadcast_tokens(tokens)
+                if inputs.greedy:
+                    self._shared_tokens = greedy_tokens(logits)
+                else:
+                    tokens = torch.empty(inputs.logits_indices.size, dtype=torch.long, device=self.device)
+                    self._shared_tokens = self._broadcast_tokens(tokens)
 
     @staticmethod
     def _broadcast_tokens(tokens: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,16 @@ import torch
 from infertrace.engine.sampling_params import SamplingParams
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row of `logits` [B, V], as a long tensor on their device. Deterministic: every
+    tensor-parallel rank, holding the same gathered logits, takes the same tokens."""
+    if logits.is_cuda:
+        from infertrace.engine.kernels.argmax import argmax_rows
+
+        return argmax_rows(logits)
+    return torch.argmax(logits, dim=-1)
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device):
         # requests without their own seed draw from one engine-wide generator, so whole runs repeat too
@@ -22,12 +32,7 @@ class Sampler:
         """logits [B, V] in the model's dtype; one token id per row, as a long tensor on the logits' device (no host
         sync for greedy rows, so a step's tokens can feed the next step before the host has seen them). Greedy rows
         take the argmax of the logits as they are; a row that samples is widened to float32 first."""
-        if logits.is_cuda:
-            from infertrace.engine.kernels.argmax import argmax_rows
-
-            tokens = argmax_rows(logits)
-        else:
-            tokens = torch.argmax(logits, dim=-1)
+        tokens = greedy_tokens(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             tokens = tokens.clone()

@@ -81,10 +81,13 @@ def test_prefix_caching_chunked_prefill_and_preemption_across_ranks(make_engine,
     assert counters_two["steps"] > sum(len(p) for p in prompts) // 32  # prefills took several steps each
 
 
-def test_async_scheduling_across_ranks_gives_the_tokens_of_one(make_engine, run_engine, make_prompts):
-    """Rank 0 broadcasts each step's sampled tokens; the other ranks feed the next step's inputs from them."""
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_async_scheduling_across_ranks_gives_the_tokens_of_one(make_engine, run_engine, make_prompts, sampled):
+    """The other ranks feed the next step's inputs from the tokens of the step before: greedy steps take the same
+    argmax of the gathered logits on every rank; steps that sample get rank 0's tokens by a broadcast."""
     prompts = make_prompts([1, 40, 17, 90, 5], seed=4)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, seed=11) if sampled else \
+        SamplingParams(max_tokens=12, ignore_eos=True)
     one, _ = tokens_of(make_engine, run_engine, prompts, params, kv_cache_tokens=2048, async_scheduling="off")
     two, counters = tokens_of(make_engine, run_engine, prompts, params, kv_cache_tokens=2048, tensor_parallel_size=2,
                               async_scheduling="on", max_num_batched_tokens=64)
