@@ -25,7 +25,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from infertrace.analyze.intervals import covered, union
 from infertrace.analyze.kernels import category, per_event, short_name
 from infertrace.analyze.phases import gpu_ops_by_step
 
@@ -53,35 +52,68 @@ def step_path(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     step_of, ts, end, is_comm, names = step_of[order], ts[order], end[order], is_comm[order], names[order]
     start = steps["ts_ns"].to_numpy()
     stop = start + np.rint(steps["step_ms"].to_numpy() * 1e6).astype(np.int64)
-    rows = []
-    bounds = np.searchsorted(step_of, np.arange(len(steps) + 1)).tolist()
-    types = steps["type"].to_numpy()
+    return segments(step_of, ts, end, is_comm, names, start, stop, steps["type"].to_numpy())
+
+
+def segments(step_of: np.ndarray, ts: np.ndarray, end: np.ndarray, is_comm: np.ndarray, names: np.ndarray,
+             start: np.ndarray, stop: np.ndarray, types: np.ndarray) -> pd.DataFrame:
+    """`step_path`'s table from the GPU ops ordered by (step, start) and the steps' starts, ends and types: one row
+    per collective (the segment that arrives at it) and one per step for its last segment, all at once in numpy."""
+    n_steps, n_ops = start.size, ts.size
+    bounds = np.searchsorted(step_of, np.arange(n_steps + 1))  # step k's ops: bounds[k] to bounds[k + 1]
     comm_at = np.flatnonzero(is_comm)
-    comm_bounds = np.searchsorted(comm_at, bounds).tolist()
-    ts_list, end_list = ts.tolist(), end.tolist()
-    for k in range(len(steps)):
-        lo, hi = bounds[k], bounds[k + 1]
-        comm = comm_at[comm_bounds[k]:comm_bounds[k + 1]].tolist()
-        seg_start = int(start[k])
-        # the ops are in time order: segment j's work lies between the collectives j - 1 and j
-        for j in range(len(comm) + 1):
-            a = lo if j == 0 else comm[j - 1] + 1
-            b = comm[j] if j < len(comm) else hi
-            arrive = ts_list[comm[j]] if j < len(comm) else int(max(stop[k], seg_start))
-            if b > a:
-                longest = a + int(np.argmax(end[a:b] - ts[a:b]))
-                kernel, kernel_ns = names[longest], end_list[longest] - ts_list[longest]
-                busy_ns = covered(*union(np.maximum(ts[a:b], seg_start), np.minimum(end[a:b], max(arrive, seg_start)),
-                                         ordered=True))
-            else:
-                kernel, kernel_ns, busy_ns = "", 0, 0
-            coll = (names[comm[j]], ts_list[comm[j]], end_list[comm[j]] - ts_list[comm[j]]) if j < len(comm) \
-                else ("", -1, 0)
-            rows.append((k, types[k], j, seg_start, arrive, max(arrive - seg_start, 0), kernel, kernel_ns,
-                         busy_ns, *coll))
-            if j < len(comm):
-                seg_start = end_list[comm[j]]
-    return pd.DataFrame(rows, columns=PATH_COLUMNS)
+    # each row's op range ends at its collective (or at the step's end, for the last segment), in (step, op) order
+    row_step = np.concatenate((step_of[comm_at], np.arange(n_steps)))
+    row_end = np.concatenate((comm_at, bounds[1:]))
+    order = np.lexsort((row_end, row_step))
+    row_step, row_end = row_step[order], row_end[order]
+    has_coll = np.concatenate((np.ones(comm_at.size, dtype=bool), np.zeros(n_steps, dtype=bool)))[order]
+    n_rows = row_step.size
+    first_row = np.searchsorted(row_step, np.arange(n_steps))
+    segment = np.arange(n_rows) - first_row[row_step]
+    opens = segment == 0
+    prev = np.maximum(np.arange(n_rows) - 1, 0)
+    row_begin = np.where(opens, bounds[row_step], row_end[prev] + 1)  # just past the collective before
+    coll_at = np.minimum(row_end, max(n_ops - 1, 0))  # the row's collective, where it has one
+    seg_start = np.where(opens, start[row_step], end[np.minimum(row_end[prev], n_ops - 1)] if n_ops else 0)
+    arrive = np.where(has_coll, ts[coll_at] if n_ops else 0, np.maximum(stop[row_step], seg_start))
+    # the work ops: each row's range, in row order, covers them all
+    lengths = row_end - row_begin
+    work = np.flatnonzero(~is_comm)
+    rid = np.repeat(np.arange(n_rows), lengths)
+    kernel = np.full(n_rows, "", dtype=object)
+    kernel_ns = np.zeros(n_rows, dtype=np.int64)
+    busy_ns = np.zeros(n_rows, dtype=np.int64)
+    if work.size:
+        w_ts, w_end = ts[work], end[work]
+        took = w_end - w_ts
+        begins = np.flatnonzero(np.concatenate(([True], rid[1:] != rid[:-1])))  # each non-empty row's first op
+        rows = rid[begins]
+        longest_ns = np.maximum.reduceat(took, begins)
+        is_longest = took == longest_ns[np.searchsorted(rows, rid)]
+        first_longest = np.flatnonzero(is_longest)
+        _, pick = np.unique(rid[first_longest], return_index=True)  # the first op of its row at that length
+        longest = work[first_longest[pick]]
+        kernel[rows] = names[longest]
+        kernel_ns[rows] = end[longest] - ts[longest]
+        # the union of each row's ops clipped to its segment (starts already in order within a row)
+        s = np.maximum(w_ts, seg_start[rid])
+        e = np.minimum(w_end, np.maximum(arrive, seg_start)[rid])
+        values, rank = np.unique(e, return_inverse=True)
+        reach = values[np.maximum.accumulate(rid * values.size + rank) - rid * values.size]  # running max per row
+        new = np.ones(s.size, dtype=bool)
+        new[1:] = (rid[1:] != rid[:-1]) | (s[1:] > reach[:-1])
+        groups = np.flatnonzero(new)
+        np.add.at(busy_ns, rid[groups], np.maximum.reduceat(e, groups) - s[groups])
+    coll_name = np.where(has_coll, names[coll_at] if n_ops else "", "")
+    return pd.DataFrame({
+        "step": row_step.tolist(), "type": types[row_step].tolist(), "segment": segment.tolist(),
+        "start_ns": seg_start.tolist(), "arrive_ns": arrive.tolist(),
+        "seg_ns": np.maximum(arrive - seg_start, 0).tolist(), "kernel": kernel.tolist(),
+        "kernel_ns": kernel_ns.tolist(), "busy_ns": busy_ns.tolist(), "collective": coll_name.tolist(),
+        "coll_start_ns": np.where(has_coll, ts[coll_at] if n_ops else 0, -1).tolist(),
+        "coll_ns": np.where(has_coll, (end - ts)[coll_at] if n_ops else 0, 0).tolist(),
+    }, columns=PATH_COLUMNS)
 
 
 def critical_path(paths: dict[int, pd.DataFrame]) -> pd.DataFrame:

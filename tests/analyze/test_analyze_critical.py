@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pandas as pd
 import pytest
 
 from infertrace.analyze import analyze_path
@@ -79,3 +81,56 @@ def test_one_rank_gives_the_path_through_its_own_collectives(traces):
     assert step["gate"].startswith("host (GPU busy ") and "longest kernel fmhaSm100aKernel" in step["gate"]
     # the path is the whole step: its segments and the all-reduces' transfers
     assert step["critical (ms)"] == pytest.approx(report.tables["steps"].iloc[0]["step_ms"], rel=1e-6)
+
+
+def _walked_segments(step_of, ts, end, is_comm, names, start, stop, types) -> pd.DataFrame:
+    """critical.segments, one step and one segment at a time (how it was first written)."""
+    from infertrace.analyze.critical import PATH_COLUMNS
+    from infertrace.analyze.intervals import covered, union
+
+    rows = []
+    bounds = np.searchsorted(step_of, np.arange(len(start) + 1))
+    for k in range(len(start)):
+        lo, hi = bounds[k], bounds[k + 1]
+        comm = (np.flatnonzero(is_comm[lo:hi]) + lo).tolist()
+        seg_start = int(start[k])
+        for j in range(len(comm) + 1):
+            a = lo if j == 0 else comm[j - 1] + 1
+            b = comm[j] if j < len(comm) else hi
+            arrive = int(ts[comm[j]]) if j < len(comm) else int(max(stop[k], seg_start))
+            if b > a:
+                longest = a + int(np.argmax(end[a:b] - ts[a:b]))
+                kernel, kernel_ns = names[longest], int(end[longest] - ts[longest])
+                busy_ns = covered(*union(np.maximum(ts[a:b], seg_start), np.minimum(end[a:b], max(arrive, seg_start))))
+            else:
+                kernel, kernel_ns, busy_ns = "", 0, 0
+            coll = (names[comm[j]], int(ts[comm[j]]), int(end[comm[j]] - ts[comm[j]])) if j < len(comm) \
+                else ("", -1, 0)
+            rows.append((k, types[k], j, seg_start, arrive, max(arrive - seg_start, 0), kernel, kernel_ns, busy_ns,
+                         *coll))
+            if j < len(comm):
+                seg_start = int(end[comm[j]])
+    return pd.DataFrame(rows, columns=PATH_COLUMNS)
+
+
+def test_segments_at_once_equal_walking_each_step():
+    from infertrace.analyze.critical import segments
+
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        n_steps = int(rng.integers(1, 6))
+        n_ops = int(rng.integers(0, 40))
+        step_of = np.sort(rng.integers(0, n_steps, n_ops))
+        ts = np.empty(n_ops, dtype=np.int64)
+        for k in range(n_steps):  # in time order within each step, on overlapping streams
+            pick = step_of == k
+            ts[pick] = np.sort(rng.integers(k * 1000, k * 1000 + 900, pick.sum()))
+        end = ts + rng.integers(0, 120, n_ops)  # kernels of 0 ns too
+        is_comm = rng.random(n_ops) < 0.3
+        names = np.array([f"k{i % 7}" for i in range(n_ops)], dtype=object)
+        start = np.arange(n_steps, dtype=np.int64) * 1000 + rng.integers(-50, 50, n_steps)
+        stop = start + rng.integers(100, 1100, n_steps)  # some steps end before their last ops
+        types = np.array(["DECODE", "PREFILL"] * 3, dtype=object)[:n_steps]
+        got = segments(step_of, ts, end, is_comm, names, start, stop, types)
+        want = _walked_segments(step_of, ts, end, is_comm, names, start, stop, types)
+        pd.testing.assert_frame_equal(got, want)
