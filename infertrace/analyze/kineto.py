@@ -297,11 +297,9 @@ def _decode_range(path: str, lo: int, hi: int, last: bool, keep_python: bool) ->
     decoder._start_events(b"")
     gc.disable()
     try:
-        with open(path, "rb") as fh:
+        with open(path, "rb", buffering=0) as fh:
             fh.seek(lo)
-            left = hi - lo
-            while left > 0 and (block := fh.read(min(BLOCK, left))):
-                left -= len(block)
+            for block in _read_blocks(fh, hi - lo):
                 if not decoder.feed(block):
                     break
         if not last:
@@ -508,9 +506,8 @@ def _blocks(path: Path):
         magic = raw.read(2)
         size = os.fstat(raw.fileno()).st_size
     if magic != b"\x1f\x8b":
-        with open(path, "rb") as fh:
-            while block := fh.read(BLOCK):
-                yield block
+        with open(path, "rb", buffering=0) as fh:
+            yield from _read_blocks(fh)
         return
     limit = GZIP_RATIO_LIMIT * size + GZIP_SLACK
     read = 0
@@ -521,6 +518,21 @@ def _blocks(path: Path):
                 raise _GzipBomb(f"decompresses to more than {GZIP_RATIO_LIMIT}x its size (a gzip bomb?); "
                                 f"the rest after {_mb(read - len(block))} was not read")
             yield block
+
+
+def _read_blocks(fh, limit: int | None = None):
+    """A plain file's bytes (`limit` of them, else to its end) a BLOCK at a time, as views of one buffer that each
+    next block overwrites, rather than a new 1 MB bytes object (fresh pages) a block."""
+    chunk = bytearray(BLOCK)
+    view = memoryview(chunk)
+    left = limit
+    while left is None or left > 0:
+        n = fh.readinto(view if left is None or left >= BLOCK else view[:left])
+        if not n:
+            return
+        if left is not None:
+            left -= n
+        yield view[:n]
 
 
 try:  # decodes only the fields used here into slotted structs: about three times faster than dicts
@@ -643,15 +655,16 @@ class _StreamDecoder:
         self._header_structure = None  # (length scanned, _structure of the header), reused per block
         self._scan_at = BLOCK  # buffer size at which the next structural scan is worth its cost
 
-    def feed(self, data: bytes) -> bool:
-        """Take the next bytes; False once the rest of the file is not needed. Raises TraceError past a limit."""
+    def feed(self, data: bytes | memoryview) -> bool:
+        """Take the next bytes (copied: `data` may be reused by the caller); False once the rest of the file is not
+        needed. Raises TraceError past a limit."""
         if self.state == _HEADER:
-            self.header += data.lstrip(_WS) if not self.header else data
+            self.header += bytes(data).lstrip(_WS) if not self.header else data
             self._find_array()
             if self.state == _HEADER and len(self.header) > METADATA_LIMIT:
                 raise TraceError(f'no "traceEvents" array in the first {_mb(METADATA_LIMIT)} of JSON')
         elif self.state == _EVENTS:
-            self.buf += data.lstrip(_WS) if len(self.buf) == 1 else data  # whitespace between events
+            self.buf += bytes(data).lstrip(_WS) if len(self.buf) == 1 else data  # whitespace between events
         else:
             self.trailer += data
         if self.state == _EVENTS and len(self.buf) > BLOCK:
