@@ -12,11 +12,9 @@ of being silently dropped or replaced.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
 from collections.abc import Iterable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -185,6 +183,9 @@ def _read_all(files: list[Path], keep_python: bool) -> list[tuple[TraceColumns |
     """Read every file, one worker process per core when there are several large files (one per rank)."""
     workers = min(len(files), os.cpu_count() or 1)
     if workers > 1 and sum(f.stat().st_size for f in files) >= PARALLEL_MIN_BYTES:
+        import multiprocessing  # here: planning and one-process reads go without it
+        from concurrent.futures import ProcessPoolExecutor
+
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
                 return list(pool.map(_read_one, files, [keep_python] * len(files)))

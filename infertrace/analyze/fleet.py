@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
 import pickle
 import shutil
 import tempfile
 from collections.abc import Iterable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -322,6 +320,9 @@ def _run(unit_paths: list[list[str]], config, trim, cache_root, jobs, ray_addres
         return _run_ray(unit_paths, config, trim, cache_root, ray_address)
     workers = _workers(jobs, len(unit_paths))
     if workers > 1:
+        import multiprocessing  # here: planning and one-process reads go without it
+        from concurrent.futures import ProcessPoolExecutor
+
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
                 futures = [pool.submit(analyze_unit, paths, config, trim, cache_root) for paths in unit_paths]

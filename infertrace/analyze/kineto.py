@@ -165,8 +165,11 @@ def _plan_split(path: Path, shares: list[float]) -> tuple[bytes, int, list[tuple
             if fh.read(2) == b"\x1f\x8b" or size < SPLIT_MIN_BYTES:
                 return None
             fh.seek(0)
-            head = fh.read(METADATA_LIMIT + BLOCK)
+            head = fh.read(BLOCK)  # the array nearly always opens in the first megabyte
             start = _array_start(head)
+            if start is None and len(head) == BLOCK:
+                head += fh.read(METADATA_LIMIT)
+                start = _array_start(head)
             if start is None:
                 return None
             cuts = [start]
