@@ -125,13 +125,9 @@ def top_kernels(gpu_by_rank: dict[int, pd.DataFrame], num_kernels: int = 10,
             of_type = gpu[gpu["kernel_type"] == kernel_type]
             if of_type.empty:
                 continue
-            names = of_type["name"].astype(str)
-            label = _kept_names(names, of_type["dur_ns"], num_kernels, duration_ratio)
-            frame = _stats(of_type.assign(name=label))
+            frame = _type_table(of_type, num_kernels, duration_ratio)
             frame["kernel_type"] = kernel_type
             frame["rank"] = rank
-            first = of_type.assign(name=names).drop_duplicates("name").set_index("name")
-            frame["category"] = frame["name"].map(first["category"]).fillna("")
             parts.append(frame)
     if not parts:
         return pd.DataFrame(columns=["name", "short_name", "count", "sum (us)", "max (us)", "min (us)", "stddev",
@@ -144,23 +140,46 @@ def top_kernels(gpu_by_rank: dict[int, pd.DataFrame], num_kernels: int = 10,
                 "kernel_type", "category", "rank"]]
 
 
-def _kept_names(names: pd.Series, dur_ns: pd.Series, num_kernels: int, duration_ratio: float) -> pd.Series:
-    totals = dur_ns.groupby(names.to_numpy()).sum().sort_values(ascending=False)
-    if len(totals) <= num_kernels:
-        return names
-    running = totals.cumsum()
-    others = (running > running.quantile(duration_ratio)).to_numpy() | (np.arange(len(totals)) >= num_kernels)
-    dropped = set(totals.index[others])
-    return names.where(~names.isin(dropped), "others")
-
-
-def _stats(kernels: pd.DataFrame) -> pd.DataFrame:
-    us = kernels["dur_ns"] / 1000.0
-    grouped = us.groupby(kernels["name"].to_numpy())
-    frame = grouped.agg(["count", "sum", "max", "min", "std", "mean"]).reset_index(names="name")
+def _type_table(of_type: pd.DataFrame, num_kernels: int, duration_ratio: float) -> pd.DataFrame:
+    """One kernel type's rows of `top_kernels`, without kernel_type and rank: per name kept (else "others") the
+    duration statistics and the category of its first kernel. Grouped by integer keys that sort as the names do,
+    rather than by the names (hashing long kernel names was most of the time), so every group and figure is the
+    one grouping by name gives."""
+    if isinstance(of_type["name"].dtype, pd.CategoricalDtype):
+        codes = of_type["name"].cat.codes.to_numpy()
+        texts = np.asarray(of_type["name"].cat.categories.astype(str), dtype=object)
+    else:
+        codes, uniques = pd.factorize(of_type["name"].astype(str).to_numpy())
+        texts = np.asarray(uniques, dtype=object)
+    present, row_name = np.unique(codes, return_inverse=True)
+    names = texts[present]  # per distinct name of this type; row_name: each row's index into it
+    dur_ns = of_type["dur_ns"].to_numpy()
+    totals_ns = np.zeros(names.size, dtype=np.int64)
+    np.add.at(totals_ns, row_name, dur_ns)
+    dropped = _dropped(pd.Series(totals_ns, index=pd.Index(names)).sort_index(), num_kernels, duration_ratio)
+    label_of_name = np.array(["others" if n in dropped else n for n in names.tolist()], dtype=object)
+    labels, row_label = np.unique(label_of_name, return_inverse=True)  # in the order the names sort in
+    us = pd.Series(dur_ns / 1000.0)
+    frame = us.groupby(row_label[row_name]).agg(["count", "sum", "max", "min", "std", "mean"])
+    frame.insert(0, "name", labels[frame.index.to_numpy()])
+    frame = frame.reset_index(drop=True)
     frame["std"] = frame["std"].fillna(0.0)
+    first_row = np.unique(row_name, return_index=True)[1]
+    category_of = dict(zip(names.tolist(), of_type["category"].to_numpy()[first_row].tolist()))
+    frame["category"] = [category_of.get(n, "") for n in frame["name"]]
     return frame.rename(columns={"sum": "sum (us)", "max": "max (us)", "min": "min (us)", "std": "stddev",
                                  "mean": "mean (us)"})
+
+
+def _dropped(totals: pd.Series, num_kernels: int, duration_ratio: float) -> set:
+    """The names HTA sums into "others": past the top `num_kernels` by total, or past the `duration_ratio`
+    quantile of the running total (`totals` by name, in name order)."""
+    if len(totals) <= num_kernels:
+        return set()
+    totals = totals.sort_values(ascending=False)
+    running = totals.cumsum()
+    others = (running > running.quantile(duration_ratio)).to_numpy() | (np.arange(len(totals)) >= num_kernels)
+    return set(totals.index[others])
 
 
 def comm_comp_overlap(gpu_by_rank: dict[int, pd.DataFrame]) -> pd.DataFrame:

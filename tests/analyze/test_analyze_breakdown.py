@@ -178,3 +178,53 @@ def test_trace_that_breaks_hta_is_analysed(traces):
         pytest.approx(100, abs=0.02)
     with pytest.raises(AssertionError):  # HTA issue #317: rounding makes kernels end before they start
         hta_analysis(path).get_temporal_breakdown(visualize=False)
+
+
+def _top_kernels_by_name(gpu: pd.DataFrame, num_kernels: int, duration_ratio: float) -> pd.DataFrame:
+    """breakdown.top_kernels for one rank, grouping by the names themselves (how it was first written)."""
+    parts = []
+    for kernel_type in ("COMPUTATION", "COMMUNICATION", "MEMORY"):
+        of_type = gpu[gpu["kernel_type"] == kernel_type]
+        if of_type.empty:
+            continue
+        names = of_type["name"].astype(str)
+        totals = of_type["dur_ns"].groupby(names.to_numpy()).sum().sort_values(ascending=False)
+        label = names
+        if len(totals) > num_kernels:
+            running = totals.cumsum()
+            others = (running > running.quantile(duration_ratio)).to_numpy() | (np.arange(len(totals)) >= num_kernels)
+            label = names.where(~names.isin(set(totals.index[others])), "others")
+        us = of_type["dur_ns"] / 1000.0
+        frame = us.groupby(label.to_numpy()).agg(["count", "sum", "max", "min", "std", "mean"]).reset_index(
+            names="name")
+        frame["std"] = frame["std"].fillna(0.0)
+        first = of_type.assign(name=names).drop_duplicates("name").set_index("name")
+        frame["category"] = frame["name"].map(first["category"]).fillna("")
+        frame["kernel_type"] = kernel_type
+        parts.append(frame)
+    out = pd.concat(parts, ignore_index=True).sort_values(["kernel_type", "name"], ignore_index=True)
+    return out.rename(columns={"sum": "sum (us)", "max": "max (us)", "min": "min (us)", "std": "stddev",
+                               "mean": "mean (us)"})
+
+
+@pytest.mark.parametrize("categorical", [True, False])
+def test_top_kernels_grouped_by_codes_equal_grouping_by_name(categorical):
+    from infertrace.analyze.breakdown import top_kernels
+
+    rng = np.random.default_rng(2)
+    for _ in range(40):
+        n = int(rng.integers(1, 400))
+        pool = [f"kernel_{i:02d}" for i in range(int(rng.integers(1, 30)))] + ["others", "Zeta", "alpha"]
+        names = rng.choice(pool, n)
+        gpu = pd.DataFrame({
+            "name": pd.Categorical(names, categories=list(dict.fromkeys(names))) if categorical else names,
+            "kernel_type": rng.choice(["COMPUTATION", "COMMUNICATION", "MEMORY"], n),
+            "category": rng.choice(["GEMM", "attention", "other"], n),
+            "dur_ns": rng.choice([1000, 2000, 1500, 7], n) * rng.integers(1, 4, n),  # many equal totals
+        })
+        for num in (1, 3, 10):
+            got = top_kernels({0: gpu}, num_kernels=num, duration_ratio=0.8)
+            want = _top_kernels_by_name(gpu, num, 0.8)
+            cols = ["name", "count", "sum (us)", "max (us)", "min (us)", "stddev", "mean (us)", "category",
+                    "kernel_type"]
+            pd.testing.assert_frame_equal(got[cols], want[cols], check_dtype=False)
