@@ -5,6 +5,9 @@ the run's one table and summary.json.
         HTA (traceinsight) on the very files `infertrace analyze` read (ANALYSIS_JSON's ranks), given to
         TraceAnalysis by rank: its get_comm_comp_overlap, and the time of the kernels its own classification
         (hta.utils.utils.get_kernel_type) calls communication, per rank.
+    python3 benchmarks/tp_serve.py figures RESULT_JSON
+        One line of a bench result's headline figures, printed as soon as the run ends (a run cut short later keeps
+        them in its log).
     python3 benchmarks/tp_serve.py summary OUTDIR PRESET
         Reads OUTDIR's results (tp{N}-rate.json, tp{N}-streams.json, server-tp{N}.json, analysis-tp2.json,
         hta-tp2.json, failures.txt), prints the tables and writes OUTDIR/summary.json.
@@ -220,7 +223,18 @@ def _pct(value) -> float | None:
     return None if value is None else value / 100
 
 
+def figures(result_json: Path) -> str:
+    r = _read(result_json)
+    if r is None:
+        return f"{result_json.name}: no result"
+    cells = ", ".join(f"{col} {_fmt(r.get(key), spec, 0).strip()}" for key, col, spec in FIGURES)
+    return f"{result_json.stem}: {cells}; {r.get('completed')} done, {r.get('failed')} failed"
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "figures":
+        print(figures(Path(argv[1])))
+        return 0
     if len(argv) == 4 and argv[0] == "hta":
         return hta(Path(argv[1]), Path(argv[2]), Path(argv[3]))
     if len(argv) == 3 and argv[0] == "summary":

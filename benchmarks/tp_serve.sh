@@ -78,7 +78,10 @@ python3 -c "import hta.trace_analysis" 2>"$out/hta-import.txt" ||
 stamp "model $preset in $model"
 if [ ! -f "$model/config.json" ]; then
   t0=$(now)
-  "${it[@]}" model init --preset "$preset" --out "$model" --dtype bfloat16 >"$out/model-init.log" 2>&1 ||
+  # the weights drawn on the GPU where there is one (qwen3-4b took 164 s on a GPU host's CPU)
+  python3 -c 'import sys, torch; from infertrace.modelgen import init_model
+init_model(sys.argv[1], sys.argv[2], seed=0, dtype="bfloat16", device="cuda" if torch.cuda.is_available() else "cpu")' \
+    "$preset" "$model" >"$out/model-init.log" 2>&1 ||
     { fail "model init failed: $(tail -1 "$out/model-init.log")"; exit 1; }
   stamp "model written in $(since "$t0") s"
 fi
@@ -174,12 +177,22 @@ PY
 
 load=(--base-url "http://127.0.0.1:$port" --tokenizer "$model" --input-len "$input_len" --output-len "$output_len"
       --ignore-eos --warmup 8 --request-timeout 120 ${BENCH_ARGS:-})
+copy_back() {  # the few files worth bringing back from a remote machine, to COPY_TO when set
+  [ -n "${COPY_TO:-}" ] || return 0
+  mkdir -p "$COPY_TO"
+  for f in summary.json table.txt analysis-tp2.txt analysis-tp2.json analysis-tp2.html hta-tp2.json failures.txt; do
+    [ -f "$out/$f" ] && cp "$out/$f" "$COPY_TO/tp_serve-$f"
+  done
+  return 0
+}
+
 bench() {  # bench NAME [flags...]: one run, its result in OUTDIR/NAME.json, its output in NAME.txt
   local name=$1; shift
   if [ "$(left)" -lt 30 ]; then fail "$name: not run, the time budget (BUDGET_S=$budget) is spent"; return 1; fi
   stamp "$name: bench $*"
   timeout "$bench_timeout" "${it[@]}" bench "${load[@]}" "$@" --result-json "$out/$name.json" >"$out/$name.txt" 2>&1
   local code=$?
+  stamp "$(python3 "$here/tp_serve.py" figures "$out/$name.json")"
   [ "$code" = 0 ] || fail "$name: bench exited with status $code: $(grep -v '^\s*$' "$out/$name.txt" | tail -1 | cut -c1-200)"
   return $code
 }
@@ -220,6 +233,7 @@ if ls "$capture"/*.pt.trace.json* >/dev/null 2>&1; then
   # apart, since the page needs plotly, which the JSON does not
   "${it[@]}" analyze "$capture" --html "$out/analysis-tp2.html" --quiet >"$out/analysis-tp2-html.txt" 2>&1 ||
     fail "analyze --html of $capture failed: $(tail -1 "$out/analysis-tp2-html.txt")"
+  python3 "$here/tp_serve.py" summary "$out" "$preset" >/dev/null; copy_back  # kept if HTA runs out of time
   stamp "HTA on the same rank files"
   t0=$(now)
   python3 "$here/tp_serve.py" hta "$capture" "$out/analysis-tp2.json" "$out/hta-tp2.json" 2>"$out/hta-tp2.txt" ||
@@ -232,10 +246,5 @@ fi
 # 4. one table, and summary.json
 python3 "$here/tp_serve.py" summary "$out" "$preset"
 stamp "done in $(( $(date +%s) - t_start )) s; everything in $out"
-if [ -n "${COPY_TO:-}" ]; then  # the few files worth bringing back from a remote machine
-  mkdir -p "$COPY_TO"
-  for f in summary.json table.txt analysis-tp2.txt analysis-tp2.json analysis-tp2.html hta-tp2.json failures.txt; do
-    [ -f "$out/$f" ] && cp "$out/$f" "$COPY_TO/tp_serve-$f"
-  done
-fi
+copy_back
 [ ! -s "$out/failures.txt" ]
