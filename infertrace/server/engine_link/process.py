@@ -114,7 +114,7 @@ def engine_main(spec: EngineSpec, socks: list[socket.socket]) -> None:
         from pathlib import Path
 
         from infertrace.engine.config import EngineConfig
-        from infertrace.engine.engine import Engine
+        from infertrace.engine.engine import Engine, freeze_startup_heap
         from infertrace.server.engine_link.services import EngineServices
 
         engine = Engine(spec.model_dir, EngineConfig(**spec.config))
@@ -122,6 +122,7 @@ def engine_main(spec: EngineSpec, socks: list[socket.socket]) -> None:
             engine.other_ranks.raise_in_main_thread_on_failure()
         services = EngineServices(engine, Path(spec.profile_dir) if spec.profile_dir else None, spec.config)
         info = services.info()
+        info["gc_frozen_objects"] = freeze_startup_heap()
     except BaseException as e:
         _tell_all(socks, FromEngine("dead", error={"message": f"cannot load the model: {type(e).__name__}: {e}"}))
         os._exit(1)

@@ -196,7 +196,8 @@ class ServerState:
                 "max_model_len": self.max_model_len, "engine_config": info.get("engine_config"),
                 "sampling_defaults": self.sampling_defaults, "server": settings, "versions": versions,
                 "device": info.get("device"), "platform": platform.platform(),
-                "engine_pid": info.get("engine_pid"), "frontend": {"pid": os.getpid(), **self.frontend},
+                "engine_pid": info.get("engine_pid"), "gc_frozen_objects": info.get("gc_frozen_objects"),
+                "frontend": {"pid": os.getpid(), **self.frontend},
                 **(info.get("decode_path") or {})}
 
 
