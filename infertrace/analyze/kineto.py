@@ -360,6 +360,7 @@ def read_ahead(path: str | Path, keep_python: bool = False, workers: int = 2) ->
         return False
     head, start, ranges = plan
     children = []
+    parent = os.getpid()
     for i, (lo, hi) in enumerate(ranges[1:], start=1):
         try:
             read_end, write_end = os.pipe()
@@ -370,7 +371,10 @@ def read_ahead(path: str | Path, keep_python: bool = False, workers: int = 2) ->
         if pid == 0:  # the child: decode, send, and leave without running the parent's exit handlers
             code = 1
             try:
+                _die_with_parent(parent)
                 os.close(read_end)
+                for _, earlier in children:  # the earlier stretches' pipes are the parent's alone
+                    os.close(earlier)
                 _send(write_end, _decode_range(str(path), lo, hi, i == len(ranges) - 1, keep_python))
                 code = 0
             finally:
@@ -383,6 +387,21 @@ def read_ahead(path: str | Path, keep_python: bool = False, workers: int = 2) ->
 
         atexit.register(_cancel_all)
     return True
+
+
+def _die_with_parent(parent: int) -> None:
+    """(Linux) Have this forked process killed when its parent ends, however it ends: a stretch's decoder never
+    outlives the analysis that wanted it, even one killed before its exit handlers could run."""
+    import signal
+
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # elsewhere the child ends when it finds the pipe closed
+    if os.getppid() != parent:  # the parent ended before the request took effect
+        os._exit(1)
 
 
 def _send(fd: int, result: dict | None) -> None:

@@ -408,3 +408,34 @@ def test_a_read_ahead_child_cut_off_mid_transfer_leaves_no_partial_events(traces
     monkeypatch.setattr(kineto, "_send", cut_send)
     assert kineto.read_ahead(path, workers=2)
     _same_columns(whole, read_kineto(path))  # the columns taken before the cut were rolled back, then re-read here
+
+
+def test_a_read_ahead_process_ends_with_its_parent_however_the_parent_ends(traces, tmp_path, run_python):
+    import time
+
+    path = _plain_trace(traces, tmp_path / "t.json")
+    script = f"""
+import os, signal, time
+from infertrace.analyze import kineto
+kineto.SPLIT_MIN_BYTES = 0
+real = kineto._decode_range
+kineto._decode_range = lambda *a: time.sleep(60) or real(*a)  # the stretch's process is still at work
+assert kineto.read_ahead({str(path)!r}, workers=3)
+print(" ".join(str(pid) for pid, _ in next(iter(kineto._AHEAD.values())).children), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no exit handler runs
+"""
+    done = run_python(["-c", script], timeout=60)
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2 and done.returncode == -9
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids), "a stretch's process outlived its parent"
