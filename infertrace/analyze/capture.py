@@ -77,12 +77,13 @@ def trace_files(path: Path) -> list[Path]:
     return sorted(f.path for group in catalog(path) for f in group.files)
 
 
-def read_trace_file(path: Path, keep_python: bool = False, workers: int = 1) -> TraceColumns:
+def read_trace_file(path: Path, keep_python: bool = False, workers: int = 1, ahead=None) -> TraceColumns:
+    """One trace file's events; `ahead` (kineto.read_ahead's, for a Kineto JSON file) is joined by the reader."""
     if path.name.endswith(".sqlite"):
         return read_nsys_sqlite(path)
     if path.name.endswith(".nsys-rep"):
         return read_nsys_report(path)
-    return read_kineto(path, keep_python=keep_python, workers=workers)
+    return read_kineto(path, keep_python=keep_python, workers=workers, ahead=ahead)
 
 
 def load_capture(path: str | Path, keep_python: bool = False, capture: str | None = None,

@@ -102,15 +102,18 @@ def run(trace_dir: Path, json_path: Path | None, csv_dir: Path | None, html_path
     _skip_last_collection()
     outputs = [p for p in (json_path, csv_dir, html_path, perfetto_path) if p is not None]
     cache = None if no_cache else (cache_dir or default_cache_dir())
-    read_ahead(trace_dir, capture_name, rank, outputs, jobs, ray_address, cache)  # decodes while the rest imports
-    from infertrace.analyze.render import render
-    from infertrace.analyze.report import AnalyzeConfig
-
-    config = AnalyzeConfig() if top_kernels is None else AnalyzeConfig(top_kernels=top_kernels)
+    ahead = read_ahead(trace_dir, capture_name, rank, outputs, jobs, ray_address, cache)  # decodes while we import
     try:
-        report = analyze_fleet(trace_dir, config, capture_name, rank, outputs, jobs, ray_address, cache)
+        from infertrace.analyze.render import render
+        from infertrace.analyze.report import AnalyzeConfig
+
+        config = AnalyzeConfig() if top_kernels is None else AnalyzeConfig(top_kernels=top_kernels)
+        report = analyze_fleet(trace_dir, config, capture_name, rank, outputs, jobs, ray_address, cache, ahead)
     except CaptureError as exc:
         fail(str(exc), code=BAD_INPUT)
+    finally:
+        if ahead is not None:
+            ahead.cancel()  # its processes were joined, or were not needed (the rank came from the cache)
     for problem in report.problems:
         err_console.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
     for note in report.notes:

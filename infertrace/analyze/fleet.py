@@ -41,7 +41,7 @@ from infertrace.analyze.capture import (
     read_trace_file,
     usable,
 )
-from infertrace.analyze.kineto import TraceColumns, TraceError
+from infertrace.analyze.kineto import ReadAhead, TraceColumns, TraceError
 from infertrace.analyze.kineto import read_ahead as read_file_ahead
 
 CACHE_VERSION = 1
@@ -156,14 +156,16 @@ class UnitResult:
     from_cache: bool = False
 
 
-def read_unit(paths: list[Path], keep_python: bool, cache: ColumnCache | None, split: int = 1) -> list[tuple]:
+def read_unit(paths: list[Path], keep_python: bool, cache: ColumnCache | None, split: int = 1,
+              ahead: ReadAhead | None = None) -> list[tuple]:
     out = []
     for path in paths:
         key = file_key(path) + ("-py" if keep_python else "") if cache is not None else None
         cols = cache.load_columns(key) if cache is not None else None
         if cols is None:
             try:
-                cols = read_trace_file(path, keep_python, split)
+                cols = read_trace_file(path, keep_python, split, ahead if ahead is not None and len(paths) == 1
+                                       else None)
             except TraceError as exc:
                 out.append((None, str(exc)))
                 continue
@@ -177,9 +179,9 @@ def read_unit(paths: list[Path], keep_python: bool, cache: ColumnCache | None, s
 
 
 def analyze_unit(paths: list[str], config, trim: bool | None, cache_root: str | None,
-                 keep_python: bool = False, split: int = 1) -> UnitResult:
+                 keep_python: bool = False, split: int = 1, ahead: ReadAhead | None = None) -> UnitResult:
     """One rank: read (or take from the cache) its files and run every per-rank analysis. Runs in a worker, or
-    here with a large file decoded in `split` processes."""
+    here with a large file decoded in `split` processes (or by `ahead`, the read-ahead of its one file)."""
     from infertrace.analyze.events import event_frame
     from infertrace.analyze.report import rank_part, rank_row
 
@@ -198,7 +200,7 @@ def analyze_unit(paths: list[str], config, trim: bool | None, cache_root: str | 
             if isinstance(cached, UnitResult):
                 cached.from_cache = True
                 return cached
-    outcomes = read_unit(files, keep_python, cache, split)
+    outcomes = read_unit(files, keep_python, cache, split, ahead)
     good = [(f, cols) for f, (cols, _) in zip(files, outcomes) if cols is not None]
     # the events are not sent back: only the lines the parent reports about each file
     light = [(None if cols is None else _without_events(cols), failure) for cols, failure in outcomes]
@@ -239,9 +241,10 @@ def _without_events(cols: TraceColumns) -> TraceColumns:
 
 def analyze_fleet(path: str | Path, config=None, capture: str | None = None, rank: int | None = None,
                   exclude: Iterable[Path] = (), jobs: int | None = None, ray_address: str | None = None,
-                  cache_dir: Path | None = None):
+                  cache_dir: Path | None = None, ahead: ReadAhead | None = None):
     """The report of the capture at `path`, its ranks analysed apart (in `jobs` processes, or as Ray tasks on the
-    cluster at `ray_address`), each file's events cached under `cache_dir` (None: no cache)."""
+    cluster at `ray_address`), each file's events cached under `cache_dir` (None: no cache). `ahead` is what
+    `read_ahead` started for the same arguments; the caller still owns it (and cancels it when done)."""
     from infertrace.analyze.report import AnalyzeConfig, add_step_requests, combine, frontend_ops
 
     config = config or AnalyzeConfig()
@@ -251,7 +254,7 @@ def analyze_fleet(path: str | Path, config=None, capture: str | None = None, ran
     unit_paths = [[str(f.path) for f in unit] for unit in units]
     if ray_address is None and jobs is None and sum(_size(p) for u in unit_paths for p in u) < PARALLEL_MIN_BYTES:
         jobs = 1  # starting worker processes would cost more than it saves
-    results = _run(unit_paths, config, None, cache_root, jobs, ray_address)
+    results = _run(unit_paths, config, None, cache_root, jobs, ray_address, ahead)
     names = set().union(*(r.names for r in results))
     if len(names) >= 2:  # HTA trims the last step over the whole capture: redo a rank that could not tell alone
         redo = [i for i, r in enumerate(results) if r.part is not None and not r.part.trimmed and r.names]
@@ -315,7 +318,8 @@ def _workers(jobs: int | None, units: int) -> int:
     return max(1, min(units, jobs or os.cpu_count() or 1))
 
 
-def _run(unit_paths: list[list[str]], config, trim, cache_root, jobs, ray_address) -> list[UnitResult]:
+def _run(unit_paths: list[list[str]], config, trim, cache_root, jobs, ray_address,
+         ahead: ReadAhead | None = None) -> list[UnitResult]:
     if ray_address:
         return _run_ray(unit_paths, config, trim, cache_root, ray_address)
     workers = _workers(jobs, len(unit_paths))
@@ -331,7 +335,8 @@ def _run(unit_paths: list[list[str]], config, trim, cache_root, jobs, ray_addres
             pass
     # one rank at a time here: a large file is decoded in several processes instead
     split = _split_workers(jobs) if len(unit_paths) == 1 else 1
-    return [analyze_unit(paths, config, trim, cache_root, split=split) for paths in unit_paths]
+    return [analyze_unit(paths, config, trim, cache_root, split=split, ahead=ahead if len(unit_paths) == 1 else None)
+            for paths in unit_paths]
 
 
 def _split_workers(jobs: int | None) -> int:
@@ -341,25 +346,27 @@ def _split_workers(jobs: int | None) -> int:
 
 
 def read_ahead(path: str | Path, capture: str | None = None, rank: int | None = None, exclude: Iterable[Path] = (),
-               jobs: int | None = None, ray_address: str | None = None, cache_dir: Path | None = None) -> bool:
+               jobs: int | None = None, ray_address: str | None = None,
+               cache_dir: Path | None = None) -> ReadAhead | None:
     """Where `analyze_fleet` will decode a one-rank capture's large JSON trace in several processes, start them
     now (kineto.read_ahead), before the caller imports the analysis modules (pandas, about a quarter of a second),
-    so that the trace is decoded meanwhile. Nothing starts for several ranks (each is a worker's), under Ray, for
-    one process, or where the cache holds the file's events; False then."""
+    so that the trace is decoded meanwhile; pass the result to `analyze_fleet` and `cancel()` it after. Nothing
+    starts (None) for several ranks (each is a worker's), under Ray, for one process, or where the cache holds the
+    file's events."""
     if ray_address is not None or _split_workers(jobs) < 2:
-        return False
+        return None
     try:
         _, _, units = plan_capture(Path(path), capture, rank, exclude)
     except CaptureError:
-        return False  # analyze_fleet says why
+        return None  # analyze_fleet says why
     if len(units) != 1 or len(units[0]) != 1 or units[0][0].path.name.endswith((".sqlite", ".nsys-rep")):
-        return False
+        return None
     file = units[0][0].path
     try:
         if cache_dir is not None and ColumnCache(Path(cache_dir)).has_columns(file_key(file)):
-            return False
+            return None
     except OSError:
-        return False
+        return None
     return read_file_ahead(file, False, _split_workers(jobs))
 
 

@@ -74,16 +74,18 @@ class TraceColumns:
         return int(self.ts_ns.size)
 
 
-def read_kineto(path: str | Path, keep_python: bool = False, typed: bool = True, workers: int = 1) -> TraceColumns:
+def read_kineto(path: str | Path, keep_python: bool = False, typed: bool = True, workers: int = 1,
+                ahead: ReadAhead | None = None) -> TraceColumns:
     """Read one Kineto JSON trace (`.json` or gzip, told apart by content). Raises TraceError when unusable.
 
     `keep_python` keeps `python_function` events (with_stack traces hold millions of them and no analysis
     here needs them). `typed=False` decodes through plain dicts even where msgspec is installed. `workers` above
-    one decodes a large plain file in that many processes, a stretch of the events array each (`_read_split`)."""
-    if typed and _AHEAD:
-        ahead = _read_ahead_result(Path(path), keep_python)
-        if ahead is not None:
-            return ahead
+    one decodes a large plain file in that many processes, a stretch of the events array each (`_read_split`);
+    `ahead`, what `read_ahead` started for this file, is joined instead (and its processes ended)."""
+    if ahead is not None:
+        joined = _read_ahead_result(Path(path), keep_python, ahead) if typed else ahead.cancel()
+        if joined is not None:
+            return joined
     if workers > 1 and typed and _typed_decoder() is not None:
         split = _read_split(Path(path), keep_python, workers)
         if split is not None:
@@ -322,15 +324,22 @@ def _decode_range(path: str, lo: int, hi: int, last: bool, keep_python: bool) ->
 # this process imports them (pandas most of it), forked processes already decode the later stretches.
 AHEAD_IMPORT_S = 0.25  # what this process spends importing before it decodes its own stretch (2-core host: 0.26 s)
 AHEAD_DECODE_BYTES_S = 500e6  # bytes of JSON one process decodes a second (about 520 MB/s on that host)
-_AHEAD: dict[tuple, "_Ahead"] = {}
 
 
 @dataclass(slots=True)
-class _Ahead:
-    head: bytes
+class ReadAhead:
+    """The later stretches of one trace file, being decoded in forked processes (`read_ahead`) for `read_kineto`
+    of that file to take up. Its owner calls `cancel()` when done, which ends any process not taken up."""
+
+    key: tuple  # the file it was started for (_ahead_key)
+    head: bytes  # the file's bytes before the events array
     start: int
     ranges: list[tuple[int, int]]
     children: list[tuple[int, int]]  # (pid, read end of its pipe) per stretch after the first
+
+    def cancel(self) -> None:
+        _cancel(self.children)
+        self.children = []
 
 
 def _ahead_key(path: Path, keep_python: bool) -> tuple | None:
@@ -341,23 +350,21 @@ def _ahead_key(path: Path, keep_python: bool) -> tuple | None:
     return os.path.realpath(path), st.st_size, st.st_mtime_ns, keep_python
 
 
-def read_ahead(path: str | Path, keep_python: bool = False, workers: int = 2) -> bool:
+def read_ahead(path: str | Path, keep_python: bool = False, workers: int = 2) -> ReadAhead | None:
     """Start decoding the later stretches of a large plain JSON trace in `workers - 1` forked processes, for
-    `read_kineto` of the same file to join; this process keeps the first stretch, smaller by what it has to import
-    first. False (nothing started) for a gzip or small file, one worker, or where processes cannot be made."""
+    `read_kineto(path, ahead=...)` to join; this process keeps the first stretch, smaller by what it has to import
+    first. None (nothing started) for a gzip or small file, one worker, or where processes cannot be made. The
+    caller owns the processes: `cancel()` the result when done."""
     path = Path(path)
     key = _ahead_key(path, keep_python)
-    if workers < 2 or key is None or _typed_decoder() is None or key in _AHEAD:
-        return False
-    try:
-        size = os.path.getsize(path)
-    except OSError:
-        return False
+    if workers < 2 or key is None or _typed_decoder() is None:
+        return None
+    size = key[1]
     whole_s = size / AHEAD_DECODE_BYTES_S
     own = min(max((whole_s - AHEAD_IMPORT_S * (workers - 1)) / (whole_s * workers), 0.02), 1 / workers)
     plan = _plan_split(path, [own] + [(1 - own) / (workers - 1)] * (workers - 1))
     if plan is None or len(plan[2]) < 2:
-        return False
+        return None
     head, start, ranges = plan
     children = []
     parent = os.getpid()
@@ -367,7 +374,7 @@ def read_ahead(path: str | Path, keep_python: bool = False, workers: int = 2) ->
             pid = os.fork()
         except OSError:
             _cancel(children)
-            return False
+            return None
         if pid == 0:  # the child: decode, send, and leave without running the parent's exit handlers
             code = 1
             try:
@@ -381,12 +388,7 @@ def read_ahead(path: str | Path, keep_python: bool = False, workers: int = 2) ->
                 os._exit(code)
         os.close(write_end)
         children.append((pid, read_end))
-    _AHEAD[key] = _Ahead(head[:start], start, ranges, children)
-    if len(_AHEAD) == 1:
-        import atexit
-
-        atexit.register(_cancel_all)
-    return True
+    return ReadAhead(key, head[:start], start, ranges, children)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -477,25 +479,27 @@ def _cancel(children: list[tuple[int, int]]) -> None:
                 pass
 
 
-def _cancel_all() -> None:
-    while _AHEAD:
-        _cancel(_AHEAD.popitem()[1].children)
-
-
-def _read_ahead_result(path: Path, keep_python: bool) -> TraceColumns | None:
+def _read_ahead_result(path: Path, keep_python: bool, ahead: ReadAhead) -> TraceColumns | None:
     """The columns of a file `read_ahead` started: this process decodes the first stretch and joins the others'.
-    None (read it whole instead) when the first stretch does not end at its cut as whole events."""
-    key = _ahead_key(path, keep_python)
-    ahead = _AHEAD.pop(key, None) if key is not None else None
-    if ahead is None:
+    None (read it whole instead) when the read-ahead was for another file (or this one before it changed), or when
+    the first stretch does not end at its cut as whole events. The read-ahead's processes are ended either way."""
+    if ahead.key != _ahead_key(path, keep_python) or not ahead.children:
+        ahead.cancel()
         return None
+    try:
+        return _take_ahead(path, keep_python, ahead)
+    finally:
+        ahead.cancel()
+
+
+def _take_ahead(path: Path, keep_python: bool, ahead: ReadAhead) -> TraceColumns | None:
     first = _decode_range(str(path), *ahead.ranges[0], False, keep_python)
     if first is None:
-        _cancel(ahead.children)
         return None
     whole = first["sink"]
     last = first
-    for k, ((pid, fd), (lo, hi)) in enumerate(zip(ahead.children, ahead.ranges[1:])):
+    for k, (lo, hi) in enumerate(ahead.ranges[1:]):
+        pid, fd = ahead.children.pop(0)  # taken up here: joined below, never cancelled (its pid may be reused)
         joined = False
         with open(fd, "rb", buffering=0) as inp:
             part = _receive_header(inp)
@@ -506,12 +510,10 @@ def _read_ahead_result(path: Path, keep_python: bool) -> TraceColumns | None:
                 except (OSError, EOFError):
                     pass  # `whole` is as it was
         if not _exited_cleanly(pid) and joined:  # all of it arrived, yet the process did not end well
-            _cancel(ahead.children[k + 1:])
             return None
         if not joined:  # the child failed: its stretch is decoded here
-            decoded = _decode_range(str(path), lo, hi, k == len(ahead.children) - 1, keep_python)
+            decoded = _decode_range(str(path), lo, hi, k == len(ahead.ranges) - 2, keep_python)
             if decoded is None:
-                _cancel(ahead.children[k + 1:])
                 return None
             part = {**_shipped(decoded.pop("sink")), **decoded}
             _join(whole, part)

@@ -148,13 +148,16 @@ def test_read_ahead_starts_only_for_one_large_uncached_json_rank(traces, two_ran
     (one / "rank0.json").write_bytes(
         gzip.decompress((traces / "tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz").read_bytes()))
     expected = build_report(load_capture(one))
-    assert not fleet.read_ahead(two_rank, jobs=2)  # two ranks: each is a worker's
-    assert not fleet.read_ahead(one, jobs=1)  # one process asked for
-    assert not fleet.read_ahead(one, jobs=2, ray_address="auto")
-    assert fleet.read_ahead(one, jobs=2)
-    assert len(kineto._AHEAD) == 1
-    assert_same_report(analyze_fleet(one, jobs=2), expected)  # the read-ahead taken up by the analysis
-    assert not kineto._AHEAD
+    assert fleet.read_ahead(two_rank, jobs=2) is None  # two ranks: each is a worker's
+    assert fleet.read_ahead(one, jobs=1) is None  # one process asked for
+    assert fleet.read_ahead(one, jobs=2, ray_address="auto") is None
+    ahead = fleet.read_ahead(one, jobs=2)
+    assert len(ahead.children) == 1
+    joined = []
+    real = kineto._take_ahead
+    monkeypatch.setattr(kineto, "_take_ahead", lambda *a: joined.append(1) or real(*a))
+    assert_same_report(analyze_fleet(one, jobs=2, ahead=ahead), expected)
+    assert joined == [1] and not ahead.children  # the read-ahead was taken up by the analysis
     cache = tmp_path_factory.mktemp("cache")
     analyze_fleet(one, jobs=1, cache_dir=cache)
-    assert not fleet.read_ahead(one, jobs=2, cache_dir=cache)  # its events are cached: nothing to decode
+    assert fleet.read_ahead(one, jobs=2, cache_dir=cache) is None  # its events are cached: nothing to decode

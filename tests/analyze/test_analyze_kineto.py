@@ -335,19 +335,19 @@ def test_a_read_ahead_equals_one_process_and_leaves_no_process(traces, tmp_path,
     path = _plain_trace(traces, tmp_path / "t.json")
     whole = read_kineto(path)
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
-    assert kineto.read_ahead(path, workers=workers)
-    pids = [pid for pid, _ in next(iter(kineto._AHEAD.values())).children]
+    ahead = kineto.read_ahead(path, workers=workers)
+    pids = [pid for pid, _ in ahead.children]
     assert len(pids) == workers - 1
     received, joined = [], []
     real_receive, real_join = kineto._receive_header, kineto._join
     monkeypatch.setattr(kineto, "_receive_header", lambda inp: received.append(r := real_receive(inp)) or r)
     monkeypatch.setattr(kineto, "_join", lambda whole, part, arrays=None: joined.append(1)
                         or real_join(whole, part, arrays))
-    ahead = read_kineto(path)
+    cols = read_kineto(path, ahead=ahead)
     assert len(received) == workers - 1 and all(r is not None for r in received)  # each child sent its stretch
     assert len(joined) == workers - 1
-    _same_columns(whole, ahead)
-    assert not kineto._AHEAD and all(_gone(pid) for pid in pids)
+    _same_columns(whole, cols)
+    assert not ahead.children and all(_gone(pid) for pid in pids)
 
 
 def test_a_read_ahead_child_that_dies_is_decoded_here(traces, tmp_path, monkeypatch):
@@ -357,13 +357,13 @@ def test_a_read_ahead_child_that_dies_is_decoded_here(traces, tmp_path, monkeypa
     whole = read_kineto(path)
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setattr(kineto, "_send", lambda fd, result: os._exit(3))  # the forked child dies before sending
-    assert kineto.read_ahead(path, workers=2)
+    ahead = kineto.read_ahead(path, workers=2)
     decoded = []
     real_decode = kineto._decode_range
     monkeypatch.setattr(kineto, "_decode_range", lambda *a: decoded.append(a[1:3]) or real_decode(*a))
-    _same_columns(whole, read_kineto(path))
+    _same_columns(whole, read_kineto(path, ahead=ahead))
     assert len(decoded) == 2 and decoded[1][1] == path.stat().st_size  # its own stretch, then the dead child's
-    assert not kineto._AHEAD
+    assert not ahead.children
 
 
 def test_a_read_ahead_with_a_false_cut_is_read_whole_and_an_unread_one_is_cancelled(tmp_path, monkeypatch):
@@ -374,19 +374,24 @@ def test_a_read_ahead_with_a_false_cut_is_read_whole_and_an_unread_one_is_cancel
     path.write_text(json.dumps({"traceEvents": small + [big] + small}))
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setattr(kineto, "AHEAD_IMPORT_S", 0.0)  # equal shares: the cut falls inside the big event
-    assert kineto.read_ahead(path, workers=2)
-    pids = [pid for pid, _ in next(iter(kineto._AHEAD.values())).children]
+    ahead = kineto.read_ahead(path, workers=2)
+    pids = [pid for pid, _ in ahead.children]
     calls = _count_stretches(monkeypatch)
-    cols = read_kineto(path)
+    cols = read_kineto(path, ahead=ahead)
     assert calls == []  # the first stretch did not end at its cut as whole events: read in one process
     assert [cols.names[i] for i in cols.name] == [e["name"] for e in small + [big] + small]
     assert all(_gone(pid) for pid in pids)
     other = tmp_path / "u.json"
     other.write_text(json.dumps({"traceEvents": small * 40}))
-    assert kineto.read_ahead(other, workers=3)
-    pids = [pid for pid, _ in next(iter(kineto._AHEAD.values())).children]
-    kineto._cancel_all()  # what runs at exit when the file was never read (its analysed part was cached)
-    assert not kineto._AHEAD and all(_gone(pid) for pid in pids)
+    unread = kineto.read_ahead(other, workers=3)
+    pids = [pid for pid, _ in unread.children]
+    mismatched = kineto.read_ahead(other, workers=2)
+    whole = read_kineto(path, ahead=mismatched)  # a read-ahead of another file is not joined, only ended
+    assert [whole.names[i] for i in whole.name] == [e["name"] for e in small + [big] + small]
+    assert not mismatched.children
+    unread.cancel()  # what the owner does when the file was never read (its analysed part was cached)
+    unread.cancel()  # twice is harmless
+    assert not unread.children and all(_gone(pid) for pid in pids)
 
 
 def test_a_read_ahead_child_cut_off_mid_transfer_leaves_no_partial_events(traces, tmp_path, monkeypatch):
@@ -406,8 +411,8 @@ def test_a_read_ahead_child_cut_off_mid_transfer_leaves_no_partial_events(traces
         os._exit(0)
 
     monkeypatch.setattr(kineto, "_send", cut_send)
-    assert kineto.read_ahead(path, workers=2)
-    _same_columns(whole, read_kineto(path))  # the columns taken before the cut were rolled back, then re-read here
+    ahead = kineto.read_ahead(path, workers=2)
+    _same_columns(whole, read_kineto(path, ahead=ahead))  # the columns taken before the cut were rolled back
 
 
 def test_a_read_ahead_process_ends_with_its_parent_however_the_parent_ends(traces, tmp_path, run_python):
@@ -420,8 +425,8 @@ from infertrace.analyze import kineto
 kineto.SPLIT_MIN_BYTES = 0
 real = kineto._decode_range
 kineto._decode_range = lambda *a: time.sleep(60) or real(*a)  # the stretch's process is still at work
-assert kineto.read_ahead({str(path)!r}, workers=3)
-print(" ".join(str(pid) for pid, _ in next(iter(kineto._AHEAD.values())).children), flush=True)
+ahead = kineto.read_ahead({str(path)!r}, workers=3)
+print(" ".join(str(pid) for pid, _ in ahead.children), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # no exit handler runs
 """
     done = run_python(["-c", script], timeout=60)
