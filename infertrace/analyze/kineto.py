@@ -142,7 +142,7 @@ def _read_split(path: Path, keep_python: bool, workers: int) -> TraceColumns | N
     from concurrent.futures import ProcessPoolExecutor
 
     plan = _plan_split(path, [1 / workers] * workers)
-    if plan is None:
+    if plan is None or len(plan[2]) < 2:
         return None
     head, start, ranges = plan
     try:
@@ -371,8 +371,14 @@ def read_ahead(path: str | Path, keep_python: bool = False, workers: int = 2) ->
     for i, (lo, hi) in enumerate(ranges[1:], start=1):
         try:
             read_end, write_end = os.pipe()
+        except OSError:
+            _cancel(children)
+            return None
+        try:
             pid = os.fork()
         except OSError:
+            os.close(read_end)
+            os.close(write_end)
             _cancel(children)
             return None
         if pid == 0:  # the child: decode, send, and leave without running the parent's exit handlers
