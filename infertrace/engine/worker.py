@@ -321,7 +321,7 @@ def rank_main(config: EngineConfig, model_dir: Path, hf_config: dict, rank: int,
         dist.init_process_group(backend_for(config), init_method=init, rank=rank, world_size=size,
                                 timeout=COLLECTIVE_TIMEOUT)
         runner = ModelRunner(config, model_dir, hf_config, TensorParallel(rank, size))
-        from infertrace.engine.engine import freeze_startup_heap
+        from infertrace.engine.heap import freeze_startup_heap
 
         freeze_startup_heap()  # every rank's step loop is paced by the slowest: none pauses for a full collection
         conn.send_bytes(pickle.dumps(("ready", None)))

@@ -96,7 +96,7 @@ def test_flash_backend_without_flash_attn_says_how_to_install(monkeypatch):
     """Where flash-attn-4 does not import, the flash backend's error names the package and the extra."""
     import sys
 
-    from infertrace.engine.flash_attention import load_flash_attn
+    from infertrace.engine.attention import load_flash_attn
 
     monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # importing it now raises ImportError
     with pytest.raises(ImportError, match=r"needs flash-attn-4.*pip install 'infertrace\[flash\]'"):

@@ -40,9 +40,8 @@ def test_one_call_matches_triton_on_a_mixed_batch():
     _flash_or_skip()
     import torch
 
-    from infertrace.engine.attention import AttentionMetadata, TritonAttention
+    from infertrace.engine.attention import AttentionMetadata, FlashAttention, TritonAttention
     from infertrace.engine.config import EngineConfig
-    from infertrace.engine.flash_attention import FlashAttention
 
     torch.manual_seed(0)
     block, heads, kv_heads, dim = 16, 16, 8, 128

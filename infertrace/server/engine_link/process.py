@@ -114,7 +114,8 @@ def engine_main(spec: EngineSpec, socks: list[socket.socket]) -> None:
         from pathlib import Path
 
         from infertrace.engine.config import EngineConfig
-        from infertrace.engine.engine import Engine, freeze_startup_heap
+        from infertrace.engine.engine import Engine
+        from infertrace.engine.heap import freeze_startup_heap
         from infertrace.server.engine_link.services import EngineServices
 
         engine = Engine(spec.model_dir, EngineConfig(**spec.config))
