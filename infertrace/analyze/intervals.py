@@ -9,15 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 
-def union(starts: np.ndarray, ends: np.ndarray, ordered: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """The disjoint, sorted segments covered by the intervals (`ordered`: the starts are sorted already)."""
+def union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The disjoint, sorted segments covered by the intervals."""
     if starts.size == 0:
         return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-    if ordered:
-        s, e = starts, ends
-    else:
-        order = np.argsort(starts, kind="stable")
-        s, e = starts[order], ends[order]
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
     reach = np.maximum.accumulate(e)
     new = np.empty(s.size, dtype=bool)
     new[0] = True
