@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -121,16 +122,47 @@ def child_exact(trace_dir: str) -> dict:
     return {"kernels": len(kernels), "kernel_ns": int(kernels["dur_ns"].sum())}
 
 
+def _tree_pss_mb(root: int) -> float:
+    """Proportional set size of `root` and every process below it, in MB: a page shared by n of them counts 1/n to
+    each, so pages a forked worker shares with its parent are counted once (peak RSS summed counts them twice)."""
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+            total += int(rollup.split("\nPss:")[1].split()[0])
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended between two reads
+    return total / 1024
+
+
 def measure(tool: str, trace_dir: Path, extra: list[str] | None = None, env: dict | None = None) -> dict:
+    """One run of `tool` in a fresh process: its wall time, its peak RSS (with its largest worker's, for ours), and
+    the peak of its process tree's summed PSS, sampled every 20 ms by a thread of this process."""
     cmd = [sys.executable, __file__, "--child", tool, str(trace_dir), *(extra or [])]
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, check=False)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    pss = [0.0]
+
+    def sample() -> None:
+        while proc.poll() is None:
+            pss[0] = max(pss[0], _tree_pss_mb(proc.pid))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stdout, stderr = proc.communicate()
     wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise SystemExit(f"{tool} run failed:\n{done.stderr[-2000:]}")
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{tool} run failed:\n{stderr[-2000:]}")
+    out = json.loads(stdout.strip().splitlines()[-1])
     out["wall_s"] = wall
     out["peak_mb"] = out["own_mb"] + (out["children_mb"] if tool.startswith("ours") else 0.0)
+    out["pss_peak_mb"] = pss[0]
     return out
 
 
@@ -209,22 +241,27 @@ def main() -> None:
         shutil.rmtree(cache, ignore_errors=True)
     exact = measure("exact", args.trace.parent)
     hta_exact = measure("hta", args.trace.parent, env={"HTA_DISABLE_NS_ROUNDING": "1"})
-    med = {t: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "peak_mb")} for t, rs in runs.items()}
+    med = {t: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "peak_mb", "pss_peak_mb")}
+           for t, rs in runs.items()}
     size = args.trace.stat().st_size
     print(f"machine: {machine()}; {versions()}")
     print(f"trace: {args.trace} ({size / 1e6:.0f} MB of JSON, one rank)")
     print(f"command: python benchmarks/analyze_speed.py --size-mb {args.size_mb:g} --repeats {args.repeats}")
-    print(f"| | wall time, median of {args.repeats} (each run) | peak memory, median (each run) |")
-    print("|---|---|---|")
+    print(f"| | wall time, median of {args.repeats} (each run) | peak RSS, median (each run) | "
+          f"peak PSS of the process tree, sampled (each run) |")
+    print("|---|---|---|---|")
     for tool in tools:
         walls = ", ".join(f"{r['wall_s']:.2f}" for r in runs[tool])
         peaks = ", ".join(f"{r['peak_mb']:,.0f}" for r in runs[tool])
-        print(f"| {LABELS[tool]} | {med[tool]['wall_s']:.2f} s ({walls}) | {med[tool]['peak_mb']:,.0f} MB ({peaks}) |")
+        psss = ", ".join(f"{r['pss_peak_mb']:,.0f}" for r in runs[tool])
+        print(f"| {LABELS[tool]} | {med[tool]['wall_s']:.2f} s ({walls}) | {med[tool]['peak_mb']:,.0f} MB ({peaks}) | "
+              f"{med[tool]['pss_peak_mb']:,.0f} MB ({psss}) |")
     for base in ("hta_fast", "hta"):
         if base in med:
             for ours in ("ours", "ours_jobs2", "ours_cached"):
                 print(f"| {ours} against {base} | {med[base]['wall_s'] / med[ours]['wall_s']:.1f}x faster | "
-                      f"{med[ours]['peak_mb'] / med[base]['peak_mb']:.2f}x the memory |")
+                      f"{med[ours]['peak_mb'] / med[base]['peak_mb']:.2f}x the peak RSS, "
+                      f"{med[ours]['pss_peak_mb'] / med[base]['pss_peak_mb']:.2f}x by PSS |")
     hta = runs["hta"][0]
     print(f"kernels: ours {exact['kernels']:,}, HTA {hta['kernels']:,}, HTA without ns rounding "
           f"{hta_exact['kernels']:,}")
