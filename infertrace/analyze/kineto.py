@@ -413,23 +413,48 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _send(fd: int, result: dict | None) -> None:
-    """A stretch's result through a pipe: a pickle of its tables and counts, then each column's raw bytes."""
+    """A stretch's result through a pipe: a pickle of its tables and counts, then each column's raw bytes, each
+    column freed once written, so that a stretch's events are held here and in the parent hardly at once."""
     import pickle
 
     with open(fd, "wb", buffering=0) as out:
         if result is None:
             out.write((0).to_bytes(8, "little"))
             return
-        shipped = {**_shipped(result.pop("sink")), **result}
-        arrays = shipped.pop("arrays")
-        shipped["columns"] = [(a.dtype.str, a.size) for a in arrays]
+        _trim_heap()  # the decoder's freed buffers given back while the parent still decodes its own stretch
+        sink = result.pop("sink")
+        shipped = {"names": sink.names, "cats": sink.cats, "text_ids": sink.text_ids, "count": sink.count,
+                   "exact": sink.exact, "invalid": sink.invalid, "cut_names": sink.cut_names, **result,
+                   "columns": [("<i4" if f.typecode == "i" else "<i8", len(f)) for f in sink.fields]}
         header = pickle.dumps(shipped, protocol=pickle.HIGHEST_PROTOCOL)
         out.write(len(header).to_bytes(8, "little"))
         out.write(header)
-        for values in arrays:
-            view, written = memoryview(values).cast("B"), 0
-            while written < view.nbytes:
-                written += out.write(view[written:])
+        del header, shipped
+        fields = sink.fields
+        for i in range(len(fields)):
+            with memoryview(fields[i]) as values, values.cast("B") as view:
+                written = 0
+                while written < view.nbytes:
+                    written += out.write(view[written:])
+            fields[i] = array(fields[i].typecode)  # this column's memory returned before the next is sent
+            _trim_heap()
+
+
+def _trim_heap() -> None:
+    """(glibc) Return the free pages of this process's heap to the system; nothing elsewhere."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
 
 
 def _receive_header(inp) -> dict | None:

@@ -415,6 +415,46 @@ def test_a_read_ahead_child_cut_off_mid_transfer_leaves_no_partial_events(traces
     _same_columns(whole, read_kineto(path, ahead=ahead))  # the columns taken before the cut were rolled back
 
 
+def test_a_stretch_is_sent_column_by_column_each_freed_once_written(traces, tmp_path, monkeypatch):
+    import os
+
+    path = _plain_trace(traces, tmp_path / "t.json")
+    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    start = kineto._plan_split(path, [1.0])[2][0][0]
+    decoded = kineto._decode_range(str(path), start, path.stat().st_size, True, False)
+    sink = decoded["sink"]
+    expected = [np.array(a) for a in sink.arrays()]  # copies: the sink's own memory is freed by the send
+    assert sum(a.size for a in expected) > 0
+    spool = tmp_path / "spool"
+    freed_before = []  # at each write, how many of the sink's columns are already empty
+
+    class Out:
+        def __init__(self, fd, mode, buffering):
+            self.fh = open(fd, mode, buffering=buffering)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def write(self, data):
+            freed_before.append(sum(len(f) == 0 for f in sink.fields))
+            return self.fh.write(data)
+
+    monkeypatch.setattr(kineto, "open", Out, raising=False)
+    kineto._send(os.open(spool, os.O_WRONLY | os.O_CREAT), decoded)
+    monkeypatch.undo()
+    assert freed_before[2:] == list(range(len(sink.fields)))  # each column written after the earlier were freed
+    assert all(len(f) == 0 for f in sink.fields)  # nothing of the stretch is kept after sending
+    with open(spool, "rb") as inp:
+        header = kineto._receive_header(inp)
+        got = list(kineto._receive_columns(inp, header["columns"]))
+    assert [n for _, n in header["columns"]] == [a.size for a in expected]
+    for a, b in zip(expected, got):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_read_ahead_process_ends_with_its_parent_however_the_parent_ends(traces, tmp_path, run_python):
     import time
 
