@@ -234,26 +234,30 @@ def _shipped(sink: _ColumnSink) -> dict:
             "count": sink.count, "exact": sink.exact, "invalid": sink.invalid, "cut_names": sink.cut_names}
 
 
-def _join(whole: _ColumnSink, part: dict, arrays=None) -> None:
+def _join(whole: _ColumnSink, part: dict, inp=None) -> None:
     """Append a later stretch's events to `whole`, in place, its name, category and text-id codes made whole's.
-    `arrays` (else part["arrays"]) may be an iterator that reads each column as it is taken, so that only one column
-    of the stretch is held at a time; if it fails part way (OSError, EOFError), `whole` is left as it was."""
+    With `inp`, a pipe its process sends them through (`_send`), each column is read straight into the end of
+    whole's, so that no copy of the stretch is held here; else they are part["arrays"]. If reading fails part way
+    (OSError, EOFError), `whole` is left as it was."""
     before = [len(f) for f in whole.fields], len(whole.names), len(whole.cats), len(whole.text_ids)
     try:
         names = np.array([whole.names.setdefault(n, len(whole.names)) for n in part["names"]], dtype=np.int32)
         cats = np.array([whole.cats.setdefault(c, len(whole.cats)) for c in part["cats"]], dtype=np.int32)
         texts = {-1 - k: -1 - whole.text_ids.setdefault(t, len(whole.text_ids))
                  for t, k in part["text_ids"].items()}
-        for i, values in enumerate(part["arrays"] if arrays is None else arrays):
+        for i, into in enumerate(whole.fields):
+            dtype = np.int32 if into.typecode == "i" else np.int64
+            if inp is None:
+                into.frombytes(np.ascontiguousarray(part["arrays"][i], dtype=dtype).view(np.uint8))
+            else:
+                _read_column(into, part["columns"][i], inp)
+            values = np.frombuffer(into, dtype=dtype)[before[0][i]:]  # the stretch's codes, made whole's in place
             if i == 0 and names.size:
-                values = names[values]
+                values[:] = names[values]
             elif i == 1 and cats.size:
-                values = cats[values]
+                values[:] = cats[values]
             elif i in (2, 3) and texts and (values < 0).any():  # pid, tid
-                values = np.array([texts.get(v, v) for v in values.tolist()], dtype=np.int64)
-            into = whole.fields[i]
-            into.frombytes(np.ascontiguousarray(values, dtype=np.int32 if into.typecode == "i" else np.int64)
-                           .view(np.uint8))
+                values[:] = np.array([texts.get(v, v) for v in values.tolist()], dtype=np.int64)
             del values
     except (OSError, EOFError):
         for into, n in zip(whole.fields, before[0]):
@@ -388,6 +392,7 @@ def read_ahead(path: str | Path, keep_python: bool = False, workers: int = 2) ->
                 os.close(read_end)
                 for _, earlier in children:  # the earlier stretches' pipes are the parent's alone
                     os.close(earlier)
+                _map_large_blocks()
                 _send(write_end, _decode_range(str(path), lo, hi, i == len(ranges) - 1, keep_python))
                 code = 0
             finally:
@@ -455,6 +460,18 @@ def _trim_heap() -> None:
 
 
 _MALLOC_TRIM = None
+_M_MMAP_THRESHOLD = -3
+
+
+def _map_large_blocks() -> None:
+    """(glibc) Have this process's allocations from a megabyte up mapped apart, never taken from the heap: a growing
+    column is then moved by remapping its pages rather than copied, leaving no freed copy behind in the heap."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        pass
 
 
 def _receive_header(inp) -> dict | None:
@@ -467,18 +484,21 @@ def _receive_header(inp) -> dict | None:
         return None
 
 
-def _receive_columns(inp, columns: list[tuple[str, int]]):
-    """Each column of a stretch, read from the pipe as it is asked for."""
-    for dtype, count in columns:
-        buffer = bytearray(np.dtype(dtype).itemsize * count)
-        view, got = memoryview(buffer), 0
-        while got < len(buffer):
-            n = inp.readinto(view[got:])
+def _read_column(into: array, column: tuple[str, int], inp) -> None:
+    """Extend `into` by a column sent as (dtype, count), read from the pipe straight into its new end."""
+    dtype, count = column
+    if np.dtype(dtype).itemsize != into.itemsize:
+        raise EOFError("the stretch's process sent a column of another type")
+    start = len(into) * into.itemsize
+    into.frombytes(bytes(count * into.itemsize))  # zeroed on demand: its pages are first touched by the read
+    with memoryview(into) as whole, whole.cast("B") as flat, flat[start:] as view:
+        got = 0
+        while got < view.nbytes:
+            with view[got:] as rest:
+                n = inp.readinto(rest)
             if not n:
                 raise EOFError("the stretch's process ended before sending all its events")
             got += n
-        del view
-        yield np.frombuffer(buffer, dtype=dtype)
 
 
 def _read_exactly(inp, n: int) -> bytes:
@@ -527,6 +547,7 @@ def _take_ahead(path: Path, keep_python: bool, ahead: ReadAhead) -> TraceColumns
     first = _decode_range(str(path), *ahead.ranges[0], False, keep_python)
     if first is None:
         return None
+    _trim_heap()  # what decoding freed, given back before the other stretches' events arrive
     whole = first["sink"]
     last = first
     for k, (lo, hi) in enumerate(ahead.ranges[1:]):
@@ -536,7 +557,7 @@ def _take_ahead(path: Path, keep_python: bool, ahead: ReadAhead) -> TraceColumns
             part = _receive_header(inp)
             if part is not None:
                 try:
-                    _join(whole, part, _receive_columns(inp, part["columns"]))
+                    _join(whole, part, inp)
                     joined = True
                 except (OSError, EOFError):
                     pass  # `whole` is as it was
