@@ -419,3 +419,29 @@ async def test_a_large_body_is_parsed_off_the_event_loop():
         await runner.cleanup()
     assert max(gaps) < parse_s / 3, (max(gaps), parse_s)
     assert len(scraper.series.gauges) == 2000  # MAX_SERIES of its own names
+
+
+async def test_stop_ends_the_loop_when_a_scrape_swallows_the_cancel():
+    """A scrape in flight when stop() cancels the loop may swallow the cancel (aiohttp can turn it into a timeout,
+    which counts as a failed scrape): the loop still ends, so stop() returns instead of waiting for ever."""
+    scraper = Scraper("http://127.0.0.1:9/metrics", 0.05)
+    inside = asyncio.Event()
+    swallowed, calls = [], []
+
+    async def swallowing() -> bool:
+        inside.set()
+        calls.append(1)
+        try:
+            await asyncio.sleep(0.2)
+        except asyncio.CancelledError:  # the first cancel, as one turned into a timeout inside the client
+            if swallowed:
+                raise
+            swallowed.append(1)
+        return False
+
+    scraper.scrape_once = swallowing
+    await scraper.start()
+    await asyncio.wait_for(inside.wait(), 5)
+    await asyncio.wait_for(scraper.stop(), 5)
+    assert swallowed and len(calls) == 1  # before the fix the loop scraped on until a second cancel
+

@@ -220,6 +220,10 @@ class Scraper:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
         self._gave_up = False  # the server has no metrics endpoint: asking again would only cost requests
+        # set by stop(): the loop ends at its next turn even when a scrape in flight swallowed the task's cancel
+        # (aiohttp can turn a cancel that meets its own timeout into a TimeoutError, which scrape_once counts as a
+        # failed scrape: the loop then slept and scraped on, and `bench` waited for ever after its last request)
+        self._stopping = False
         self._parser: ProcessPoolExecutor | None = None  # started on the first large body
 
     async def __aenter__(self) -> Scraper:
@@ -237,6 +241,7 @@ class Scraper:
     async def stop(self) -> ScrapeSeries:
         """Ends the scraping (after one last scrape, so the run's deltas reach its end) and closes the session."""
         if self._task is not None:
+            self._stopping = True
             self._task.cancel()
             try:
                 await self._task
@@ -258,7 +263,7 @@ class Scraper:
 
     async def _loop(self) -> None:
         next_t = time.perf_counter()
-        while not self._gave_up:
+        while not (self._gave_up or self._stopping):
             await self.scrape_once()
             next_t += self.interval_s
             await asyncio.sleep(max(0.0, next_t - time.perf_counter()))
