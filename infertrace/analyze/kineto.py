@@ -304,7 +304,8 @@ def _decode_range(path: str, lo: int, hi: int, last: bool, keep_python: bool) ->
     sink = _ColumnSink(keep_python)
     decoder = _StreamDecoder(sink, _typed_decoder())
     decoder._start_events(b"")
-    gc.disable()
+    collecting = gc.isenabled()
+    gc.disable()  # as in read_kineto: the decoded events hold no cycles
     try:
         with open(path, "rb", buffering=0) as fh:
             fh.seek(lo)
@@ -318,6 +319,9 @@ def _decode_range(path: str, lo: int, hi: int, last: bool, keep_python: bool) ->
         late = decoder.finish()
     except TraceError:
         return None
+    finally:
+        if collecting:  # the process goes on (a test run, a caller of the library): its collector with it
+            gc.enable()
     if not last and (late is not None or decoder.state != _TRAILER or decoder.trailer.strip()):
         return None
     sink.class_codes.clear()  # the tagged decoder's classes are made at run time: not sent back
