@@ -56,6 +56,20 @@ def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
         cache.view(torch.uint8).index_copy_(0, slots, x.clamp(-top, top).to(cache.dtype).view(torch.uint8))
 
 
+def store_paged(k, v, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
+                kv_stored: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches as [pages, block_size, kv_heads, head_dim] views, with the step's K/V written into them by the
+    Triton kernel unless `kv_stored` (already written by the fused q/k-norm + RoPE kernel). CUDA only."""
+    from infertrace.engine.kernels import paged_attention as kernels
+
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    paged_k = k_cache.view(-1, block_size, num_kv_heads, head_dim)
+    paged_v = v_cache.view(-1, block_size, num_kv_heads, head_dim)
+    if not kv_stored:
+        kernels.store_kvcache(k, v, paged_k, paged_v, slot_mapping)
+    return paged_k, paged_v
+
+
 class TorchAttention:
     """Reference attention in plain torch (any device)."""
 
@@ -188,11 +202,8 @@ class TritonAttention:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 kv_stored: bool = False) -> torch.Tensor:
         """`kv_stored`: the step's K/V are already in the cache (written by the fused q/k-norm + RoPE kernel)."""
-        num_heads_kv, head_dim = k_cache.shape[1], k_cache.shape[2]
-        paged_k = k_cache.view(-1, self.block_size, num_heads_kv, head_dim)
-        paged_v = v_cache.view(-1, self.block_size, num_heads_kv, head_dim)
-        if not kv_stored:
-            self._kernels.store_kvcache(k, v, paged_k, paged_v, meta.slot_mapping)
+        num_heads_kv = k_cache.shape[1]
+        paged_k, paged_v = store_paged(k, v, k_cache, v_cache, meta.slot_mapping, self.block_size, kv_stored)
         out = torch.empty_like(q)
         if meta.tiles is not None:
             # rows of padding tokens stay unwritten: every other kernel of the step works row by row, so they reach
@@ -272,16 +283,10 @@ class FlashAttention:
     name = "flash"
     mode = "batched"
     fuses_kv_store = True  # the model's fused q/k-norm + RoPE kernel may write K/V into the cache for it
-    # KV splits for decode steps (flash-decoding). One: FA4's split path builds its scheduler metadata per call, and
-    # a decode step's grid (batch x kv heads, query heads packed per KV head) is what the measured figures used.
-    decode_splits = 1
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype):
         check_flash_supported(config, device, dtype)
-        from infertrace.engine.kernels import paged_attention as kernels
-
         self._varlen = load_flash_attn()
-        self._kernels = kernels
         self.block_size = config.block_size
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -295,18 +300,15 @@ class FlashAttention:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 kv_stored: bool = False) -> torch.Tensor:
         """`kv_stored`: the step's K/V are already in the cache (written by the fused q/k-norm + RoPE kernel)."""
-        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-        paged_k = k_cache.view(-1, self.block_size, num_kv_heads, head_dim)
-        paged_v = v_cache.view(-1, self.block_size, num_kv_heads, head_dim)
-        if not kv_stored:
-            self._kernels.store_kvcache(k, v, paged_k, paged_v, meta.slot_mapping)
+        paged_k, paged_v = store_paged(k, v, k_cache, v_cache, meta.slot_mapping, self.block_size, kv_stored)
         if meta.int32_index is None:  # a forward that did not go through the model's begin_forward
             self.begin_forward(meta)
         cu_seqlens_q, seqused_k, page_table = meta.int32_index
-        splits = self.decode_splits if meta.max_query_len == 1 else 1
+        # one KV split, decode included: FA4's split path builds its scheduler metadata on every call, and one
+        # split is what the measured figures used (docs/benchmarks.md)
         out, _ = self._varlen(
             q, paged_k, paged_v, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, page_table=page_table,
-            max_seqlen_q=meta.max_query_len, softmax_scale=scale, causal=True, num_splits=splits,
+            max_seqlen_q=meta.max_query_len, softmax_scale=scale, causal=True, num_splits=1,
         )
         return out
 

@@ -29,6 +29,79 @@ def spy_logits(engine) -> list:
     return seen
 
 
+def run_in_waves(path, waves, params, **overrides):
+    """Requests added in waves (each after a few steps, so prefills join running decodes), run to completion on an
+    engine of `overrides`. Returns (tokens per request, kinds of the steps, the logits of every sampled row per step,
+    the engine)."""
+    from infertrace.engine import Engine, EngineConfig
+
+    engine = Engine(path, EngineConfig.from_overrides(overrides))
+    logits_seen = spy_logits(engine)
+    tokens: dict[str, list[int]] = {}
+    kinds = []
+    for w, wave in enumerate(waves):
+        for i, prompt in enumerate(wave):
+            tokens[f"w{w}r{i}"] = []
+            engine.add_request(f"w{w}r{i}", prompt, params)
+        for _ in range(3 if w + 1 < len(waves) else 10**6):
+            if not engine.has_unfinished():
+                break
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            last = engine.last_step  # with async scheduling a call may finish no step, or finish the one before
+            if last is not None and len(kinds) <= last.index:
+                kinds.append(last.kind)
+    if engine.runner.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    return list(tokens.values()), kinds, logits_seen, engine
+
+
+def free_engine(engine) -> None:
+    """Drop `engine` and give its GPU memory back before the next one starts."""
+    import gc
+
+    import torch
+
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def prompt_waves(seed: int, sizes: list[list[int]], shared: int = 0) -> list[list[list[int]]]:
+    """Random prompts of `sizes` (one list per wave), each behind the same `shared`-token prefix."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(VOCAB) for _ in range(shared)]
+    return [[prefix + [rng.randrange(VOCAB) for _ in range(n)] for n in wave] for wave in sizes]
+
+
+# (engine overrides, prompt waves) of the mixed-batch scenarios the graph and attention-backend tests share
+MIXED_SCENARIOS = {
+    # decodes running while new prompts arrive, half of them behind a 160-token prefix already cached
+    "mixed with prefix hits": (dict(), prompt_waves(1, [[40, 300, 7], [90, 16, 200], [1, 130, 64, 33]], shared=160)),
+    # prompts longer than the step budget: chunks beside other requests' decodes, some ending off a bucket size
+    "chunked prefill": (dict(max_num_batched_tokens=384), prompt_waves(2, [[900, 50], [1300, 5, 700], [384, 385]])),
+    # a KV cache too small for every request at once: the newest is preempted and computed again later
+    "preemption": (dict(kv_cache_tokens=1024, max_num_batched_tokens=512),
+                   prompt_waves(3, [[200, 230, 150], [180, 90]])),
+}
+
+
+def skip_without_flash_attn() -> None:
+    """Skip unless FlashAttention-4 runs here (CUDA, Hopper or later, flash-attn-4 importable)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("FlashAttention-4 needs a Hopper or later GPU")
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure to import means the backend is absent here
+        pytest.skip(f"flash-attn-4 does not import: {exc}")
+
+
 class HFReference:
     """Greedy continuations of Hugging Face's own Qwen3 on the same checkpoint, in float32."""
 
