@@ -60,6 +60,7 @@ def hta(capture_dir: Path, analysis_json: Path, out_json: Path) -> int:
         from hta.utils.utils import get_kernel_type
 
         logging.getLogger("hta").setLevel(logging.ERROR)
+        result["workaround"] = _widen_correlation_ids()
         t0 = time.perf_counter()
         analysis_hta = TraceAnalysis(trace_files=files, trace_dir=str(capture_dir))
         result["load_s"] = time.perf_counter() - t0
@@ -77,6 +78,7 @@ def hta(capture_dir: Path, analysis_json: Path, out_json: Path) -> int:
                                    "comm_names": sorted({n.split("(")[0][:48] for n in names}),
                                    "gpu_kernels": int(len(gpu))}
         result["communication"] = per_rank
+        result["ours_with_hta_kernel_types"] = _ours_with_hta_kernel_types(files)
     except Exception as e:  # noqa: BLE001 - HTA's failure is a line in the table, not the end of the run
         result["error"] = f"{type(e).__name__}: {e}"[:500]
     out_json.write_text(json.dumps(result, indent=1))
@@ -84,6 +86,54 @@ def hta(capture_dir: Path, analysis_json: Path, out_json: Path) -> int:
         print(f"hta: {result['error']}", file=sys.stderr)
         return 1
     return 0
+
+
+def _ours_with_hta_kernel_types(files: dict[int, str]) -> dict:
+    """infertrace's own loader and overlap on the same rank files, with each kernel typed by HTA's classifier as it
+    stands (only nccl-named kernels are communication), so the figure is comparable with HTA's to the last digit."""
+    from hta.utils.utils import get_kernel_type
+
+    from infertrace.analyze import breakdown
+    from infertrace.analyze.capture import load_capture
+
+    events = {rank: load_capture(Path(path)).ranks[0].events for rank, path in files.items()}
+    trim = len(breakdown.profiler_step_names(list(events.values()))) >= 2
+    exact, floored = {}, {}
+    for rank, e in events.items():
+        g = breakdown.classified_gpu_work(e, trim)
+        g["kernel_type"] = g["name"].astype(str).map(get_kernel_type)
+        exact[rank] = g
+        # HTA's loader floors each event's start and duration to whole microseconds
+        f = g.copy()
+        f["ts_ns"] = f["ts_ns"] // 1000 * 1000
+        f["dur_ns"] = f["dur_ns"] // 1000 * 1000
+        f["end_ns"] = f["ts_ns"] + f["dur_ns"]
+        floored[rank] = f
+    result = {}
+    for label, gpu in (("ns", exact), ("floored_to_us", floored)):
+        for _, r in breakdown.comm_comp_overlap(gpu).iterrows():
+            result.setdefault(int(r["rank"]), {})[label] = {"comm_us": float(r["comm_time(us)"]),
+                                                           "overlap_pctg": _num(r["comp_comm_overlap_pctg"])}
+    return result
+
+
+def _widen_correlation_ids() -> str:
+    """HTA 0.6.1's `transform_correlation_to_index` writes row numbers into a column made from `correlation`, whose
+    dtype its loader has narrowed to fit the ids: int16 in a capture whose ids stay under 32,768 (a server capture
+    of CUDA-graph replays launches few kernels). Past 32,767 events pandas 3 refuses the write ("Invalid value ... for
+    dtype 'int16'"; pandas 2 widened it with a warning), and the whole load fails. The ids are widened first, which
+    changes nothing else; the pool HTA parses ranks in is forked, so it inherits this."""
+    import hta.common.trace as trace
+
+    original = trace.transform_correlation_to_index
+
+    def widened(df, symbol_table):
+        if "correlation" in df.columns:
+            df["correlation"] = df["correlation"].astype("int64")
+        return original(df, symbol_table)
+
+    trace.transform_correlation_to_index = widened
+    return "correlation ids widened to int64 before HTA's transform_correlation_to_index (its int16 column fails under pandas 3)"
 
 
 def _num(value) -> float | None:
@@ -204,6 +254,11 @@ def _rank_tables(tables: dict, hta_result: dict, say) -> None:
             f"{_fmt(_pct(hta_overlap.get(rank)), '.1%', 12)}  {', '.join(h.get('comm_names', [])[:3])}")
     if hta_result.get("error"):
         say(f"HTA: {hta_result['error']}")
+    for rank, both in sorted((hta_result.get("ours_with_hta_kernel_types") or {}).items()):
+        ns, us = both.get("ns", {}), both.get("floored_to_us", {})
+        say(f"rank {rank}, infertrace with HTA's kernel types: comm {_fmt(ns.get('comm_us'), ',.0f', 0)} us, overlap "
+            f"{_fmt(ns.get('overlap_pctg'), '.2f', 0)}% ns-exact; {_fmt(us.get('comm_us'), ',.0f', 0)} us, "
+            f"{_fmt(us.get('overlap_pctg'), '.2f', 0)}% with every start and duration floored to us as HTA's loader does")
     say("(infertrace counts torch's symmetric-memory one_shot/two_shot all-reduce kernels as communication; HTA "
         "counts only names starting with nccl)")
     skew = tables.get("step_skew") or []
