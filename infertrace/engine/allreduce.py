@@ -1,11 +1,10 @@
 """How tensor-parallel ranks add up their partial sums: NCCL, or PyTorch's symmetric-memory all-reduce over NVLink
 peer memory for small messages (vLLM's custom all-reduce, in PyTorch's own ops), NCCL above.
 
-A decode step all-reduces a few rows of the hidden size twice a layer, as float32 partial sums whatever the model's
-dtype (parallel.py rounds the sum once; batch 8 of qwen3-4b: 80 KB). NCCL's ring pays a fixed cost of tens of
-microseconds per call whatever the size; a one-shot all-reduce, in which every rank reads the peers' copies straight
-from their memory and adds them up, costs a few microseconds at that size and is captured in the CUDA graphs like any
-kernel. Each rank owns one float32 symmetric buffer of CUSTOM_MAX_BYTES
+A decode step all-reduces a few rows of the hidden size twice a layer (batch 8 of qwen3-4b: 40 KB in bf16). NCCL's
+ring pays a fixed cost of tens of microseconds per call whatever the size; a one-shot all-reduce, in which every
+rank reads the peers' copies straight from their memory and adds them up, costs a few microseconds at that size
+and is captured in the CUDA graphs like any kernel. Each rank owns one symmetric buffer of CUSTOM_MAX_BYTES
 (allocated and exchanged once, before any graph is captured); a message is copied into it inside the one-shot
 kernel, or copied in and reduced in two shots (reduce-scatter, all-gather) by four or more ranks above
 ONE_SHOT_MAX_BYTES. PyTorch's kernels open and close each call with a barrier over signal pads, so the one buffer
@@ -20,10 +19,9 @@ import torch
 
 from infertrace.engine.config import ALL_REDUCE_MODES
 
-# larger messages (prefill of many tokens: over 819 of qwen3-4b's, 2,048 of 0.6b's) go through NCCL, as fast there
-CUSTOM_MAX_BYTES = 8 << 20
+CUSTOM_MAX_BYTES = 8 << 20  # larger messages (prefill of many tokens) go through NCCL, which is as fast there
 ONE_SHOT_MAX_BYTES = 512 << 10  # four or more ranks: two shots above this (each rank reads a 1/N share)
-MESSAGE_DTYPE = torch.float32  # the layers' partial sums (parallel.py); PyTorch's one-/two-shot kernels add it
+_DTYPES = (torch.bfloat16, torch.float32)  # those PyTorch's one-/two-shot kernels add
 
 
 class NcclAllReduce:
@@ -40,18 +38,19 @@ class NcclAllReduce:
 
 class PeerMemoryAllReduce:
     """One-shot (two-shot for large messages on four or more ranks) all-reduce through a symmetric buffer; NCCL for
-    messages over `max_bytes`, not float32, or not 16-byte aligned."""
+    messages over `max_bytes`, of another dtype, or not 16-byte aligned."""
 
     name = "custom"
 
-    def __init__(self, device: torch.device, world_size: int, max_bytes: int = CUSTOM_MAX_BYTES):
+    def __init__(self, device: torch.device, dtype: torch.dtype, world_size: int, max_bytes: int = CUSTOM_MAX_BYTES):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name = dist.group.WORLD.group_name
         self.world_size = world_size
-        self.max_numel = max_bytes // MESSAGE_DTYPE.itemsize
-        self.buffer = symm_mem.empty(self.max_numel, dtype=MESSAGE_DTYPE, device=device)
+        self.dtype = dtype
+        self.max_numel = max_bytes // dtype.itemsize
+        self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)  # a collective: every rank exchanges its buffer's handle
         self.nccl = NcclAllReduce()
         self.ops = torch.ops.symm_mem
@@ -60,7 +59,7 @@ class PeerMemoryAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = x.numel()
-        if n > self.max_numel or x.dtype != MESSAGE_DTYPE or not x.is_contiguous() or x.data_ptr() % 16:
+        if n > self.max_numel or x.dtype != self.dtype or not x.is_contiguous() or x.data_ptr() % 16:
             self.nccl_calls += 1
             return self.nccl(x)
         self.custom_calls += 1
@@ -75,10 +74,12 @@ class PeerMemoryAllReduce:
         return out.view_as(x)
 
 
-def custom_unavailable(device: torch.device, world_size: int) -> str | None:
+def custom_unavailable(device: torch.device, dtype: torch.dtype, world_size: int) -> str | None:
     """Why this rank cannot run the peer-memory all-reduce (None: it can)."""
     if device.type != "cuda":
         return f"it needs CUDA GPUs (device {device})"
+    if dtype not in _DTYPES:
+        return f"PyTorch's kernels add bfloat16 and float32, not {str(dtype).removeprefix('torch.')}"
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError as e:
@@ -93,7 +94,7 @@ def custom_unavailable(device: torch.device, world_size: int) -> str | None:
     return None
 
 
-def make_all_reduce(mode: str, device: torch.device, world_size: int):
+def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_size: int):
     """The all-reduce every rank uses; a collective (the ranks agree on the choice): call it on every rank, after
     the process group is up and before any CUDA graph is captured. Returns (implementation, why custom was not
     chosen or None)."""
@@ -103,7 +104,7 @@ def make_all_reduce(mode: str, device: torch.device, world_size: int):
         raise ValueError(f"all_reduce must be one of {', '.join(ALL_REDUCE_MODES)}; got {mode!r}")
     if mode == "nccl" or world_size == 1:
         return NcclAllReduce(), None
-    reason = custom_unavailable(device, world_size)
+    reason = custom_unavailable(device, dtype, world_size)
     # every rank must take the same path, or they would wait in different collectives
     able = torch.tensor([0 if reason else 1], device=device)
     dist.all_reduce(able, op=dist.ReduceOp.MIN)
@@ -122,4 +123,4 @@ def make_all_reduce(mode: str, device: torch.device, world_size: int):
             pass
     # no enable_symm_mem_for_group (deprecated): it caches the group's store by name, and an engine started after
     # another in the same process gets a new group of the same name
-    return PeerMemoryAllReduce(device, world_size), None
+    return PeerMemoryAllReduce(device, dtype, world_size), None

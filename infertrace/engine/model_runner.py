@@ -144,7 +144,7 @@ class ModelRunner:
         if tp.size > 1:  # the ranks agree on it (a collective), before any graph is captured
             from infertrace.engine.allreduce import make_all_reduce
 
-            reduce, self.all_reduce_note = make_all_reduce(config.all_reduce, self.device, tp.size)
+            reduce, self.all_reduce_note = make_all_reduce(config.all_reduce, self.device, self.dtype, tp.size)
             tp = dataclasses.replace(tp, reduce=reduce)
             self.all_reduce_name = reduce.name
         self.tp = tp

@@ -5,11 +5,6 @@ layers split input features and all-reduce their partial sums; the vocabulary is
 looks up its own ids, then all-reduce) and for the logits (each rank computes its shard, then all-gather). With one
 rank every layer is a plain linear or embedding: no collective, no extra copy.
 
-The all-reduce adds float32 and its sum is rounded to the model's dtype once, as one rank's GEMM rounds its float32
-accumulator once: a row-parallel layer keeps its partial sums in float32. Rounded to bf16 on each rank and again
-after the sum, a third of a layer's outputs differed from one rank's; now a few in 10,000 do (where the float32 sums,
-added in another order, round the other way).
-
 Each layer has a `weight_loader(param, loaded, part)` that returns (destination, source): the rank's slice of the
 parameter (of part `part` of a packed one) and the matching slice of the checkpoint tensor, one copy per tensor.
 """
@@ -33,27 +28,25 @@ class TensorParallel:
     size: int = 1
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
 
-    def all_reduce(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The sum of every rank's `x`, added in float32 and rounded to `dtype` once (`x` may be overwritten)."""
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x` (in place, or a new tensor: use the result)."""
         if self.size == 1:
-            return x.to(dtype)
-        x = x.float()  # no copy when the partial sums are float32 already
+            return x
         if self.reduce is not None:
-            x = self.reduce(x)
-        else:
-            import torch.distributed as dist
+            return self.reduce(x)
+        import torch.distributed as dist
 
-            dist.all_reduce(x)
-        return x.to(dtype)
+        dist.all_reduce(x)
+        return x
 
     def reduce_partial_sums(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A row-parallel skinny GEMM's output, all-reduced: float32 split-K partial sums [split, T, N] are added
-        up in float32 before the all-reduce, so the message is one [T, N] tensor, rounded to `dtype` after it."""
+        up (in float32, then rounded to `dtype`) before the all-reduce, so the message is one [T, N] tensor."""
         if self.size == 1:
             return x
         if x.dim() == 3:
             x = x.sum(0, dtype=torch.float32)
-        return self.all_reduce(x, dtype)
+        return self.all_reduce(x.to(dtype))
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' `x` side by side along the last dimension, on every rank."""
@@ -81,16 +74,6 @@ def check_divisible(name: str, total: int, tp: int) -> int:
     if total % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({total})")
     return total // tp
-
-
-def linear_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) in float32: the GEMM's float32 accumulator stored as it is, not rounded to x's dtype
-    (CUDA's mm with out_dtype; CPU's mm has none, so there the inputs are widened first)."""
-    if x.is_cuda:
-        y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
-    else:
-        y = F.linear(x.float(), weight.float())
-    return y if bias is None else y + bias
 
 
 class ColumnParallelLinear(nn.Module):
@@ -136,7 +119,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """y = x @ W.T with W's input columns split across ranks: each rank multiplies its share of the features and
-    the float32 partial sums are all-reduced, then rounded (the bias is added once, by rank 0)."""
+    the partial sums are all-reduced (the bias is added once, by rank 0)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -145,9 +128,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        return self.tp.all_reduce(linear_float32(x, self.weight, self.bias if self.tp.rank == 0 else None), x.dtype)
+        return self.tp.all_reduce(F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None))
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, part: int | None):
         if param.dim() == 1:
@@ -173,7 +154,7 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.shard_size)
         x = F.embedding(local * mine, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        return self.tp.all_reduce(x, self.weight.dtype)  # exact: one rank's row and zeros
+        return self.tp.all_reduce(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden @ W.T over the whole vocabulary: each rank's shard of the logits, gathered."""

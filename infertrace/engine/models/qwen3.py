@@ -126,15 +126,13 @@ def _fusions():
     return fused
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, planes: bool = False, float32: bool = False) -> torch.Tensor:
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, planes: bool = False) -> torch.Tensor:
     """x @ weight.T by the skinny GEMM with its tuned tiling. With `planes`, a shape whose tiling splits K returns
-    its float32 partial sums [split, T, N] for the kernel after it to add up as it reads them. With `float32`, an
-    unsplit tiling stores float32 too (a row-parallel share, all-reduced before it is rounded)."""
+    its float32 partial sums [split, T, N] for the kernel after it to add up as it reads them."""
     decode_config, skinny_gemm = _skinny_kernels()
     n, k = weight.shape
     block_n, block_k, split_k, stages = decode_config(n, k, planes)
-    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device) if float32 and split_k == 1 else None
-    return skinny_gemm(x, weight, out, block_n=block_n, block_k=block_k, split_k=split_k if planes else 1,
+    return skinny_gemm(x, weight, block_n=block_n, block_k=block_k, split_k=split_k if planes else 1,
                        num_stages=stages)
 
 
@@ -177,8 +175,7 @@ class Qwen3Attention(nn.Module):
         else:
             out = self._attend(x, positions, rope, attn, meta, fused, skinny, stored)
         if skinny:  # with more ranks, the split-K sums are added up and then all-reduced
-            partial = decode_linear(out.reshape(-1, self.q_size), self.o_proj.weight, planes=True,
-                                    float32=self.o_proj.tp.size > 1)
+            partial = decode_linear(out.reshape(-1, self.q_size), self.o_proj.weight, planes=True)
             return self.o_proj.tp.reduce_partial_sums(partial, out.dtype)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -225,7 +222,7 @@ class Qwen3MLP(nn.Module):
                                                num_warps=warps)
                 else:
                     act = kernels.silu_mul(decode_linear(x, w))
-                partial = decode_linear(act, self.down_proj.weight, planes=True, float32=self.down_proj.tp.size > 1)
+                partial = decode_linear(act, self.down_proj.weight, planes=True)
                 return self.down_proj.tp.reduce_partial_sums(partial, x.dtype)
             return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
