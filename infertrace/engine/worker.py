@@ -115,10 +115,12 @@ class OtherRanks:
         for proc in self.procs:
             if proc.exitcode is None:
                 proc.kill()
-        if self.backend == "nccl":
-            _abort_process_group()  # rank 0's kernels waiting on the dead rank end; its step then raises
+        # the main thread hears first: NCCL's abort below did not return on two H100s, and a server waiting for
+        # requests behind it never heard of the dead rank
         if self._signal_main:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+        if self.backend == "nccl":
+            _abort_process_group()  # rank 0's kernels waiting on the dead rank end; its step then raises
 
     def raise_in_main_thread_on_failure(self) -> None:
         """Make a rank's death raise RankFailedError in the main thread even while it waits on something else (a

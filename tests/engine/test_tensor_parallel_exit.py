@@ -137,6 +137,42 @@ def test_sigint_to_the_process_group_ends_every_rank(script):
     assert not gone(ranks)
 
 
+def test_a_dead_rank_reaches_the_main_thread_even_when_the_abort_never_returns(monkeypatch):
+    """The watcher tells the main thread (a server's loop) before it aborts rank 0's NCCL group: on two H100s that
+    abort never returned, and `serve` with a rank killed was still running 10 s later."""
+    import multiprocessing
+    import threading
+
+    from infertrace.engine import worker
+
+    entered, release = threading.Event(), threading.Event()
+    monkeypatch.setattr(worker, "_abort_process_group", lambda: (entered.set(), release.wait(30)))
+    rank = multiprocessing.get_context("spawn").Process(target=os._exit, args=(9,))
+    ranks = worker.OtherRanks.__new__(worker.OtherRanks)  # the watcher's state alone: no process group
+    ranks.procs, ranks.backend, ranks._closed, ranks.failure, ranks._signal_main = [rank], "nccl", False, None, True
+    ranks._wake_r, ranks._wake_w = os.pipe()
+    heard = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: heard.append(signum))
+    watcher = threading.Thread(target=ranks._watch, daemon=True)
+    try:
+        rank.start()
+        watcher.start()
+        deadline = time.monotonic() + 20
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.01)  # the handler runs in this (the main) thread
+        assert heard == [signal.SIGUSR1]
+        assert "exited with code 9" in ranks.failure
+        assert entered.wait(5)  # the abort is still made
+    finally:
+        release.set()
+        if watcher.is_alive():
+            watcher.join(5)  # its signal, if still to come, reaches the handler above, not the default's exit
+        time.sleep(0.05)
+        signal.signal(signal.SIGUSR1, previous)
+        os.close(ranks._wake_r)
+        os.close(ranks._wake_w)
+
+
 def test_sigterm_ends_every_rank(script):
     proc, ranks = script("loop")
     read_until(proc, "LOOP")
