@@ -366,18 +366,61 @@ def serve_case(backend: str, model: Path, args: argparse.Namespace, work: Path) 
             proc = subprocess.run(
                 [*it, "bench", "--base-url", url, "--tokenizer", str(model), "--input-len", "512", "--output-len",
                  "128", "--ignore-eos", "--warmup", "8", "--request-rate", str(args.rate), "--num-prompts",
-                 str(args.serve_prompts), "--seed", "0", "--result-json", str(result)],
+                 str(args.serve_prompts), "--seed", "0", "--result-json", str(result),
+                 "--requests-jsonl", str(work / f"requests-{backend}.jsonl")],
                 stdout=f, stderr=subprocess.STDOUT, timeout=args.serve_prompts / args.rate + 180)
         if not result.exists():
             raise RuntimeError(f"bench wrote no result (exit {proc.returncode}):\n{tail(bench_log)}")
         r = json.loads(result.read_text())
-        return {"preset": args.serve_preset, "rate": args.rate, "num_prompts": args.serve_prompts,
+        return {**_server_side(url, work / f"requests-{backend}.jsonl"),
+                "preset": args.serve_preset, "rate": args.rate, "num_prompts": args.serve_prompts,
                 "ready_s": ready_s, "bench_exit": proc.returncode, "completed": r["completed"], "failed": r["failed"],
                 "ttft_p50_ms": r["median_ttft_ms"], "ttft_p99_ms": r["p99_ttft_ms"],
                 "itl_p50_ms": r["median_itl_ms"], "itl_p99_ms": r["p99_itl_ms"], "tpot_p50_ms": r["median_tpot_ms"],
                 "output_tok_s": r["output_throughput"], "duration_s": r["duration"]}
     finally:
         _stop(server, 60)
+
+
+def _server_side(url: str, requests_jsonl: Path) -> dict:
+    """What explains a served run's tail, read after it: the objects the engine process froze at start-up, its
+    garbage collections by generation (count, total ms, how many paused it 50 ms or more), and the slowest TTFTs with
+    when they were sent and the server's own parts of them."""
+    out: dict = {}
+    try:
+        with urllib.request.urlopen(f"{url}/server_info", timeout=10) as r:
+            out["gc_frozen_objects"] = json.loads(r.read()).get("gc_frozen_objects")
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        gc_pauses: dict = {}
+        for line in text.splitlines():
+            if not line.startswith("infertrace:gc_pause_seconds_"):
+                continue
+            name, value = line.rsplit(" ", 1)
+            gen = name.split('generation="')[1].split('"')[0]
+            entry = gc_pauses.setdefault(gen, {})
+            if name.startswith("infertrace:gc_pause_seconds_count"):
+                entry["count"] = int(float(value))
+            elif name.startswith("infertrace:gc_pause_seconds_sum"):
+                entry["total_ms"] = float(value) * 1e3
+            elif 'le="0.025"' in name:
+                entry["under_25ms"] = int(float(value))
+            elif 'le="0.05"' in name:
+                entry["under_50ms"] = int(float(value))
+        for entry in gc_pauses.values():
+            entry["over_50ms"] = entry.get("count", 0) - entry.pop("under_50ms", 0)
+        out["gc_pauses"] = gc_pauses
+    except (OSError, ValueError, IndexError) as e:
+        out["server_side_error"] = f"{type(e).__name__}: {e}"
+    try:
+        rows = [json.loads(line) for line in requests_jsonl.read_text().splitlines()]
+        done = sorted((r for r in rows if r.get("phase") == "measured" and r.get("ttft_ms") is not None),
+                      key=lambda r: -r["ttft_ms"])
+        out["slowest_ttft"] = [{"t0_s": round(r["t0_s"], 3), "ttft_ms": round(r["ttft_ms"], 2),
+                                "ttft_parts": r.get("ttft_parts")} for r in done[:12]]
+    except (OSError, ValueError) as e:
+        out["slowest_ttft_error"] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def _get(d: dict, *keys):
@@ -427,6 +470,10 @@ def table_rows(results: dict, backends: list[str]) -> list[tuple[str, list[str],
         lambda s: s["ttft_p50_ms"], "serve")
     add("serve: ITL p99 ms (failed)", lambda s: f"{s['itl_p99_ms']:.2f} ({s['failed']})", lambda s: s["itl_p99_ms"],
         "serve")
+    add("serve: full GCs (total ms, >= 50 ms), frozen",
+        lambda s: f"{s['gc_pauses'].get('2', {}).get('count', 0)} ({s['gc_pauses'].get('2', {}).get('total_ms', 0):.0f}, "
+                  f"{s['gc_pauses'].get('2', {}).get('over_50ms', 0)}), {s.get('gc_frozen_objects')}",
+        lambda s: s["gc_pauses"].get("2", {}).get("total_ms", 0), "serve")
     return rows
 
 

@@ -57,6 +57,28 @@ def test_render_reports_engine_and_server_state():
     assert text.endswith("\n")
 
 
+def test_garbage_collections_are_timed_by_generation_until_the_metrics_are_gone():
+    import gc
+    import weakref
+
+    server = ServerMetrics()
+    server.time_gc()
+    gc.collect(2)
+    gc.collect(0)
+    pauses = server.snapshot()["gc_pauses"]
+    assert pauses["2"][2] >= 1 and pauses["0"][2] >= 1  # counts
+    assert 0 < pauses["2"][1] < 10  # seconds
+    lines = render("m", _stats(), server.snapshot()).splitlines()
+    assert "# TYPE infertrace:gc_pause_seconds histogram" in lines
+    assert any(line.startswith('infertrace:gc_pause_seconds_count{model_name="m",generation="2"} ') for line in lines)
+    server.forget_gc()  # the engine process drops its start-up collection this way
+    assert server.snapshot()["gc_pauses"] == {}
+    gone = weakref.ref(server)
+    del server
+    gc.collect()  # the callback holds no reference: the metrics object goes, and later collections are not counted
+    assert gone() is None
+
+
 def test_render_with_an_idle_fresh_engine():
     text = render("m", _stats(kv_blocks_total=0, kv_blocks_used=0, counters={}), ServerMetrics().snapshot())
     assert 'infertrace:kv_cache_usage_perc{model_name="m"} 0.0' in text

@@ -124,6 +124,7 @@ def engine_main(spec: EngineSpec, socks: list[socket.socket]) -> None:
         services = EngineServices(engine, Path(spec.profile_dir) if spec.profile_dir else None, spec.config)
         info = services.info()
         info["gc_frozen_objects"] = freeze_startup_heap()
+        services.metrics.forget_gc()  # /metrics counts the collections of serving, not the start-up one just made
     except BaseException as e:
         _tell_all(socks, FromEngine("dead", error={"message": f"cannot load the model: {type(e).__name__}: {e}"}))
         os._exit(1)

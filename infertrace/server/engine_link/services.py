@@ -28,6 +28,7 @@ class EngineServices:
         self.engine = engine
         self.engine_config = engine_config
         self.metrics = metrics.ServerMetrics()
+        self.metrics.time_gc()
         self.profiler = Profiler(engine, profile_dir)
         self._capture_started: float | None = None
 

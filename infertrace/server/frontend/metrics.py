@@ -71,6 +71,7 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.counts: collections.Counter[str] = collections.Counter()  # "finished:stop", "rejected:queue_full", ...
         self._step_times: dict[str, Histogram] = {}
+        self._gc_pauses: dict[str, Histogram] = {}  # by the collector's generation, 0-2
         self._lock = threading.Lock()
 
     def count(self, deltas: dict[str, int]) -> None:
@@ -84,11 +85,45 @@ class ServerMetrics:
                 histogram = self._step_times[kind] = Histogram()
         histogram.observe(duration_s)
 
-    def snapshot(self) -> dict[str, Any]:
-        """Plain data for /metrics: {"counts": {...}, "step_times": {kind: [cumulative counts, sum, count]}}."""
+    def observe_gc(self, generation: int, duration_s: float) -> None:
         with self._lock:
-            counts, histograms = dict(self.counts), dict(self._step_times)
-        return {"counts": counts, "step_times": {kind: list(h.snapshot()) for kind, h in histograms.items()}}
+            histogram = self._gc_pauses.get(str(generation))
+            if histogram is None:
+                histogram = self._gc_pauses[str(generation)] = Histogram()
+        histogram.observe(duration_s)
+
+    def forget_gc(self) -> None:
+        with self._lock:
+            self._gc_pauses.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain data for /metrics: {"counts": {...}, "step_times": {kind: [cumulative counts, sum, count]},
+        "gc_pauses": {generation: [cumulative counts, sum, count]}}."""
+        with self._lock:
+            counts, histograms, pauses = dict(self.counts), dict(self._step_times), dict(self._gc_pauses)
+        return {"counts": counts, "step_times": {kind: list(h.snapshot()) for kind, h in histograms.items()},
+                "gc_pauses": {gen: list(h.snapshot()) for gen, h in pauses.items()}}
+
+    def time_gc(self) -> None:
+        """Observe every garbage collection of this process (its pause of the engine loop) from now on, until this
+        object is gone; `forget_gc()` drops what was observed so far."""
+        import gc
+        import time
+        import weakref
+
+        ref = weakref.ref(self)
+        started: list[float] = []
+
+        def on_gc(phase: str, info: dict) -> None:
+            metrics = ref()
+            if metrics is None:
+                return  # not removed here: the collector is walking its list of callbacks
+            if phase == "start":
+                started[:] = [time.perf_counter()]
+            elif started:
+                metrics.observe_gc(info["generation"], time.perf_counter() - started.pop())
+
+        gc.callbacks.append(on_gc)
 
 
 def _labelled(counts: dict[str, int], family: str) -> dict[str, int]:
@@ -134,6 +169,13 @@ def render(model_name: str, engine_stats: dict[str, Any], server: dict[str, Any]
             out.sample("step_duration_seconds_bucket", n, kind=kind, le=_number(bound))
         out.sample("step_duration_seconds_sum", total_s, kind=kind)
         out.sample("step_duration_seconds_count", count, kind=kind)
+    out.header("gc_pause_seconds", "histogram", "Garbage collections of the engine's process, by generation: each "
+               "pauses the engine loop.")
+    for generation, (cumulative, total_s, count) in sorted(server.get("gc_pauses", {}).items()):
+        for bound, n in zip(STEP_BOUNDS, cumulative):
+            out.sample("gc_pause_seconds_bucket", n, generation=generation, le=_number(bound))
+        out.sample("gc_pause_seconds_sum", total_s, generation=generation)
+        out.sample("gc_pause_seconds_count", count, generation=generation)
     return out.text()
 
 
