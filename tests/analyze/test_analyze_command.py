@@ -297,3 +297,26 @@ def test_a_small_gzip_of_huge_names_is_read_in_bounded_time(tmp_path, run_python
     warnings = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
     assert any("decompresses to more than 64x its size" in w for w in warnings), warnings
     assert any("longer than 8,192 characters cut to that length" in w for w in warnings), warnings
+
+
+def test_pandas_is_imported_without_pyarrow_which_stays_importable(engine_trace, tmp_path):
+    # pandas 3 imports pyarrow where it is installed (about 55-96 MB more resident on a 523 MB rank); a stand-in
+    # pyarrow that records each import and then fails, as an absent one would
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "site" / "pyarrow"
+    fake.mkdir(parents=True)
+    marker = tmp_path / "pyarrow-imports.txt"
+    (fake / "__init__.py").write_text(f"open({str(marker)!r}, 'a').write('imported\\n')\n"
+                                      "raise ImportError('stand-in pyarrow')\n")
+    script = ("import sys\nfrom infertrace.cli import main\n"
+              f"main(['analyze', {str(engine_trace.parent)!r}, '--quiet', '--no-cache'], standalone_mode=False)\n"
+              "print('pandas' in sys.modules, 'pyarrow' in sys.modules)\n"
+              "try:\n    import pyarrow\nexcept ImportError as exc:\n    print(exc)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["True False", "stand-in pyarrow"]
+    assert marker.read_text() == "imported\n"  # once: by the script after the analysis, never by pandas
