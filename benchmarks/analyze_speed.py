@@ -30,13 +30,14 @@ from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1].parent / "shared/traces/tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz"
 DEFAULT_TRACE = Path("/tmp/infertrace-bench/vllm_b200_x/trace.json")
-TOOLS = ("hta", "hta_fast", "ours", "ours_jobs2", "ours_cached")
+TOOLS = ("hta", "hta_fast", "ours", "ours_jobs2", "ours_cached", "ours_imports")
 LABELS = {
     "hta": "traceinsight 0.6.1 `TraceAnalysis(trace_dir)`, default loader (parse only)",
     "hta_fast": "traceinsight 0.6.1, `ParserBackend.IJSON_BATCH_AND_COMPRESS` (parse only)",
     "ours": "`infertrace analyze DIR --quiet --no-cache` (parse + every analysis)",
     "ours_jobs2": "`infertrace analyze DIR --quiet --no-cache --jobs 2` (the same, the trace decoded in 2 processes)",
     "ours_cached": "`infertrace analyze DIR --quiet`, second run (from the cache)",
+    "ours_imports": "the imports of `infertrace analyze` alone, as it makes them (no trace read)",
 }
 
 
@@ -114,6 +115,20 @@ def child_ours(trace_dir: str, cache_dir: str | None, extra: tuple[str, ...] = (
     return _peaks()
 
 
+def child_imports() -> dict:
+    """What a cached run spends before reading anything: the CLI and the analysis modules, imported as `analyze run`
+    imports them (pandas with pyarrow hidden)."""
+    import infertrace.analyze.fleet  # noqa: F401
+    from infertrace.analyze.command import _import_pandas_without_pyarrow
+    from infertrace.cli import main  # noqa: F401
+
+    _import_pandas_without_pyarrow()
+    import infertrace.analyze.render  # noqa: F401
+    import infertrace.analyze.report  # noqa: F401
+
+    return _peaks()
+
+
 def child_exact(trace_dir: str) -> dict:
     from infertrace.analyze import load_capture
 
@@ -185,7 +200,7 @@ def versions() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     out = []
-    for pkg in ("traceinsight", "ijson", "pandas", "numpy", "msgspec"):
+    for pkg in ("traceinsight", "ijson", "pandas", "numpy", "msgspec", "pyarrow"):
         try:
             out.append(f"{pkg} {version(pkg)}")
         except PackageNotFoundError:
@@ -214,6 +229,7 @@ def main() -> None:
                   "ours": lambda: child_ours(trace_dir, None),
                   "ours_jobs2": lambda: child_ours(trace_dir, None, ("--jobs", "2")),
                   "ours_cached": lambda: child_ours(trace_dir, rest[0]),
+                  "ours_imports": child_imports,
                   "exact": lambda: {**child_exact(trace_dir), "own_mb": 0, "children_mb": 0}}[tool]()
         print(json.dumps(result))
         return
