@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import pickle
 import shutil
@@ -41,12 +42,16 @@ from infertrace.analyze.capture import (
     read_trace_file,
     usable,
 )
-from infertrace.analyze.kineto import ReadAhead, TraceColumns, TraceError
+from infertrace.analyze.kineto import AHEAD_DECODE_BYTES_S, AHEAD_IMPORT_S, ReadAhead, TraceColumns, TraceError
 from infertrace.analyze.kineto import read_ahead as read_file_ahead
 
 CACHE_VERSION = 1
 SPLIT_CORES = 4  # a one-rank capture's large file is split over the cores from this many on (on 2 busy cores the
 # split read measured slower than one process: 2.2 s against 1.8 s for 523 MB)
+AHEAD_MARGIN = 2  # a read-ahead's processes: at most those that decode the later stretches each in this many times
+# what the first process spends importing; more only finish sooner, to wait for it, each holding about 10 MB while it
+# decodes (2-core host, 523 MB rank, --jobs 16: the tree's peak PSS 197 MB, 178 MB capped at 10 processes; --jobs 32:
+# 265 MB, 171 MB). The cap is 10 processes for that rank, whatever the cores.
 EDGE_BYTES = 64 << 10  # hashed from each end of a trace for its cache key
 _COLUMNS = ("name", "cat", "pid", "tid", "ts_ns", "dur_ns", "stream", "correlation", "external_id")
 
@@ -367,7 +372,14 @@ def read_ahead(path: str | Path, capture: str | None = None, rank: int | None = 
             return None
     except OSError:
         return None
-    return read_file_ahead(file, False, _split_workers(jobs))
+    return read_file_ahead(file, False, _ahead_workers(jobs, _size(str(file))))
+
+
+def _ahead_workers(jobs: int | None, size: int) -> int:
+    """The processes a read-ahead of a `size`-byte trace starts with: `_split_workers`, at most AHEAD_MARGIN's bound."""
+    if AHEAD_IMPORT_S <= 0:
+        return _split_workers(jobs)
+    return min(_split_workers(jobs), 1 + math.ceil(AHEAD_MARGIN * size / AHEAD_DECODE_BYTES_S / AHEAD_IMPORT_S))
 
 
 def _run_ray(unit_paths, config, trim, cache_root, address: str) -> list[UnitResult]:

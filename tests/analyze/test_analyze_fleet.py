@@ -161,3 +161,28 @@ def test_read_ahead_starts_only_for_one_large_uncached_json_rank(traces, two_ran
     cache = tmp_path_factory.mktemp("cache")
     analyze_fleet(one, jobs=1, cache_dir=cache)
     assert fleet.read_ahead(one, jobs=2, cache_dir=cache) is None  # its events are cached: nothing to decode
+
+
+def test_a_read_ahead_starts_no_more_processes_than_can_decode_while_this_one_imports(traces, tmp_path, monkeypatch):
+    import gzip
+
+    from infertrace.analyze import fleet, kineto
+
+    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    one = tmp_path / "one"
+    one.mkdir()
+    trace = one / "rank0.json"
+    trace.write_bytes(gzip.decompress((traces / "tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz").read_bytes()))
+    # the file as if it took 1 s to decode and importing 0.25 s: 2 x 1 / 0.25 = 8 later stretches at most
+    monkeypatch.setattr(fleet, "AHEAD_DECODE_BYTES_S", trace.stat().st_size)
+    monkeypatch.setattr(fleet, "AHEAD_IMPORT_S", 0.25)
+    monkeypatch.setattr(fleet, "AHEAD_MARGIN", 2)
+    asked = []
+    monkeypatch.setattr(fleet, "read_file_ahead", lambda path, keep_python, workers: asked.append(workers))
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    for jobs in (None, 64, 9, 4):
+        fleet.read_ahead(one, jobs=jobs, cache_dir=None)
+    assert asked == [9, 9, 9, 4]
+    monkeypatch.setattr(fleet, "AHEAD_DECODE_BYTES_S", trace.stat().st_size * 4)  # 0.25 s to decode: 2 stretches
+    fleet.read_ahead(one, cache_dir=None)
+    assert asked[-1] == 3
