@@ -79,6 +79,26 @@ def test_garbage_collections_are_timed_by_generation_until_the_metrics_are_gone(
     assert gone() is None
 
 
+def test_a_collection_while_the_metrics_lock_is_held_does_not_hang():
+    """The collector calls back at any allocation: here inside `count()`'s lock, in the same thread (a test run hung
+    there when the callback took that lock)."""
+    import gc
+    import threading
+
+    server = ServerMetrics()
+    server.time_gc()
+
+    def collect_under_the_lock():
+        with server._lock:
+            gc.collect()
+
+    worker = threading.Thread(target=collect_under_the_lock, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "the collector's callback waited for a lock its own thread holds"
+    assert server.snapshot()["gc_pauses"]["2"][2] >= 1
+
+
 def test_render_with_an_idle_fresh_engine():
     text = render("m", _stats(kv_blocks_total=0, kv_blocks_used=0, counters={}), ServerMetrics().snapshot())
     assert 'infertrace:kv_cache_usage_perc{model_name="m"} 0.0' in text

@@ -6,6 +6,7 @@ Names follow vLLM's (`vllm:num_requests_running` -> `infertrace:num_requests_run
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import threading
 from typing import Any
@@ -71,7 +72,9 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.counts: collections.Counter[str] = collections.Counter()  # "finished:stop", "rejected:queue_full", ...
         self._step_times: dict[str, Histogram] = {}
-        self._gc_pauses: dict[str, Histogram] = {}  # by the collector's generation, 0-2
+        # by the collector's generation, 0-2: per-bucket counts and the sum, written only by the collector's callback
+        self._gc_counts = {str(g): [0] * len(STEP_BOUNDS) for g in range(3)}
+        self._gc_sums = {str(g): 0.0 for g in range(3)}
         self._lock = threading.Lock()
 
     def count(self, deltas: dict[str, int]) -> None:
@@ -86,23 +89,33 @@ class ServerMetrics:
         histogram.observe(duration_s)
 
     def observe_gc(self, generation: int, duration_s: float) -> None:
-        with self._lock:
-            histogram = self._gc_pauses.get(str(generation))
-            if histogram is None:
-                histogram = self._gc_pauses[str(generation)] = Histogram()
-        histogram.observe(duration_s)
+        """Takes no lock: the collector calls back at any allocation, also while this very thread holds one of these
+        locks (a lock here hung `count()` for ever in a test run). Collections never overlap, so the callback is the
+        only writer; a reader may see a collection counted a moment before its time is added."""
+        counts = self._gc_counts[str(generation)]
+        for i, bound in enumerate(STEP_BOUNDS):
+            if duration_s <= bound:
+                counts[i] += 1
+                break
+        self._gc_sums[str(generation)] += duration_s
 
     def forget_gc(self) -> None:
-        with self._lock:
-            self._gc_pauses.clear()
+        for generation, counts in self._gc_counts.items():
+            counts[:] = [0] * len(counts)
+            self._gc_sums[generation] = 0.0
 
     def snapshot(self) -> dict[str, Any]:
         """Plain data for /metrics: {"counts": {...}, "step_times": {kind: [cumulative counts, sum, count]},
         "gc_pauses": {generation: [cumulative counts, sum, count]}}."""
         with self._lock:
-            counts, histograms, pauses = dict(self.counts), dict(self._step_times), dict(self._gc_pauses)
+            counts, histograms = dict(self.counts), dict(self._step_times)
+        pauses = {}
+        for generation, per_bucket in self._gc_counts.items():
+            cumulative = list(itertools.accumulate(per_bucket))
+            if cumulative[-1]:
+                pauses[generation] = [cumulative, self._gc_sums[generation], cumulative[-1]]
         return {"counts": counts, "step_times": {kind: list(h.snapshot()) for kind, h in histograms.items()},
-                "gc_pauses": {gen: list(h.snapshot()) for gen, h in pauses.items()}}
+                "gc_pauses": pauses}
 
     def time_gc(self) -> None:
         """Observe every garbage collection of this process (its pause of the engine loop) from now on, until this
