@@ -390,23 +390,22 @@ def _server_side(url: str, requests_jsonl: Path) -> dict:
     try:
         with urllib.request.urlopen(f"{url}/server_info", timeout=10) as r:
             out["gc_frozen_objects"] = json.loads(r.read()).get("gc_frozen_objects")
+        from prometheus_client.parser import text_string_to_metric_families
+
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
             text = r.read().decode()
         gc_pauses: dict = {}
-        for line in text.splitlines():
-            if not line.startswith("infertrace:gc_pause_seconds_"):
+        for family in text_string_to_metric_families(text):
+            if family.name != "infertrace:gc_pause_seconds":
                 continue
-            name, value = line.rsplit(" ", 1)
-            gen = name.split('generation="')[1].split('"')[0]
-            entry = gc_pauses.setdefault(gen, {})
-            if name.startswith("infertrace:gc_pause_seconds_count"):
-                entry["count"] = int(float(value))
-            elif name.startswith("infertrace:gc_pause_seconds_sum"):
-                entry["total_ms"] = float(value) * 1e3
-            elif 'le="0.025"' in name:
-                entry["under_25ms"] = int(float(value))
-            elif 'le="0.05"' in name:
-                entry["under_50ms"] = int(float(value))
+            for sample in family.samples:
+                entry = gc_pauses.setdefault(sample.labels["generation"], {})
+                if sample.name.endswith("_count"):
+                    entry["count"] = int(sample.value)
+                elif sample.name.endswith("_sum"):
+                    entry["total_ms"] = sample.value * 1e3
+                elif sample.labels.get("le") == "0.05":
+                    entry["under_50ms"] = int(sample.value)
         for entry in gc_pauses.values():
             entry["over_50ms"] = entry.get("count", 0) - entry.pop("under_50ms", 0)
         out["gc_pauses"] = gc_pauses
@@ -470,10 +469,12 @@ def table_rows(results: dict, backends: list[str]) -> list[tuple[str, list[str],
         lambda s: s["ttft_p50_ms"], "serve")
     add("serve: ITL p99 ms (failed)", lambda s: f"{s['itl_p99_ms']:.2f} ({s['failed']})", lambda s: s["itl_p99_ms"],
         "serve")
+    def full(s: dict) -> dict:  # the generation-2 collections during the run
+        return {"count": 0, "total_ms": 0.0, "over_50ms": 0, **s["gc_pauses"].get("2", {})}
+
     add("serve: full GCs (total ms, >= 50 ms), frozen",
-        lambda s: f"{s['gc_pauses'].get('2', {}).get('count', 0)} ({s['gc_pauses'].get('2', {}).get('total_ms', 0):.0f}, "
-                  f"{s['gc_pauses'].get('2', {}).get('over_50ms', 0)}), {s.get('gc_frozen_objects')}",
-        lambda s: s["gc_pauses"].get("2", {}).get("total_ms", 0), "serve")
+        lambda s: f"{full(s)['count']} ({full(s)['total_ms']:.0f}, {full(s)['over_50ms']}), {s.get('gc_frozen_objects')}",
+        lambda s: full(s)["total_ms"], "serve")
     return rows
 
 

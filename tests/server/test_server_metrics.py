@@ -77,6 +77,9 @@ def test_garbage_collections_are_timed_by_generation_until_the_metrics_are_gone(
     del server
     gc.collect()  # the callback holds no reference: the metrics object goes, and later collections are not counted
     assert gone() is None
+    callbacks = len(gc.callbacks)
+    ServerMetrics().time_gc()  # a new timer drops the dead one's callback as it adds its own
+    assert len(gc.callbacks) == callbacks
 
 
 def test_a_collection_while_the_metrics_lock_is_held_does_not_hang():

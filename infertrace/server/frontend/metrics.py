@@ -6,7 +6,7 @@ Names follow vLLM's (`vllm:num_requests_running` -> `infertrace:num_requests_run
 from __future__ import annotations
 
 import collections
-import itertools
+import contextlib
 import math
 import threading
 from typing import Any
@@ -37,13 +37,15 @@ _COUNTER_HELP = {
 
 
 class Histogram:
-    """Cumulative-bucket histogram; observed from the engine thread, read from the event loop."""
+    """Cumulative-bucket histogram; observed from the engine thread, read from the event loop. `locked=False` for
+    one observer that may run while its own thread holds any lock (the garbage collector's callback): no lock is
+    taken, and a reader may see an observation counted a moment before its value is added to the sum."""
 
-    def __init__(self, buckets: tuple[float, ...] = STEP_TIME_BUCKETS_S) -> None:
+    def __init__(self, buckets: tuple[float, ...] = STEP_TIME_BUCKETS_S, locked: bool = True) -> None:
         self.buckets = tuple(sorted(buckets)) + (math.inf,)
         self._counts = [0] * len(self.buckets)
         self._sum = 0.0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock() if locked else contextlib.nullcontext()
 
     def observe(self, value: float) -> None:
         with self._lock:
@@ -72,9 +74,7 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.counts: collections.Counter[str] = collections.Counter()  # "finished:stop", "rejected:queue_full", ...
         self._step_times: dict[str, Histogram] = {}
-        # by the collector's generation, 0-2: per-bucket counts and the sum, written only by the collector's callback
-        self._gc_counts = {str(g): [0] * len(STEP_BOUNDS) for g in range(3)}
-        self._gc_sums = {str(g): 0.0 for g in range(3)}
+        self._gc_pauses = self._fresh_gc_pauses()  # by the collector's generation, 0-2
         self._lock = threading.Lock()
 
     def count(self, deltas: dict[str, int]) -> None:
@@ -88,34 +88,26 @@ class ServerMetrics:
                 histogram = self._step_times[kind] = Histogram()
         histogram.observe(duration_s)
 
+    @staticmethod
+    def _fresh_gc_pauses() -> dict[str, Histogram]:
+        # unlocked: the collector calls back at any allocation, also while this very thread holds a lock of
+        # ServerMetrics (taking one there hung `count()` for ever in a test run); collections never overlap
+        return {str(g): Histogram(locked=False) for g in range(3)}
+
     def observe_gc(self, generation: int, duration_s: float) -> None:
-        """Takes no lock: the collector calls back at any allocation, also while this very thread holds one of these
-        locks (a lock here hung `count()` for ever in a test run). Collections never overlap, so the callback is the
-        only writer; a reader may see a collection counted a moment before its time is added."""
-        counts = self._gc_counts[str(generation)]
-        for i, bound in enumerate(STEP_BOUNDS):
-            if duration_s <= bound:
-                counts[i] += 1
-                break
-        self._gc_sums[str(generation)] += duration_s
+        self._gc_pauses[str(generation)].observe(duration_s)
 
     def forget_gc(self) -> None:
-        for generation, counts in self._gc_counts.items():
-            counts[:] = [0] * len(counts)
-            self._gc_sums[generation] = 0.0
+        self._gc_pauses = self._fresh_gc_pauses()
 
     def snapshot(self) -> dict[str, Any]:
         """Plain data for /metrics: {"counts": {...}, "step_times": {kind: [cumulative counts, sum, count]},
         "gc_pauses": {generation: [cumulative counts, sum, count]}}."""
         with self._lock:
             counts, histograms = dict(self.counts), dict(self._step_times)
-        pauses = {}
-        for generation, per_bucket in self._gc_counts.items():
-            cumulative = list(itertools.accumulate(per_bucket))
-            if cumulative[-1]:
-                pauses[generation] = [cumulative, self._gc_sums[generation], cumulative[-1]]
+        pauses = {generation: list(h.snapshot()) for generation, h in self._gc_pauses.items()}
         return {"counts": counts, "step_times": {kind: list(h.snapshot()) for kind, h in histograms.items()},
-                "gc_pauses": pauses}
+                "gc_pauses": {generation: p for generation, p in pauses.items() if p[2]}}
 
     def time_gc(self) -> None:
         """Observe every garbage collection of this process (its pause of the engine loop) from now on, until this
@@ -130,13 +122,21 @@ class ServerMetrics:
         def on_gc(phase: str, info: dict) -> None:
             metrics = ref()
             if metrics is None:
-                return  # not removed here: the collector is walking its list of callbacks
+                return  # removed by the next time_gc(): the collector is walking its list of callbacks now
             if phase == "start":
                 started[:] = [time.perf_counter()]
             elif started:
                 metrics.observe_gc(info["generation"], time.perf_counter() - started.pop())
 
+        on_gc.server_metrics = ref
+        gc.callbacks[:] = [cb for cb in gc.callbacks if not _timed_gone(cb)]
         gc.callbacks.append(on_gc)
+
+
+def _timed_gone(callback) -> bool:
+    """Whether `callback` is a `time_gc` callback whose ServerMetrics is gone."""
+    ref = getattr(callback, "server_metrics", None)
+    return ref is not None and ref() is None
 
 
 def _labelled(counts: dict[str, int], family: str) -> dict[str, int]:
@@ -176,19 +176,10 @@ def render(model_name: str, engine_stats: dict[str, Any], server: dict[str, Any]
     out.metric("client_disconnects_total", "counter", "Requests aborted because their client went away.",
                counts.get("client_disconnects", 0))
 
-    out.header("step_duration_seconds", "histogram", "Engine step wall time, by step kind.")
-    for kind, (cumulative, total_s, count) in sorted(server.get("step_times", {}).items()):
-        for bound, n in zip(STEP_BOUNDS, cumulative):
-            out.sample("step_duration_seconds_bucket", n, kind=kind, le=_number(bound))
-        out.sample("step_duration_seconds_sum", total_s, kind=kind)
-        out.sample("step_duration_seconds_count", count, kind=kind)
-    out.header("gc_pause_seconds", "histogram", "Garbage collections of the engine's process, by generation: each "
-               "pauses the engine loop.")
-    for generation, (cumulative, total_s, count) in sorted(server.get("gc_pauses", {}).items()):
-        for bound, n in zip(STEP_BOUNDS, cumulative):
-            out.sample("gc_pause_seconds_bucket", n, generation=generation, le=_number(bound))
-        out.sample("gc_pause_seconds_sum", total_s, generation=generation)
-        out.sample("gc_pause_seconds_count", count, generation=generation)
+    out.histograms("step_duration_seconds", "Engine step wall time, by step kind.", "kind",
+                   server.get("step_times", {}))
+    out.histograms("gc_pause_seconds", "Garbage collections of the engine's process, by generation: each pauses the "
+                   "engine loop.", "generation", server.get("gc_pauses", {}))
     return out.text()
 
 
@@ -208,6 +199,15 @@ class _Writer:
     def metric(self, name: str, kind: str, help_text: str, value: float) -> None:
         self.header(name, kind, help_text)
         self.sample(name, value)
+
+    def histograms(self, name: str, help_text: str, label: str, snapshots: dict[str, list]) -> None:
+        """One histogram family, a series per `label` value: {value: [cumulative counts, sum, count]}."""
+        self.header(name, "histogram", help_text)
+        for value, (cumulative, total, count) in sorted(snapshots.items()):
+            for bound, n in zip(STEP_BOUNDS, cumulative):
+                self.sample(f"{name}_bucket", n, **{label: value, "le": _number(bound)})
+            self.sample(f"{name}_sum", total, **{label: value})
+            self.sample(f"{name}_count", count, **{label: value})
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
