@@ -23,7 +23,7 @@ AR_KERNELS = ("all_reduce", "allreduce", "AllReduce")  # one_shot_all_reduce*, t
 
 
 def run_one(model_dir: str, tp: int, all_reduce: str, batch: int, input_len: int, output_len: int,
-            profile_dir: str | None, overrides: dict, host_profile: int = 0) -> dict:
+            profile_dir: str | None, overrides: dict, host_profile: int = 0, timeline: bool = False) -> dict:
     """One configuration in this process: warm up, time one batch, optionally capture a short profile."""
     import random
 
@@ -49,6 +49,9 @@ def run_one(model_dir: str, tp: int, all_reduce: str, batch: int, input_len: int
               "tok_s": batch * output_len / elapsed, "elapsed_s": elapsed, "runs_s": runs,
               "async_scheduling": path["async_scheduling"], "skinny_gemm": path["skinny_gemm"],
               "prefill_cuda_graphs_captured": path["prefill_cuda_graphs_captured"]}
+    result |= decode_graph_time(llm, batch)
+    if timeline:
+        result["timeline"] = host_timeline_summary(llm, prompts)
     if host_profile:
         result["host_profile"] = host_hotspots(llm, prompts, host_profile)
     if profile_dir is not None:
@@ -65,6 +68,59 @@ def run_one(model_dir: str, tp: int, all_reduce: str, batch: int, input_len: int
         result["traces"] = [str(p) for p in traces]
     llm.shutdown()
     return result
+
+
+def decode_graph_time(llm, batch: int, replays: int = 200) -> dict:
+    """The batch's decode graph replayed back to back on every rank at once, no host in between: the GPU's own time
+    per decode step (each rank's, by CUDA events), against which the measured step interval shows the host's part."""
+    engine = llm.engine
+    runner = engine.runner
+    if runner.graphs is None:
+        return {}
+    if engine.other_ranks is None:
+        return {"graph_ms_ranks": [runner.time_decode_graph(batch, replays)]}
+    mine, theirs = engine.other_ranks.call_together("time_decode_graph", (batch, replays),
+                                                    lambda: runner.time_decode_graph(batch, replays))
+    return {"graph_ms_ranks": [mine, *theirs]}
+
+
+def host_timeline_summary(llm, prompts, steps: int = 128) -> dict:
+    """Medians over `steps` decode steps of the host path between the ranks (engine/host_timeline.py): rank 0's
+    send of a step's inputs, rank 1's receipt and launch, rank 0's launch, and rank 0's turnaround from step N's
+    tokens landing to sending step N+2 (async scheduling's critical host path), in microseconds."""
+    from infertrace.engine import SamplingParams, host_timeline
+
+    others = llm.engine.other_ranks
+    if others is None:
+        return {}
+    host_timeline.start()
+    others.call("timeline", True)
+    llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))
+    mine = host_timeline.stop()
+    theirs = others.call("timeline", False)[0]
+
+    def times(events, what):
+        return [t for w, t in events if w == what]
+
+    send, launched0, landed = times(mine, "send"), times(mine, "launched"), times(mine, "landed")
+    recv, launched1 = times(theirs, "recv"), times(theirs, "launched")
+    n = min(len(send), len(launched0), len(landed), len(recv), len(launched1))
+
+    def median_us(values):
+        values = sorted(values)
+        return round(values[len(values) // 2] / 1e3, 1) if values else None
+
+    body = range(2, n - 2)  # the prefill and the last steps left out
+    return {
+        "steps": n,
+        "send_interval_us": median_us([send[i + 1] - send[i] for i in body]),
+        "pipe_us": median_us([recv[i] - send[i] for i in body]),
+        "rank1_launch_us": median_us([launched1[i] - recv[i] for i in body]),
+        "rank0_launch_us": median_us([launched0[i] - send[i] for i in body]),
+        "rank1_after_rank0_us": median_us([launched1[i] - launched0[i] for i in body]),
+        "turnaround_us": median_us([send[i + 2] - landed[i] for i in body]),
+        "wait_for_tokens_us": median_us([landed[i] - launched0[i + 1] for i in body]),
+    }
 
 
 def host_hotspots(llm, prompts, top: int, steps: int = 128) -> list[list]:
@@ -145,8 +201,11 @@ def main() -> None:
     ap.add_argument("--profile-dir", default=None, help="capture a profile of each configuration here")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also print rank 0's N costliest Python functions per decode step (cProfile)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also time the host path between the ranks per decode step (engine/host_timeline.py)")
     ap.add_argument("--variants", default="", help="more TP>1 runs, ';'-separated, each tp:all_reduce:key=value,...")
     ap.add_argument("--out", default=None, help="JSON file for every figure")
+    ap.add_argument("--config-timeout", type=float, default=900.0, help="seconds one configuration may take")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one configuration
     args = ap.parse_args()
 
@@ -154,7 +213,7 @@ def main() -> None:
         tp, ar, *rest = args.one.split(":")
         overrides = dict(kv.split("=", 1) for kv in rest[0].split(",")) if rest and rest[0] else {}
         res = run_one(args.model, int(tp), ar, args.batch, args.input_len, args.output_len, args.profile_dir,
-                      overrides, args.host_profile)
+                      overrides, args.host_profile, args.timeline)
         print("RESULT " + json.dumps(res), flush=True)
         return
 
@@ -186,8 +245,16 @@ def main() -> None:
             cmd += ["--profile-dir", args.profile_dir]
         if args.host_profile:
             cmd += ["--host-profile", str(args.host_profile)]
+        if args.timeline:
+            cmd += ["--timeline"]
         t0 = time.perf_counter()
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=os.environ)
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.config_timeout, env=os.environ)
+        except subprocess.TimeoutExpired as e:
+            tail = (e.stderr or b"")[-2000:]
+            print(f"{one}: no result within {args.config_timeout:.0f} s\n"
+                  f"{tail.decode(errors='replace') if isinstance(tail, bytes) else tail}", file=sys.stderr, flush=True)
+            continue
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             print(f"{one}: failed (code {out.returncode})\n{out.stderr[-3000:]}", file=sys.stderr)
@@ -195,7 +262,12 @@ def main() -> None:
         res = json.loads(line[len("RESULT "):])
         res["process_s"] = time.perf_counter() - t0
         results.append(res)
-        print(f"{one}: {res['tok_s']:.0f} tok/s ({res['process_s']:.0f} s)", file=sys.stderr, flush=True)
+        graph = res.get("graph_ms_ranks")
+        graph_text = f", decode graph alone {'/'.join(f'{g:.3f}' for g in graph)} ms" if graph else ""
+        print(f"{one}: {res['tok_s']:.0f} tok/s, step {res['elapsed_s'] * 1e3 / args.output_len:.3f} ms{graph_text} "
+              f"({res['process_s']:.0f} s)", file=sys.stderr, flush=True)
+        if res.get("timeline"):
+            print(f"  host path: {json.dumps(res['timeline'])}", file=sys.stderr, flush=True)
         for rank, summary in enumerate(res.get("ranks", [])):
             print(f"  rank {rank}: {json.dumps(summary)}", file=sys.stderr, flush=True)
         for fn, own, cum, calls in res.get("host_profile", []):
@@ -203,7 +275,7 @@ def main() -> None:
     base = next((r["tok_s"] for r in results if r["tp"] == 1), None)
     print(f"\n{args.preset}, batch {args.batch}, {args.input_len} in / {args.output_len} out, greedy")
     print(f"{'TP':>3} {'all-reduce':>10} {'overrides':>24} {'tok/s':>8} {'x TP=1':>7} {'AR us/step':>10} {'AR share':>8} "
-          f"{'GPU busy us/step':>16} {'wall ms/step':>12}")
+          f"{'GPU busy us/step':>16} {'wall ms/step':>12} {'graph ms':>8}")
     def fmt(value, spec: str) -> str:
         return "" if value is None else format(value, spec)
 
@@ -212,7 +284,8 @@ def main() -> None:
         extra = ",".join(f"{k}={v}" for k, v in r["overrides"].items())
         print(f"{r['tp']:>3} {r['all_reduce']:>10} {extra:>24} {r['tok_s']:>8.0f} {ratio:>7.2f} "
               f"{fmt(r.get('all_reduce_us_per_step'), '.0f'):>10} {fmt(r.get('all_reduce_share_of_span'), '.1%'):>8} "
-              f"{fmt(r.get('gpu_busy_us_per_step'), '.0f'):>16} {fmt(r.get('profiled_wall_ms_per_step'), '.2f'):>12}")
+              f"{fmt(r.get('gpu_busy_us_per_step'), '.0f'):>16} {fmt(r.get('profiled_wall_ms_per_step'), '.2f'):>12} "
+              f"{fmt((r.get('graph_ms_ranks') or [None])[0], '.3f'):>8}")
     if args.out:
         Path(args.out).write_text(json.dumps({"preset": args.preset, "batch": args.batch, "input_len": args.input_len,
                                               "output_len": args.output_len, "results": results}, indent=2))

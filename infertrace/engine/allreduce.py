@@ -21,6 +21,7 @@ from infertrace.engine.config import ALL_REDUCE_MODES
 
 CUSTOM_MAX_BYTES = 8 << 20  # larger messages (prefill of many tokens) go through NCCL, which is as fast there
 ONE_SHOT_MAX_BYTES = 512 << 10  # four or more ranks: two shots above this (each rank reads a 1/N share)
+PLANES_MAX_BYTES = 1 << 20  # the float32 partial sums a decode step's projection writes into the planes buffer
 _DTYPES = (torch.bfloat16, torch.float32)  # those PyTorch's one-/two-shot kernels add
 
 
@@ -42,7 +43,8 @@ class PeerMemoryAllReduce:
 
     name = "custom"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, world_size: int, max_bytes: int = CUSTOM_MAX_BYTES):
+    def __init__(self, device: torch.device, dtype: torch.dtype, world_size: int, max_bytes: int = CUSTOM_MAX_BYTES,
+                 planes: bool = False):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -52,10 +54,34 @@ class PeerMemoryAllReduce:
         self.max_numel = max_bytes // dtype.itemsize
         self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)  # a collective: every rank exchanges its buffer's handle
+        # `planes`: a second buffer, float32, which the row-parallel skinny GEMMs write their partial sums into
+        self.planes = None
+        if planes:
+            self.planes = symm_mem.empty(PLANES_MAX_BYTES // 4, dtype=torch.float32, device=device)
+            symm_mem.rendezvous(self.planes, self.group_name)
         self.nccl = NcclAllReduce()
         self.ops = torch.ops.symm_mem
         self.custom_calls = 0  # counted at capture or eager call time
         self.nccl_calls = 0
+        self.plane_calls = 0
+
+    def planes_out(self, split: int, rows: int, cols: int) -> torch.Tensor | None:
+        """Where a projection writes its float32 partial sums [split, rows, cols] for `reduce_planes` (the head of
+        the planes buffer), or None when they do not fit (or this all-reduce has no planes buffer)."""
+        n = split * rows * cols
+        if self.planes is None or n > self.planes.numel():
+            return None
+        return self.planes[:n].view(split, rows, cols)
+
+    def reduce_planes(self, planes: torch.Tensor) -> torch.Tensor:
+        """The partial sums every rank wrote into `planes_out(...)`, added up across ranks in float32 (one-shot: the
+        same order of ranks on every rank, so every rank gets the same bits); the planes are left for the kernel
+        after to add. The kernel opens and closes with a barrier, so the next projection may write the buffer as
+        soon as it returns."""
+        self.plane_calls += 1
+        n = planes.numel()
+        out = self.ops.one_shot_all_reduce(self.planes[:n], "sum", self.group_name)
+        return out.view_as(planes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = x.numel()
@@ -84,7 +110,7 @@ def custom_unavailable(device: torch.device, dtype: torch.dtype, world_size: int
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError as e:
         return f"torch.distributed._symmetric_memory is missing ({e})"
-    for op in ("one_shot_all_reduce_copy", "two_shot_all_reduce_out"):
+    for op in ("one_shot_all_reduce_copy", "one_shot_all_reduce", "two_shot_all_reduce_out"):
         if not hasattr(torch.ops.symm_mem, op):
             return f"this PyTorch ({torch.__version__}) has no symm_mem.{op}"
     peers = [r for r in range(world_size) if r != device.index]
@@ -94,10 +120,11 @@ def custom_unavailable(device: torch.device, dtype: torch.dtype, world_size: int
     return None
 
 
-def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_size: int):
+def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_size: int, planes: bool = False):
     """The all-reduce every rank uses; a collective (the ranks agree on the choice): call it on every rank, after
-    the process group is up and before any CUDA graph is captured. Returns (implementation, why custom was not
-    chosen or None)."""
+    the process group is up and before any CUDA graph is captured. `planes`: the custom one also takes projections'
+    float32 partial sums (`planes_out`, `reduce_planes`). Returns (implementation, why custom was not chosen or
+    None)."""
     import torch.distributed as dist
 
     if mode not in ALL_REDUCE_MODES:
@@ -123,4 +150,4 @@ def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_s
             pass
     # no enable_symm_mem_for_group (deprecated): it caches the group's store by name, and an engine started after
     # another in the same process gets a new group of the same name
-    return PeerMemoryAllReduce(device, dtype, world_size), None
+    return PeerMemoryAllReduce(device, dtype, world_size, planes=planes), None

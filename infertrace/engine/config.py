@@ -115,6 +115,14 @@ class EngineConfig:
     all_reduce: str = setting(
         "auto", "Tensor-parallel all-reduce: auto, nccl, or custom (peer-memory one-shot for small messages, NCCL "
                 "above 8 MiB).")
+    # with the custom all-reduce and the skinny GEMMs: a row-parallel projection of a decode step writes its float32
+    # split-K partial sums straight into the peer-memory buffer, the one-shot kernel adds them up across ranks in
+    # float32 and the residual add + RMSNorm after it adds the planes, one rounding in all (off: the planes are added
+    # and rounded by two more kernels, then all-reduced in the model's dtype); vLLM's all-reduce + RMSNorm fusion pass
+    # is the same idea
+    all_reduce_fusion: bool = setting(
+        True, "With the custom all-reduce and skinny GEMMs: a row-parallel projection's float32 partial sums are "
+              "written into the peer-memory buffer and all-reduced there, with no separate sum and cast.")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")

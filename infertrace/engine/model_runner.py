@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from infertrace.engine import host_timeline
 from infertrace.engine.annotate import annotate, step_range_name
 from infertrace.engine.attention import AttentionMetadata, make_attention_backend
 from infertrace.engine.config import EngineConfig
@@ -118,6 +119,7 @@ class LaunchedStep:
         elif self.event is not None:
             if self.other_ranks is not None:
                 self.other_ranks.wait(self.event)
+                host_timeline.mark("landed")
             else:
                 self.event.synchronize()
             values = self.host[: self.tokens.numel()].tolist()
@@ -144,7 +146,9 @@ class ModelRunner:
         if tp.size > 1:  # the ranks agree on it (a collective), before any graph is captured
             from infertrace.engine.allreduce import make_all_reduce
 
-            reduce, self.all_reduce_note = make_all_reduce(config.all_reduce, self.device, self.dtype, tp.size)
+            planes = config.all_reduce_fusion and config.skinny_gemm and config.fused_norm
+            reduce, self.all_reduce_note = make_all_reduce(config.all_reduce, self.device, self.dtype, tp.size,
+                                                           planes=planes)
             tp = dataclasses.replace(tp, reduce=reduce)
             self.all_reduce_name = reduce.name
         self.tp = tp
@@ -332,6 +336,8 @@ class ModelRunner:
             self._turn ^= 1
             host[: tokens.numel()].copy_(tokens, non_blocking=True)
             event.record()
+            if self.other_ranks is not None:
+                host_timeline.mark("launched")
             return LaunchedStep(plan, samples, tokens, host, event, self.other_ranks)
 
     @torch.inference_mode()
@@ -359,6 +365,22 @@ class ModelRunner:
 
         dist.broadcast(tokens, src=0)
         return tokens
+
+    @torch.inference_mode()
+    def time_decode_graph(self, batch_size: int, replays: int) -> float:
+        """GPU milliseconds of one replay of the decode graph for `batch_size`, replayed `replays` times back to back
+        over the inputs last put in the step buffers (run when no request is running: the replays write the KV of
+        those inputs again). With more ranks every rank must call it at once: the graphs meet in their collectives."""
+        graph, _ = self.graphs.graphs[self.graphs.bucket_for(batch_size)]
+        graph.replay()  # the ranks meet here first
+        torch.cuda.synchronize(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / replays
 
     def forward(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor | None:

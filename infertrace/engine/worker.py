@@ -31,8 +31,9 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from infertrace.engine import host_timeline
 from infertrace.engine.config import EngineConfig
 
 START_TIMEOUT_S = 300.0  # a rank's start: torch import, weight load, CUDA-graph capture
@@ -158,6 +159,7 @@ class OtherRanks:
     def step(self, inputs) -> None:
         self.check()
         self._check_alive()
+        host_timeline.mark("send")
         data = pickle.dumps(("step", inputs), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for conn in self.conns:
@@ -168,11 +170,17 @@ class OtherRanks:
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """Call `runner-side method(*args)` on every other rank (see `_Rank.call`); their results, rank order."""
+        return self.call_together(method, args)[1]
+
+    def call_together(self, method: str, args: tuple, local: Callable[[], Any] | None = None) -> tuple[Any, list[Any]]:
+        """`call`, with `local()` run on rank 0 while the other ranks run theirs (a call whose work meets in
+        collectives, such as replaying a graph); (local's result, the other ranks' results in rank order)."""
         self._check_alive()
         data = pickle.dumps(("call", method, args))
         for conn in self.conns:
             conn.send_bytes(data)
-        return self._wait_all("result", CALL_TIMEOUT_S)
+        mine = local() if local is not None else None
+        return mine, self._wait_all("result", CALL_TIMEOUT_S)
 
     def _wait_all(self, expected: str, timeout: float = START_TIMEOUT_S) -> list[Any]:
         results: dict[int, Any] = {}
@@ -360,9 +368,11 @@ class _Rank:
             if kind == "exit":
                 return True
             if kind == "step":
+                host_timeline.mark("recv")
                 inputs = message[1]
                 with annotate(inputs.name):
                     self.runner.execute(inputs)
+                host_timeline.mark("launched")
                 continue
             try:
                 result = self.call(message[1], *message[2])
@@ -382,6 +392,13 @@ class _Rank:
         if method == "stop_profile":
             profiler, self.profiler = self.profiler, None
             return None if profiler is None else profiler.stop()
+        if method == "timeline":  # True: start recording host marks; False: stop and return them
+            if args[0]:
+                host_timeline.start()
+                return None
+            return host_timeline.stop()
+        if method == "time_decode_graph":
+            return self.runner.time_decode_graph(*args)
         raise ValueError(f"unknown rank call {method!r}")
 
 

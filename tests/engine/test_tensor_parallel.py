@@ -95,6 +95,28 @@ def test_async_scheduling_across_ranks_gives_the_tokens_of_one(make_engine, run_
     assert counters["overlapped_steps"] > 10  # the decode steps were planned ahead of their inputs
 
 
+def test_the_host_timeline_marks_every_step_on_both_ranks_in_order(make_engine, run_engine, make_prompts):
+    """benchmarks/tp_bench.py --timeline: each step rank 0 sends is received and launched by rank 1, later by the
+    clock both processes share."""
+    from infertrace.engine import host_timeline
+
+    engine = make_engine(kv_cache_tokens=2048, tensor_parallel_size=2)
+    try:
+        host_timeline.start()
+        engine.other_ranks.call("timeline", True)
+        run_engine(engine, make_prompts([3, 20], seed=8), GREEDY)
+        mine = host_timeline.stop()
+        theirs = engine.other_ranks.call("timeline", False)[0]
+    finally:
+        engine.shutdown()
+    send = [t for what, t in mine if what == "send"]
+    recv = [t for what, t in theirs if what == "recv"]
+    launched = [t for what, t in theirs if what == "launched"]
+    assert len(send) == len(recv) == len(launched) == engine.counters["steps"] >= 8
+    assert all(s <= r <= ln for s, r, ln in zip(send, recv, launched))
+    assert host_timeline.EVENTS is None  # off again: marks cost nothing
+
+
 @pytest.mark.parametrize(("size", "message"), [
     (3, r"tensor_parallel_size=3 does not divide the model's attention heads \(4\)"),
     (4, r"tensor_parallel_size=4 does not divide the model's KV heads \(2\)"),
@@ -305,3 +327,43 @@ def test_auto_all_reduce_on_cpu_is_torch_distributed_s(make_engine):
         assert path["all_reduce_note"] == "it needs CUDA GPUs (device cpu)"
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_a_row_parallel_decode_projection_writes_its_planes_where_the_all_reduce_reads_them(monkeypatch, split):
+    """all_reduce_fusion: the skinny GEMM writes its float32 split-K planes into the all-reduce's planes buffer and
+    the planes, all-reduced, go on to the residual add + RMSNorm (which adds them); the GEMM and the peer-memory
+    kernel are stood in for by torch ops (both are CUDA-only)."""
+    from infertrace.engine.models import qwen3
+    from infertrace.engine.parallel import RowParallelLinear
+
+    def decode_config(n, k, planes):
+        return 32, 128, split if planes else 1, 4
+
+    def skinny_gemm(x, weight, out=None, *, block_n, block_k, split_k=1, num_stages):
+        parts = torch.stack([p @ w.T for p, w in zip(x.float().chunk(split_k, 1), weight.float().chunk(split_k, 1))])
+        target = out if split_k > 1 else out[None]
+        target.copy_(parts)
+        return out
+
+    class TwoRanks:  # the other rank wrote the same planes: the all-reduce doubles them
+        def __init__(self):
+            self.buffer = torch.full((4096,), float("nan"))
+            self.reduced = []
+
+        def planes_out(self, s, rows, cols):
+            return self.buffer[: s * rows * cols].view(s, rows, cols)
+
+        def reduce_planes(self, planes):
+            assert planes.data_ptr() == self.buffer.data_ptr()  # the GEMM wrote straight into the buffer
+            self.reduced.append(planes.shape)
+            return planes * 2
+
+    monkeypatch.setattr(qwen3, "_skinny_kernels", lambda: (decode_config, skinny_gemm))
+    reduce = TwoRanks()
+    layer = RowParallelLinear(64, 24, False, torch.float32, TensorParallel(0, 2, reduce))
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(3, 32)
+    planes = qwen3.row_parallel_decode(x, layer)
+    assert reduce.reduced == [(split, 3, 24)] and planes.shape == (split, 3, 24) and planes.dtype == torch.float32
+    torch.testing.assert_close(planes.sum(0), 2 * x @ layer.weight.T, rtol=1e-5, atol=1e-5)

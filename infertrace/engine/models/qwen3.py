@@ -136,6 +136,27 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, planes: bool = False) -
                        num_stages=stages)
 
 
+def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear) -> torch.Tensor:
+    """x @ W.T of a row-parallel projection of a decode step by the skinny GEMM, added up over the ranks, for the
+    residual add + RMSNorm after it, which adds float32 planes [split, T, N] as it reads them. One rank: the GEMM's
+    own split-K planes. More ranks, where the all-reduce takes planes (`all_reduce_fusion`): the GEMM writes them
+    into its peer-memory buffer and they are all-reduced there, in float32. Otherwise they are added up, rounded to
+    the model's dtype and all-reduced as one [T, N] tensor."""
+    tp = layer.tp
+    planes_out = getattr(tp.reduce, "planes_out", None)
+    if tp.size > 1 and planes_out is not None:
+        decode_config, skinny_gemm = _skinny_kernels()
+        n, k = layer.weight.shape
+        block_n, block_k, split_k, stages = decode_config(n, k, True)
+        out = planes_out(split_k, x.shape[0], n)
+        if out is not None:
+            skinny_gemm(x, layer.weight, out if split_k > 1 else out[0], block_n=block_n, block_k=block_k,
+                        split_k=split_k, num_stages=stages)
+            return tp.reduce.reduce_planes(out)
+    partial = decode_linear(x, layer.weight, planes=True)
+    return tp.reduce_partial_sums(partial, x.dtype)
+
+
 class Qwen3Attention(nn.Module):
     def __init__(self, spec: Qwen3Spec, dtype: torch.dtype, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -174,9 +195,8 @@ class Qwen3Attention(nn.Module):
             out = attn.forward(q, None, None, self.k_cache, self.v_cache, meta, self.scale, kv_stored=True)
         else:
             out = self._attend(x, positions, rope, attn, meta, fused, skinny, stored)
-        if skinny:  # with more ranks, the split-K sums are added up and then all-reduced
-            partial = decode_linear(out.reshape(-1, self.q_size), self.o_proj.weight, planes=True)
-            return self.o_proj.tp.reduce_partial_sums(partial, out.dtype)
+        if skinny:
+            return row_parallel_decode(out.reshape(-1, self.q_size), self.o_proj)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _attend(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata, fused: bool,
@@ -222,8 +242,7 @@ class Qwen3MLP(nn.Module):
                                                num_warps=warps)
                 else:
                     act = kernels.silu_mul(decode_linear(x, w))
-                partial = decode_linear(act, self.down_proj.weight, planes=True)
-                return self.down_proj.tp.reduce_partial_sums(partial, x.dtype)
+                return row_parallel_decode(act, self.down_proj)
             return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
