@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from infertrace.engine.kernels import launch
+from infertrace.engine.kernels import launch, tuning
 from infertrace.engine.kernels.skinny_gemm import load_planes
 
 
@@ -213,7 +213,7 @@ def qkv_norm_rope(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, num_k
 
 
 # (N, K) of a qkv projection -> (block_k, num_stages, num_warps) of `qkv_norm_rope` ahead of the shapes measured
-QKV_TUNED: dict[tuple[int, int], tuple[int, int, int] | None] = {}
+QKV_TUNED: dict[tuple[int, int], tuple[int, int, int] | None] = tuning.load("qkv_norm_rope")
 
 
 def qkv_fused_config(n: int, k: int) -> tuple[int, int, int] | None:
@@ -294,7 +294,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = 64, bl
 
 
 # (2I, hidden) of a merged gate/up projection -> (block_n, block_k, num_stages, num_warps) of `gate_up_silu`
-GATE_UP_TUNED: dict[tuple[int, int], tuple[int, int, int, int] | None] = {}
+GATE_UP_TUNED: dict[tuple[int, int], tuple[int, int, int, int] | None] = tuning.load("gate_up_silu")
 
 
 def gate_up_silu_config(n: int, k: int) -> tuple[int, int, int, int] | None:

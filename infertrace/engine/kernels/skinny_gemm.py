@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from infertrace.engine.kernels import launch
+from infertrace.engine.kernels import launch, tuning
 
 
 @triton.jit
@@ -95,7 +95,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
 
 
 # (N, K) -> (block_n, block_k, split_k, num_stages) ahead of decode_config's rules (benchmarks try tilings with it)
-TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = tuning.load("skinny_gemm")
 
 
 def decode_config(n: int, k: int, planes: bool = False) -> tuple[int, int, int, int]:

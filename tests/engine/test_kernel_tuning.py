@@ -1,0 +1,40 @@
+"""INFERTRACE_KERNEL_TUNING: tilings from a JSON file, ahead of the kernels' rules (engine/kernels/tuning.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infertrace.engine.kernels import tuning
+
+
+def test_the_file_s_tilings_are_keyed_by_shape(tmp_path, monkeypatch):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"skinny_gemm": {"2560,2048": [64, 128, 4, 4]}, "qkv_norm_rope": {"3072,2560": None}}))
+    monkeypatch.setenv(tuning.ENV, str(path))
+    assert tuning.load("skinny_gemm") == {(2560, 2048): (64, 128, 4, 4)}
+    assert tuning.load("qkv_norm_rope") == {(3072, 2560): None}
+    assert tuning.load("gate_up_silu") == {}
+
+
+def test_unset_means_the_rules_alone(monkeypatch):
+    monkeypatch.delenv(tuning.ENV, raising=False)
+    assert tuning.load("skinny_gemm") == {}
+
+
+@pytest.mark.parametrize("text", ["not json", '{"skinny_gemm": {"2560": [1]}}', '["a list"]'])
+def test_a_file_that_is_not_a_tiling_file_is_an_error_naming_it(tmp_path, monkeypatch, text):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    monkeypatch.setenv(tuning.ENV, str(path))
+    with pytest.raises(ValueError, match=f"{tuning.ENV}={path}: not a tiling file"):
+        tuning.load("skinny_gemm")
+
+
+def test_the_benchmark_s_tp_tilings_parse(monkeypatch):
+    path = Path(__file__).parents[2] / "benchmarks" / "tp_tilings.json"
+    monkeypatch.setenv(tuning.ENV, str(path))
+    assert all(len(v) == 4 for v in tuning.load("skinny_gemm").values())
+    assert all(len(v) == 4 for v in tuning.load("gate_up_silu").values())
