@@ -44,7 +44,7 @@ class PeerMemoryAllReduce:
     name = "custom"
 
     def __init__(self, device: torch.device, dtype: torch.dtype, world_size: int, max_bytes: int = CUSTOM_MAX_BYTES,
-                 planes: bool = False):
+                 fusion: str = "off", hidden_size: int = 0):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -54,11 +54,18 @@ class PeerMemoryAllReduce:
         self.max_numel = max_bytes // dtype.itemsize
         self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)  # a collective: every rank exchanges its buffer's handle
-        # `planes`: a second buffer, float32, which the row-parallel skinny GEMMs write their partial sums into
+        self.fusion = fusion  # EngineConfig.all_reduce_fusion
+        # "planes": a second buffer, float32, which the row-parallel skinny GEMMs write their partial sums into
         self.planes = None
-        if planes:
+        if fusion == "planes":
             self.planes = symm_mem.empty(PLANES_MAX_BYTES // 4, dtype=torch.float32, device=device)
             symm_mem.rendezvous(self.planes, self.group_name)
+        # "norm": the buffers of the all-reduce + residual add + RMSNorm kernel (kernels/allreduce_norm.py)
+        self.norm = None
+        if fusion == "norm":
+            from infertrace.engine.kernels.allreduce_norm import PushBuffers
+
+            self.norm = PushBuffers(device, world_size, hidden_size, self.group_name)
         self.nccl = NcclAllReduce()
         self.ops = torch.ops.symm_mem
         self.custom_calls = 0  # counted at capture or eager call time
@@ -72,6 +79,18 @@ class PeerMemoryAllReduce:
         if self.planes is None or n > self.planes.numel():
             return None
         return self.planes[:n].view(split, rows, cols)
+
+    def begin_forward(self) -> None:
+        """A forward with `add_rmsnorm` calls starts ("norm" fusion): the slots its calls use move on."""
+        self.norm.begin_forward()
+
+    def add_rmsnorm(self, planes: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, call: int,
+                    calls_per_forward: int) -> torch.Tensor:
+        """`kernels.norm.add_rmsnorm` of the sum over ranks of every rank's float32 partial sums `planes` [split, T,
+        N] ("norm" fusion): all-reduce, residual add (`residual` updated in place) and RMSNorm in one kernel. `call`
+        numbers the calls of a forward, the same on every rank."""
+        self.plane_calls += 1
+        return self.norm.add_rmsnorm(planes, residual, weight, eps, call, calls_per_forward)
 
     def reduce_planes(self, planes: torch.Tensor) -> torch.Tensor:
         """The partial sums every rank wrote into `planes_out(...)`, added up across ranks in float32 (one-shot: the
@@ -120,11 +139,13 @@ def custom_unavailable(device: torch.device, dtype: torch.dtype, world_size: int
     return None
 
 
-def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_size: int, planes: bool = False):
+def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_size: int, fusion: str = "off",
+                    hidden_size: int = 0):
     """The all-reduce every rank uses; a collective (the ranks agree on the choice): call it on every rank, after
-    the process group is up and before any CUDA graph is captured. `planes`: the custom one also takes projections'
-    float32 partial sums (`planes_out`, `reduce_planes`). Returns (implementation, why custom was not chosen or
-    None)."""
+    the process group is up and before any CUDA graph is captured. `fusion` (EngineConfig.all_reduce_fusion): what
+    the custom one also takes from the row-parallel projections of decode steps ("planes": `planes_out` and
+    `reduce_planes`; "norm": `add_rmsnorm` over rows of `hidden_size`). Returns (implementation, why custom was not
+    chosen or None)."""
     import torch.distributed as dist
 
     if mode not in ALL_REDUCE_MODES:
@@ -150,4 +171,4 @@ def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_s
             pass
     # no enable_symm_mem_for_group (deprecated): it caches the group's store by name, and an engine started after
     # another in the same process gets a new group of the same name
-    return PeerMemoryAllReduce(device, dtype, world_size, planes=planes), None
+    return PeerMemoryAllReduce(device, dtype, world_size, fusion=fusion, hidden_size=hidden_size), None

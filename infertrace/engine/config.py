@@ -16,6 +16,7 @@ ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 ALL_REDUCE_MODES = ("auto", "nccl", "custom")
+ALL_REDUCE_FUSIONS = ("planes", "norm", "off")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # token counts of prefill and mixed steps: 16 apart up to 1,024 tokens (vLLM's spacing of its capture sizes above
 # 256), so a prompt chunk with the decodes of a mixed step beside it pads by at most 15 tokens (cuBLAS's GEMM time is
@@ -115,14 +116,16 @@ class EngineConfig:
     all_reduce: str = setting(
         "auto", "Tensor-parallel all-reduce: auto, nccl, or custom (peer-memory one-shot for small messages, NCCL "
                 "above 8 MiB).")
-    # with the custom all-reduce and the skinny GEMMs: a row-parallel projection of a decode step writes its float32
-    # split-K partial sums straight into the peer-memory buffer, the one-shot kernel adds them up across ranks in
-    # float32 and the residual add + RMSNorm after it adds the planes, one rounding in all (off: the planes are added
-    # and rounded by two more kernels, then all-reduced in the model's dtype); vLLM's all-reduce + RMSNorm fusion pass
-    # is the same idea
-    all_reduce_fusion: bool = setting(
-        True, "With the custom all-reduce and skinny GEMMs: a row-parallel projection's float32 partial sums are "
-              "written into the peer-memory buffer and all-reduced there, with no separate sum and cast.")
+    # with the custom all-reduce and the skinny GEMMs, what a row-parallel projection of a decode step hands the
+    # all-reduce: "planes": its float32 split-K partial sums, written straight into the peer-memory buffer, added up
+    # across ranks in float32 by PyTorch's one-shot kernel and then by the residual add + RMSNorm (no separate sum and
+    # cast); "norm": the same sums, all-reduced and fed to the residual add + RMSNorm in one kernel of ours
+    # (kernels/allreduce_norm.py: each rank pushes its part into every rank's buffer, and a rank reads its own as
+    # the parts land, with no barrier; vLLM and FlashInfer's all-reduce + RMSNorm fusion); "off": the sums are added
+    # and rounded by two more kernels, then all-reduced in the model's dtype
+    all_reduce_fusion: str = setting(
+        "planes", "With the custom all-reduce and skinny GEMMs: planes (partial sums all-reduced in float32 in the "
+                  "peer-memory buffer), norm (all-reduce, residual add and RMSNorm as one kernel), or off.")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")
@@ -167,6 +170,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("all_reduce", self.all_reduce, ALL_REDUCE_MODES)
+        _check_choice("all_reduce_fusion", self.all_reduce_fusion, ALL_REDUCE_FUSIONS)
         if self.kv_cache_dtype != "auto" and self.offload != "off":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with offload={self.offload!r}")
         for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):

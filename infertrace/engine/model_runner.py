@@ -146,9 +146,10 @@ class ModelRunner:
         if tp.size > 1:  # the ranks agree on it (a collective), before any graph is captured
             from infertrace.engine.allreduce import make_all_reduce
 
-            planes = config.all_reduce_fusion and config.skinny_gemm and config.fused_norm
+            fusion = config.all_reduce_fusion if config.skinny_gemm and config.fused_norm else "off"
+            hf_hidden = hf_config["hidden_size"]
             reduce, self.all_reduce_note = make_all_reduce(config.all_reduce, self.device, self.dtype, tp.size,
-                                                           planes=planes)
+                                                           fusion=fusion, hidden_size=hf_hidden)
             tp = dataclasses.replace(tp, reduce=reduce)
             self.all_reduce_name = reduce.name
         self.tp = tp

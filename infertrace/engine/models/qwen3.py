@@ -136,13 +136,22 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, planes: bool = False) -
                        num_stages=stages)
 
 
-def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear) -> torch.Tensor:
+def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool = True) -> torch.Tensor:
     """x @ W.T of a row-parallel projection of a decode step by the skinny GEMM, added up over the ranks, for the
     residual add + RMSNorm after it, which adds float32 planes [split, T, N] as it reads them. One rank: the GEMM's
-    own split-K planes. More ranks, where the all-reduce takes planes (`all_reduce_fusion`): the GEMM writes them
-    into its peer-memory buffer and they are all-reduced there, in float32. Otherwise they are added up, rounded to
-    the model's dtype and all-reduced as one [T, N] tensor."""
+    own split-K planes. More ranks, where the all-reduce takes planes (`all_reduce_fusion="planes"`): the GEMM writes
+    them into its peer-memory buffer and they are all-reduced there, in float32. Otherwise they are added up, rounded
+    to the model's dtype and all-reduced as one [T, N] tensor. `reduce=False` (more ranks, "norm" fusion): this
+    rank's float32 planes, for the all-reduce + norm kernel after it."""
     tp = layer.tp
+    if tp.size > 1 and not reduce:
+        decode_config, skinny_gemm = _skinny_kernels()
+        n, k = layer.weight.shape
+        block_n, block_k, split_k, stages = decode_config(n, k, True)
+        out = torch.empty((split_k, x.shape[0], n), dtype=torch.float32, device=x.device)
+        skinny_gemm(x, layer.weight, out if split_k > 1 else out[0], block_n=block_n, block_k=block_k,
+                    split_k=split_k, num_stages=stages)
+        return out
     planes_out = getattr(tp.reduce, "planes_out", None)
     if tp.size > 1 and planes_out is not None:
         decode_config, skinny_gemm = _skinny_kernels()
@@ -176,7 +185,7 @@ class Qwen3Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata,
-                fused: bool = False, skinny: bool = False, fuse_projections: bool = False):
+                fused: bool = False, skinny: bool = False, fuse_projections: bool = False, reduce: bool = True):
         """With `skinny`, the projections run as weight-streaming GEMMs. Where a tiling splits K, the qkv projection
         returns split-K partial sums to the fused q/k norm (when it also writes K and V to the cache) and the output
         projection to the residual add + RMSNorm after it; each adds them up as it reads them. With
@@ -196,7 +205,7 @@ class Qwen3Attention(nn.Module):
         else:
             out = self._attend(x, positions, rope, attn, meta, fused, skinny, stored)
         if skinny:
-            return row_parallel_decode(out.reshape(-1, self.q_size), self.o_proj)
+            return row_parallel_decode(out.reshape(-1, self.q_size), self.o_proj, reduce)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _attend(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata, fused: bool,
@@ -228,7 +237,7 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, False, dtype, tp)
 
     def forward(self, x: torch.Tensor, fused: bool = False, skinny: bool = False,
-                fuse_projections: bool = False) -> torch.Tensor:
+                fuse_projections: bool = False, reduce: bool = True) -> torch.Tensor:
         """With `fuse_projections` (and `skinny`), a gate/up shape measured to gain runs the projection and
         SiLU-and-multiply as one kernel (`fused.gate_up_silu`)."""
         if fused:
@@ -242,7 +251,7 @@ class Qwen3MLP(nn.Module):
                                                num_warps=warps)
                 else:
                     act = kernels.silu_mul(decode_linear(x, w))
-                return row_parallel_decode(act, self.down_proj)
+                return row_parallel_decode(act, self.down_proj, reduce)
             return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -339,14 +348,26 @@ class Qwen3ForCausalLM(nn.Module):
         else:  # the lookup is sharded and all-reduced
             residual = self.model.embed_tokens(input_ids)
             h = add_rmsnorm(residual, None, first.weight, first.eps)
+        # "norm" all-reduce fusion: each projection's partial sums go to the all-reduce + residual add + RMSNorm
+        reducer = self.tp.reduce if skinny and getattr(self.tp.reduce, "fusion", "off") == "norm" else None
+        if reducer is None:
+            def reduce_norm(x, call, norm):
+                return add_rmsnorm(x, residual, norm.weight, norm.eps)
+        else:
+            reducer.begin_forward()
+            calls = 2 * len(layers)
+
+            def reduce_norm(x, call, norm):
+                return reducer.add_rmsnorm(x, residual, norm.weight, norm.eps, call, calls)
+        local = reducer is None
         # `residual` is updated in place by every add_rmsnorm below
         for i, layer in enumerate(layers):
             a = layer.self_attn(h, positions, self.rope, self.attn, meta, fused=True, skinny=skinny,
-                                fuse_projections=one_kernel)
-            h = add_rmsnorm(a, residual, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-            m = layer.mlp(h, fused=True, skinny=skinny, fuse_projections=one_kernel)
+                                fuse_projections=one_kernel, reduce=local)
+            h = reduce_norm(a, 2 * i, layer.post_attention_layernorm)
+            m = layer.mlp(h, fused=True, skinny=skinny, fuse_projections=one_kernel, reduce=local)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h = add_rmsnorm(m, residual, norm.weight, norm.eps)
+            h = reduce_norm(m, 2 * i + 1, norm)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""All-reduce, residual add and RMSNorm of a decode step's row-parallel projection, one kernel on every rank.
+
+The projection before it (the skinny GEMM) leaves this rank's float32 split-K partial sums [split, T, N]. Program t
+takes row t: it adds its planes, then *pushes* the row into slot s of every rank's buffer (its own included), at
+its rank's place, with plain stores over NVLink peer memory. Then it *pulls*: it reads its own buffer's row of every
+rank, in rank order, and reads again until no entry is still empty. An empty entry holds -0.0 (the bits 0x80000000),
+which no pushed value is (a -0.0 is pushed as +0.0). No barrier opens or closes the kernel: an entry is there when
+it is no longer empty. The sum, the same bits on every rank, then goes through the residual add and RMSNorm with the
+roundings of `kernels.norm.add_rmsnorm`.
+
+Three slots take turns (the Lamport scheme of vLLM's and FlashInfer's one-shot all-reduce fusions): call k of the
+process uses slot k mod 3 and empties slot k-1 mod 3, which every rank had read by the end of call k-1. A rank can be
+at most one call ahead of another (call k+1 needs everyone's part of call k), so when another rank pushes call k+1
+into slot k+1 mod 3, that slot was emptied here during call k-1 or before, and slot k mod 3 is not written again
+before call k+3, by which time this rank has read it. The call number is the forward's number (a counter on the
+device, moved on by `begin_forward`, which the CUDA graphs capture) times the calls a forward makes, plus the call's
+place in the forward; every rank runs the same forwards, so every rank numbers the calls alike.
+
+A rank that dies leaves the others reading for ever, as any peer-memory all-reduce does; the engine ends the ranks
+then (engine/worker.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from infertrace.engine.kernels import launch
+
+MAX_ROWS = 16  # the most rows of a decode step that takes the skinny GEMMs (models/qwen3.py SKINNY_MAX_ROWS)
+SLOTS = 3
+EMPTY = -(2**31)  # the int32 bits of -0.0
+
+
+@triton.jit
+def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_ptr, call, calls_per_forward,
+                                  residual_ptr, weight_ptr, out_ptr, n_rows, n_cols, eps,
+                                  PLANES: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+                                  MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # a constant: read while the kernel before drains
+    if PDL:  # the planes come from the kernel before
+        gdc_wait()
+        gdc_launch_dependents()
+    k = tl.load(epoch_ptr) * calls_per_forward + call
+    slot = k % 3
+    previous = (k + 2) % 3
+    slot_size = WORLD * MAX_ROWS * n_cols
+    x = tl.load(planes_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    for p in tl.static_range(1, PLANES):
+        x += tl.load(planes_ptr + p * plane_stride + row * n_cols + cols, mask=mask, other=0.0)
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 marks an empty entry: push +0.0 instead
+    entry = (RANK * MAX_ROWS + row) * n_cols + cols
+    for r in tl.static_range(WORLD):  # push this rank's part of the row into every rank's buffer
+        peer = tl.load(buffers_ptr + r).to(tl.pointer_type(tl.float32))
+        tl.store(peer + slot * slot_size + entry, x, mask=mask)
+    own = tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int32))
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for r in tl.static_range(WORLD):  # pull every rank's part, in rank order, as it lands
+        ptrs = own + slot * slot_size + (r * MAX_ROWS + row) * n_cols + cols
+        bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        while tl.max((bits == EMPTY).to(tl.int32), 0) > 0:
+            bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        acc += bits.to(tl.float32, bitcast=True)
+    # empty the previous call's slot (every row a decode step may have: the next call may have more rows)
+    empty = tl.full((BLOCK,), EMPTY, dtype=tl.int32)
+    for rr in tl.static_range(MAX_ROWS):  # row rr by program rr mod n_rows
+        mine = mask & (rr % n_rows == row)
+        for r in tl.static_range(WORLD):
+            tl.store(own + previous * slot_size + (r * MAX_ROWS + rr) * n_cols + cols, empty, mask=mine)
+    # residual add + RMSNorm, rounded as kernels.norm.add_rmsnorm rounds a projection's planes
+    dtype = out_ptr.dtype.element_ty
+    s = acc.to(dtype).to(tl.float32)
+    r_ = tl.load(residual_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    xs = (s + r_.to(tl.float32)).to(dtype)
+    tl.store(residual_ptr + row * n_cols + cols, xs, mask=mask)
+    xf = xs.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n_cols
+    normed = (xf * tl.math.rsqrt(var + eps)).to(dtype)
+    tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=mask)
+
+
+class PushBuffers:
+    """This rank's slots (float32 [3, world, MAX_ROWS, hidden], every entry empty at first) in symmetric memory, the
+    addresses of every rank's, and the forward counter. Built on every rank at once (a collective)."""
+
+    def __init__(self, device: torch.device, world_size: int, hidden_size: int, group_name: str):
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.world_size = world_size
+        self.hidden_size = hidden_size
+        self.buffer = symm_mem.empty(SLOTS * world_size * MAX_ROWS * hidden_size, dtype=torch.float32, device=device)
+        handle = symm_mem.rendezvous(self.buffer, group_name)
+        self.rank = handle.rank
+        self.buffer.view(torch.int32).fill_(EMPTY)
+        self.addresses = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)
+        dist.barrier()  # every rank's slots are empty before any rank pushes
+
+    def begin_forward(self) -> None:
+        self.epoch.add_(1)
+
+    def add_rmsnorm(self, planes: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, call: int,
+                    calls_per_forward: int) -> torch.Tensor:
+        split, rows, cols = planes.shape
+        assert planes.dtype == torch.float32 and planes.is_contiguous() and residual.is_contiguous()
+        assert rows <= MAX_ROWS and cols == self.hidden_size and residual.shape == (rows, cols)
+        out = torch.empty_like(residual)
+        if rows:
+            _allreduce_add_rmsnorm_kernel[(rows,)](
+                planes, rows * cols, self.addresses, self.epoch, call, calls_per_forward, residual, weight, out, rows, cols,
+                eps, PLANES=split, RANK=self.rank, WORLD=self.world_size, MAX_ROWS=MAX_ROWS,
+                BLOCK=triton.next_power_of_2(cols), PDL=launch.enabled(), num_warps=8 if cols > 2048 else 4,
+                launch_pdl=launch.enabled(),
+            )
+        return out
