@@ -45,7 +45,8 @@ def run_one(model_dir: str, tp: int, all_reduce: str, batch: int, input_len: int
         runs.append(time.perf_counter() - t0)
         assert all(len(o.token_ids) == output_len for o in outs)
     elapsed = min(runs)
-    result = {"tp": tp, "all_reduce": path["all_reduce"], "overrides": overrides, "all_reduce_note": path["all_reduce_note"],
+    result = {"tp": tp, "all_reduce": path["all_reduce"], "all_reduce_fusion": path["all_reduce_fusion"],
+              "overrides": overrides, "all_reduce_note": path["all_reduce_note"],
               "tok_s": batch * output_len / elapsed, "elapsed_s": elapsed, "runs_s": runs,
               "async_scheduling": path["async_scheduling"], "skinny_gemm": path["skinny_gemm"],
               "prefill_cuda_graphs_captured": path["prefill_cuda_graphs_captured"]}

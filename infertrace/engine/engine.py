@@ -322,6 +322,7 @@ class Engine:
                 "fused_projections": runner.model.fused_projections,
                 "async_scheduling": self._async, "pdl": runner.pdl,
                 "all_reduce": runner.all_reduce_name, "all_reduce_note": runner.all_reduce_note,
+                "all_reduce_fusion": getattr(runner.tp.reduce, "fusion", "off"),
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch.")}
 
     def _launch_overlapped(self, prev: _Step) -> _Step | None:

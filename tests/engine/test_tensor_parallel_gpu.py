@@ -113,7 +113,7 @@ def test_bfloat16_first_step_logits_within_2e_2(model_dir, size, fusion):
     _, exact, _ = one_gpu(model_dir, "float32")
     _, many, path = greedy_and_first_logits(model_dir, PROMPTS, 2, dtype="bfloat16", tensor_parallel_size=size,
                                             all_reduce_fusion=fusion)
-    assert path["skinny_gemm"] and path["all_reduce"] == "custom"
+    assert path["skinny_gemm"] and path["all_reduce"] == "custom" and path["all_reduce_fusion"] == fusion
     diff = (many - one).abs().max().item()
     scale = one.abs().max().item()
     floor = (one - exact).abs().max().item()
