@@ -31,7 +31,8 @@ from infertrace.engine.kernels import launch
 
 MAX_ROWS = 16  # the most rows of a decode step that takes the skinny GEMMs (models/qwen3.py SKINNY_MAX_ROWS)
 SLOTS = 3
-EMPTY = -(2**31)  # the int32 bits of -0.0
+EMPTY_BITS = -(2**31)  # the int32 bits of -0.0
+EMPTY = tl.constexpr(EMPTY_BITS)  # the same, for the kernel
 
 
 @triton.jit
@@ -97,7 +98,7 @@ class PushBuffers:
         self.buffer = symm_mem.empty(SLOTS * world_size * MAX_ROWS * hidden_size, dtype=torch.float32, device=device)
         handle = symm_mem.rendezvous(self.buffer, group_name)
         self.rank = handle.rank
-        self.buffer.view(torch.int32).fill_(EMPTY)
+        self.buffer.view(torch.int32).fill_(EMPTY_BITS)
         self.addresses = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
