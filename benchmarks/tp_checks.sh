@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every tensor-parallel GPU test on a four-GPU machine in one go, two-GPU sets side by side on the two pairs:
+#   phase 1: qwen3-0.6b TP=2 parity on GPUs 0,1 | qwen3-4b TP=2 parity on GPUs 2,3
+#   phase 2: the ways out (tests/engine/test_tensor_parallel_exit.py) on GPUs 0,1 | the all-reduce + norm kernel on
+#            GPUs 2,3 (two ranks)
+#   phase 3: TP=4 parity of both models and the kernel on four ranks, on all four GPUs
+# Each phase prints its lines as they come; LIMIT_S caps each pytest run (default 240 s).
+#   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 bash benchmarks/tp_checks.sh
+set -u
+LIMIT_S=${LIMIT_S:-240}
+LOGS=${LOGS:-$(mktemp -d)}
+run() {  # run NAME GPUS pytest-args...: one pytest on those GPUs, its log kept, a summary line printed
+    local name=$1 gpus=$2
+    shift 2
+    CUDA_VISIBLE_DEVICES=$gpus timeout "$LIMIT_S" python3 -m pytest -s -rA -p no:cacheprovider "$@" \
+        >"$LOGS/$name.log" 2>&1
+    local rc=$?
+    echo "== $name (GPUs $gpus): exit $rc"
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|TP=|ranks:|passed|failed" "$LOGS/$name.log" | tail -20
+}
+T=tests/engine
+date -u
+run tp2-0.6b 0,1 "$T/test_tensor_parallel_gpu.py" -k "0.6b-2" &
+run tp2-4b 2,3 "$T/test_tensor_parallel_gpu.py" -k "4b-2" &
+wait
+date -u
+run exit 0,1 "$T/test_tensor_parallel_exit.py" &
+run norm-2 2,3 "$T/test_allreduce_norm_gpu.py" -k "2" &
+wait
+date -u
+run tp4 0,1,2,3 "$T/test_tensor_parallel_gpu.py" -k "b-4"
+run norm-4 0,1,2,3 "$T/test_allreduce_norm_gpu.py" -k "4"
+date -u
+echo "logs: $LOGS"
