@@ -57,22 +57,26 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 marks an empty entry: push +0.0 instead
     entry = (RANK * MAX_ROWS + row) * n_cols + cols
     for r in tl.static_range(WORLD):  # push this rank's part of the row into every rank's buffer
-        peer = tl.load(buffers_ptr + r).to(tl.pointer_type(tl.float32))
+        peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(tl.float32)), 16)
         tl.store(peer + slot * slot_size + entry, x, mask=mask)
-    own = tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int32))
+    own = tl.multiple_of(tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int32)), 16)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for r in tl.static_range(WORLD):  # pull every rank's part, in rank order, as it lands
         ptrs = own + slot * slot_size + (r * MAX_ROWS + row) * n_cols + cols
+        # volatile: read again on every pass, from L2 (where the other ranks' stores land), never a stale line of
+        # this SM's L1; 16-byte loads, the buffers' addresses being 16-byte aligned
         bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
         while tl.max((bits == EMPTY).to(tl.int32), 0) > 0:
             bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
         acc += bits.to(tl.float32, bitcast=True)
-    # empty the previous call's slot (every row a decode step may have: the next call may have more rows)
+    # empty the previous call's slot, every row a decode step may have (the next call may have more rows than this):
+    # program p empties rows p, p + n_rows, ...
     empty = tl.full((BLOCK,), EMPTY, dtype=tl.int32)
-    for rr in tl.static_range(MAX_ROWS):  # row rr by program rr mod n_rows
-        mine = mask & (rr % n_rows == row)
+    rr = row
+    while rr < MAX_ROWS:
         for r in tl.static_range(WORLD):
-            tl.store(own + previous * slot_size + (r * MAX_ROWS + rr) * n_cols + cols, empty, mask=mine)
+            tl.store(own + previous * slot_size + (r * MAX_ROWS + rr) * n_cols + cols, empty, mask=mask)
+        rr += n_rows
     # residual add + RMSNorm, rounded as kernels.norm.add_rmsnorm rounds a projection's planes
     dtype = out_ptr.dtype.element_ty
     s = acc.to(dtype).to(tl.float32)

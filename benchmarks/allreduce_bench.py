@@ -1,0 +1,117 @@
+"""The all-reduce of a decode step's row-parallel projection, alone: microseconds per call of each way the engine
+can run it, every rank replaying a CUDA graph of back-to-back calls at once (no GEMM between, so no rank waits on
+another's work: what is left is each kernel's own cost and the cross-GPU latency).
+
+- off: the planes added and rounded by two torch kernels, PyTorch's one-shot all-reduce in bf16, then add_rmsnorm;
+- planes: PyTorch's one-shot all-reduce of the float32 planes in place, then add_rmsnorm adding them;
+- norm: kernels/allreduce_norm.py, all-reduce + residual add + RMSNorm in one kernel;
+- nccl: the planes added and rounded, NCCL's all-reduce, then add_rmsnorm.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 benchmarks/allreduce_bench.py --ranks 2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import sys
+
+CALLS = 72  # a qwen3-4b decode step's row-parallel projections
+
+
+def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: int, replays: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from infertrace.engine.allreduce import PeerMemoryAllReduce
+    from infertrace.engine.kernels.norm import add_rmsnorm
+
+    device = torch.device("cuda", rank)
+    planes_ar = PeerMemoryAllReduce(device, torch.bfloat16, world, fusion="planes")
+    norm_ar = PeerMemoryAllReduce(device, torch.bfloat16, world, fusion="norm", hidden_size=hidden)
+    weight = torch.randn(hidden, dtype=torch.bfloat16, device=device)
+    residual = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device)
+    local = torch.randn(split, rows, hidden, device=device) * 1e-3
+
+    def off():
+        summed = local.sum(0, dtype=torch.float32).to(torch.bfloat16)
+        return add_rmsnorm(planes_ar(summed), residual, weight, 1e-6)
+
+    def planes():
+        out = planes_ar.planes_out(split, rows, hidden)
+        out.copy_(local)  # stands in for the GEMM writing its planes there
+        return add_rmsnorm(planes_ar.reduce_planes(out), residual, weight, 1e-6)
+
+    def norm():
+        return norm_ar.add_rmsnorm(local, residual, weight, 1e-6, norm_call[0], CALLS)
+
+    def nccl():
+        summed = local.sum(0, dtype=torch.float32).to(torch.bfloat16)
+        dist.all_reduce(summed)
+        return add_rmsnorm(summed, residual, weight, 1e-6)
+
+    norm_call = [0]
+    results = {}
+    for name, one in (("off", off), ("planes", planes), ("norm", norm), ("nccl", nccl)):
+        def step():
+            if name == "norm":
+                norm_ar.begin_forward()
+            for c in range(CALLS):
+                norm_call[0] = c
+                one()
+
+        step()  # compiles, and every rank has its buffers ready
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        results[name] = start.elapsed_time(end) * 1e3 / (replays * CALLS)
+    queue.put((rank, results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2560)
+    ap.add_argument("--split", type=int, default=2, help="planes a projection leaves (its split-K)")
+    ap.add_argument("--replays", type=int, default=50)
+    args = ap.parse_args()
+    import torch
+
+    from infertrace.engine.worker import free_port
+
+    print(f"{args.rows} rows x {args.hidden}, {args.split} planes, {CALLS} calls a graph; us per call (rank 0, slowest)")
+    for world in (int(w) for w in args.ranks.split(",")):
+        if world > torch.cuda.device_count():
+            print(f"{world} ranks: skipped, {torch.cuda.device_count()} GPUs", file=sys.stderr)
+            continue
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=rank_main, args=(r, world, port, args.rows, args.hidden, args.split, args.replays,
+                                                      queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results = dict(queue.get(timeout=300) for _ in range(world))
+        for p in procs:
+            p.join(30)
+        for name in results[0]:
+            values = [results[r][name] for r in range(world)]
+            print(f"{world} ranks  {name:>7}  {values[0]:6.2f} us  ({max(values):6.2f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
