@@ -86,19 +86,18 @@ def decode_graph_time(llm, batch: int, replays: int = 200) -> dict:
 
 
 def host_timeline_summary(llm, prompts, steps: int = 128) -> dict:
-    """Medians over `steps` decode steps of the host path between the ranks (engine/host_timeline.py): rank 0's
+    """Medians over `steps` decode steps of the host path between the ranks (OtherRanks.record_timeline): rank 0's
     send of a step's inputs, rank 1's receipt and launch, rank 0's launch, and rank 0's turnaround from step N's
     tokens landing to sending step N+2 (async scheduling's critical host path), in microseconds."""
-    from infertrace.engine import SamplingParams, host_timeline
+    from infertrace.engine import SamplingParams
 
     others = llm.engine.other_ranks
     if others is None:
         return {}
-    host_timeline.start()
-    others.call("timeline", True)
+    others.record_timeline(True)
     llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))
-    mine = host_timeline.stop()
-    theirs = others.call("timeline", False)[0]
+    mine, ranks = others.record_timeline(False)
+    theirs = ranks[0]
 
     def times(events, what):
         return [t for w, t in events if w == what]
@@ -203,7 +202,7 @@ def main() -> None:
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also print rank 0's N costliest Python functions per decode step (cProfile)")
     ap.add_argument("--timeline", action="store_true",
-                    help="also time the host path between the ranks per decode step (engine/host_timeline.py)")
+                    help="also time the host path between the ranks per decode step (OtherRanks.record_timeline)")
     ap.add_argument("--variants", default="", help="more TP>1 runs, ';'-separated, each tp:all_reduce:key=value,...")
     ap.add_argument("--out", default=None, help="JSON file for every figure")
     ap.add_argument("--config-timeout", type=float, default=900.0, help="seconds one configuration may take")

@@ -16,7 +16,6 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from infertrace.engine import host_timeline
 from infertrace.engine.annotate import annotate, step_range_name
 from infertrace.engine.attention import AttentionMetadata, make_attention_backend
 from infertrace.engine.config import EngineConfig
@@ -100,6 +99,9 @@ class OtherRanks(Protocol):
     def check(self) -> None:
         """Raise when a rank has died."""
 
+    def mark(self, what: str) -> None:
+        """A host timestamp of this step, while the ranks' timeline records."""
+
 
 @dataclass(slots=True)
 class LaunchedStep:
@@ -119,7 +121,7 @@ class LaunchedStep:
         elif self.event is not None:
             if self.other_ranks is not None:
                 self.other_ranks.wait(self.event)
-                host_timeline.mark("landed")
+                self.other_ranks.mark("landed")
             else:
                 self.event.synchronize()
             values = self.host[: self.tokens.numel()].tolist()
@@ -338,7 +340,7 @@ class ModelRunner:
             host[: tokens.numel()].copy_(tokens, non_blocking=True)
             event.record()
             if self.other_ranks is not None:
-                host_timeline.mark("launched")
+                self.other_ranks.mark("launched")
             return LaunchedStep(plan, samples, tokens, host, event, self.other_ranks)
 
     @torch.inference_mode()

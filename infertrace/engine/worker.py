@@ -33,7 +33,6 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from infertrace.engine import host_timeline
 from infertrace.engine.config import EngineConfig
 
 START_TIMEOUT_S = 300.0  # a rank's start: torch import, weight load, CUDA-graph capture
@@ -84,6 +83,8 @@ class OtherRanks:
         self._wake_r, self._wake_w = os.pipe()  # written by shutdown(): the watcher stops
         self._signal_main = False  # the watcher also raises RankFailedError in the main thread (a server's loop)
         self._watcher: threading.Thread | None = None
+        # host timestamps of each step while `record_timeline` is on (benchmarks/tp_bench.py --timeline)
+        self.timeline: list[tuple[str, int]] | None = None
         try:
             for rank in range(1, size):
                 ours, theirs = ctx.Pipe()
@@ -159,7 +160,7 @@ class OtherRanks:
     def step(self, inputs) -> None:
         self.check()
         self._check_alive()
-        host_timeline.mark("send")
+        self.mark("send")
         data = pickle.dumps(("step", inputs), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for conn in self.conns:
@@ -167,6 +168,23 @@ class OtherRanks:
         except OSError:
             self._check_alive()
             raise
+
+    def mark(self, what: str) -> None:
+        """A host timestamp of this step on rank 0 while the timeline records: "send" (its inputs go to the other
+        ranks), "launched" (its kernels are queued), "landed" (its tokens are on the host). One list append."""
+        if self.timeline is not None:
+            self.timeline.append((what, time.perf_counter_ns()))
+
+    def record_timeline(self, on: bool) -> tuple[list[tuple[str, int]], list[list[tuple[str, int]]]] | None:
+        """Start (True) or stop (False) recording host timestamps on every rank: rank 1 and up mark "recv" (a step's
+        inputs received) and "launched". Stopping returns (rank 0's marks, the other ranks' in rank order). The
+        clock is time.perf_counter_ns, CLOCK_MONOTONIC on Linux, which every process of one host shares."""
+        if on:
+            self.timeline = []
+            self.call("timeline", True)
+            return None
+        mine, self.timeline = self.timeline or [], None
+        return mine, self.call("timeline", False)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """Call `runner-side method(*args)` on every other rank (see `_Rank.call`); their results, rank order."""
@@ -354,6 +372,11 @@ class _Rank:
         self.runner = runner
         self.conn = conn
         self.profiler = None
+        self.timeline: list[tuple[str, int]] | None = None  # see OtherRanks.record_timeline
+
+    def mark(self, what: str) -> None:
+        if self.timeline is not None:
+            self.timeline.append((what, time.perf_counter_ns()))
 
     def loop(self) -> bool:
         """Run what rank 0 sends until it says exit (True) or is gone (False)."""
@@ -368,11 +391,11 @@ class _Rank:
             if kind == "exit":
                 return True
             if kind == "step":
-                host_timeline.mark("recv")
+                self.mark("recv")
                 inputs = message[1]
                 with annotate(inputs.name):
                     self.runner.execute(inputs)
-                host_timeline.mark("launched")
+                self.mark("launched")
                 continue
             try:
                 result = self.call(message[1], *message[2])
@@ -393,10 +416,8 @@ class _Rank:
             profiler, self.profiler = self.profiler, None
             return None if profiler is None else profiler.stop()
         if method == "timeline":  # True: start recording host marks; False: stop and return them
-            if args[0]:
-                host_timeline.start()
-                return None
-            return host_timeline.stop()
+            marks, self.timeline = self.timeline, [] if args[0] else None
+            return None if args[0] else marks or []
         if method == "time_decode_graph":
             return self.runner.time_decode_graph(*args)
         raise ValueError(f"unknown rank call {method!r}")

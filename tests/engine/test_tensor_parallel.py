@@ -98,15 +98,12 @@ def test_async_scheduling_across_ranks_gives_the_tokens_of_one(make_engine, run_
 def test_the_host_timeline_marks_every_step_on_both_ranks_in_order(make_engine, run_engine, make_prompts):
     """benchmarks/tp_bench.py --timeline: each step rank 0 sends is received and launched by rank 1, later by the
     clock both processes share."""
-    from infertrace.engine import host_timeline
-
     engine = make_engine(kv_cache_tokens=2048, tensor_parallel_size=2)
     try:
-        host_timeline.start()
-        engine.other_ranks.call("timeline", True)
+        engine.other_ranks.record_timeline(True)
         run_engine(engine, make_prompts([3, 20], seed=8), GREEDY)
-        mine = host_timeline.stop()
-        theirs = engine.other_ranks.call("timeline", False)[0]
+        mine, (theirs,) = engine.other_ranks.record_timeline(False)
+        assert engine.other_ranks.timeline is None  # off again: a mark costs one check
     finally:
         engine.shutdown()
     send = [t for what, t in mine if what == "send"]
@@ -114,7 +111,6 @@ def test_the_host_timeline_marks_every_step_on_both_ranks_in_order(make_engine, 
     launched = [t for what, t in theirs if what == "launched"]
     assert len(send) == len(recv) == len(launched) == engine.counters["steps"] >= 8
     assert all(s <= r <= ln for s, r, ln in zip(send, recv, launched))
-    assert host_timeline.EVENTS is None  # off again: marks cost nothing
 
 
 @pytest.mark.parametrize(("size", "message"), [
