@@ -73,17 +73,30 @@ def engine_calls(m: int, peak: float) -> None:
         torch.cuda.empty_cache()
 
 
-SPLIT_SHAPES = {  # projections whose split-K planes the kernel after them adds up: (N, K, that kernel)
-    "o_proj": (2560, 4096, "norm"),  # the residual add + RMSNorm
-    "down_proj": (2560, 9728, "norm"),
-    "o_proj 0.6b": (1024, 2048, "norm"),
-    "down_proj 0.6b": (1024, 3072, "norm"),
-    "qkv_proj": (6144, 2560, "qknorm"),  # the q/k norm + RoPE writing K and V to the cache (32 q, 8 KV heads)
-    "qkv_proj 0.6b": (4096, 1024, "qknorm"),  # (16 q, 8 KV heads)
+SPLIT_SHAPES = {  # projections whose split-K planes the kernel after them adds up: (N, K, that kernel, KV heads)
+    "o_proj": (2560, 4096, "norm", 0),  # the residual add + RMSNorm
+    "down_proj": (2560, 9728, "norm", 0),
+    "o_proj 0.6b": (1024, 2048, "norm", 0),
+    "down_proj 0.6b": (1024, 3072, "norm", 0),
+    "qkv_proj": (6144, 2560, "qknorm", 8),  # the q/k norm + RoPE writing K and V to the cache (32 q, 8 KV heads)
+    "qkv_proj 0.6b": (4096, 1024, "qknorm", 8),  # (16 q, 8 KV heads)
+    # one rank's shard at tensor parallelism (a single GPU measures it: the all-reduce is not part of the pair)
+    "o_proj 4b tp2": (2560, 2048, "norm", 0),
+    "down_proj 4b tp2": (2560, 4864, "norm", 0),
+    "qkv_proj 4b tp2": (3072, 2560, "qknorm", 4),
+    "o_proj 4b tp4": (2560, 1024, "norm", 0),
+    "down_proj 4b tp4": (2560, 2432, "norm", 0),
+    "qkv_proj 4b tp4": (1536, 2560, "qknorm", 2),
+    "o_proj 14b tp2": (5120, 2560, "norm", 0),
+    "down_proj 14b tp2": (5120, 8704, "norm", 0),
+    "qkv_proj 14b tp2": (3584, 5120, "qknorm", 4),
+    "o_proj 14b tp4": (5120, 1280, "norm", 0),
+    "down_proj 14b tp4": (5120, 4352, "norm", 0),
+    "qkv_proj 14b tp4": (1792, 5120, "qknorm", 2),
 }
 
 
-def _consumer(kind: str, m: int, n: int):
+def _consumer(kind: str, m: int, n: int, kv_heads: int = 8):
     """The kernel that reads a projection's output in a decode layer, as a function of that output."""
     from infertrace.engine.kernels.fused import qk_norm_rope
     from infertrace.engine.kernels.norm import add_rmsnorm
@@ -93,7 +106,7 @@ def _consumer(kind: str, m: int, n: int):
         residual = torch.zeros(m, n, device=dev, dtype=dt)
         norm_w = torch.ones(n, device=dev, dtype=dt)
         return lambda out: add_rmsnorm(out, residual, norm_w, 1e-6)
-    kv_heads, d = 8, 128
+    d = 128
     q_heads = n // d - 2 * kv_heads
     qk_w = torch.ones(d, device=dev, dtype=dt)
     cos, sin = torch.randn(4096, d, device=dev), torch.randn(4096, d, device=dev)
@@ -113,10 +126,10 @@ def split_sweep(m: int, peak: float, names: list[str], top: int = 4) -> dict[str
     launch.set_enabled(True)
     layers, best = 36, {}
     for name in names:
-        n, k, kind = SPLIT_SHAPES[name]
+        n, k, kind, kv_heads = SPLIT_SHAPES[name]
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        consume = _consumer(kind, m, n)
+        consume = _consumer(kind, m, n, kv_heads)
         ref = torch.nn.functional.linear(x, weights[0]).float()
 
         def time_tiling(bn, bk, sk, stages, weights=weights, x=x, consume=consume, ref=ref):
