@@ -26,6 +26,7 @@ def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: i
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from infertrace.engine.allreduce import PeerMemoryAllReduce
+    from infertrace.engine.cuda_graph import replay_ms
     from infertrace.engine.kernels.norm import add_rmsnorm
 
     device = torch.device("cuda", rank)
@@ -39,10 +40,11 @@ def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: i
         summed = local.sum(0, dtype=torch.float32).to(torch.bfloat16)
         return add_rmsnorm(planes_ar(summed), residual, weight, 1e-6)
 
+    shared = planes_ar.planes_out(split, rows, hidden)
+    shared.copy_(local)  # as the GEMM leaves its planes there (the one-shot kernel reads them, writes elsewhere)
+
     def planes():
-        out = planes_ar.planes_out(split, rows, hidden)
-        out.copy_(local)  # stands in for the GEMM writing its planes there
-        return add_rmsnorm(planes_ar.reduce_planes(out), residual, weight, 1e-6)
+        return add_rmsnorm(planes_ar.reduce_planes(shared), residual, weight, 1e-6)
 
     def norm():
         return norm_ar.add_rmsnorm(local, residual, weight, 1e-6, norm_call[0], CALLS)
@@ -67,15 +69,7 @@ def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: i
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        results[name] = start.elapsed_time(end) * 1e3 / (replays * CALLS)
+        results[name] = replay_ms(graph, replays) * 1e3 / CALLS
     queue.put((rank, results))
     dist.barrier()
     dist.destroy_process_group()

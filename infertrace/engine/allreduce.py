@@ -70,7 +70,6 @@ class PeerMemoryAllReduce:
         self.ops = torch.ops.symm_mem
         self.custom_calls = 0  # counted at capture or eager call time
         self.nccl_calls = 0
-        self.plane_calls = 0
 
     def planes_out(self, split: int, rows: int, cols: int) -> torch.Tensor | None:
         """Where a projection writes its float32 partial sums [split, rows, cols] for `reduce_planes` (the head of
@@ -89,7 +88,6 @@ class PeerMemoryAllReduce:
         """`kernels.norm.add_rmsnorm` of the sum over ranks of every rank's float32 partial sums `planes` [split, T,
         N] ("norm" fusion): all-reduce, residual add (`residual` updated in place) and RMSNorm in one kernel. `call`
         numbers the calls of a forward, the same on every rank."""
-        self.plane_calls += 1
         return self.norm.add_rmsnorm(planes, residual, weight, eps, call, calls_per_forward)
 
     def reduce_planes(self, planes: torch.Tensor) -> torch.Tensor:
@@ -97,7 +95,6 @@ class PeerMemoryAllReduce:
         same order of ranks on every rank, so every rank gets the same bits); the planes are left for the kernel
         after to add. The kernel opens and closes with a barrier, so the next projection may write the buffer as
         soon as it returns."""
-        self.plane_calls += 1
         n = planes.numel()
         out = self.ops.one_shot_all_reduce(self.planes[:n], "sum", self.group_name)
         return out.view_as(planes)

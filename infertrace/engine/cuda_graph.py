@@ -24,6 +24,20 @@ def _smallest_at_least(buckets: list[int], n: int) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """GPU milliseconds of one replay of `graph`, replayed `replays` times back to back after one untimed replay
+    (with more ranks, the one where their collectives first meet), timed by CUDA events."""
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
 class DecodeGraphs:
     def __init__(self, model, buffers: StepBuffers, bucket_sizes: tuple[int, ...], max_seqs: int, block_size: int,
                  ordered: bool = False):

@@ -148,10 +148,11 @@ class ModelRunner:
         if tp.size > 1:  # the ranks agree on it (a collective), before any graph is captured
             from infertrace.engine.allreduce import make_all_reduce
 
-            fusion = config.all_reduce_fusion if config.skinny_gemm and config.fused_norm else "off"
-            hf_hidden = hf_config["hidden_size"]
+            # the fusions take the skinny GEMMs' partial sums: none where those do not run (see setup below)
+            skinny = config.skinny_gemm and config.fused_norm and self.dtype in (torch.bfloat16, torch.float16)
             reduce, self.all_reduce_note = make_all_reduce(config.all_reduce, self.device, self.dtype, tp.size,
-                                                           fusion=fusion, hidden_size=hf_hidden)
+                                                           fusion=config.all_reduce_fusion if skinny else "off",
+                                                           hidden_size=hf_config["hidden_size"])
             tp = dataclasses.replace(tp, reduce=reduce)
             self.all_reduce_name = reduce.name
         self.tp = tp
@@ -374,16 +375,10 @@ class ModelRunner:
         """GPU milliseconds of one replay of the decode graph for `batch_size`, replayed `replays` times back to back
         over the inputs last put in the step buffers (run when no request is running: the replays write the KV of
         those inputs again). With more ranks every rank must call it at once: the graphs meet in their collectives."""
+        from infertrace.engine.cuda_graph import replay_ms
+
         graph, _ = self.graphs.graphs[self.graphs.bucket_for(batch_size)]
-        graph.replay()  # the ranks meet here first
-        torch.cuda.synchronize(self.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / replays
+        return replay_ms(graph, replays)
 
     def forward(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor | None:

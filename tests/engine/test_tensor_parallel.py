@@ -363,3 +363,7 @@ def test_a_row_parallel_decode_projection_writes_its_planes_where_the_all_reduce
     planes = qwen3.row_parallel_decode(x, layer)
     assert reduce.reduced == [(split, 3, 24)] and planes.shape == (split, 3, 24) and planes.dtype == torch.float32
     torch.testing.assert_close(planes.sum(0), 2 * x @ layer.weight.T, rtol=1e-5, atol=1e-5)
+    # "norm" fusion: this rank's own planes, not all-reduced here (the all-reduce + norm kernel after does it)
+    local = qwen3.row_parallel_decode(x, layer, reduce=False)
+    assert reduce.reduced == [(split, 3, 24)] and local.data_ptr() != reduce.buffer.data_ptr()
+    torch.testing.assert_close(local.sum(0), x @ layer.weight.T, rtol=1e-5, atol=1e-5)

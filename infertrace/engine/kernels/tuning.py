@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 ENV = "INFERTRACE_KERNEL_TUNING"
 
@@ -23,7 +24,7 @@ def load(kernel: str) -> dict[tuple[int, int], tuple[int, ...] | None]:
     if not path:
         return {}
     try:
-        table = json.loads(open(path).read()).get(kernel, {})
+        table = json.loads(Path(path).read_text()).get(kernel, {})
         tilings = {}
         for key, value in table.items():
             shape = tuple(int(v) for v in key.split(","))

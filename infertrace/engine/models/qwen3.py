@@ -144,24 +144,17 @@ def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool 
     to the model's dtype and all-reduced as one [T, N] tensor. `reduce=False` (more ranks, "norm" fusion): this
     rank's float32 planes, for the all-reduce + norm kernel after it."""
     tp = layer.tp
-    if tp.size > 1 and not reduce:
-        decode_config, skinny_gemm = _skinny_kernels()
-        n, k = layer.weight.shape
-        block_n, block_k, split_k, stages = decode_config(n, k, True)
-        out = torch.empty((split_k, x.shape[0], n), dtype=torch.float32, device=x.device)
-        skinny_gemm(x, layer.weight, out if split_k > 1 else out[0], block_n=block_n, block_k=block_k,
-                    split_k=split_k, num_stages=stages)
-        return out
     planes_out = getattr(tp.reduce, "planes_out", None)
-    if tp.size > 1 and planes_out is not None:
+    if tp.size > 1 and (not reduce or planes_out is not None):
         decode_config, skinny_gemm = _skinny_kernels()
         n, k = layer.weight.shape
         block_n, block_k, split_k, stages = decode_config(n, k, True)
-        out = planes_out(split_k, x.shape[0], n)
-        if out is not None:
+        shape = (split_k, x.shape[0], n)
+        out = planes_out(*shape) if reduce else torch.empty(shape, dtype=torch.float32, device=x.device)
+        if out is not None:  # None: more planes than the buffer holds
             skinny_gemm(x, layer.weight, out if split_k > 1 else out[0], block_n=block_n, block_k=block_k,
                         split_k=split_k, num_stages=stages)
-            return tp.reduce.reduce_planes(out)
+            return tp.reduce.reduce_planes(out) if reduce else out
     partial = decode_linear(x, layer.weight, planes=True)
     return tp.reduce_partial_sums(partial, x.dtype)
 
