@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from analyze_speed import build_trace, machine, versions  # noqa: E402
+from analyze_speed import CHILD_ENV, build_trace, machine, versions, with_bytecode  # noqa: E402
 
 
 def child(trace_dir: str, jobs: str, ray: str) -> dict:
@@ -38,10 +39,21 @@ def child(trace_dir: str, jobs: str, ray: str) -> dict:
             "worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
 
 
+def copy_as_rank(src: Path, dst: Path, rank: int) -> None:
+    """`src` (a trace build_trace wrote: its first line holds everything before the events) with another rank."""
+    marker = ', "traceEvents": [\n'
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        head = fin.readline().decode()
+        doc = json.loads(head[:-len(marker)] + "}")
+        doc["distributedInfo"] = {**doc.get("distributedInfo", {}), "rank": rank}
+        fout.write((json.dumps(doc)[:-1] + marker).encode())
+        shutil.copyfileobj(fin, fout, 1 << 24)
+
+
 def measure(trace_dir: Path, jobs: int, ray: bool) -> dict:
     cmd = [sys.executable, __file__, "--child", str(trace_dir), str(jobs), "1" if ray else "0"]
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=CHILD_ENV or None)
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"run failed:\n{done.stderr[-2000:]}")
@@ -65,10 +77,14 @@ def main() -> None:
     for rank in range(args.ranks):
         path = many / f"rank{rank}.json"
         if not path.exists() or path.stat().st_size < args.size_mb * 1e6 * 0.99:
-            build_trace(path, args.size_mb, rank=rank)
+            if rank == 0:
+                build_trace(path, args.size_mb, rank=rank)
+            else:
+                copy_as_rank(many / "rank0.json", path, rank)
     one.mkdir(parents=True, exist_ok=True)
     if not (one / "rank0.json").exists():
         os.link(many / "rank0.json", one / "rank0.json")
+    bytecode = with_bytecode()
     cases = [("one rank", one, False), (f"{args.ranks} ranks", many, False)]
     if args.ray:
         cases.append((f"{args.ranks} ranks, --ray (local cluster)", many, True))
@@ -81,6 +97,8 @@ def main() -> None:
                   f"largest worker {result['worker_mb']:.0f} MB", file=sys.stderr)
     print(f"machine: {machine()}; {versions()}")
     print(f"capture: {args.ranks} ranks x {args.size_mb:g} MB of JSON under {args.dir}")
+    if bytecode:
+        print(bytecode)
     print(f"command: python benchmarks/analyze_fleet.py --ranks {args.ranks} --size-mb {args.size_mb:g} "
           f"--repeats {args.repeats}{' --ray' if args.ray else ''}")
     print("| | wall time, median (each run) | analysing process peak | largest worker peak |")

@@ -153,13 +153,34 @@ def _tree_pss_mb(root: int) -> float:
     return total / 1024
 
 
+CHILD_ENV: dict[str, str] = {}  # set by with_bytecode(): what every measured process runs with
+
+
+def with_bytecode() -> str | None:
+    """Where this Python writes no bytecode (PYTHONDONTWRITEBYTECODE, as on the GPU host), every measured process
+    would compile each module it imports from source, every run: an installed package (pip compiles on install) does
+    not. Give the children a bytecode cache of their own (PYTHONPYCACHEPREFIX, under /tmp) and fill it once by
+    importing what each tool imports, so both tools are measured as installed. Returns a note, or None if nothing
+    was needed."""
+    if not (sys.flags.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE")):
+        return None
+    prefix = Path(tempfile.gettempdir()) / "infertrace-bench-pycache"
+    CHILD_ENV.update({k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
+    CHILD_ENV["PYTHONPYCACHEPREFIX"] = str(prefix)
+    warm = ("import pandas, numpy, msgspec, infertrace.cli, infertrace.analyze.fleet, infertrace.analyze.command, "
+            "infertrace.analyze.report, infertrace.analyze.render, infertrace.analyze.html\n"
+            "try:\n import hta.trace_analysis, ijson\nexcept ImportError:\n pass")
+    subprocess.run([sys.executable, "-c", warm], env=CHILD_ENV, check=True)
+    return f"this Python writes no bytecode: the tools run with a filled bytecode cache at {prefix}"
+
+
 def measure(tool: str, trace_dir: Path, extra: list[str] | None = None, env: dict | None = None) -> dict:
     """One run of `tool` in a fresh process: its wall time, its peak RSS (with its largest worker's, for ours), and
     the peak of its process tree's summed PSS, sampled every 20 ms by a thread of this process."""
     cmd = [sys.executable, __file__, "--child", tool, str(trace_dir), *(extra or [])]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**(CHILD_ENV or os.environ), **(env or {})})
     pss = [0.0]
 
     def sample() -> None:
@@ -244,6 +265,7 @@ def main() -> None:
     if "hta_fast" not in tools:
         print("ijson with the yajl2_c backend is not installed (pip install ijson): the fastest HTA loader is left "
               "out", file=sys.stderr)
+    bytecode = with_bytecode()
     cache = Path(tempfile.mkdtemp(prefix="infertrace-bench-cache-"))
     try:
         measure("ours_cached", args.trace.parent, [str(cache)])  # fills the cache
@@ -262,6 +284,8 @@ def main() -> None:
     size = args.trace.stat().st_size
     print(f"machine: {machine()}; {versions()}")
     print(f"trace: {args.trace} ({size / 1e6:.0f} MB of JSON, one rank)")
+    if bytecode:
+        print(bytecode)
     print(f"command: python benchmarks/analyze_speed.py --size-mb {args.size_mb:g} --repeats {args.repeats}")
     print(f"| | wall time, median of {args.repeats} (each run) | peak RSS, median (each run) | "
           f"peak PSS of the process tree, sampled (each run) |")

@@ -211,7 +211,11 @@ def main() -> None:
 
     if args.one:
         tp, ar, *rest = args.one.split(":")
-        overrides = dict(kv.split("=", 1) for kv in rest[0].split(",")) if rest and rest[0] else {}
+        from infertrace.config_fields import parse_overrides
+        from infertrace.engine.config import EngineConfig
+
+        text = dict(kv.split("=", 1) for kv in rest[0].split(",")) if rest and rest[0] else {}
+        overrides = parse_overrides(EngineConfig, text, "engine")  # typed as the fields are ("16" -> 16.0)
         res = run_one(args.model, int(tp), ar, args.batch, args.input_len, args.output_len, args.profile_dir,
                       overrides, args.host_profile, args.timeline)
         print("RESULT " + json.dumps(res), flush=True)

@@ -126,6 +126,11 @@ class EngineConfig:
     all_reduce_fusion: str = setting(
         "planes", "With the custom all-reduce and skinny GEMMs: planes (partial sums all-reduced in float32 in the "
                   "peer-memory buffer), norm (all-reduce, residual add and RMSNorm as one kernel), or off.")
+    # with the skinny GEMMs: each row-parallel projection of a decode step asks L2 for this many MB of the next
+    # projection's weights as it ends (kernels/skinny_gemm.py), to arrive while the all-reduce after it runs; 0: off
+    l2_prefetch_mb: float = setting(
+        0.0, "With the skinny GEMMs: MB of the next projection's weights each row-parallel decode projection asks L2 "
+             "for as it ends (0: off).")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")
@@ -158,6 +163,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if not 0.0 <= self.l2_prefetch_mb <= 1024.0:
+            raise ValueError(f"l2_prefetch_mb must be in [0, 1024], got {self.l2_prefetch_mb}")
         if self.request_log_size < 0:
             raise ValueError(f"request_log_size must be >= 0, got {self.request_log_size}")
         if self.long_prefill_token_threshold < 0:

@@ -181,7 +181,7 @@ class ModelRunner:
             self.pdl = launch.set_enabled(config.pdl)
         model.setup(self.attention, max_positions, self.device, fused_norm=fused,
                     skinny_gemm=fused and config.skinny_gemm and self.dtype in (torch.bfloat16, torch.float16),
-                    fused_projections=config.fused_projections)
+                    fused_projections=config.fused_projections, l2_prefetch_bytes=int(config.l2_prefetch_mb * 1e6))
         self.model = model
         self.max_positions = max_positions
         self.peak_activation_bytes = self._measure_peak_activation() if on_cuda and config.kv_cache_tokens is None else 0

@@ -336,7 +336,10 @@ def test_a_row_parallel_decode_projection_writes_its_planes_where_the_all_reduce
     def decode_config(n, k, planes):
         return 32, 128, split if planes else 1, 4
 
-    def skinny_gemm(x, weight, out=None, *, block_n, block_k, split_k=1, num_stages):
+    asked = []
+
+    def skinny_gemm(x, weight, out=None, *, block_n, block_k, split_k=1, num_stages, prefetch=None, prefetch_bytes=0):
+        asked.append((prefetch, prefetch_bytes))
         parts = torch.stack([p @ w.T for p, w in zip(x.float().chunk(split_k, 1), weight.float().chunk(split_k, 1))])
         target = out if split_k > 1 else out[None]
         target.copy_(parts)
@@ -367,3 +370,7 @@ def test_a_row_parallel_decode_projection_writes_its_planes_where_the_all_reduce
     local = qwen3.row_parallel_decode(x, layer, reduce=False)
     assert reduce.reduced == [(split, 3, 24)] and local.data_ptr() != reduce.buffer.data_ptr()
     torch.testing.assert_close(local.sum(0), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
+    # l2_prefetch_mb: the next projection's weights reach the GEMM that ends before the all-reduce
+    after = torch.zeros(8, 8)
+    qwen3.row_parallel_decode(x, layer, prefetch=(after, 4096))
+    assert [(None, 0), (None, 0)] == asked[:2] and asked[2][0] is after and asked[2][1] == 4096
