@@ -186,3 +186,35 @@ def test_a_read_ahead_starts_no_more_processes_than_can_decode_while_this_one_im
     monkeypatch.setattr(fleet, "AHEAD_DECODE_BYTES_S", trace.stat().st_size * 4)  # 0.25 s to decode: 2 stretches
     fleet.read_ahead(one, cache_dir=None)
     assert asked[-1] == 3
+
+
+def test_ranks_fewer_than_the_cores_each_decode_their_file_in_several_processes(traces, tmp_path, monkeypatch):
+    """8 ranks on 16 cores: each rank's large JSON file is decoded in 2 processes (the cores shared out), and the
+    report is the one-process report."""
+    import gzip
+
+    from infertrace.analyze import fleet, kineto
+
+    assert [fleet._rank_split(j, units) for j, units in ((16, 8), (8, 2), (2, 8), (3, 1), (16, 32))] == [2, 4, 1, 1, 1]
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert fleet._rank_split(None, 8) == 2
+    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    doc = json.loads(gzip.decompress((traces / "tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz").read_bytes()))
+    capture = tmp_path / "capture"
+    capture.mkdir()
+    for rank in (0, 1):
+        doc["distributedInfo"]["rank"] = rank
+        (capture / f"rank{rank}.json").write_text(json.dumps(doc))
+    expected = build_report(load_capture(capture))
+    marks = tmp_path / "splits"
+    real = kineto._read_split
+
+    def counted(path, keep_python, workers):  # runs in the forked rank workers: leaves a line per split read
+        with open(marks, "a") as fh:
+            fh.write(f"{path.name} {workers}\n")
+        return real(path, keep_python, workers)
+
+    monkeypatch.setattr(kineto, "_read_split", counted)
+    got = analyze_fleet(capture, jobs=8)
+    assert_same_report(got, expected)
+    assert sorted(marks.read_text().split("\n")[:-1]) == ["rank0.json 4", "rank1.json 4"]
