@@ -16,7 +16,7 @@ ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 ALL_REDUCE_MODES = ("auto", "nccl", "custom")
-ALL_REDUCE_FUSIONS = ("planes", "norm", "off")
+ALL_REDUCE_FUSIONS = ("auto", "planes", "norm", "off")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # token counts of prefill and mixed steps: 16 apart up to 1,024 tokens (vLLM's spacing of its capture sizes above
 # 256), so a prompt chunk with the decodes of a mixed step beside it pads by at most 15 tokens (cuBLAS's GEMM time is
@@ -122,15 +122,12 @@ class EngineConfig:
     # cast); "norm": the same sums, all-reduced and fed to the residual add + RMSNorm in one kernel of ours
     # (kernels/allreduce_norm.py: each rank pushes its part into every rank's buffer, and a rank reads its own as
     # the parts land, with no barrier; vLLM and FlashInfer's all-reduce + RMSNorm fusion); "off": the sums are added
-    # and rounded by two more kernels, then all-reduced in the model's dtype
+    # and rounded by two more kernels, then all-reduced in the model's dtype; "auto": norm on two ranks, planes on
+    # more (model_runner.resolve_fusion says why)
     all_reduce_fusion: str = setting(
-        "planes", "With the custom all-reduce and skinny GEMMs: planes (partial sums all-reduced in float32 in the "
-                  "peer-memory buffer), norm (all-reduce, residual add and RMSNorm as one kernel), or off.")
-    # with the skinny GEMMs: each row-parallel projection of a decode step asks L2 for this many MB of the next
-    # projection's weights as it ends (kernels/skinny_gemm.py), to arrive while the all-reduce after it runs; 0: off
-    l2_prefetch_mb: float = setting(
-        0.0, "With the skinny GEMMs: MB of the next projection's weights each row-parallel decode projection asks L2 "
-             "for as it ends (0: off).")
+        "auto", "With the custom all-reduce and skinny GEMMs: planes (partial sums all-reduced in float32 in the "
+                "peer-memory buffer), norm (all-reduce, residual add and RMSNorm as one kernel), off, or auto (norm "
+                "on two ranks, planes on more).")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")
@@ -163,8 +160,6 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
-        if not 0.0 <= self.l2_prefetch_mb <= 1024.0:
-            raise ValueError(f"l2_prefetch_mb must be in [0, 1024], got {self.l2_prefetch_mb}")
         if self.request_log_size < 0:
             raise ValueError(f"request_log_size must be >= 0, got {self.request_log_size}")
         if self.long_prefill_token_threshold < 0:

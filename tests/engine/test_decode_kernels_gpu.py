@@ -33,24 +33,6 @@ def test_skinny_gemm_matches_matmul(rows, n, k, split_k):
     assert err < 1e-2, float(err)
 
 
-@pytest.mark.parametrize("split_k", [1, 4])
-@pytest.mark.parametrize("prefetch_bytes", [128, 5 << 20, 64 << 20])
-def test_a_gemm_that_prefetches_the_next_weights_gives_the_same_result(split_k, prefetch_bytes):
-    """l2_prefetch_mb: asking L2 for the next weights (fewer bytes than they hold, or more) changes nothing the GEMM
-    writes, and nothing in the next weights."""
-    from infertrace.engine.kernels.skinny_gemm import skinny_gemm
-
-    torch.manual_seed(3)
-    x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(2560, 2048, device="cuda", dtype=torch.bfloat16)
-    after = torch.randn(9728, 2560, device="cuda", dtype=torch.bfloat16)
-    kept = after.clone()
-    plain = skinny_gemm(x, w, block_n=64, block_k=128, split_k=split_k)
-    ahead = skinny_gemm(x, w, block_n=64, block_k=128, split_k=split_k, prefetch=after, prefetch_bytes=prefetch_bytes)
-    torch.cuda.synchronize()
-    assert torch.equal(plain, ahead) and torch.equal(after, kept)
-
-
 @pytest.mark.parametrize("split_k", [2, 4])
 def test_split_k_sums_are_deterministic(split_k):
     from infertrace.engine.kernels.norm import add_rmsnorm

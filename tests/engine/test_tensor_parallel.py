@@ -336,10 +336,7 @@ def test_a_row_parallel_decode_projection_writes_its_planes_where_the_all_reduce
     def decode_config(n, k, planes):
         return 32, 128, split if planes else 1, 4
 
-    asked = []
-
-    def skinny_gemm(x, weight, out=None, *, block_n, block_k, split_k=1, num_stages, prefetch=None, prefetch_bytes=0):
-        asked.append((prefetch, prefetch_bytes))
+    def skinny_gemm(x, weight, out=None, *, block_n, block_k, split_k=1, num_stages):
         parts = torch.stack([p @ w.T for p, w in zip(x.float().chunk(split_k, 1), weight.float().chunk(split_k, 1))])
         target = out if split_k > 1 else out[None]
         target.copy_(parts)
@@ -370,7 +367,13 @@ def test_a_row_parallel_decode_projection_writes_its_planes_where_the_all_reduce
     local = qwen3.row_parallel_decode(x, layer, reduce=False)
     assert reduce.reduced == [(split, 3, 24)] and local.data_ptr() != reduce.buffer.data_ptr()
     torch.testing.assert_close(local.sum(0), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
-    # l2_prefetch_mb: the next projection's weights reach the GEMM that ends before the all-reduce
-    after = torch.zeros(8, 8)
-    qwen3.row_parallel_decode(x, layer, prefetch=(after, 4096))
-    assert [(None, 0), (None, 0)] == asked[:2] and asked[2][0] is after and asked[2][1] == 4096
+
+
+def test_the_automatic_all_reduce_fusion_is_the_norm_kernel_on_two_ranks_and_planes_on_more():
+    from infertrace.engine.model_runner import resolve_fusion
+
+    assert EngineConfig().all_reduce_fusion == "auto"
+    assert [resolve_fusion("auto", n) for n in (2, 4, 8)] == ["norm", "planes", "planes"]
+    assert [resolve_fusion(f, 2) for f in ("planes", "norm", "off")] == ["planes", "norm", "off"]
+    with pytest.raises(ValueError, match="all_reduce_fusion"):
+        EngineConfig(all_reduce_fusion="fast")

@@ -1,6 +1,7 @@
 """Tensor parallelism on 2 and 4 GPUs, qwen3-0.6b and qwen3-4b shapes (random weights, bf16 checkpoints written
 with the GPU's generator): float32 greedy tokens equal one GPU's, bf16 first-step logits within 2e-2, with the
-peer-memory all-reduce and with NCCL. Skipped without enough GPUs."""
+peer-memory all-reduce and with NCCL (or, where bf16's own error is larger than that, within half again of it), and
+the first decode step's too. Skipped without enough GPUs."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def model_dir(request, tmp_path_factory):
 
 
 def greedy_and_first_logits(model_dir, prompts, new_tokens, **config):
-    """(greedy tokens per prompt, first step's logits, decode path) of an engine started in a process of its own:
+    """(greedy tokens per prompt, the first two steps' logits, decode path) of an engine started in a process of its own:
     each engine gets a fresh process group, whatever the last one's teardown left behind."""
     import multiprocessing
 
@@ -52,7 +53,7 @@ def greedy_and_first_logits(model_dir, prompts, new_tokens, **config):
     if kind == "error":
         raise AssertionError(value)
     tokens, logits, path = value
-    return tokens, torch.from_numpy(logits), path
+    return tokens, [torch.from_numpy(step) for step in logits], path
 
 
 def _run_engine(model_dir, prompts, new_tokens, config, conn) -> None:
@@ -64,7 +65,7 @@ def _run_engine(model_dir, prompts, new_tokens, config, conn) -> None:
         sampler = engine.runner.sampler
 
         def spy(rows, params, generators):
-            if not first:
+            if len(first) < 2:  # the prefill, then the first decode step
                 first.append(rows.float().cpu().clone())
             return sampler(rows, params, generators)
 
@@ -75,7 +76,8 @@ def _run_engine(model_dir, prompts, new_tokens, config, conn) -> None:
         while engine.has_unfinished():
             for out in engine.step():
                 tokens[out.request_id] += out.new_token_ids
-        conn.send(("ok", ([tokens[f"r{i}"] for i in range(len(prompts))], first[0].numpy(), engine.decode_path())))
+        conn.send(("ok", ([tokens[f"r{i}"] for i in range(len(prompts))], [step.numpy() for step in first],
+                          engine.decode_path())))
         engine.shutdown()
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -106,17 +108,24 @@ def test_float32_greedy_tokens_equal_one_gpu(model_dir, size):
 @pytest.mark.parametrize("fusion", ["planes", "norm"])
 @pytest.mark.parametrize("size", [pytest.param(2, marks=needs(2)), pytest.param(4, marks=needs(4))])
 def test_bfloat16_first_step_logits_within_2e_2(model_dir, size, fusion):
-    """Within 2e-2 of the largest logit. An absolute 2e-2 is below bf16's own error here: one bf16 step at a logit
-    near 3 is 0.0156, and TP=1's bf16 logits differ from its float32 ones by about 0.044 (qwen3-0.6b on CPU), so any
-    other order of the same sums misses it; the float32 test above is the exact one. The noise floor is printed."""
-    _, one, _ = one_gpu(model_dir, "bfloat16")
-    _, exact, _ = one_gpu(model_dir, "float32")
-    _, many, path = greedy_and_first_logits(model_dir, PROMPTS, 2, dtype="bfloat16", tensor_parallel_size=size,
-                                            all_reduce_fusion=fusion)
+    """Within 2e-2 of the largest logit, the prefill's (cuBLAS GEMMs, the all-reduce in bf16) and the first decode
+    step's (the skinny GEMMs and the `fusion` under test), or, where bf16 itself is further than that from float32 on
+    these random weights (TP=1 bf16 against TP=1 float32, printed), within 1.5x of that: tensor parallelism may add
+    no more error than bf16 has. An absolute 2e-2 is below bf16's own error here: one bf16 step at a logit near 3 is
+    0.0156, so any other order of the same sums misses it; the float32 test above is the exact one. The decode step
+    is compared on the rows whose first token all three runs chose alike (its input)."""
+    one_tokens, one, _ = one_gpu(model_dir, "bfloat16")
+    exact_tokens, exact, _ = one_gpu(model_dir, "float32")
+    many_tokens, many, path = greedy_and_first_logits(model_dir, PROMPTS, 2, dtype="bfloat16",
+                                                      tensor_parallel_size=size, all_reduce_fusion=fusion)
     assert path["skinny_gemm"] and path["all_reduce"] == "custom" and path["all_reduce_fusion"] == fusion
-    diff = (many - one).abs().max().item()
-    scale = one.abs().max().item()
-    floor = (one - exact).abs().max().item()
-    print(f"TP={size} ({fusion}) bf16 first-step logits: max |diff| {diff:.3g} ({diff / scale:.2%} of max |logit| {scale:.3g}); "
-          f"TP=1 bf16 against float32 {floor:.3g}")
-    assert diff <= 2e-2 * scale
+    alike = [i for i in range(len(PROMPTS)) if one_tokens[i][0] == exact_tokens[i][0] == many_tokens[i][0]]
+    assert alike, "no prompt's first token is the same in the three runs"
+    for step, rows in (("prefill", slice(None)), ("first decode step", alike)):
+        ours, theirs, ref = (run[0 if step == "prefill" else 1][rows] for run in (many, one, exact))
+        diff = (ours - theirs).abs().max().item()
+        scale = theirs.abs().max().item()
+        floor = (theirs - ref).abs().max().item()
+        print(f"TP={size} ({fusion}) bf16 {step} logits: max |diff| {diff:.3g} ({diff / scale:.2%} of max |logit| "
+              f"{scale:.3g}); TP=1 bf16 against float32 {floor:.3g} ({floor / scale:.2%})")
+        assert diff <= max(2e-2 * scale, 1.5 * floor), step

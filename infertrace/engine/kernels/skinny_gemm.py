@@ -7,10 +7,6 @@ of the reduction stores its float32 partial sums in its own plane of a workspace
 residual add + RMSNorm, or the fused q/k norm) adds the planes in a fixed order as it reads them (`load_planes`), so
 no reduction pass runs, nothing needs zeroing, and the sum is the same bit for bit from run to run whatever the
 split.
-
-A GEMM may also ask L2 for the first bytes of the next projection's weights as it ends (`prefetch`): with tensor
-parallelism an all-reduce follows it, a few microseconds in which HBM is otherwise idle, and the next projection
-finds those weights in L2 (`EngineConfig.l2_prefetch_mb`).
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ from infertrace.engine.kernels import launch, tuning
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                        next_ptr, next_lines, PREFETCH: tl.constexpr):
+                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # x comes from the kernel before, and the workspace planes are read by the kernel after it
         gdc_wait()
         gdc_launch_dependents()
@@ -56,17 +51,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         w_ptrs += BLOCK_K
     y_ptrs = y_ptr + pid_k * stride_ys + rows[:, None] * stride_ym + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    if PREFETCH > 0:  # this program's share of the next weights' first `next_lines` 128-byte lines, into L2
-        program = pid_k * tl.num_programs(0) + pid_n
-        lines = tl.minimum(program * PREFETCH + tl.arange(0, PREFETCH), next_lines - 1)
-        prefetch_l2(next_ptr.to(tl.pointer_type(tl.int8)) + lines.to(tl.int64) * 128)
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the lines at `ptrs` (kept ahead of other lines when it must evict); nothing waits for them."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -83,12 +67,8 @@ def load_planes(ptrs, mask, plane_stride, PLANES: tl.constexpr, dtype: tl.conste
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int = 32,
-                block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
-                prefetch: torch.Tensor | None = None, prefetch_bytes: int = 0) -> torch.Tensor:
+                block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """x [M, K] (M <= 16) times weight [N, K] transposed.
-
-    With `prefetch` (a contiguous tensor, the next projection's weights) and `prefetch_bytes` > 0, the programs ask L2
-    for its first `prefetch_bytes` bytes as they end.
 
     With split_k > 1 the result is the float32 partial sums [split_k, M, N], one plane a slice of K, to be added
     plane by plane (`.sum(0)`, or the kernel that reads them with `load_planes`); `out`, when given, is a float32
@@ -107,15 +87,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
         plane_stride = out.stride(0)
     row_stride = out.stride(-2)
     grid = (triton.cdiv(n, block_n), split_k)
-    lines, per_program = 0, 0
-    if prefetch is not None and prefetch_bytes > 0:
-        assert prefetch.is_contiguous()
-        lines = min(prefetch_bytes, prefetch.numel() * prefetch.element_size()) // 128
-        per_program = triton.next_power_of_2(triton.cdiv(lines, grid[0] * grid[1])) if lines else 0
     _skinny_gemm_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), row_stride, plane_stride,
                               BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                               EVEN_K=k % (block_k * split_k) == 0, PDL=launch.enabled(),
-                              next_ptr=prefetch if per_program else x, next_lines=lines, PREFETCH=per_program,
                               num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
     return out
 

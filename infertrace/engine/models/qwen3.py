@@ -126,31 +126,23 @@ def _fusions():
     return fused
 
 
-Prefetch = tuple[torch.Tensor, int] | None  # the next projection's weights, and how many of their bytes to ask L2 for
-
-
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, planes: bool = False, prefetch: Prefetch = None
-                  ) -> torch.Tensor:
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, planes: bool = False) -> torch.Tensor:
     """x @ weight.T by the skinny GEMM with its tuned tiling. With `planes`, a shape whose tiling splits K returns
-    its float32 partial sums [split, T, N] for the kernel after it to add up as it reads them. `prefetch`: the
-    GEMM asks L2 for the first bytes of these weights as it ends."""
+    its float32 partial sums [split, T, N] for the kernel after it to add up as it reads them."""
     decode_config, skinny_gemm = _skinny_kernels()
     n, k = weight.shape
     block_n, block_k, split_k, stages = decode_config(n, k, planes)
-    ahead, ahead_bytes = prefetch or (None, 0)
     return skinny_gemm(x, weight, block_n=block_n, block_k=block_k, split_k=split_k if planes else 1,
-                       num_stages=stages, prefetch=ahead, prefetch_bytes=ahead_bytes)
+                       num_stages=stages)
 
 
-def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool = True, prefetch: Prefetch = None
-                        ) -> torch.Tensor:
+def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool = True) -> torch.Tensor:
     """x @ W.T of a row-parallel projection of a decode step by the skinny GEMM, added up over the ranks, for the
     residual add + RMSNorm after it, which adds float32 planes [split, T, N] as it reads them. One rank: the GEMM's
     own split-K planes. More ranks, where the all-reduce takes planes (`all_reduce_fusion="planes"`): the GEMM writes
     them into its peer-memory buffer and they are all-reduced there, in float32. Otherwise they are added up, rounded
     to the model's dtype and all-reduced as one [T, N] tensor. `reduce=False` (more ranks, "norm" fusion): this
-    rank's float32 planes, for the all-reduce + norm kernel after it. `prefetch`: as decode_linear's (the next
-    projection's weights come into L2 while the all-reduce runs)."""
+    rank's float32 planes, for the all-reduce + norm kernel after it."""
     tp = layer.tp
     planes_out = getattr(tp.reduce, "planes_out", None)
     if tp.size > 1 and (not reduce or planes_out is not None):
@@ -160,11 +152,10 @@ def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool 
         shape = (split_k, x.shape[0], n)
         out = planes_out(*shape) if reduce else torch.empty(shape, dtype=torch.float32, device=x.device)
         if out is not None:  # None: more planes than the buffer holds
-            ahead, ahead_bytes = prefetch or (None, 0)
             skinny_gemm(x, layer.weight, out if split_k > 1 else out[0], block_n=block_n, block_k=block_k,
-                        split_k=split_k, num_stages=stages, prefetch=ahead, prefetch_bytes=ahead_bytes)
+                        split_k=split_k, num_stages=stages)
             return tp.reduce.reduce_planes(out) if reduce else out
-    partial = decode_linear(x, layer.weight, planes=True, prefetch=prefetch)
+    partial = decode_linear(x, layer.weight, planes=True)
     return tp.reduce_partial_sums(partial, x.dtype)
 
 
@@ -187,8 +178,7 @@ class Qwen3Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata,
-                fused: bool = False, skinny: bool = False, fuse_projections: bool = False, reduce: bool = True,
-                prefetch: Prefetch = None):
+                fused: bool = False, skinny: bool = False, fuse_projections: bool = False, reduce: bool = True):
         """With `skinny`, the projections run as weight-streaming GEMMs. Where a tiling splits K, the qkv projection
         returns split-K partial sums to the fused q/k norm (when it also writes K and V to the cache) and the output
         projection to the residual add + RMSNorm after it; each adds them up as it reads them. With
@@ -208,7 +198,7 @@ class Qwen3Attention(nn.Module):
         else:
             out = self._attend(x, positions, rope, attn, meta, fused, skinny, stored)
         if skinny:
-            return row_parallel_decode(out.reshape(-1, self.q_size), self.o_proj, reduce, prefetch)
+            return row_parallel_decode(out.reshape(-1, self.q_size), self.o_proj, reduce)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _attend(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata, fused: bool,
@@ -240,7 +230,7 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, False, dtype, tp)
 
     def forward(self, x: torch.Tensor, fused: bool = False, skinny: bool = False,
-                fuse_projections: bool = False, reduce: bool = True, prefetch: Prefetch = None) -> torch.Tensor:
+                fuse_projections: bool = False, reduce: bool = True) -> torch.Tensor:
         """With `fuse_projections` (and `skinny`), a gate/up shape measured to gain runs the projection and
         SiLU-and-multiply as one kernel (`fused.gate_up_silu`)."""
         if fused:
@@ -254,7 +244,7 @@ class Qwen3MLP(nn.Module):
                                                num_warps=warps)
                 else:
                     act = kernels.silu_mul(decode_linear(x, w))
-                return row_parallel_decode(act, self.down_proj, reduce, prefetch)
+                return row_parallel_decode(act, self.down_proj, reduce)
             return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -303,10 +293,9 @@ class Qwen3ForCausalLM(nn.Module):
         self.fused_norm = False
         self.skinny_gemm = False
         self.fused_projections = False
-        self.l2_prefetch_bytes = 0
 
     def setup(self, attn: TorchAttention, max_positions: int, device: torch.device, fused_norm: bool = False,
-              skinny_gemm: bool = False, fused_projections: bool = False, l2_prefetch_bytes: int = 0) -> None:
+              skinny_gemm: bool = False, fused_projections: bool = False) -> None:
         """Attach the attention backend and build the RoPE tables (after the weights are on `device`).
 
         `fused_norm` (CUDA only) runs residual add + RMSNorm, q/k RMSNorm + RoPE (with the K/V cache write when the
@@ -316,15 +305,12 @@ class Qwen3ForCausalLM(nn.Module):
         residual add reads them (with one rank the residual add reads the partial sums itself). `fused_projections` (with
         `skinny_gemm`) runs the qkv projection with the q/k norm, RoPE and K/V write, and the gate/up projection
         with SiLU-and-multiply, as one kernel each at the shapes measured to gain from it (the rest keep two).
-        `l2_prefetch_bytes` (with `skinny_gemm`): each row-parallel projection of a decode step asks L2 for that many
-        bytes of the next projection's weights as it ends.
         """
         self.attn = attn
         self.rope = RotaryEmbedding(self.spec.head_dim, self.spec.rope_theta, max_positions, device)
         self.fused_norm = fused_norm
         self.skinny_gemm = skinny_gemm and fused_norm and not self.spec.attention_bias
         self.fused_projections = fused_projections and self.skinny_gemm
-        self.l2_prefetch_bytes = int(l2_prefetch_bytes) if self.skinny_gemm else 0
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
@@ -367,20 +353,12 @@ class Qwen3ForCausalLM(nn.Module):
             def reduce_norm(x, call, norm):
                 return reducer.add_rmsnorm(x, residual, norm.weight, norm.eps, call, calls)
         local = reducer is None
-        ahead = self.l2_prefetch_bytes if skinny else 0
-
-        def prefetch(weight: torch.Tensor | None) -> Prefetch:
-            return (weight, ahead) if ahead and weight is not None else None
-
         # `residual` is updated in place by every add_rmsnorm below
         for i, layer in enumerate(layers):
             a = layer.self_attn(h, positions, self.rope, self.attn, meta, fused=True, skinny=skinny,
-                                fuse_projections=one_kernel, reduce=local,
-                                prefetch=prefetch(layer.mlp.gate_up_proj.weight))
+                                fuse_projections=one_kernel, reduce=local)
             h = reduce_norm(a, 2 * i, layer.post_attention_layernorm)
-            after = layers[i + 1].self_attn.qkv_proj.weight if i + 1 < len(layers) else None
-            m = layer.mlp(h, fused=True, skinny=skinny, fuse_projections=one_kernel, reduce=local,
-                          prefetch=prefetch(after))
+            m = layer.mlp(h, fused=True, skinny=skinny, fuse_projections=one_kernel, reduce=local)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h = reduce_norm(m, 2 * i + 1, norm)
         return h
