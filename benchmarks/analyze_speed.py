@@ -36,8 +36,8 @@ LABELS = {
     "hta_fast": "traceinsight 0.6.1, `ParserBackend.IJSON_BATCH_AND_COMPRESS` (parse only)",
     "ours": "`infertrace analyze DIR --quiet --no-cache` (parse + every analysis)",
     "ours_jobs2": "`infertrace analyze DIR --quiet --no-cache --jobs 2` (the same, the trace decoded in 2 processes)",
-    "ours_cached": "`infertrace analyze DIR --quiet`, second run (from the cache)",
-    "ours_imports": "the imports of `infertrace analyze` alone, as it makes them (no trace read)",
+    "ours_cached": "`infertrace analyze DIR --quiet`, second run (the report from the cache)",
+    "ours_imports": "the imports of a run that reads the ranks from the cache (--csv, --html), alone",
 }
 
 
@@ -116,8 +116,9 @@ def child_ours(trace_dir: str, cache_dir: str | None, extra: tuple[str, ...] = (
 
 
 def child_imports() -> dict:
-    """What a cached run spends before reading anything: the CLI and the analysis modules, imported as `analyze run`
-    imports them (pandas with pyarrow hidden)."""
+    """What a run that reads every rank from the cache (--csv, --html, --perfetto) imports before reading: the CLI
+    and the analysis modules, as `analyze run` imports them (pandas with pyarrow hidden). A run that prints the
+    cached report imports none of pandas, numpy and the analyses."""
     import infertrace.analyze.fleet  # noqa: F401
     from infertrace.analyze.command import _import_pandas_without_pyarrow
     from infertrace.cli import main  # noqa: F401

@@ -59,8 +59,10 @@ critical path of each step through the collectives, the gating rank and kernel, 
 that rank at the median rank's speed. A capture without GPU activity gets its CPU operators by self time, in all
 and per step. Timestamps are kept to the nanosecond.
 
-Ranks are read and analysed each in its own process (--jobs), or as Ray tasks (--ray), and each file's events are
-cached as columns (--cache-dir), so a second run over the same traces reads only the cache.
+Ranks are read and analysed each in its own process (--jobs), or as Ray tasks (--ray). Each file's events, each
+rank's analysis and the finished report are cached (--cache-dir): a second run over unchanged traces prints the
+cached report (and writes it with --json) without reading them; with --csv, --html or --perfetto it reads the
+cached ranks.
 
 {EXIT_CODES}
 """)
@@ -96,16 +98,27 @@ cached as columns (--cache-dir), so a second run over the same traces reads only
 def run(trace_dir: Path, json_path: Path | None, csv_dir: Path | None, html_path: Path | None,
         top_kernels: int | None, capture_name: str | None, rank: int | None, perfetto_path: Path | None,
         jobs: int | None, ray_address: str | None, cache_dir: Path | None, no_cache: bool, quiet: bool) -> None:
-    from infertrace.analyze.capture import CaptureError
-    from infertrace.analyze.fleet import analyze_fleet, default_cache_dir, read_ahead
+    from infertrace.analyze.report_cache import default_cache_dir, load_report, report_key, store_report
 
     _skip_last_collection()
     outputs = [p for p in (json_path, csv_dir, html_path, perfetto_path) if p is not None]
     cache = None if no_cache else (cache_dir or default_cache_dir())
+    key = None
+    if cache is not None and csv_dir is None and html_path is None and perfetto_path is None:
+        # the finished report, where nothing under the path changed: no trace read, no pandas imported
+        key = report_key(trace_dir, {"capture": capture_name, "rank": rank, "top": top_kernels}, outputs)
+        doc = load_report(cache, key) if key is not None else None
+        if doc is not None:
+            _show(doc, ["the report from the cache: no trace file under the path changed since it was made"], quiet)
+            if json_path is not None:
+                _write(json_path, lambda p: write_json(p, doc, indent=1))
+            return
+    from infertrace.analyze.capture import CaptureError
+    from infertrace.analyze.fleet import analyze_fleet, read_ahead
+
     ahead = read_ahead(trace_dir, capture_name, rank, outputs, jobs, ray_address, cache)  # decodes while we import
     try:
         _import_pandas_without_pyarrow()
-        from infertrace.analyze.render import render
         from infertrace.analyze.report import AnalyzeConfig
 
         config = AnalyzeConfig() if top_kernels is None else AnalyzeConfig(top_kernels=top_kernels)
@@ -115,13 +128,15 @@ def run(trace_dir: Path, json_path: Path | None, csv_dir: Path | None, html_path
     finally:
         if ahead is not None:
             ahead.cancel()  # its processes were joined, or were not needed (the rank came from the cache)
-    for problem in report.problems:
-        err_console.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
-    for note in report.notes:
-        err_console.print(f"[dim]note: {note}[/]", highlight=False, soft_wrap=True)
-    if not quiet:
-        out_console.print(render(report, fit=out_console.is_terminal))
-    _write_outputs(report, json_path, csv_dir, html_path)
+    from infertrace.analyze.persist import report_dict
+
+    doc = report_dict(report)
+    if key is not None:
+        store_report(cache, key, doc)
+    _show(doc, report.run_notes, quiet)
+    if json_path is not None:
+        _write(json_path, lambda p: write_json(p, doc, indent=1))
+    _write_outputs(report, csv_dir, html_path)
     if perfetto_path is not None:
         from infertrace.analyze.perfetto import write_perfetto
 
@@ -173,11 +188,21 @@ def _report_of(path: Path):
     return build_report(capture)
 
 
-def _write_outputs(report, json_path: Path | None, csv_dir: Path | None, html_path: Path | None) -> None:
-    from infertrace.analyze.persist import write_csv, write_json
+def _show(doc: dict, run_notes: list[str], quiet: bool) -> None:
+    """A report's warnings and notes (with this run's) on stderr and, unless `quiet`, its tables on stdout."""
+    from infertrace.analyze.render import render_document
 
-    if json_path is not None:
-        _write(json_path, lambda p: write_json(report, p))
+    for problem in doc["problems"]:
+        err_console.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
+    for note in [*doc["notes"], *run_notes]:
+        err_console.print(f"[dim]note: {note}[/]", highlight=False, soft_wrap=True)
+    if not quiet:
+        out_console.print(render_document(doc, fit=out_console.is_terminal))
+
+
+def _write_outputs(report, csv_dir: Path | None, html_path: Path | None) -> None:
+    from infertrace.analyze.persist import write_csv
+
     if csv_dir is not None:
         _write(csv_dir, lambda p: write_csv(report, p))
     if html_path is not None:

@@ -44,51 +44,15 @@ from infertrace.analyze.capture import (
 )
 from infertrace.analyze.kineto import AHEAD_DECODE_BYTES_S, AHEAD_IMPORT_S, ReadAhead, TraceColumns, TraceError
 from infertrace.analyze.kineto import read_ahead as read_file_ahead
+from infertrace.analyze.report_cache import code_hash, file_key
 
-CACHE_VERSION = 1
 SPLIT_CORES = 4  # a one-rank capture's large file is split over the cores from this many on (on 2 busy cores the
 # split read measured slower than one process: 2.2 s against 1.8 s for 523 MB)
 AHEAD_MARGIN = 2  # a read-ahead's processes: at most those that decode the later stretches each in this many times
 # what the first process spends importing; more only finish sooner, to wait for it, each holding about 10 MB while it
 # decodes (2-core host, 523 MB rank, --jobs 16: the tree's peak PSS 197 MB, 178 MB capped at 10 processes; --jobs 32:
 # 265 MB, 171 MB). The cap is 10 processes for that rank, whatever the cores.
-EDGE_BYTES = 64 << 10  # hashed from each end of a trace for its cache key
 _COLUMNS = ("name", "cat", "pid", "tid", "ts_ns", "dur_ns", "stream", "correlation", "external_id")
-
-
-def default_cache_dir() -> Path:
-    if env := os.environ.get("INFERTRACE_CACHE_DIR"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "infertrace" / "analyze"
-
-
-def file_key(path: Path) -> str:
-    """What identifies a trace file's content: its real path, size, modification time and both ends' bytes."""
-    real = os.path.realpath(path)
-    st = os.stat(real)
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{CACHE_VERSION}\0{real}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-    with open(real, "rb") as fh:
-        digest.update(fh.read(EDGE_BYTES))
-        if st.st_size > EDGE_BYTES:
-            fh.seek(max(EDGE_BYTES, st.st_size - EDGE_BYTES))
-            digest.update(fh.read(EDGE_BYTES))
-    return digest.hexdigest()
-
-
-_CODE_HASH: str | None = None
-
-
-def code_hash() -> str:
-    """A hash of this package's source: an analysed part made by other code is never read back."""
-    global _CODE_HASH
-    if _CODE_HASH is None:
-        digest = hashlib.blake2b(digest_size=8)
-        for source in sorted(Path(__file__).parent.glob("*.py")):
-            digest.update(source.read_bytes())
-        _CODE_HASH = digest.hexdigest()
-    return _CODE_HASH
 
 
 class ColumnCache:
@@ -301,7 +265,7 @@ def analyze_fleet(path: str | Path, config=None, capture: str | None = None, ran
         report.tables["frontend"] = frontend_ops(fronts)
     add_step_requests(report, _Files([RankTrace(r, file, None, {}, True, None)
                                       for (file, _), (r, _) in zip(done, ranks)]))
-    report.notes.append(f"{len(done)} rank(s) analysed apart"
+    report.run_notes.append(f"{len(done)} rank(s) analysed apart"
                         + (f" as Ray tasks on {ray_address}" if ray_address else f" in up to {_workers(jobs, len(unit_paths))} process(es)")
                         + (f"; {sum(r.from_cache for _, r in done)} from the cache" if cache_root else ""))
     return report

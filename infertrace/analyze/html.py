@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from infertrace.analyze.kernels import CATEGORIES
+from infertrace.analyze.categories import CATEGORIES
 from infertrace.analyze.render import LABELS, TITLES
 from infertrace.analyze.report import Report
 from infertrace.analyze.timeline import phases_data, phases_figure

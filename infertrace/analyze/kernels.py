@@ -29,7 +29,6 @@ COMM_RE = re.compile(
 # Inference categories, first match wins; the order matters (a GEMM with a fused SwiGLU epilogue is a GEMM,
 # a fused "add_rmsnorm" is a norm, not elementwise). Rules see the name without its parameter list, whose
 # argument types (`flashinfer::QuantizationSFLayout`, `fbgemm_gpu::FixedDivisor`) say nothing about the kernel.
-CATEGORIES = ("attention", "GEMM", "norm", "activation", "elementwise", "communication", "memcpy/memset", "other")
 _CATEGORY_RULES: tuple[tuple[str, re.Pattern], ...] = (
     ("memcpy/memset", re.compile(r"^(hip)?(Memcpy|Memset)|^dma", re.IGNORECASE)),
     ("communication", COMM_RE),

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from infertrace.analyze.categories import CATEGORIES
 from infertrace.analyze.events import GPU_COLUMNS, GPU_WORK, LAUNCH_COLUMNS, rows_of
 from infertrace.analyze.intervals import covered_between, union
-from infertrace.analyze.kernels import CATEGORIES, category, per_event
+from infertrace.analyze.kernels import category, per_event
 
 _BRACKET = re.compile(r"^step\[([A-Za-z_]+)\b([^\]]*)\]")
 _VLLM = re.compile(r"^execute_(?:\d+_)?context_(\d+)\(([^)]*)\)_generation_(\d+)\(([^)]*)\)")

@@ -1,18 +1,27 @@
-"""Reports as rich tables for the terminal."""
+"""Reports as rich tables for the terminal, from each table's rows as plain dicts: a report's DataFrames become
+rows here, and a report read back from the cache (report_cache.py) is rows already, so this module imports neither
+pandas nor numpy."""
 
 from __future__ import annotations
 
 import math
+from itertools import groupby
+from typing import TYPE_CHECKING
 
-import pandas as pd
 from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from infertrace.analyze.kernels import CATEGORIES
-from infertrace.analyze.report import Report
-from infertrace.analyze.requests import render_step_requests
+from infertrace.analyze.categories import CATEGORIES
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from infertrace.analyze.report import Report
+
+Rows = list[dict]
+SHOWN_REQUEST_STEPS = 30  # steps listed in the terminal's requests table; --json and --csv hold them all
 
 TITLES = {
     "temporal": "Temporal breakdown (HTA)",
@@ -48,13 +57,22 @@ LABELS = {
 def render(report: Report, fit: bool = True) -> RenderableType:
     """The report's tables. `fit` caps label columns (kernel names at 56 characters, others at 24, cut with `…`)
     to suit a terminal; without it (a CI log, a pipe) every label is shown whole."""
-    parts: list[RenderableType] = [_ranks(report)]
+    from infertrace.analyze.persist import report_dict
+
+    return render_document(report_dict(report), fit)
+
+
+def render_document(doc: dict, fit: bool = True) -> RenderableType:
+    """`render` of a report as `analyze --json` writes it (persist.report_dict): its tables as rows."""
+    tables = doc.get("tables") or {}
+    parts: list[RenderableType] = [_ranks(doc.get("source", ""), doc.get("ranks") or [])]
     for name, build in _BUILDERS.items():
-        table = report.tables.get(name)
-        if table is not None and not table.empty:
-            parts.append(build(table))
-    if report.skipped:
-        lines = [f"  {name}: {why}" for name, why in report.skipped.items() if name in TITLES]
+        rows = tables.get(name)
+        if rows:
+            parts.append(build(rows))
+    skipped = doc.get("skipped") or {}
+    if skipped:
+        lines = [f"  {name}: {why}" for name, why in skipped.items() if name in TITLES]
         if lines:
             parts.append(Text("Not shown:\n" + "\n".join(lines), style="dim"))
     return _group(parts, fit)
@@ -86,102 +104,114 @@ def _ms(us: float) -> str:
     return _num(us / 1000.0)
 
 
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def _num(value: float, digits: int | None = None) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if _missing(value):
         return "–"
     if digits is None:
         digits = 3 if abs(value) < 1 else 2 if abs(value) < 100 else 1
     return f"{value:,.{digits}f}"
 
 
+def _fixed(value: float, digits: int, suffix: str = "") -> str:
+    """`value` with exactly `digits` decimals (and `suffix`), "–" where it is missing."""
+    return "–" if _missing(value) else f"{value:.{digits}f}{suffix}"
+
+
+def _count(value) -> str:
+    return "–" if _missing(value) else f"{int(value):,}"
+
+
 def _pct(share: float) -> str:
-    return "–" if share is None or (isinstance(share, float) and math.isnan(share)) else f"{100 * share:.1f}%"
+    return "–" if _missing(share) else f"{100 * share:.1f}%"
 
 
-def _ranks(report: Report) -> Table:
-    table = _new(f"infertrace analyze: {report.source}", "rank", "file", "device", "events", "kernels",
-                 "gpu ops", text=3)
-    for r in report.ranks.to_dict("records"):
-        table.add_row(str(r["rank"]), str(r["file"]), str(r.get("device") or "–"), f"{r['events']:,}",
-                      f"{r['kernels']:,}", f"{r['gpu_ops']:,}")
+def _ranks(source: str, rows: Rows) -> Table:
+    table = _new(f"infertrace analyze: {source}", "rank", "file", "device", "events", "kernels", "gpu ops", text=3)
+    for r in rows:
+        table.add_row(str(r["rank"]), str(r["file"]), str(r.get("device") or "–"), _count(r["events"]),
+                      _count(r["kernels"]), _count(r["gpu_ops"]))
     return table
 
 
-def _temporal(df: pd.DataFrame) -> Table:
+def _temporal(rows: Rows) -> Table:
     table = _new(TITLES["temporal"], "rank", "kernel span (ms)", "idle", "compute", "non-compute")
-    for r in df.to_dict("records"):
-        table.add_row(str(r["rank"]), _ms(r["kernel_time(us)"]), f"{r['idle_time_pctg']:.2f}%",
-                      f"{r['compute_time_pctg']:.2f}%", f"{r['non_compute_time_pctg']:.2f}%")
+    for r in rows:
+        table.add_row(str(r["rank"]), _ms(r["kernel_time(us)"]), _fixed(r["idle_time_pctg"], 2, "%"),
+                      _fixed(r["compute_time_pctg"], 2, "%"), _fixed(r["non_compute_time_pctg"], 2, "%"))
     return table
 
 
-def _idle(df: pd.DataFrame) -> Table:
+def _idle(rows: Rows) -> Table:
     table = _new(TITLES["idle"], "rank", "stream", "host wait (ms)", "kernel wait (ms)", "other (ms)",
                  "host wait share", text=2, caption="host wait: the next kernel was launched after the GPU went idle; "
                                             "kernel wait: gaps under 30 us between kernels")
-    pivot = df.pivot_table(index=["rank", "stream"], columns="idle_category", values="idle_time (us)",
-                           aggfunc="sum", fill_value=0.0)
-    for (rank, stream), row in pivot.iterrows():
-        host, kernel, other = (row.get(c, 0.0) for c in ("host_wait", "kernel_wait", "other"))
+    sums: dict[tuple, dict[str, float]] = {}  # (rank, stream) -> idle time by category, summed
+    for r in rows:
+        cell = sums.setdefault((r["rank"], r["stream"]), {})
+        cell[r["idle_category"]] = cell.get(r["idle_category"], 0.0) + (r["idle_time (us)"] or 0.0)
+    for (rank, stream), cell in sorted(sums.items()):
+        host, kernel, other = (cell.get(c, 0.0) for c in ("host_wait", "kernel_wait", "other"))
         total = host + kernel + other
         table.add_row(str(rank), str(stream), _ms(host), _ms(kernel), _ms(other),
                       _pct(host / total) if total else "–")
     return table
 
 
-def _kernel_types(df: pd.DataFrame) -> Table:
+def _kernel_types(rows: Rows) -> Table:
     table = _new(TITLES["kernel_types"], "type", "time (ms)", "share")
-    for r in df.to_dict("records"):
-        table.add_row(r["kernel_type"], _ms(r["sum (us)"]), f"{r['percentage']:.1f}%")
+    for r in rows:
+        table.add_row(r["kernel_type"], _ms(r["sum (us)"]), _fixed(r["percentage"], 1, "%"))
     return table
 
 
-def _top_kernels(df: pd.DataFrame) -> Table:
+def _top_kernels(rows: Rows) -> Table:
     table = _new(TITLES["top_kernels"], "rank", "type", "kernel", "category", "count", "total (ms)",
                  "mean (us)", text=4, wide=2)
-    ordered = df.assign(_others=df["name"] == "others").sort_values(
-        ["rank", "kernel_type", "_others", "sum (us)"], ascending=[True, True, True, False])
-    for r in ordered.to_dict("records"):
+    # by rank and type, "others" last in each, then the longest total first
+    ordered = sorted(rows, key=lambda r: (r["rank"], r["kernel_type"], r["name"] == "others", -r["sum (us)"]))
+    for r in ordered:
         table.add_row(str(r["rank"]), _TYPE_ABBREV.get(r["kernel_type"], r["kernel_type"]), r["short_name"],
-                      r["category"] or "",
-                      f"{int(r['count']):,}", _ms(r["sum (us)"]), _num(r["mean (us)"]))
+                      r["category"] or "", _count(r["count"]), _ms(r["sum (us)"]), _num(r["mean (us)"]))
     return table
 
 
 _TYPE_ABBREV = {"COMPUTATION": "comp", "COMMUNICATION": "comm", "MEMORY": "mem"}
 
 
-def _overlap(df: pd.DataFrame) -> Table:
+def _overlap(rows: Rows) -> Table:
     table = _new(TITLES["overlap"], "rank", "communication (ms)", "overlapped (ms)", "overlap")
-    for r in df.to_dict("records"):
+    for r in rows:
         pct = r["comp_comm_overlap_pctg"]
         table.add_row(str(r["rank"]), _ms(r["comm_time(us)"]), _ms(r["overlapped_time(us)"]),
-                      "no communication" if pct is None or (isinstance(pct, float) and math.isnan(pct))
-                      else f"{pct:.2f}%")
+                      "no communication" if _missing(pct) else f"{pct:.2f}%")
     return table
 
 
-def _launches(df: pd.DataFrame) -> Table:
+def _launches(rows: Rows) -> Table:
     table = _new(TITLES["launches"], "rank", "api", "calls", "gpu ops", "cpu mean (us)", "cpu p99 (us)",
                  "delay mean (us)", "delay p99 (us)", text=2,
                  caption="delay: from the end of the launch call to the start of its first GPU work")
-    for r in df.to_dict("records"):
-        table.add_row(str(r["rank"]), r["api"], f"{r['launches']:,}", f"{r['gpu_ops']:,}",
+    for r in rows:
+        table.add_row(str(r["rank"]), r["api"], _count(r["launches"]), _count(r["gpu_ops"]),
                       _num(r["cpu_mean (us)"]), _num(r["cpu_p99 (us)"]), _num(r["delay_mean (us)"]),
                       _num(r["delay_p99 (us)"]))
     return table
 
 
-def _categories(df: pd.DataFrame) -> Table:
+def _categories(rows: Rows) -> Table:
     table = _new(TITLES["categories"], "category", "ops", "time (ms)", "share")
-    for r in df.to_dict("records"):
-        table.add_row(r["category"], f"{int(r['ops']):,}", _num(r["total (ms)"]), _pct(r["share"]))
+    for r in rows:
+        table.add_row(r["category"], _count(r["ops"]), _num(r["total (ms)"]), _pct(r["share"]))
     return table
 
 
-def _phases(df: pd.DataFrame) -> Table:
+def _phases(rows: Rows) -> Table:
     # spacing only where some step type has two steps with GPU work (a single-step capture has none)
-    spacing = "spacing_p50 (ms)" in df and bool(df["spacing_p50 (ms)"].notna().any())
+    spacing = any(not _missing(r.get("spacing_p50 (ms)")) for r in rows)
     caption = "step time: from the step's start to its end or its last kernel's end, whichever is later; "
     if spacing:
         caption += ("spacing: from the previous step's last kernel to this one's, the rate steps complete at (also "
@@ -192,56 +222,58 @@ def _phases(df: pd.DataFrame) -> Table:
                  label["step_p50 (ms)"], label["step_p99 (ms)"], *([label["spacing_p50 (ms)"]] if spacing else []),
                  label["gpu_busy_share"], label["host_wait_share"], label["kernels_per_step"], "verdict", text=1,
                  caption=caption)
-    for r in df.to_dict("records"):
-        verdict = r["verdict"]
+    for r in rows:
+        verdict = r["verdict"] or ""
         style = {"CPU-bound": "bold yellow", "GPU-bound": "green"}.get(verdict, "")
-        table.add_row(r["type"], f"{r['steps']:,}", _num(r["bs"], 1), _num(r["toks"], 0),
+        table.add_row(r["type"], _count(r["steps"]), _num(r["bs"], 1), _num(r["toks"], 0),
                       _num(r["step_mean (ms)"]), _num(r["step_p50 (ms)"]), _num(r["step_p99 (ms)"]),
                       *([_num(r["spacing_p50 (ms)"])] if spacing else []), _pct(r["gpu_busy_share"]),
                       _pct(r["host_wait_share"]), _num(r["kernels_per_step"], 1), Text(verdict, style=style))
     return table
 
 
-def _phase_categories(df: pd.DataFrame) -> Table:
-    present = [c for c in CATEGORIES if c in set(df["category"])]
+def _phase_categories(rows: Rows) -> Table:
+    present = [c for c in CATEGORIES if c in {r["category"] for r in rows}]
     table = _new(TITLES["phase_categories"], "step type", *[f"{c} (ms)" for c in present])
-    for kind, group in df.groupby("type", sort=False):
-        cells = dict(zip(group["category"], zip(group["per_step (ms)"], group["share"])))
+    order = list(dict.fromkeys(r["type"] for r in rows))  # the step types in the order they first come
+    for kind in order:
+        cells = {r["category"]: (r["per_step (ms)"], r["share"]) for r in rows if r["type"] == kind}
         table.add_row(kind, *[f"{_num(cells[c][0])} ({_pct(cells[c][1])})" if c in cells else "–"
                               for c in present])
     return table
 
 
-def _frontend(df: pd.DataFrame) -> Table:
+def _frontend(rows: Rows) -> Table:
     table = _new(TITLES["frontend"], "operation", "count", "total (ms)", "max (ms)", wide=0)
-    for r in df.to_dict("records"):
-        table.add_row(str(r["name"]), str(r["count"]), f"{r['sum (us)'] / 1000:.3f}", f"{r['max (us)'] / 1000:.3f}")
+    for r in rows:
+        table.add_row(str(r["name"]), str(r["count"]), _fixed(r["sum (us)"] / 1000, 3),
+                      _fixed(r["max (us)"] / 1000, 3))
     return table
 
 
-def _rank_communication(df: pd.DataFrame) -> Table:
+def _rank_communication(rows: Rows) -> Table:
     table = _new(TITLES["rank_communication"], "step type", "rank", "steps", "step mean (ms)",
                  "communication (ms)", "share", "exposed (ms)", "exposed share")
-    for r in df.to_dict("records"):
-        table.add_row(str(r["type"]), str(r["rank"]), str(r["steps"]), f"{r['step mean (ms)']:.3f}",
-                      f"{r['all-reduce mean (ms)']:.3f}", _pct(r["all-reduce share"]),
-                      f"{r['exposed mean (ms)']:.3f}", _pct(r["exposed share"]))
+    for r in rows:
+        table.add_row(str(r["type"]), str(r["rank"]), str(r["steps"]), _fixed(r["step mean (ms)"], 3),
+                      _fixed(r["all-reduce mean (ms)"], 3), _pct(r["all-reduce share"]),
+                      _fixed(r["exposed mean (ms)"], 3), _pct(r["exposed share"]))
     return table
 
 
-def _step_skew(df: pd.DataFrame) -> Table:
+def _step_skew(rows: Rows) -> Table:
     table = _new(TITLES["step_skew"], "step type", "steps", "skew p50 (ms)", "skew p99 (ms)", "skew max (ms)",
                  "straggler", "last in")
-    for r in df.to_dict("records"):
-        table.add_row(str(r["type"]), str(r["steps"]), f"{r['skew p50 (ms)']:.3f}", f"{r['skew p99 (ms)']:.3f}",
-                      f"{r['skew max (ms)']:.3f}", f"rank {r['straggler']}", _pct(r["straggler share"]))
+    for r in rows:
+        table.add_row(str(r["type"]), str(r["steps"]), _fixed(r["skew p50 (ms)"], 3), _fixed(r["skew p99 (ms)"], 3),
+                      _fixed(r["skew max (ms)"], 3), f"rank {r['straggler']}", _pct(r["straggler share"]))
     return table
 
 
-def _critical_summary(df: pd.DataFrame) -> Table:
+def _critical_summary(rows: Rows) -> Table:
     table = _new(TITLES["critical_summary"], "step type", "steps", "critical mean (ms)", "transfer mean (ms)",
                  "gating rank", "gating share", "top gate", "what-if saved (ms)", "what-if share")
-    for r in df.to_dict("records"):
+    for r in rows:
         table.add_row(str(r["type"]), str(r["steps"]), _num(r["critical mean (ms)"]), _num(r["transfer mean (ms)"]),
                       f"rank {r['gating rank']}", _pct(r["gating share"]), str(r["top gate"]),
                       _num(r.get("what-if saved mean (ms)")), _pct(r.get("what-if share")))
@@ -251,33 +283,52 @@ def _critical_summary(df: pd.DataFrame) -> Table:
 CRITICAL_ROWS = 20  # steps listed in the terminal; the JSON, CSV and HTML hold every step
 
 
-def _critical_path(df: pd.DataFrame) -> Table:
-    shown = df.sort_values("critical (ms)", ascending=False, kind="stable").head(CRITICAL_ROWS)
-    caption = None if len(df) <= CRITICAL_ROWS else f"the {CRITICAL_ROWS} longest of {len(df):,} steps"
+def _critical_path(rows: Rows) -> Table:
+    # the longest first (a missing length last), steps of equal length in their order
+    shown = sorted(rows, key=lambda r: (_missing(r["critical (ms)"]),
+                                        0.0 if _missing(r["critical (ms)"]) else -r["critical (ms)"]))[:CRITICAL_ROWS]
+    caption = None if len(rows) <= CRITICAL_ROWS else f"the {CRITICAL_ROWS} longest of {len(rows):,} steps"
     table = _new(TITLES["critical_path"], "step", "type", "critical (ms)", "collectives", "gating rank", "gate",
                  "gate (ms)", "what-if saved (ms)", text=2, caption=caption)
-    for r in shown.to_dict("records"):
+    for r in shown:
         table.add_row(str(r["step"]), str(r["type"]), _num(r["critical (ms)"]), str(r["collectives"]),
                       f"rank {r['gating rank']}", f"{r['gate kind']} on rank {r['gate rank']}: {r['gate']}",
                       _num(r["gate (ms)"]), _num(r.get("what-if saved (ms)")))
     return table
 
 
-def _cpu_ops(df: pd.DataFrame) -> Table:
+def _cpu_ops(rows: Rows) -> Table:
     table = _new(TITLES["cpu_ops"], "rank", "operator", "calls", "self (ms)", "self share", "total (ms)", text=2,
                  wide=1)
-    for r in df.to_dict("records"):
-        table.add_row(str(r["rank"]), str(r["name"]), f"{r['calls']:,}", _num(r["self (ms)"]), _pct(r["self share"]),
+    for r in rows:
+        table.add_row(str(r["rank"]), str(r["name"]), _count(r["calls"]), _num(r["self (ms)"]), _pct(r["self share"]),
                       _num(r["total (ms)"]))
     return table
 
 
-def _cpu_steps(df: pd.DataFrame) -> Table:
+def _cpu_steps(rows: Rows) -> Table:
     table = _new(TITLES["cpu_steps"], "step type", "operator", "steps", "self per step (ms)", "share of step",
                  text=2, wide=1)
-    for r in df.to_dict("records"):
+    for r in rows:
         table.add_row(str(r["type"]), str(r["name"]), str(r["steps"]), _num(r["self per step (ms)"]),
                       _pct(r["share of step"]))
+    return table
+
+
+def _step_requests(rows: Rows) -> Table:
+    """The first steps, each with its requests as `id tokens (GPU ms)`."""
+    table = Table(title=TITLES["step_requests"], title_justify="left")
+    for column in ("step", "type", "GPU busy (ms)", "requests: id tokens (GPU ms)"):
+        table.add_column(column, overflow="fold")
+    steps = [(number, list(group)) for number, group in groupby(sorted(rows, key=lambda r: r["step"]),
+                                                                 key=lambda r: r["step"])]
+    for number, group in steps[:SHOWN_REQUEST_STEPS]:
+        first = group[0]
+        who = ", ".join(f"{r['request_id']} {r['tokens']}{'p' if r['prefill'] else ''} ({r['request gpu (ms)']:.2f})"
+                        for r in group)
+        table.add_row(f"#{number}", str(first["type"]), _fixed(first["gpu busy (ms)"], 2), who)
+    if len(steps) > SHOWN_REQUEST_STEPS:
+        table.caption = f"first {SHOWN_REQUEST_STEPS} of {len(steps)} steps; --json or --csv holds them all"
     return table
 
 
@@ -285,19 +336,22 @@ _BUILDERS = {
     "temporal": _temporal, "idle": _idle, "kernel_types": _kernel_types, "top_kernels": _top_kernels,
     "overlap": _overlap, "launches": _launches, "categories": _categories, "phases": _phases,
     "phase_categories": _phase_categories, "frontend": _frontend, "rank_communication": _rank_communication,
-    "step_skew": _step_skew, "step_requests": lambda df: render_step_requests(df, TITLES["step_requests"]),
+    "step_skew": _step_skew, "step_requests": _step_requests,
     "critical_summary": _critical_summary, "critical_path": _critical_path, "cpu_ops": _cpu_ops,
     "cpu_steps": _cpu_steps,
 }
 
 
-def render_diff(tables: dict[str, pd.DataFrame], a: str, b: str, fit: bool = True) -> RenderableType:
+def render_diff(frames: dict[str, pd.DataFrame], a: str, b: str, fit: bool = True) -> RenderableType:
     """Diff tables (from `diff.diff_reports`) with A's and B's figures and B's change; `fit` as in `render`."""
+    from infertrace.analyze.persist import table_records
+
+    tables = {name: table_records(frame) for name, frame in frames.items()}
     parts: list[RenderableType] = [Text(f"A: {a}\nB: {b}", style="bold")]
     if (df := tables.get("phases")) is not None:
         table = _new("Step types: A -> B", "step type", "steps", "mean (ms)", "change", "p99 (ms)", "change",
                      "GPU busy", "host wait", "kernels/step", "verdict")
-        for r in df.to_dict("records"):
+        for r in df:
             table.add_row(r["type"], _pair(r["steps A"], r["steps B"], 0),
                           _pair(r["step_mean (ms) A"], r["step_mean (ms) B"]), _change(r["step_mean (ms) change"]),
                           _pair(r["step_p99 (ms) A"], r["step_p99 (ms) B"]), _change(r["step_p99 (ms) change"]),
@@ -308,24 +362,20 @@ def render_diff(tables: dict[str, pd.DataFrame], a: str, b: str, fit: bool = Tru
         parts.append(table)
     if (df := tables.get("categories")) is not None:
         table = _new("GPU time by kernel category: A -> B", "category", "time (ms)", "change", "share")
-        for r in df.to_dict("records"):
+        for r in df:
             table.add_row(r["category"], _pair(r["total (ms) A"], r["total (ms) B"]),
                           _change(r["total (ms) change"]), f"{_pct(r['share A'])} -> {_pct(r['share B'])}")
         parts.append(table)
     if (df := tables.get("phase_categories")) is not None:
         table = _new("GPU time per step by category: A -> B", "step type", "category", "per step (ms)", "change",
                      "share", text=2)
-        for r in df.to_dict("records"):
+        for r in df:
             table.add_row(r["type"], r["category"], _pair(r["per_step (ms) A"], r["per_step (ms) B"]),
                           _change(r["per_step (ms) change"]), f"{_pct(r['share A'])} -> {_pct(r['share B'])}")
         parts.append(table)
     if len(parts) == 1:
         parts.append(Text("Neither capture has step annotations or GPU kernels to compare.", style="dim"))
     return _group(parts, fit)
-
-
-def _missing(value) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _pair(a, b, digits: int | None = None) -> str:

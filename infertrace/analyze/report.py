@@ -42,6 +42,8 @@ class Report:
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     files: dict[int, list[str]] = field(default_factory=dict)  # each rank's trace files (for --perfetto)
+    run_notes: list[str] = field(default_factory=list)  # how this run went (processes, the cache): printed with the
+    # notes, not part of the report's document (a cached report was made by another run)
 
     def table(self, name: str) -> pd.DataFrame | None:
         return self.tables.get(name)

@@ -8,11 +8,9 @@ import json
 import re
 
 import pandas as pd
-from rich.table import Table
 
 LOG_SUFFIX = ".request_log.json"
 _NUMBER = re.compile(r" #(\d+)\]$")
-SHOWN_STEPS = 30  # steps listed in the terminal; --json and --csv hold them all
 
 
 def find_request_log(capture) -> dict | None:
@@ -55,18 +53,3 @@ def step_requests(steps: pd.DataFrame, log: dict) -> pd.DataFrame:
     table["token share"] = table["tokens"] / table.groupby("step")["tokens"].transform("sum")
     table["request gpu (ms)"] = table["gpu busy (ms)"] * table["token share"]
     return table.sort_values(["step", "tokens"], ascending=[True, False], ignore_index=True)[columns]
-
-
-def render_step_requests(df: pd.DataFrame, title: str) -> Table:
-    """The first steps, each with its requests as `id tokens (GPU ms)`."""
-    table = Table(title=title, title_justify="left")
-    for column in ("step", "type", "GPU busy (ms)", "requests: id tokens (GPU ms)"):
-        table.add_column(column, overflow="fold")
-    for number, group in list(df.groupby("step", sort=True))[:SHOWN_STEPS]:
-        first = group.iloc[0]
-        who = ", ".join(f"{r['request_id']} {r['tokens']}{'p' if r['prefill'] else ''} ({r['request gpu (ms)']:.2f})"
-                        for r in group.to_dict("records"))
-        table.add_row(f"#{number}", str(first["type"]), f"{first['gpu busy (ms)']:.2f}", who)
-    if df["step"].nunique() > SHOWN_STEPS:
-        table.caption = f"first {SHOWN_STEPS} of {df['step'].nunique()} steps; --json or --csv holds them all"
-    return table

@@ -33,15 +33,15 @@ def test_ranks_in_worker_processes_give_the_one_process_report(two_rank):
     expected = build_report(load_capture(two_rank))
     got = analyze_fleet(two_rank, jobs=2)
     assert_same_report(got, expected)
-    assert "2 rank(s) analysed apart in up to 2 process(es)" in got.notes
+    assert "2 rank(s) analysed apart in up to 2 process(es)" in got.run_notes
 
 
 def test_second_run_reads_the_cache_and_a_changed_file_is_read_again(two_rank, tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     first = analyze_fleet(two_rank, jobs=1, cache_dir=cache)
-    assert "2 rank(s) analysed apart in up to 1 process(es); 0 from the cache" in first.notes
+    assert "2 rank(s) analysed apart in up to 1 process(es); 0 from the cache" in first.run_notes
     second = analyze_fleet(two_rank, jobs=1, cache_dir=cache)
-    assert "2 rank(s) analysed apart in up to 1 process(es); 2 from the cache" in second.notes
+    assert "2 rank(s) analysed apart in up to 1 process(es); 2 from the cache" in second.run_notes
     assert_same_report(second, first)
     # a trace rewritten with other content (same size, same mtime) is read again: its ends are hashed
     path = two_rank / "sampled_rank-1.json.gz"
@@ -51,14 +51,14 @@ def test_second_run_reads_the_cache_and_a_changed_file_is_read_again(two_rank, t
     path.write_bytes(bytes(data))
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     third = analyze_fleet(two_rank, jobs=1, cache_dir=cache)
-    assert "1 from the cache" in third.notes[-1]
+    assert "1 from the cache" in third.run_notes[-1]
     # a damaged cache entry is read again from the trace, not trusted
     for part in cache.rglob("part.pickle"):
         part.write_bytes(b"not a pickle")
     for info in cache.rglob("info.json"):
         info.write_text("{")
     fourth = analyze_fleet(two_rank, jobs=1, cache_dir=cache)
-    assert "0 from the cache" in fourth.notes[-1]
+    assert "0 from the cache" in fourth.run_notes[-1]
     assert_same_report(fourth, third)
 
 
@@ -130,7 +130,7 @@ def test_ranks_as_ray_tasks_on_a_local_cluster(cluster, two_rank, tmp_path):
     expected = build_report(load_capture(two_rank))
     got = analyze_fleet(two_rank, ray_address="auto")
     assert_same_report(got, expected)
-    assert "2 rank(s) analysed apart as Ray tasks on auto" in got.notes
+    assert "2 rank(s) analysed apart as Ray tasks on auto" in got.run_notes
     result = CliRunner().invoke(analyze, [str(two_rank), "--ray", "auto", "--no-cache", "--json",
                                           str(tmp_path / "r.json"), "--quiet"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
