@@ -1,8 +1,9 @@
 """The all-reduce + residual add + RMSNorm kernel's protocol on the CPU, under Triton's interpreter
-(TRITON_INTERPRET=1, in a process of its own): two ranks simulated one after the other over two host buffers, the
-other rank's part landing before this rank's kernel runs, as it would arrive over NVLink. Over forwards of 3, 16, 1
-and 8 rows and 1, 2 or 4 planes: both ranks get the same values, the residual stream equals torch's sum in rank
-order, the norm torch's RMSNorm, and after each call the previous call's slot is empty again on both ranks.
+(TRITON_INTERPRET=1, in a process of its own): two or four ranks simulated one after the other over host buffers,
+the later ranks' parts landing in a rank's buffer before its kernel runs, as they would arrive over NVLink. Over
+forwards of 3, 16, 1 and 8 rows and 1, 2 or 4 planes: every rank gets the same values, the residual stream equals
+torch's sum in rank order, the norm torch's RMSNorm, and after each call the previous call's slot is empty again in
+every rank's buffer.
 float32 activations: the interpreter rounds to bfloat16 by truncation, which would test the interpreter."""
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import pytest
 pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
+    import sys
     import torch
     from infertrace.engine.kernels import allreduce_norm as an
 
-    world, hidden, eps = 2, 96, 1e-6
+    world, hidden, eps = int(sys.argv[1]), 96, 1e-6
     rows_cap, slots = an.MAX_ROWS, an.SLOTS
     buffers = [torch.empty(slots * world * rows_cap * hidden) for _ in range(world)]
     for b in buffers:
@@ -43,34 +45,37 @@ SCRIPT = textwrap.dedent("""
     for forward, rows in enumerate([3, 16, 1, 8]):
         epoch += 1
         calls = 3
-        residual = [torch.randn(rows, hidden, generator=gen)] * 2
-        residual = [residual[0].clone(), residual[0].clone()]
-        expected_residual = residual[0].clone()
+        start = torch.randn(rows, hidden, generator=gen)
+        residual = [start.clone() for _ in range(world)]
+        expected_residual = start.clone()
         for call in range(calls):
             split = [1, 2, 4][call]
             parts = [torch.randn(split, rows, hidden, generator=gen) for _ in range(world)]
-            parts[1][:, 0, :5] = 0.0  # a sum of zeros
-            parts[1][0, 0, :5] = -0.0
+            parts[-1][:, 0, :5] = 0.0  # a sum of zeros
+            parts[-1][0, 0, :5] = -0.0
             k = int(epoch) * calls + call
             slot, previous = k % 3, (k + 2) % 3
-            # rank 1's part lands in rank 0's buffer first, as if rank 1 had pushed it
-            rank1 = planes_sum(parts[1])
-            rank1 = torch.where(rank1 == 0, torch.zeros_like(rank1), rank1)
-            at = slot * slot_size + rows_cap * hidden
-            buffers[0][at : at + rows * hidden] = rank1.flatten()
             outs = []
-            for rank in range(world):  # rank 0 pushes into both buffers, then rank 1 does
+            for rank in range(world):  # each rank pushes into every buffer, one rank after another
+                for later in range(rank + 1, world):  # their parts land in this rank's buffer before it polls
+                    part = planes_sum(parts[later])
+                    part = torch.where(part == 0, torch.zeros_like(part), part)  # -0.0 marks an empty entry
+                    at = slot * slot_size + later * rows_cap * hidden
+                    buffers[rank][at : at + rows * hidden] = part.flatten()
                 out = torch.empty(rows, hidden)
                 an._allreduce_add_rmsnorm_kernel[(rows,)](
                     parts[rank].contiguous(), rows * hidden, addresses, epoch, call, calls, residual[rank], weight,
                     out, rows, hidden, eps, PLANES=split, RANK=rank, WORLD=world, MAX_ROWS=rows_cap, BLOCK=128,
                     PDL=False)
                 outs.append(out)
-            total = planes_sum(parts[0]) + planes_sum(parts[1])  # each rank's planes, then the ranks in order
+            total = planes_sum(parts[0])  # each rank's planes, then the ranks in order
+            for rank in range(1, world):
+                total = total + planes_sum(parts[rank])
             expected_residual = total + expected_residual
             x = expected_residual
             expected = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-            assert torch.equal(outs[0], outs[1]) and torch.equal(residual[0], residual[1]), "the ranks differ"
+            for rank in range(1, world):
+                assert torch.equal(outs[0], outs[rank]) and torch.equal(residual[0], residual[rank]), rank
             assert torch.equal(residual[0], expected_residual), (forward, call)
             torch.testing.assert_close(outs[0], expected, rtol=1e-5, atol=1e-5)
             for b in buffers:
@@ -80,8 +85,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_two_ranks_one_after_the_other_under_the_interpreter():
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_one_after_the_other_under_the_interpreter(world):
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(world)], capture_output=True, text=True, timeout=600,
+                         env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "CHECKED 12" in out.stdout
