@@ -5,8 +5,8 @@ and without importing pandas or numpy, about half of a cached run's time.
 An entry is keyed by every trace file under the path and every request log there (each by `file_key`: its real
 path, size, modification time and both ends' bytes), by the options that shape the report (--capture, --rank,
 --top) and by a hash of this package's source, so a changed, added or removed file, another option or new code
-makes a new report. It holds the document `analyze --json` writes. Entries are written to a temporary name and
-renamed; an entry that cannot be read is made again.
+makes a new report. It holds the document `analyze --json` writes, written whole or not at all; an entry that
+cannot be read is made again.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -94,17 +93,12 @@ def load_report(root: Path, key: str) -> dict | None:
 
 
 def store_report(root: Path, key: str, doc: dict) -> None:
-    """Keep `doc` under `key`; a cache that cannot be written is skipped."""
+    """Keep `doc` under `key`, written whole or not at all; a cache that cannot be written is skipped."""
+    from infertrace.output import OutputError, write_json
+
     entry = _entry(root, key)
     try:
         entry.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=entry.parent)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(doc, fh)
-            os.replace(tmp, entry)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    except OSError:
+        write_json(entry, doc, indent=None)
+    except (OSError, OutputError):
         pass
