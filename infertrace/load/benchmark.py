@@ -156,6 +156,8 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
 
     results = runner.results
     workload = {**(runner.figures() if isinstance(runner, Fleet) else {}), **load.figures(results, target)}
+    if salt := getattr(target, "salt_tokens", 0):  # the line --prompt-salt starts every prompt with
+        workload["prompt_salt_tokens"] = salt
     if load.reads_prefix_cache:
         workload.update(run_hit_rate(cache_before, await read_prefix_cache(target)))
     resolve_output_tokens(results, tokenizer, check_usage=target.kind == "http")

@@ -29,6 +29,18 @@ def test_shared_prefixes_imply_every_use_after_the_first():
     assert implied_hit_rate(cfg, None, 32) == pytest.approx(28 * 256 / (32 * 512))
 
 
+def test_a_salt_line_every_prompt_starts_with_is_reuse_the_run_implies():
+    """--prompt-salt's line starts every prompt: each prompt after the run's first may find it cached, and a shared
+    prefix used again comes with the salt before it (by hand: 10-token salt, 32 prompts of 64 tokens; 4 prefixes of
+    256 before 256 tokens)."""
+    cfg = BenchConfig(base_url="http://h", num_prompts=32, input_len=64)
+    assert implied_hit_rate(cfg, {"prompt_salt_tokens": 10}, 32) == pytest.approx(31 * 10 / (32 * 74))
+    shared = BenchConfig(base_url="http://h", dataset="shared-prefix", num_prompts=32, num_prefixes=4, prefix_len=256,
+                         input_len=256)
+    assert implied_hit_rate(shared, {"prompt_salt_tokens": 10}, 32) == pytest.approx(
+        (28 * 266 + 3 * 10) / (32 * 522))
+
+
 def test_a_trace_implies_its_servable_reuse_and_none_without_hashes():
     cfg = BenchConfig(base_url="http://h", dataset="trace", dataset_path="t.jsonl")
     assert implied_hit_rate(cfg, {"trace": {}, "trace_servable_prefix_reuse": 0.42}, 10) == 0.42
@@ -87,7 +99,9 @@ def test_a_repeated_run_against_infertrace_serve_is_warned_and_a_salted_one_is_n
     assert first["server_prefix_cache_hit_rate"] < 0.1 and first["prefix_cache_warnings"] == []
     assert second["server_prefix_cache_hit_rate"] > 0.5 and len(second["prefix_cache_warnings"]) == 1
     assert "warm" in output and "--prompt-salt random" in output
-    assert salted["server_prefix_cache_hit_rate"] < 0.1 and salted["prefix_cache_warnings"] == []
+    # salted, the run's prompts share only the salt line they all start with, which the implied rate counts (a
+    # random salt that filled a whole KV block was found by every prompt after the first, and was warned about)
+    assert 0 < salted["implied_prefix_cache_hit_rate"] < 0.3 and salted["prefix_cache_warnings"] == []
     assert salted["config"]["prompt_salt"].startswith("run ") and salted["input_token_mismatches"] == 0
     spread, _ = run("spread", "--prompt-salt", "random", "--workers", "2")  # each worker counts the salt too
     assert spread["input_tokens_compared"] == 4 and spread["input_token_mismatches"] == 0

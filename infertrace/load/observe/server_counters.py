@@ -71,8 +71,9 @@ CACHE_EXCESS_WARN = 0.10  # measured hit rate above what the workload implies by
 def implied_hit_rate(cfg, workload: dict | None, requests: int) -> float | None:
     """The share of prompt tokens the run itself could find cached, from how its prompts were made: a trace's
     reuse servable in whole blocks (none without block hashes: each request gets random tokens of its own); for random and shared-prefix prompts, the prompts sent again (--duration cycles
-    --num-prompts of them) and every use of a shared prefix after its first. None where the files decide (ShareGPT,
-    JSONL) or the history does (sessions)."""
+    --num-prompts of them), every use of a shared prefix after its first, and --prompt-salt's line, which starts
+    every prompt of the run (`prompt_salt_tokens` in `workload`; at most this much is found, in whole blocks). None
+    where the files decide (ShareGPT, JSONL) or the history does (sessions)."""
     if cfg is None:
         return None
     if cfg.dataset == "trace":  # a trace without block hashes (Azure, BurstGPT) gets a random prompt a request
@@ -81,10 +82,14 @@ def implied_hit_rate(cfg, workload: dict | None, requests: int) -> float | None:
     if cfg.dataset not in ("random", "shared-prefix") or requests < 1:
         return None
     shared = cfg.prefix_len if cfg.dataset == "shared-prefix" else 0
-    length = shared + cfg.input_len
+    salt = int((workload or {}).get("prompt_salt_tokens") or 0)
+    length = salt + shared + cfg.input_len
     unique = min(requests, cfg.num_prompts)
     firsts = min(unique, cfg.num_prefixes) if shared else unique
-    return ((requests - unique) * length + (unique - firsts) * shared) / (requests * length)
+    # a prompt sent again: all of it; a shared prefix used again: it and the salt before it; a prompt with a prefix
+    # of its own, after the run's first prompt: the salt
+    return ((requests - unique) * length + (unique - firsts) * (salt + shared) + (firsts - 1) * salt) \
+        / (requests * length)
 
 
 def measured_hit_rate(workload: dict | None, scrape) -> tuple[float | None, str | None]:
