@@ -72,8 +72,8 @@ def implied_hit_rate(cfg, workload: dict | None, requests: int) -> float | None:
     """The share of prompt tokens the run itself could find cached, from how its prompts were made: a trace's
     reuse servable in whole blocks (none without block hashes: each request gets random tokens of its own); for random and shared-prefix prompts, the prompts sent again (--duration cycles
     --num-prompts of them), every use of a shared prefix after its first, and --prompt-salt's line, which starts
-    every prompt of the run (`prompt_salt_tokens` in `workload`; found in whole blocks, so a little less or, with the
-    prompts' first tokens, a block more). None where the files decide (ShareGPT, JSONL) or the history does
+    every prompt of the run (`prompt_salt_tokens` in `workload`; the server finds it in whole blocks, so its figure
+    can differ by about a block a prompt). None where the files decide (ShareGPT, JSONL) or the history does
     (sessions)."""
     if cfg is None:
         return None
