@@ -30,12 +30,11 @@ from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1].parent / "shared/traces/tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz"
 DEFAULT_TRACE = Path("/tmp/infertrace-bench/vllm_b200_x/trace.json")
-TOOLS = ("hta", "hta_fast", "ours", "ours_jobs2", "ours_cached", "ours_imports")
+TOOLS = ("hta", "hta_fast", "ours", "ours_jobs", "ours_cached", "ours_imports")  # ours_jobs: one run per --jobs N
 LABELS = {
     "hta": "traceinsight 0.6.1 `TraceAnalysis(trace_dir)`, default loader (parse only)",
     "hta_fast": "traceinsight 0.6.1, `ParserBackend.IJSON_BATCH_AND_COMPRESS` (parse only)",
     "ours": "`infertrace analyze DIR --quiet --no-cache` (parse + every analysis)",
-    "ours_jobs2": "`infertrace analyze DIR --quiet --no-cache --jobs 2` (the same, the trace decoded in 2 processes)",
     "ours_cached": "`infertrace analyze DIR --quiet`, second run (the report from the cache)",
     "ours_imports": "the imports of a run that reads the ranks from the cache (--csv, --html), alone",
 }
@@ -243,16 +242,17 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="where the replicated trace is written")
     parser.add_argument("--size-mb", type=float, default=520, help="size of the replicated trace in MB (1e6 B)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each tool, alternating")
+    parser.add_argument("--jobs", default="2", help="also run `infertrace analyze --jobs N` for each N listed")
     parser.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         tool, trace_dir, *rest = args.child
         result = {"hta": lambda: child_hta(trace_dir, False), "hta_fast": lambda: child_hta(trace_dir, True),
                   "ours": lambda: child_ours(trace_dir, None),
-                  "ours_jobs2": lambda: child_ours(trace_dir, None, ("--jobs", "2")),
                   "ours_cached": lambda: child_ours(trace_dir, rest[0]),
                   "ours_imports": child_imports,
-                  "exact": lambda: {**child_exact(trace_dir), "own_mb": 0, "children_mb": 0}}[tool]()
+                  "exact": lambda: {**child_exact(trace_dir), "own_mb": 0, "children_mb": 0}}.get(
+            tool, lambda: child_ours(trace_dir, None, ("--jobs", tool.removeprefix("ours_jobs"))))()
         print(json.dumps(result))
         return
     if not args.trace.exists() or args.trace.stat().st_size < args.size_mb * 1e6 * 0.99:
@@ -262,7 +262,11 @@ def main() -> None:
     with open(args.trace, "rb") as fh:  # warm the page cache so no tool pays for the first read
         while fh.read(1 << 24):
             pass
-    tools = [t for t in TOOLS if t != "hta_fast" or _has_ijson()]
+    jobs = [f"ours_jobs{int(n)}" for n in args.jobs.split(",") if n]
+    for tool in jobs:
+        LABELS[tool] = (f"`infertrace analyze DIR --quiet --no-cache --jobs {tool.removeprefix('ours_jobs')}` "
+                        f"(the same, the trace decoded in that many processes)")
+    tools = [u for t in TOOLS if t != "hta_fast" or _has_ijson() for u in (jobs if t == "ours_jobs" else [t])]
     if "hta_fast" not in tools:
         print("ijson with the yajl2_c backend is not installed (pip install ijson): the fastest HTA loader is left "
               "out", file=sys.stderr)
@@ -287,7 +291,8 @@ def main() -> None:
     print(f"trace: {args.trace} ({size / 1e6:.0f} MB of JSON, one rank)")
     if bytecode:
         print(bytecode)
-    print(f"command: python benchmarks/analyze_speed.py --size-mb {args.size_mb:g} --repeats {args.repeats}")
+    print(f"command: python benchmarks/analyze_speed.py --size-mb {args.size_mb:g} --repeats {args.repeats} "
+          f"--jobs {args.jobs}")
     print(f"| | wall time, median of {args.repeats} (each run) | peak RSS, median (each run) | "
           f"peak PSS of the process tree, sampled (each run) |")
     print("|---|---|---|---|")
@@ -299,7 +304,7 @@ def main() -> None:
               f"{med[tool]['pss_peak_mb']:,.0f} MB ({psss}) |")
     for base in ("hta_fast", "hta"):
         if base in med:
-            for ours in ("ours", "ours_jobs2", "ours_cached"):
+            for ours in ("ours", *jobs, "ours_cached"):
                 print(f"| {ours} against {base} | {med[base]['wall_s'] / med[ours]['wall_s']:.1f}x faster | "
                       f"{med[ours]['peak_mb'] / med[base]['peak_mb']:.2f}x the peak RSS, "
                       f"{med[ours]['pss_peak_mb'] / med[base]['pss_peak_mb']:.2f}x by PSS |")

@@ -83,7 +83,7 @@ def _narrow(ids: np.ndarray) -> np.ndarray:
     """Ids (pid, tid, stream, correlation) as int32 where they all fit, which they nearly always do: half the
     memory of a rank's table for these columns."""
     if ids.size and np.iinfo(np.int32).min <= ids.min() and ids.max() <= _INT32_MAX:
-        return ids.astype(np.int32)
+        return ids.astype(np.int32, copy=False)
     return ids
 
 

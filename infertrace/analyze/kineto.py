@@ -58,13 +58,14 @@ class TraceColumns:
     name: np.ndarray  # int32 codes into `names`
     cats: list[str]
     cat: np.ndarray  # int32 codes into `cats`
-    pid: np.ndarray  # int64; non-integer pids get negative codes
+    pid: np.ndarray  # int32, or int64 where a value does not fit (so tid, stream, correlation and external_id);
+    # non-integer pids get negative codes
     tid: np.ndarray
     ts_ns: np.ndarray  # int64 nanoseconds, as written in the file
     dur_ns: np.ndarray
-    stream: np.ndarray  # int64 args.stream, -1 where absent
-    correlation: np.ndarray  # int64 args.correlation, -1 where absent
-    external_id: np.ndarray  # int64 args["External id"], -1 where absent
+    stream: np.ndarray  # args.stream, -1 where absent
+    correlation: np.ndarray  # args.correlation, -1 where absent
+    external_id: np.ndarray  # args["External id"], -1 where absent
     metadata: dict = field(default_factory=dict)
     problem: str | None = None  # why the file ended early, when it did
     warnings: list[str] = field(default_factory=list)  # events dropped or names cut, one line each
@@ -245,13 +246,19 @@ def _join(whole: _ColumnSink, part: dict, inp=None) -> None:
         cats = np.array([whole.cats.setdefault(c, len(whole.cats)) for c in part["cats"]], dtype=np.int32)
         texts = {-1 - k: -1 - whole.text_ids.setdefault(t, len(whole.text_ids))
                  for t, k in part["text_ids"].items()}
-        for i, into in enumerate(whole.fields):
-            dtype = np.int32 if into.typecode == "i" else np.int64
+        for i in range(len(whole.fields)):
             if inp is None:
-                into.frombytes(np.ascontiguousarray(part["arrays"][i], dtype=dtype).view(np.uint8))
+                if whole.fields[i].typecode == "i" and part["arrays"][i].dtype == np.int64 \
+                        and not _fits_int32(part["arrays"][i]):
+                    whole.widen(i)
+                into = whole.fields[i]
+                into.frombytes(np.ascontiguousarray(part["arrays"][i], dtype=_dtype(into)).view(np.uint8))
             else:
+                if whole.fields[i].typecode == "i" and np.dtype(part["columns"][i][0]).itemsize == 8:
+                    whole.widen(i)  # the stretch has an id past int32
+                into = whole.fields[i]
                 _read_column(into, part["columns"][i], inp)
-            values = np.frombuffer(into, dtype=dtype)[before[0][i]:]  # the stretch's codes, made whole's in place
+            values = np.frombuffer(into, dtype=_dtype(into))[before[0][i]:]  # the stretch's codes, made whole's
             if i == 0 and names.size:
                 values[:] = names[values]
             elif i == 1 and cats.size:
@@ -261,7 +268,7 @@ def _join(whole: _ColumnSink, part: dict, inp=None) -> None:
             del values
     except (OSError, EOFError):
         for into, n in zip(whole.fields, before[0]):
-            del into[n:]
+            del into[n:]  # a field widened meanwhile stays wide, its values as they were
         for table, n in zip((whole.names, whole.cats, whole.text_ids), before[1:]):
             for key in list(table)[n:]:
                 del table[key]
@@ -489,9 +496,16 @@ def _receive_header(inp) -> dict | None:
 
 
 def _read_column(into: array, column: tuple[str, int], inp) -> None:
-    """Extend `into` by a column sent as (dtype, count), read from the pipe straight into its new end."""
+    """Extend `into` by a column sent as (dtype, count), read from the pipe straight into its new end (an int32
+    column into an int64 field through a copy of its own)."""
     dtype, count = column
-    if np.dtype(dtype).itemsize != into.itemsize:
+    size = np.dtype(dtype).itemsize
+    if size == 4 and into.itemsize == 8:
+        narrow = array("i")
+        _read_column(narrow, column, inp)
+        into.frombytes(np.frombuffer(narrow, dtype=np.int32).astype(np.int64).view(np.uint8))
+        return
+    if size != into.itemsize:
         raise EOFError("the stretch's process sent a column of another type")
     start = len(into) * into.itemsize
     into.frombytes(bytes(count * into.itemsize))  # zeroed on demand: its pages are first touched by the read
@@ -1023,12 +1037,21 @@ class _ColumnSink:
         return True
 
     def append(self, values: tuple[np.ndarray, ...]) -> None:
-        for into, v in zip(self.fields, values):
-            into.frombytes(np.ascontiguousarray(v, dtype=np.int32 if into.typecode == "i" else np.int64).view(np.uint8))
+        for i, v in enumerate(values):
+            if i in _WIDENED and self.fields[i].typecode == "i" and not _fits_int32(v):
+                self.widen(i)
+            into = self.fields[i]
+            into.frombytes(np.ascontiguousarray(v, dtype=_dtype(into)).view(np.uint8))
+
+    def widen(self, i: int) -> None:
+        """Field `i` (an id held as int32 while every value fits) as int64 from now on, its values kept."""
+        wide = array("q")
+        wide.frombytes(np.frombuffer(self.fields[i], dtype=np.int32).astype(np.int64).view(np.uint8))
+        self.fields[i] = wide
 
     def arrays(self) -> list[np.ndarray]:
         """The fields as numpy arrays over the sink's own memory (no copy)."""
-        return [np.frombuffer(f, dtype=np.int32 if f.typecode == "i" else np.int64) for f in self.fields]
+        return [np.frombuffer(f, dtype=_dtype(f)) for f in self.fields]
 
     def _names(self, values: list, text: bool) -> np.ndarray:
         """Codes of the names (`text`: all of them strings), each name longer than NAME_LIMIT cut first
@@ -1122,7 +1145,21 @@ class _ColumnSink:
             external_id=cols[8], metadata=metadata, exact_times=self.exact, warnings=warnings)
 
 
-_FIELD_CODES = ("i", "i", "q", "q", "q", "q", "q", "q", "q")  # name and cat codes (int32), then int64 fields
+# name and cat codes, pid, tid, ts_ns, dur_ns, stream, correlation, external_id: the codes and ids as int32 (the ids
+# widened to int64 when one does not fit), a third less memory for a trace's events than int64 throughout
+_FIELD_CODES = ("i", "i", "i", "i", "q", "q", "i", "i", "i")
+_WIDENED = frozenset({2, 3, 6, 7, 8})
+_INT32 = np.iinfo(np.int32)
+
+
+def _dtype(field: array) -> type:
+    return np.int32 if field.typecode == "i" else np.int64
+
+
+def _fits_int32(values: np.ndarray) -> bool:
+    return not values.size or (_INT32.min <= values.min() and values.max() <= _INT32.max)
+
+
 _NO_ARGS: dict = {}
 _NUMBER = (int, float)
 

@@ -291,6 +291,49 @@ def test_a_cut_inside_an_event_falls_back_to_one_process(tmp_path, monkeypatch):
     assert [split.names[i] for i in split.name] == [e["name"] for e in small + [big] + small]
 
 
+def _wide_id_events(n: int) -> list[dict]:
+    """Events whose ids fit int32 except: external ids in the first tenth, a tid in the middle, pids and a
+    correlation in the last tenth (each stretch of a split read then holds some narrow and some wide)."""
+    out = []
+    for i in range(n):
+        out.append({"ph": "X", "cat": "kernel" if i % 2 else "cpu_op", "name": f"k{i % 7}", "pid": 1, "tid": 5,
+                    "ts": 1000 + i, "dur": 1, "args": {"correlation": i, "stream": 7, "External id": i}})
+        if i < n // 10:
+            out[-1]["args"]["External id"] = 2**35 + i
+        if i == n // 2:
+            out[-1]["tid"] = -(2**33)
+        if i >= n - n // 10:
+            out[-1]["pid"] = 2**40 + i
+            out[-1]["args"]["correlation"] = 2**31 if i == n - 1 else i
+    return out
+
+
+@pytest.mark.parametrize("how", ["one", "split", "ahead"])
+def test_ids_past_int32_widen_their_column_wherever_they_come(tmp_path, monkeypatch, how):
+    monkeypatch.setattr(kineto, "BLOCK", 4096)
+    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    events = _wide_id_events(3000)
+    path = tmp_path / "wide.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    calls = _count_stretches(monkeypatch)
+    if how == "one":
+        cols = read_kineto(path)
+    elif how == "split":
+        cols = read_kineto(path, workers=3)
+    else:
+        received = []
+        real_receive = kineto._receive_header
+        monkeypatch.setattr(kineto, "_receive_header", lambda inp: received.append(r := real_receive(inp)) or r)
+        cols = read_kineto(path, ahead=kineto.read_ahead(path, workers=3))
+        assert len(received) == 2 and all(r is not None for r in received)  # two stretches came through pipes
+    assert calls == {"one": [], "split": [3], "ahead": [1]}[how]
+    assert cols.pid.tolist() == [e["pid"] for e in events]
+    assert cols.tid.tolist() == [e["tid"] for e in events]
+    assert cols.correlation.tolist() == [e["args"]["correlation"] for e in events]
+    assert cols.external_id.tolist() == [e["args"]["External id"] for e in events]
+    assert cols.stream.dtype == np.int32 and cols.pid.dtype == np.int64  # only the columns that need it widen
+
+
 def _mixed_events(n: int) -> list[dict]:
     """Kineto-like events with, from the middle on, a category no table knows, and one event without any."""
     known = ["cpu_op", "kernel", "python_function", "cuda_runtime", "ac2g", "Trace"]
