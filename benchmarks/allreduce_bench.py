@@ -15,6 +15,11 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # this checkout's package, installed or not
+    sys.path.insert(0, str(REPO))
 
 CALLS = 72  # a qwen3-4b decode step's row-parallel projections
 

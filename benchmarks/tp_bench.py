@@ -19,6 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # this checkout's package, installed or not
+    sys.path.insert(0, str(REPO))
+
 AR_KERNELS = ("all_reduce", "allreduce", "AllReduce")  # one_shot_all_reduce*, two_shot_*, ncclDevKernel_AllReduce*
 
 
