@@ -122,12 +122,12 @@ class EngineConfig:
     # cast); "norm": the same sums, all-reduced and fed to the residual add + RMSNorm in one kernel of ours
     # (kernels/allreduce_norm.py: each rank pushes its part into every rank's buffer, and a rank reads its own as
     # the parts land, with no barrier; vLLM and FlashInfer's all-reduce + RMSNorm fusion); "off": the sums are added
-    # and rounded by two more kernels, then all-reduced in the model's dtype; "auto": norm on two ranks, planes on
-    # more (model_runner.resolve_fusion says why)
+    # and rounded by two more kernels, then all-reduced in the model's dtype; "auto": norm on two and four ranks,
+    # planes on other counts (model_runner.resolve_fusion says why)
     all_reduce_fusion: str = setting(
         "auto", "With the custom all-reduce and skinny GEMMs: planes (partial sums all-reduced in float32 in the "
                 "peer-memory buffer), norm (all-reduce, residual add and RMSNorm as one kernel), off, or auto (norm "
-                "on two ranks, planes on more).")
+                "on two and four ranks, planes on other counts).")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")

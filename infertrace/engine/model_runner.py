@@ -51,13 +51,13 @@ def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dty
 
 
 def resolve_fusion(fusion: str, ranks: int) -> str:
-    """EngineConfig.all_reduce_fusion with "auto" resolved: the all-reduce + norm kernel on two ranks (qwen3-4b decode
-    at batch 8 on two H100s, one call: 3,081 tok/s against planes' 2,536, TP=1 2,199; on two H200s the kernel's
-    earlier version ran level with planes, 2.673 against 2.680 ms a step), planes on more (the kernel's current
-    version is not yet measured on four GPUs)."""
+    """EngineConfig.all_reduce_fusion with "auto" resolved: the all-reduce + norm kernel on two and four ranks, where it
+    was measured the fastest (decode at batch 8: qwen3-4b on two H100s 3,081 tok/s against planes' 2,536, TP=1
+    2,199; qwen3-14b on two H200s 1,560 against 1,490, TP=1 992; qwen3-14b on four H100s 1,874 against 1,812, TP=1
+    743), planes on any other count (where the kernel has not run on GPUs)."""
     if fusion != "auto":
         return fusion
-    return "norm" if ranks == 2 else "planes"
+    return "norm" if ranks in (2, 4) else "planes"
 
 
 @dataclass(slots=True)

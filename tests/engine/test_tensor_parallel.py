@@ -369,11 +369,11 @@ def test_a_row_parallel_decode_projection_writes_its_planes_where_the_all_reduce
     torch.testing.assert_close(local.sum(0), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
 
 
-def test_the_automatic_all_reduce_fusion_is_the_norm_kernel_on_two_ranks_and_planes_on_more():
+def test_the_automatic_all_reduce_fusion_is_the_norm_kernel_on_two_and_four_ranks_and_planes_elsewhere():
     from infertrace.engine.model_runner import resolve_fusion
 
     assert EngineConfig().all_reduce_fusion == "auto"
-    assert [resolve_fusion("auto", n) for n in (2, 4, 8)] == ["norm", "planes", "planes"]
+    assert [resolve_fusion("auto", n) for n in (2, 3, 4, 8)] == ["norm", "planes", "norm", "planes"]
     assert [resolve_fusion(f, 2) for f in ("planes", "norm", "off")] == ["planes", "norm", "off"]
     with pytest.raises(ValueError, match="all_reduce_fusion"):
         EngineConfig(all_reduce_fusion="fast")
