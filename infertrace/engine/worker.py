@@ -279,7 +279,10 @@ class OtherRanks:
             self._watcher.join(1)
         os.close(self._wake_r)
         os.close(self._wake_w)
-        return _teardown_process_group(self.backend)
+        done = _teardown_process_group(self.backend)
+        if done is False:  # its thread would make the interpreter's exit abort: end the process before that
+            atexit.register(_end_if_teardown_running)
+        return done
 
     def _shutdown_at_exit(self) -> None:
         """shutdown() from the interpreter's exit. A teardown still running in its thread when the interpreter
@@ -287,15 +290,30 @@ class OtherRanks:
         H200s with NCCL); so the process ends here instead, with the status the interpreter would have given (1
         after an uncaught exception, else 0; a sys.exit(n) code is not known here and becomes 0)."""
         if self.shutdown() is False:
-            import logging
+            _end_process_now()
 
-            code = 1 if getattr(sys, "last_value", None) is not None else 0
-            print(f"infertrace: ending the process now (exit status {code}) rather than let the interpreter's exit "
-                  "abort on the process group", file=sys.stderr, flush=True)
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+
+_STUCK_TEARDOWN: threading.Thread | None = None  # a teardown thread left running by shutdown()
+
+
+def _end_if_teardown_running() -> None:
+    """At the interpreter's exit, after a shutdown() whose teardown did not finish (a script that called it, as a
+    multiprocessing child or pytest does): the same ending as _shutdown_at_exit's while that teardown still runs
+    (on two H200s such a process ended with SIGABRT, "terminate called without an active exception")."""
+    if _STUCK_TEARDOWN is not None and _STUCK_TEARDOWN.is_alive():
+        _end_process_now()
+
+
+def _end_process_now() -> None:
+    import logging
+
+    code = 1 if getattr(sys, "last_value", None) is not None else 0
+    print(f"infertrace: ending the process now (exit status {code}) rather than let the interpreter's exit "
+          "abort on the process group", file=sys.stderr, flush=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _abort_process_group() -> None:
@@ -324,6 +342,8 @@ def _teardown_process_group(backend: str) -> bool:
     thread.start()
     thread.join(TEARDOWN_WAIT_S)
     if thread.is_alive():
+        global _STUCK_TEARDOWN
+        _STUCK_TEARDOWN = thread
         print(f"infertrace: the {backend} process group did not tear down within {TEARDOWN_WAIT_S:.0f} s; leaving it",
               file=sys.stderr, flush=True)
         return False

@@ -36,6 +36,9 @@ SCRIPT = textwrap.dedent("""
             import torch.distributed
             torch.distributed.destroy_process_group = lambda *args: time.sleep(600)
             mode = mode.removeprefix("stuck-")
+        if mode == "shutdown":  # shutdown() called, then the script returns
+            llm.shutdown()
+            print("SHUTDOWN", flush=True)
         if mode == "raise":
             print("DONE", flush=True)
             raise RuntimeError("the caller failed")
@@ -115,9 +118,11 @@ def test_a_script_that_never_calls_shutdown_exits_promptly(script, mode):
     assert not gone(ranks)
 
 
-@pytest.mark.parametrize(("mode", "status"), [("stuck-return", 0), ("stuck-raise", 1)])
+@pytest.mark.parametrize(("mode", "status"), [("stuck-return", 0), ("stuck-raise", 1), ("stuck-shutdown", 0)])
 def test_a_teardown_that_never_ends_still_exits_with_the_script_s_status(script, mode, status):
     proc, ranks = script(mode)
+    if mode == "stuck-shutdown":  # shutdown() returned with the teardown still running; the exit still ends it
+        read_until(proc, "SHUTDOWN")
     read_until(proc, "DONE")
     ended_within(proc)
     err = proc.stderr.read()
