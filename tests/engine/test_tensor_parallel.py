@@ -377,3 +377,28 @@ def test_the_automatic_all_reduce_fusion_is_the_norm_kernel_on_two_and_four_rank
     assert [resolve_fusion(f, 2) for f in ("planes", "norm", "off")] == ["planes", "norm", "off"]
     with pytest.raises(ValueError, match="all_reduce_fusion"):
         EngineConfig(all_reduce_fusion="fast")
+
+
+def test_tp_bench_counts_each_kernel_s_own_time_as_analyze_does():
+    """benchmarks/tp_bench.py's all-reduce share: under programmatic dependent launch a kernel starts before the one
+    ahead of it on its stream ends, and only its time past that end is its own, as `analyze`'s exclusive_ns counts."""
+    import importlib.util
+    from pathlib import Path
+
+    import numpy as np
+    import pandas as pd
+
+    from infertrace.analyze.phases import exclusive_ns
+
+    spec = importlib.util.spec_from_file_location(
+        "tp_bench", Path(__file__).resolve().parents[2] / "benchmarks" / "tp_bench.py")
+    tp_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp_bench)
+    # stream 7: a GEMM, an all-reduce launched early that waits for it, a kernel after a gap; stream 8 apart
+    kernels = [{"ts": 0, "dur": 10, "args": {"stream": 7}}, {"ts": 5, "dur": 12, "args": {"stream": 7}},
+               {"ts": 3, "dur": 4, "args": {"stream": 8}}, {"ts": 30, "dur": 2, "args": {"stream": 7}}]
+    assert tp_bench.exclusive_us(kernels) == [10, 7, 4, 2]
+    gpu = pd.DataFrame({"pid": [0] * 4, "stream": [k["args"]["stream"] for k in kernels],
+                        "ts_ns": [k["ts"] * 1000 for k in kernels], "dur_ns": [k["dur"] * 1000 for k in kernels]})
+    assert list(exclusive_ns(gpu)) == [t * 1000 for t in tp_bench.exclusive_us(kernels)]
+    assert np.sum(tp_bench.exclusive_us(kernels)) < sum(k["dur"] for k in kernels)
