@@ -63,7 +63,7 @@ def _all_pieces(report: Report, cache_root):
 def _events(rank: int, cols):
     names = [json.dumps(n) for n in cols.names]
     cats = [json.dumps(c) for c in cols.cats]
-    pid = rank * RANK_PID + np.abs(cols.pid) % RANK_PID
+    pid = rank * RANK_PID + np.abs(cols.pid.astype(np.int64)) % RANK_PID  # pids come as int32 where they fit
     seen = sorted(set(pid.tolist()))
     yield ",\n".join(_meta(p, f"rank {rank}: pid {p - rank * RANK_PID}") for p in seen)
     for lo in range(0, len(cols), CHUNK):

@@ -77,3 +77,22 @@ def test_two_ranks_and_the_critical_path(tmp_path, make_trace, make_events):
     path = [(e["name"].split(":")[0], e["ts"], e["dur"]) for e in critical if e["tid"] == 2]
     assert path == [("rank 1", 0.0, 125.0), ("rank 0", 130.0, 50.0), ("rank 0", 190.0, 10.0)]
     assert np.isclose(sum(d for *_, d in path), 185.0)
+
+
+def test_a_high_rank_keeps_its_pids_apart(tmp_path):
+    """A rank's pids are offset by rank * RANK_PID; the reader holds pids as int32 where they fit, and the offset
+    pids of rank 21 and up do not fit int32: they must neither wrap nor raise."""
+    import gzip
+
+    from infertrace.analyze.kineto import read_kineto
+    from infertrace.analyze.perfetto import _events
+
+    trace = tmp_path / "rank.json.gz"
+    trace.write_bytes(gzip.compress(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 99_999_999, "tid": 7, "ts": 1.0, "dur": 2.0,
+         "args": {"stream": 7, "correlation": 1}}]}).encode()))
+    cols = read_kineto(trace)
+    assert cols.pid.dtype == np.int32
+    for rank in (21, 30):
+        doc = json.loads("[" + ",\n".join(_events(rank, cols)) + "]")
+        assert {e["pid"] for e in doc} == {rank * RANK_PID + 99_999_999}
