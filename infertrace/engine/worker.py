@@ -299,7 +299,7 @@ _STUCK_TEARDOWN: threading.Thread | None = None  # a teardown thread left runnin
 def _end_if_teardown_running() -> None:
     """At the interpreter's exit, after a shutdown() whose teardown did not finish (a script that called it, as a
     multiprocessing child or pytest does): the same ending as _shutdown_at_exit's while that teardown still runs
-    (on two H200s such a process ended with SIGABRT, "terminate called without an active exception")."""
+    (on four H200s such processes ended with SIGABRT, "terminate called without an active exception")."""
     if _STUCK_TEARDOWN is not None and _STUCK_TEARDOWN.is_alive():
         _end_process_now()
 
