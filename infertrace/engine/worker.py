@@ -281,6 +281,7 @@ class OtherRanks:
         os.close(self._wake_w)
         done = _teardown_process_group(self.backend)
         if done is False:  # its thread would make the interpreter's exit abort: end the process before that
+            atexit.unregister(_end_if_teardown_running)  # once, however many engines left one running
             atexit.register(_end_if_teardown_running)
         return done
 
