@@ -140,17 +140,24 @@ def child_exact(trace_dir: str) -> dict:
 def _tree_pss_mb(root: int) -> float:
     """Proportional set size of `root` and every process below it, in MB: a page shared by n of them counts 1/n to
     each, so pages a forked worker shares with its parent are counted once (peak RSS summed counts them twice)."""
-    total, todo = 0, [root]
+    return _tree_pss(root)[0]
+
+
+def _tree_pss(root: int) -> tuple[float, float, int]:
+    """The tree's PSS (MB), `root`'s own share of it (MB), and the processes in the tree."""
+    total, own, count, todo = 0, 0, 0, [root]
     while todo:
         pid = todo.pop()
         try:
             rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-            total += int(rollup.split("\nPss:")[1].split()[0])
+            pss = int(rollup.split("\nPss:")[1].split()[0])
+            total, count = total + pss, count + 1
+            own += pss if pid == root else 0
             for task in Path(f"/proc/{pid}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, IndexError, ValueError):
             continue  # the process ended between two reads
-    return total / 1024
+    return total / 1024, own / 1024, count
 
 
 CHILD_ENV: dict[str, str] = {}  # set by with_bytecode(): what every measured process runs with
@@ -181,11 +188,11 @@ def measure(tool: str, trace_dir: Path, extra: list[str] | None = None, env: dic
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**(CHILD_ENV or os.environ), **(env or {})})
-    pss = [0.0]
+    pss = [(0.0, 0.0, 0)]  # at the peak: the tree's PSS, the measured process's own, the processes
 
     def sample() -> None:
         while proc.poll() is None:
-            pss[0] = max(pss[0], _tree_pss_mb(proc.pid))
+            pss[0] = max(pss[0], _tree_pss(proc.pid))
             time.sleep(0.02)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -198,7 +205,7 @@ def measure(tool: str, trace_dir: Path, extra: list[str] | None = None, env: dic
     out = json.loads(stdout.strip().splitlines()[-1])
     out["wall_s"] = wall
     out["peak_mb"] = out["own_mb"] + (out["children_mb"] if tool.startswith("ours") else 0.0)
-    out["pss_peak_mb"] = pss[0]
+    out["pss_peak_mb"], out["pss_peak_own_mb"], out["pss_peak_processes"] = pss[0]
     return out
 
 
@@ -308,6 +315,11 @@ def main() -> None:
                 print(f"| {ours} against {base} | {med[base]['wall_s'] / med[ours]['wall_s']:.1f}x faster | "
                       f"{med[ours]['peak_mb'] / med[base]['peak_mb']:.2f}x the peak RSS, "
                       f"{med[ours]['pss_peak_mb'] / med[base]['pss_peak_mb']:.2f}x by PSS |")
+    for tool in tools:  # where each run's peak came: the measured process's share, and how many were alive
+        if tool.startswith("ours"):
+            print(f"at the PSS peak, {tool}: " + ", ".join(
+                f"{r['pss_peak_own_mb']:,.0f} of {r['pss_peak_mb']:,.0f} MB in the analysing process, "
+                f"{r['pss_peak_processes']} process(es)" for r in runs[tool]))
     hta = runs["hta"][0]
     print(f"kernels: ours {exact['kernels']:,}, HTA {hta['kernels']:,}, HTA without ns rounding "
           f"{hta_exact['kernels']:,}")

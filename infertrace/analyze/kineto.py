@@ -19,6 +19,7 @@ import gzip
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 import zlib
@@ -31,6 +32,9 @@ from typing import Union
 import numpy as np
 
 BLOCK = 1 << 20  # bytes decoded at once: small enough to stay in cache, large enough to amortise each call
+# the same for a stretch decoded beside others (_decode_range): a quarter of BLOCK takes as long there (2-core host)
+# and holds 5 MB less of a decoding process's heap at once, each such process counting in the tree's memory
+STRETCH_BLOCK = 256 << 10
 METADATA_LIMIT = 16 << 20  # bytes of JSON read before the traceEvents array, and after it
 EVENT_LIMIT = 16 << 20  # the largest single event (or run of whitespace inside the array) read
 GZIP_RATIO_LIMIT = 64  # Kineto JSON compresses 10-22x; past this many times the gzip's size, reading stops
@@ -134,29 +138,13 @@ _BOUNDARY = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")
 
 
 def _read_split(path: Path, keep_python: bool, workers: int) -> TraceColumns | None:
-    """Decode a plain JSON trace in `workers` processes (this one and forked workers), each a stretch of the events
-    array cut where one event ends and the next begins. None (read it in one process instead) for a gzip or small
-    file, or when a stretch does not decode as whole events from its start to its end: each stretch but the last
-    must decode completely and end exactly at its cut, and the first starts at the array's real start, so every cut
-    is a real event boundary."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    plan = _plan_split(path, [1 / workers] * workers)
-    if plan is None or len(plan[2]) < 2:
-        return None
-    head, start, ranges = plan
-    try:
-        with ProcessPoolExecutor(len(ranges) - 1, mp_context=multiprocessing.get_context("fork")) as pool:
-            futures = [pool.submit(_decode_range, str(path), lo, hi, i == len(ranges) - 1, keep_python)
-                       for i, (lo, hi) in enumerate(ranges) if i > 0]
-            first = _decode_range(str(path), *ranges[0], len(ranges) == 1, keep_python)
-            rest = [f.result() for f in futures]
-    except (OSError, RuntimeError):
-        return None
-    if first is None or any(p is None for p in rest):
-        return None
-    return _joined(head, start, first, [{**_shipped(p.pop("sink")), **p} for p in rest])
+    """Decode a plain JSON trace in `workers` processes (this one and forked ones, as `read_ahead` starts them),
+    each a stretch of the events array cut where one event ends and the next begins. None (read it in one process
+    instead) for a gzip or small file, or when this process's stretch does not decode as whole events from its start
+    to its cut: the first starts at the array's real start and each later stretch must decode completely and end
+    exactly at its cut, so every cut is a real event boundary."""
+    started = _start_stretches(path, keep_python, [1 / workers] * workers)
+    return None if started is None else _read_ahead_result(path, keep_python, started)
 
 
 def _plan_split(path: Path, shares: list[float]) -> tuple[bytes, int, list[tuple[int, int]]] | None:
@@ -206,21 +194,26 @@ def _boundary_after(fh, at: int) -> int | None:
     return None
 
 
-def _joined(head: bytes, start: int, first: dict, rest: list[dict]) -> TraceColumns:
-    """The columns of the first stretch's sink extended with the other stretches' (shipped) events, and the
-    metadata from the head and the last stretch's trailer."""
+def _joined(head: bytes, start: int, first: dict, rest) -> TraceColumns:
+    """The columns of the first stretch's sink extended with the other stretches' (shipped) events, taken one at a
+    time from the iterable `rest` (each freed, and its "release" called, once joined), and the metadata from the head
+    and the last stretch's trailer."""
     header = _StreamDecoder(_ColumnSink(False), None)
     header.feed(head[: start])
     header.header = bytearray(head[: start].lstrip(_WS))
     key = header.header.rfind(_KEY)
     if key >= 0:
         del header.header[key:]
-    last = rest[-1] if rest else first
-    header.trailer, late = last["trailer"], last["late"]
     whole = first["sink"]
+    trailer, late = first["trailer"], first["late"]
     for part in rest:
         _join(whole, part)
+        trailer, late = part["trailer"], part["late"]
+        release = part.pop("release", None)
         part.clear()  # a stretch's events freed once taken
+        if release is not None:
+            release()
+    header.trailer = trailer
     columns = whole.columns(header.metadata())
     if late is not None:
         if not len(columns):
@@ -235,44 +228,26 @@ def _shipped(sink: _ColumnSink) -> dict:
             "count": sink.count, "exact": sink.exact, "invalid": sink.invalid, "cut_names": sink.cut_names}
 
 
-def _join(whole: _ColumnSink, part: dict, inp=None) -> None:
-    """Append a later stretch's events to `whole`, in place, its name, category and text-id codes made whole's.
-    With `inp`, a pipe its process sends them through (`_send`), each column is read straight into the end of
-    whole's, so that no copy of the stretch is held here; else they are part["arrays"]. If reading fails part way
-    (OSError, EOFError), `whole` is left as it was."""
-    before = [len(f) for f in whole.fields], len(whole.names), len(whole.cats), len(whole.text_ids)
-    try:
-        names = np.array([whole.names.setdefault(n, len(whole.names)) for n in part["names"]], dtype=np.int32)
-        cats = np.array([whole.cats.setdefault(c, len(whole.cats)) for c in part["cats"]], dtype=np.int32)
-        texts = {-1 - k: -1 - whole.text_ids.setdefault(t, len(whole.text_ids))
-                 for t, k in part["text_ids"].items()}
-        for i in range(len(whole.fields)):
-            if inp is None:
-                if whole.fields[i].typecode == "i" and part["arrays"][i].dtype == np.int64 \
-                        and not _fits_int32(part["arrays"][i]):
-                    whole.widen(i)
-                into = whole.fields[i]
-                into.frombytes(np.ascontiguousarray(part["arrays"][i], dtype=_dtype(into)).view(np.uint8))
-            else:
-                if whole.fields[i].typecode == "i" and np.dtype(part["columns"][i][0]).itemsize == 8:
-                    whole.widen(i)  # the stretch has an id past int32
-                into = whole.fields[i]
-                _read_column(into, part["columns"][i], inp)
-            values = np.frombuffer(into, dtype=_dtype(into))[before[0][i]:]  # the stretch's codes, made whole's
-            if i == 0 and names.size:
-                values[:] = names[values]
-            elif i == 1 and cats.size:
-                values[:] = cats[values]
-            elif i in (2, 3) and texts and (values < 0).any():  # pid, tid
-                values[:] = np.array([texts.get(v, v) for v in values.tolist()], dtype=np.int64)
-            del values
-    except (OSError, EOFError):
-        for into, n in zip(whole.fields, before[0]):
-            del into[n:]  # a field widened meanwhile stays wide, its values as they were
-        for table, n in zip((whole.names, whole.cats, whole.text_ids), before[1:]):
-            for key in list(table)[n:]:
-                del table[key]
-        raise
+def _join(whole: _ColumnSink, part: dict) -> None:
+    """Append a later stretch's events (its columns part["arrays"]) to `whole`, in place, its name, category and
+    text-id codes made whole's."""
+    before = [len(f) for f in whole.fields]
+    names = np.array([whole.names.setdefault(n, len(whole.names)) for n in part["names"]], dtype=np.int32)
+    cats = np.array([whole.cats.setdefault(c, len(whole.cats)) for c in part["cats"]], dtype=np.int32)
+    texts = {-1 - k: -1 - whole.text_ids.setdefault(t, len(whole.text_ids)) for t, k in part["text_ids"].items()}
+    for i, column in enumerate(part["arrays"]):
+        if whole.fields[i].typecode == "i" and column.dtype == np.int64 and not _fits_int32(column):
+            whole.widen(i)  # the stretch has an id past int32
+        into = whole.fields[i]
+        into.frombytes(np.ascontiguousarray(column, dtype=_dtype(into)).view(np.uint8))
+        values = np.frombuffer(into, dtype=_dtype(into))[before[i]:]  # the stretch's codes, made whole's
+        if i == 0 and names.size:
+            values[:] = names[values]
+        elif i == 1 and cats.size:
+            values[:] = cats[values]
+        elif i in (2, 3) and texts and (values < 0).any():  # pid, tid
+            values[:] = np.array([texts.get(v, v) for v in values.tolist()], dtype=np.int64)
+        del values
     whole.count += part["count"]
     whole.exact &= part["exact"]
     whole.invalid += part["invalid"]
@@ -309,15 +284,16 @@ def _next_brace(path: Path, at: int) -> int:
 
 def _decode_range(path: str, lo: int, hi: int, last: bool, keep_python: bool) -> dict | None:
     sink = _ColumnSink(keep_python)
-    decoder = _StreamDecoder(sink, _typed_decoder())
+    block = min(STRETCH_BLOCK, BLOCK)
+    decoder = _StreamDecoder(sink, _typed_decoder(), block)
     decoder._start_events(b"")
     collecting = gc.isenabled()
     gc.disable()  # as in read_kineto: the decoded events hold no cycles
     try:
         with open(path, "rb", buffering=0) as fh:
             fh.seek(lo)
-            for block in _read_blocks(fh, hi - lo):
-                if not decoder.feed(block):
+            for piece in _read_blocks(fh, hi - lo, block):
+                if not decoder.feed(piece):
                     break
         if not last:
             if decoder.state != _EVENTS:
@@ -350,7 +326,7 @@ class ReadAhead:
     head: bytes  # the file's bytes before the events array
     start: int
     ranges: list[tuple[int, int]]
-    children: list[tuple[int, int]]  # (pid, read end of its pipe) per stretch after the first
+    children: list[tuple[int, int, mmap.mmap]]  # (pid, read end of its pipe, its region) per stretch after the first
 
     def cancel(self) -> None:
         _cancel(self.children)
@@ -371,22 +347,44 @@ def read_ahead(path: str | Path, keep_python: bool = False, workers: int = 2) ->
     first. None (nothing started) for a gzip or small file, one worker, or where processes cannot be made. The
     caller owns the processes: `cancel()` the result when done."""
     path = Path(path)
-    key = _ahead_key(path, keep_python)
-    if workers < 2 or key is None or _typed_decoder() is None:
+    try:
+        size = os.path.getsize(path)
+    except OSError:
         return None
-    size = key[1]
+    if workers < 2:
+        return None
     whole_s = size / AHEAD_DECODE_BYTES_S
     own = min(max((whole_s - AHEAD_IMPORT_S * (workers - 1)) / (whole_s * workers), 0.02), 1 / workers)
-    plan = _plan_split(path, [own] + [(1 - own) / (workers - 1)] * (workers - 1))
+    return _start_stretches(path, keep_python, [own] + [(1 - own) / (workers - 1)] * (workers - 1))
+
+
+def _start_stretches(path: Path, keep_python: bool, shares: list[float]) -> ReadAhead | None:
+    """Cut the file's events array into stretches of about these shares and fork a process for each but the
+    first. A process decodes its stretch and leaves the result in a region of memory it shares with this one
+    (`_put`), then ends: it holds nothing while this process is still busy, and the region is this process's memory
+    from the start, so its pages count here. None where nothing was started."""
+    key = _ahead_key(path, keep_python)
+    if key is None or _typed_decoder() is None:
+        return None
+    plan = _plan_split(path, shares)
     if plan is None or len(plan[2]) < 2:
         return None
     head, start, ranges = plan
-    children = []
+    children: list[tuple[int, int, mmap.mmap]] = []
     parent = os.getpid()
+    # this process's freed heap pages given back first: a forked process allocating into them would copy each
+    # (13 MB of them after the imports, 2-core host), where fresh pages cost only what it uses
+    _trim_heap()
     for i, (lo, hi) in enumerate(ranges[1:], start=1):
+        try:  # room for the columns of the densest events (44 bytes an event) and the tables
+            region = mmap.mmap(-1, 2 * (hi - lo) + (1 << 20), flags=mmap.MAP_SHARED | _NORESERVE)
+        except (OSError, ValueError):
+            _cancel(children)
+            return None
         try:
             read_end, write_end = os.pipe()
         except OSError:
+            region.close()
             _cancel(children)
             return None
         try:
@@ -394,23 +392,28 @@ def read_ahead(path: str | Path, keep_python: bool = False, workers: int = 2) ->
         except OSError:
             os.close(read_end)
             os.close(write_end)
+            region.close()
             _cancel(children)
             return None
-        if pid == 0:  # the child: decode, send, and leave without running the parent's exit handlers
+        if pid == 0:  # the child: decode, leave the result, and end without running the parent's exit handlers
             code = 1
             try:
                 _die_with_parent(parent)
                 os.close(read_end)
-                for _, earlier in children:  # the earlier stretches' pipes are the parent's alone
+                for _, earlier, earlier_region in children:  # the earlier stretches' are the parent's alone
                     os.close(earlier)
+                    earlier_region.close()
                 _map_large_blocks()
-                _send(write_end, _decode_range(str(path), lo, hi, i == len(ranges) - 1, keep_python))
+                _put(region, write_end, _decode_range(str(path), lo, hi, i == len(ranges) - 1, keep_python))
                 code = 0
             finally:
                 os._exit(code)
         os.close(write_end)
-        children.append((pid, read_end))
+        children.append((pid, read_end, region))
     return ReadAhead(key, head[:start], start, ranges, children)
+
+
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0)  # a region's unused room is never counted against the system
 
 
 def _die_with_parent(parent: int) -> None:
@@ -428,32 +431,54 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _send(fd: int, result: dict | None) -> None:
-    """A stretch's result through a pipe: a pickle of its tables and counts, then each column's raw bytes, each
-    column freed once written, so that a stretch's events are held here and in the parent hardly at once."""
+def _aligned(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def _put(region: mmap.mmap, fd: int, result: dict | None) -> None:
+    """A stretch's result into the region this process shares with its parent (`_taken` reads it): the pickled
+    tables and counts, then each column's bytes, 8-byte aligned. Then one byte down the pipe: 1 once the region
+    holds the whole stretch, 0 when it does not (the stretch did not decode, or does not fit)."""
     import pickle
 
-    with open(fd, "wb", buffering=0) as out:
-        if result is None:
-            out.write((0).to_bytes(8, "little"))
-            return
-        _trim_heap()  # the decoder's freed buffers given back while the parent still decodes its own stretch
+    whole = False
+    if result is not None:
         sink = result.pop("sink")
-        shipped = {"names": sink.names, "cats": sink.cats, "text_ids": sink.text_ids, "count": sink.count,
-                   "exact": sink.exact, "invalid": sink.invalid, "cut_names": sink.cut_names, **result,
-                   "columns": [("<i4" if f.typecode == "i" else "<i8", len(f)) for f in sink.fields]}
-        header = pickle.dumps(shipped, protocol=pickle.HIGHEST_PROTOCOL)
-        out.write(len(header).to_bytes(8, "little"))
-        out.write(header)
-        del header, shipped
-        fields = sink.fields
-        for i in range(len(fields)):
-            with memoryview(fields[i]) as values, values.cast("B") as view:
-                written = 0
-                while written < view.nbytes:
-                    written += out.write(view[written:])
-            fields[i] = array(fields[i].typecode)  # this column's memory returned before the next is sent
-            _trim_heap()
+        columns = [("<i4" if f.typecode == "i" else "<i8", len(f)) for f in sink.fields]
+        header = pickle.dumps({"names": sink.names, "cats": sink.cats, "text_ids": sink.text_ids, "count": sink.count,
+                               "exact": sink.exact, "invalid": sink.invalid, "cut_names": sink.cut_names, **result,
+                               "columns": columns}, protocol=pickle.HIGHEST_PROTOCOL)
+        at = _aligned(8 + len(header))
+        if at + sum(_aligned(len(f) * f.itemsize) for f in sink.fields) <= len(region):
+            region[:8] = len(header).to_bytes(8, "little")
+            region[8: 8 + len(header)] = header
+            for f in sink.fields:
+                with memoryview(f) as values, values.cast("B") as view:
+                    region[at: at + view.nbytes] = view
+                    at += _aligned(view.nbytes)
+            whole = True
+    os.write(fd, b"\x01" if whole else b"\x00")
+
+
+def _taken(fd: int, region: mmap.mmap) -> dict | None:
+    """What a stretch's process left (`_put`), its columns as arrays over the region (no copy); None when it
+    left no whole stretch (it failed, or ended before saying it was done). Closes `fd`."""
+    import pickle
+
+    with open(fd, "rb", buffering=0) as inp:
+        if inp.read(1) != b"\x01":
+            return None
+    try:
+        size = int.from_bytes(region[:8], "little")
+        part = pickle.loads(region[8: 8 + size])
+    except (ValueError, EOFError, pickle.UnpicklingError):
+        return None
+    at, arrays = _aligned(8 + size), []
+    for dtype, count in part.pop("columns"):
+        arrays.append(np.frombuffer(region, dtype=dtype, count=count, offset=at))
+        at += _aligned(count * arrays[-1].itemsize)
+    part["arrays"] = arrays
+    return part
 
 
 def _trim_heap() -> None:
@@ -485,50 +510,6 @@ def _map_large_blocks() -> None:
         pass
 
 
-def _receive_header(inp) -> dict | None:
-    import pickle
-
-    try:
-        size = int.from_bytes(_read_exactly(inp, 8), "little")
-        return pickle.loads(_read_exactly(inp, size)) if size else None
-    except (OSError, EOFError, ValueError, pickle.UnpicklingError):
-        return None
-
-
-def _read_column(into: array, column: tuple[str, int], inp) -> None:
-    """Extend `into` by a column sent as (dtype, count), read from the pipe straight into its new end (an int32
-    column into an int64 field through a copy of its own)."""
-    dtype, count = column
-    size = np.dtype(dtype).itemsize
-    if size == 4 and into.itemsize == 8:
-        narrow = array("i")
-        _read_column(narrow, column, inp)
-        into.frombytes(np.frombuffer(narrow, dtype=np.int32).astype(np.int64).view(np.uint8))
-        return
-    if size != into.itemsize:
-        raise EOFError("the stretch's process sent a column of another type")
-    start = len(into) * into.itemsize
-    into.frombytes(bytes(count * into.itemsize))  # zeroed on demand: its pages are first touched by the read
-    with memoryview(into) as whole, whole.cast("B") as flat, flat[start:] as view:
-        got = 0
-        while got < view.nbytes:
-            with view[got:] as rest:
-                n = inp.readinto(rest)
-            if not n:
-                raise EOFError("the stretch's process ended before sending all its events")
-            got += n
-
-
-def _read_exactly(inp, n: int) -> bytes:
-    data = inp.read(n) if n else b""
-    while len(data) < n:
-        more = inp.read(n - len(data))
-        if not more:
-            raise EOFError("the stretch's process ended early")
-        data += more
-    return data
-
-
 def _exited_cleanly(pid: int) -> bool:
     try:
         _, status = os.waitpid(pid, 0)
@@ -537,11 +518,12 @@ def _exited_cleanly(pid: int) -> bool:
     return status == 0
 
 
-def _cancel(children: list[tuple[int, int]]) -> None:
+def _cancel(children: list[tuple[int, int, mmap.mmap]]) -> None:
     import signal
 
-    for pid, fd in children:
-        for step in (lambda: os.kill(pid, signal.SIGKILL), lambda: os.close(fd), lambda: os.waitpid(pid, 0)):
+    for pid, fd, region in children:
+        for step in (lambda: os.kill(pid, signal.SIGKILL), lambda: os.close(fd), lambda: os.waitpid(pid, 0),
+                     region.close):
             try:
                 step()
             except OSError:
@@ -551,44 +533,48 @@ def _cancel(children: list[tuple[int, int]]) -> None:
 def _read_ahead_result(path: Path, keep_python: bool, ahead: ReadAhead) -> TraceColumns | None:
     """The columns of a file `read_ahead` started: this process decodes the first stretch and joins the others'.
     None (read it whole instead) when the read-ahead was for another file (or this one before it changed), or when
-    the first stretch does not end at its cut as whole events. The read-ahead's processes are ended either way."""
+    a stretch does not end at its cut as whole events. The read-ahead's processes are ended either way."""
     if ahead.key != _ahead_key(path, keep_python) or not ahead.children:
         ahead.cancel()
         return None
     try:
         return _take_ahead(path, keep_python, ahead)
+    except _StretchLost:
+        return None
     finally:
         ahead.cancel()
 
 
-def _take_ahead(path: Path, keep_python: bool, ahead: ReadAhead) -> TraceColumns | None:
+class _StretchLost(Exception):
+    """A stretch that did not decode as whole events ending at its cut, here or in its process."""
+
+
+def _take_ahead(path: Path, keep_python: bool, ahead: ReadAhead) -> TraceColumns:
     first = _decode_range(str(path), *ahead.ranges[0], False, keep_python)
     if first is None:
-        return None
+        raise _StretchLost
     _trim_heap()  # what decoding freed, given back before the other stretches' events arrive
-    whole = first["sink"]
-    last = first
-    for k, (lo, hi) in enumerate(ahead.ranges[1:]):
-        pid, fd = ahead.children.pop(0)  # taken up here: joined below, never cancelled (its pid may be reused)
-        joined = False
-        with open(fd, "rb", buffering=0) as inp:
-            part = _receive_header(inp)
-            if part is not None:
-                try:
-                    _join(whole, part, inp)
-                    joined = True
-                except (OSError, EOFError):
-                    pass  # `whole` is as it was
-        if not _exited_cleanly(pid) and joined:  # all of it arrived, yet the process did not end well
-            return None
-        if not joined:  # the child failed: its stretch is decoded here
-            decoded = _decode_range(str(path), lo, hi, k == len(ahead.ranges) - 2, keep_python)
+    return _joined(ahead.head, ahead.start, first, _later_stretches(path, keep_python, ahead))
+
+
+def _later_stretches(path: Path, keep_python: bool, ahead: ReadAhead):
+    """The stretches after the first, in order, as `_joined` takes them: from each process's region (released once
+    joined), or decoded here when its process left none."""
+    last = len(ahead.ranges) - 1
+    for k, (lo, hi) in enumerate(ahead.ranges[1:], start=1):
+        pid, fd, region = ahead.children.pop(0)  # taken up here, never cancelled (its pid may be reused)
+        part = _taken(fd, region)
+        if not _exited_cleanly(pid) and part is not None:  # all of it left, yet the process did not end well
+            part = None
+        if part is None:
+            region.close()
+            decoded = _decode_range(str(path), lo, hi, k == last, keep_python)  # the stretch decoded here
             if decoded is None:
-                return None
+                raise _StretchLost
             part = {**_shipped(decoded.pop("sink")), **decoded}
-            _join(whole, part)
-        last = part
-    return _joined(ahead.head, ahead.start, {"sink": whole, "trailer": last["trailer"], "late": last["late"]}, [])
+        else:
+            part["release"] = region.close
+        yield part
 
 
 class _GzipBomb(Exception):
@@ -614,14 +600,15 @@ def _blocks(path: Path):
             yield block
 
 
-def _read_blocks(fh, limit: int | None = None):
-    """A plain file's bytes (`limit` of them, else to its end) a BLOCK at a time, as views of one buffer that each
-    next block overwrites, rather than a new 1 MB bytes object (fresh pages) a block."""
-    chunk = bytearray(BLOCK)
+def _read_blocks(fh, limit: int | None = None, size: int | None = None):
+    """A plain file's bytes (`limit` of them, else to its end) `size` at a time, as views of one buffer that each
+    next block overwrites, rather than a new bytes object (fresh pages) a block. `size`: BLOCK unless given."""
+    size = size or BLOCK
+    chunk = bytearray(size)
     view = memoryview(chunk)
     left = limit
     while left is None or left > 0:
-        n = fh.readinto(view if left is None or left >= BLOCK else view[:left])
+        n = fh.readinto(view if left is None or left >= size else view[:left])
         if not n:
             return
         if left is not None:
@@ -737,9 +724,10 @@ class _StreamDecoder:
     `buf` holds undecoded events behind one spare byte: a piece is decoded in place by writing `[` into the
     spare byte and `]` over the comma after its last event, which saves copying every megabyte twice."""
 
-    def __init__(self, sink: _ColumnSink, typed):
+    def __init__(self, sink: _ColumnSink, typed, block: int | None = None):
         self.sink = sink
         self.typed = typed
+        self.block = block or BLOCK  # bytes of events gathered before a piece is decoded
         self.tagged = _TaggedDecoder(sink.skipped) if typed is not None else None
         self.state = _HEADER
         self.header = bytearray()  # bytes before the "traceEvents" key, leading whitespace dropped
@@ -747,7 +735,7 @@ class _StreamDecoder:
         self.trailer = bytearray()  # bytes after the array
         self._searched = 0  # where the next look for the key starts
         self._header_structure = None  # (length scanned, _structure of the header), reused per block
-        self._scan_at = BLOCK  # buffer size at which the next structural scan is worth its cost
+        self._scan_at = self.block  # buffer size at which the next structural scan is worth its cost
 
     def feed(self, data: bytes | memoryview) -> bool:
         """Take the next bytes (copied: `data` may be reused by the caller); False once the rest of the file is not
@@ -761,7 +749,7 @@ class _StreamDecoder:
             self.buf += bytes(data).lstrip(_WS) if len(self.buf) == 1 else data  # whitespace between events
         else:
             self.trailer += data
-        if self.state == _EVENTS and len(self.buf) > BLOCK:
+        if self.state == _EVENTS and len(self.buf) > self.block:
             self._drain(final=False)
         return not (self.state == _TRAILER and len(self.trailer) > METADATA_LIMIT)
 
@@ -830,7 +818,7 @@ class _StreamDecoder:
         self.state = _EVENTS
 
     def _drain(self, final: bool) -> None:
-        while self.state == _EVENTS and (final or len(self.buf) > BLOCK):
+        while self.state == _EVENTS and (final or len(self.buf) > self.block):
             comma = None if final else _last_event_end(self.buf)
             if comma is not None and self._decode_in_place(comma):
                 continue
@@ -842,7 +830,7 @@ class _StreamDecoder:
                 # rescanning every block would be quadratic; the last scan falls just past the limit
                 self._scan_at = min(2 * len(self.buf), EVENT_LIMIT + 1)
                 return
-            self._scan_at = BLOCK
+            self._scan_at = self.block
 
     def _decode_in_place(self, comma: int) -> bool:
         buf = self.buf

@@ -258,11 +258,20 @@ def _same_columns(a, b):
 
 
 def _count_stretches(monkeypatch) -> list[int]:
-    """Records, per joined read, how many stretches it was decoded in."""
+    """Records, per joined read, how many stretches it was decoded in (the first and each one joined to it)."""
     calls: list[int] = []
     real = kineto._joined
-    monkeypatch.setattr(kineto, "_joined", lambda head, start, first, rest: calls.append(1 + len(rest))
-                        or real(head, start, first, rest))
+
+    def counted(head, start, first, rest):
+        calls.append(1)
+
+        def each():
+            for part in rest:
+                calls[-1] += 1
+                yield part
+        return real(head, start, first, each())
+
+    monkeypatch.setattr(kineto, "_joined", counted)
     return calls
 
 
@@ -322,11 +331,11 @@ def test_ids_past_int32_widen_their_column_wherever_they_come(tmp_path, monkeypa
         cols = read_kineto(path, workers=3)
     else:
         received = []
-        real_receive = kineto._receive_header
-        monkeypatch.setattr(kineto, "_receive_header", lambda inp: received.append(r := real_receive(inp)) or r)
+        real_taken = kineto._taken
+        monkeypatch.setattr(kineto, "_taken", lambda fd, region: received.append(r := real_taken(fd, region)) or r)
         cols = read_kineto(path, ahead=kineto.read_ahead(path, workers=3))
-        assert len(received) == 2 and all(r is not None for r in received)  # two stretches came through pipes
-    assert calls == {"one": [], "split": [3], "ahead": [1]}[how]
+        assert len(received) == 2 and all(r is not None for r in received)  # two stretches came from their processes
+    assert calls == {"one": [], "split": [3], "ahead": [3]}[how]
     assert cols.pid.tolist() == [e["pid"] for e in events]
     assert cols.tid.tolist() == [e["tid"] for e in events]
     assert cols.correlation.tolist() == [e["args"]["correlation"] for e in events]
@@ -379,13 +388,12 @@ def test_a_read_ahead_equals_one_process_and_leaves_no_process(traces, tmp_path,
     whole = read_kineto(path)
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
     ahead = kineto.read_ahead(path, workers=workers)
-    pids = [pid for pid, _ in ahead.children]
+    pids = [pid for pid, *_ in ahead.children]
     assert len(pids) == workers - 1
     received, joined = [], []
-    real_receive, real_join = kineto._receive_header, kineto._join
-    monkeypatch.setattr(kineto, "_receive_header", lambda inp: received.append(r := real_receive(inp)) or r)
-    monkeypatch.setattr(kineto, "_join", lambda whole, part, arrays=None: joined.append(1)
-                        or real_join(whole, part, arrays))
+    real_taken, real_join = kineto._taken, kineto._join
+    monkeypatch.setattr(kineto, "_taken", lambda fd, region: received.append(r := real_taken(fd, region)) or r)
+    monkeypatch.setattr(kineto, "_join", lambda whole, part: joined.append(1) or real_join(whole, part))
     cols = read_kineto(path, ahead=ahead)
     assert len(received) == workers - 1 and all(r is not None for r in received)  # each child sent its stretch
     assert len(joined) == workers - 1
@@ -399,7 +407,7 @@ def test_a_read_ahead_child_that_dies_is_decoded_here(traces, tmp_path, monkeypa
     path = _plain_trace(traces, tmp_path / "t.json")
     whole = read_kineto(path)
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
-    monkeypatch.setattr(kineto, "_send", lambda fd, result: os._exit(3))  # the forked child dies before sending
+    monkeypatch.setattr(kineto, "_put", lambda region, fd, result: os._exit(3))  # the child dies before leaving it
     ahead = kineto.read_ahead(path, workers=2)
     decoded = []
     real_decode = kineto._decode_range
@@ -418,7 +426,7 @@ def test_a_read_ahead_with_a_false_cut_is_read_whole_and_an_unread_one_is_cancel
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setattr(kineto, "AHEAD_IMPORT_S", 0.0)  # equal shares: the cut falls inside the big event
     ahead = kineto.read_ahead(path, workers=2)
-    pids = [pid for pid, _ in ahead.children]
+    pids = [pid for pid, *_ in ahead.children]
     calls = _count_stretches(monkeypatch)
     cols = read_kineto(path, ahead=ahead)
     assert calls == []  # the first stretch did not end at its cut as whole events: read in one process
@@ -427,7 +435,7 @@ def test_a_read_ahead_with_a_false_cut_is_read_whole_and_an_unread_one_is_cancel
     other = tmp_path / "u.json"
     other.write_text(json.dumps({"traceEvents": small * 40}))
     unread = kineto.read_ahead(other, workers=3)
-    pids = [pid for pid, _ in unread.children]
+    pids = [pid for pid, *_ in unread.children]
     mismatched = kineto.read_ahead(other, workers=2)
     whole = read_kineto(path, ahead=mismatched)  # a read-ahead of another file is not joined, only ended
     assert [whole.names[i] for i in whole.name] == [e["name"] for e in small + [big] + small]
@@ -437,25 +445,33 @@ def test_a_read_ahead_with_a_false_cut_is_read_whole_and_an_unread_one_is_cancel
     assert not unread.children and all(_gone(pid) for pid in pids)
 
 
-def test_a_read_ahead_child_cut_off_mid_transfer_leaves_no_partial_events(traces, tmp_path, monkeypatch):
+@pytest.mark.parametrize("how", ["no word", "bad exit"])
+def test_a_read_ahead_child_that_does_not_end_well_is_decoded_here(traces, tmp_path, monkeypatch, how):
+    """A stretch's process that fills its region but never says the stretch is whole (it ended first), or says so
+    and then ends badly: its stretch is decoded here, nothing of the region taken."""
     import os
 
     path = _plain_trace(traces, tmp_path / "t.json")
     whole = read_kineto(path)
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
-    real_send = kineto._send
-    spool = tmp_path / "spool"
+    real_put = kineto._put
 
-    def cut_send(fd, result):  # sends the header and part of the columns, then ends "cleanly"
-        real_send(os.open(spool, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), result)
-        data = spool.read_bytes()
-        with open(fd, "wb") as out:
-            out.write(data[: int(len(data) * 0.7)])
-        os._exit(0)
+    def put(region, fd, result):
+        if how == "no word":
+            real_put(region, os.open(os.devnull, os.O_WRONLY), result)  # the region whole, the word lost
+            os._exit(0)
+        real_put(region, fd, result)
+        os._exit(5)
 
-    monkeypatch.setattr(kineto, "_send", cut_send)
+    monkeypatch.setattr(kineto, "_put", put)
     ahead = kineto.read_ahead(path, workers=2)
-    _same_columns(whole, read_kineto(path, ahead=ahead))  # the columns taken before the cut were rolled back
+    decoded, joined = [], []
+    real_decode, real_join = kineto._decode_range, kineto._join
+    monkeypatch.setattr(kineto, "_decode_range", lambda *a: decoded.append(a[1:3]) or real_decode(*a))
+    monkeypatch.setattr(kineto, "_join", lambda w, part: joined.append("release" in part) or real_join(w, part))
+    _same_columns(whole, read_kineto(path, ahead=ahead))
+    assert len(decoded) == 2 and decoded[1][1] == path.stat().st_size  # its own stretch, then the child's
+    assert joined == [False]  # the child's stretch joined as decoded here, not from its region
 
 
 def test_decoding_a_stretch_leaves_the_collector_as_it_was(traces, tmp_path, monkeypatch):
@@ -478,43 +494,38 @@ def test_decoding_a_stretch_leaves_the_collector_as_it_was(traces, tmp_path, mon
         gc.enable()
 
 
-def test_a_stretch_is_sent_column_by_column_each_freed_once_written(traces, tmp_path, monkeypatch):
+def test_a_stretch_goes_through_its_region_whole_and_one_too_small_is_refused(traces, tmp_path, monkeypatch):
+    import mmap
     import os
 
     path = _plain_trace(traces, tmp_path / "t.json")
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
     start = kineto._plan_split(path, [1.0])[2][0][0]
-    decoded = kineto._decode_range(str(path), start, path.stat().st_size, True, False)
-    sink = decoded["sink"]
-    expected = [np.array(a) for a in sink.arrays()]  # copies: the sink's own memory is freed by the send
-    assert sum(a.size for a in expected) > 0
-    spool = tmp_path / "spool"
-    freed_before = []  # at each write, how many of the sink's columns are already empty
 
-    class Out:
-        def __init__(self, fd, mode, buffering):
-            self.fh = open(fd, mode, buffering=buffering)
+    def through(room: int):
+        decoded = kineto._decode_range(str(path), start, path.stat().st_size, True, False)
+        expected = [np.array(a) for a in decoded["sink"].arrays()]
+        region = mmap.mmap(-1, room)
+        read_end, write_end = os.pipe()
+        kineto._put(region, write_end, decoded)
+        os.close(write_end)
+        return expected, kineto._taken(read_end, region), region
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.fh.close()
-
-        def write(self, data):
-            freed_before.append(sum(len(f) == 0 for f in sink.fields))
-            return self.fh.write(data)
-
-    monkeypatch.setattr(kineto, "open", Out, raising=False)
-    kineto._send(os.open(spool, os.O_WRONLY | os.O_CREAT), decoded)
-    monkeypatch.undo()
-    assert freed_before[2:] == list(range(len(sink.fields)))  # each column written after the earlier were freed
-    assert all(len(f) == 0 for f in sink.fields)  # nothing of the stretch is kept after sending
+    expected, part, region = through(4 << 20)
+    assert sum(a.size for a in expected) > 1000
+    assert [a.dtype.itemsize for a in part["arrays"]] == [a.dtype.itemsize for a in expected]
+    for a, b in zip(expected, part["arrays"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert part["trailer"].rstrip().endswith(b"}") and part["count"] > 0  # what follows the events array
     received = kineto._ColumnSink(False)
-    with open(spool, "rb") as inp:
-        kineto._join(received, kineto._receive_header(inp), inp)  # read straight into the (empty) sink's columns
+    kineto._join(received, part)  # into an empty sink: the same columns, its codes its own
     for a, b in zip(expected, received.arrays(), strict=True):
         np.testing.assert_array_equal(a, b)
+    del part
+    region.close()  # no array over the region is left
+    needed = 8 + sum(a.nbytes for a in expected)
+    expected, part, region = through(needed)  # less room than the columns and the tables take
+    assert part is None
 
 
 def test_a_read_ahead_process_ends_with_its_parent_however_the_parent_ends(traces, tmp_path, run_python):
@@ -528,7 +539,7 @@ kineto.SPLIT_MIN_BYTES = 0
 real = kineto._decode_range
 kineto._decode_range = lambda *a: time.sleep(60) or real(*a)  # the stretch's process is still at work
 ahead = kineto.read_ahead({str(path)!r}, workers=3)
-print(" ".join(str(pid) for pid, _ in ahead.children), flush=True)
+print(" ".join(str(pid) for pid, *_ in ahead.children), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # no exit handler runs
 """
     done = run_python(["-c", script], timeout=60)
