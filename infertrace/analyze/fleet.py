@@ -42,7 +42,14 @@ from infertrace.analyze.capture import (
     read_trace_file,
     usable,
 )
-from infertrace.analyze.kineto import AHEAD_DECODE_BYTES_S, AHEAD_IMPORT_S, ReadAhead, TraceColumns, TraceError
+from infertrace.analyze.kineto import (
+    AHEAD_DECODE_BYTES_S,
+    AHEAD_IMPORT_S,
+    ReadAhead,
+    TraceColumns,
+    TraceError,
+    trim_heap,
+)
 from infertrace.analyze.kineto import read_ahead as read_file_ahead
 from infertrace.analyze.report_cache import code_hash, file_key
 
@@ -193,6 +200,7 @@ def analyze_unit(paths: list[str], config, trim: bool | None, cache_root: str | 
         del first
         part = rank_part(events, rank_row(first_path, events, claim, device, exact), trim, config)
         del events
+        trim_heap()  # the events' freed pages given back before the report is made from the part
     result = UnitResult([str(f) for f in files], light, part, claim, count,
                         part.step_names if part is not None else set())
     if cache is not None and part_key is not None:

@@ -374,7 +374,7 @@ def _start_stretches(path: Path, keep_python: bool, shares: list[float]) -> Read
     parent = os.getpid()
     # this process's freed heap pages given back first: a forked process allocating into them would copy each
     # (13 MB of them after the imports, 2-core host), where fresh pages cost only what it uses
-    _trim_heap()
+    trim_heap()
     for i, (lo, hi) in enumerate(ranges[1:], start=1):
         try:  # room for the columns of the densest events (44 bytes an event) and the tables
             region = mmap.mmap(-1, 2 * (hi - lo) + (1 << 20), flags=mmap.MAP_SHARED | _NORESERVE)
@@ -438,7 +438,8 @@ def _aligned(n: int) -> int:
 def _put(region: mmap.mmap, fd: int, result: dict | None) -> None:
     """A stretch's result into the region this process shares with its parent (`_taken` reads it): the pickled
     tables and counts, then each column's bytes, 8-byte aligned. Then one byte down the pipe: 1 once the region
-    holds the whole stretch, 0 when it does not (the stretch did not decode, or does not fit)."""
+    holds the whole stretch, 0 when it does not (the stretch did not decode, or does not fit). Each column is freed
+    once copied, so that the stretch is held here twice only a column at a time."""
     import pickle
 
     whole = False
@@ -452,10 +453,12 @@ def _put(region: mmap.mmap, fd: int, result: dict | None) -> None:
         if at + sum(_aligned(len(f) * f.itemsize) for f in sink.fields) <= len(region):
             region[:8] = len(header).to_bytes(8, "little")
             region[8: 8 + len(header)] = header
-            for f in sink.fields:
-                with memoryview(f) as values, values.cast("B") as view:
+            fields = sink.fields
+            for i in range(len(fields)):
+                with memoryview(fields[i]) as values, values.cast("B") as view:
                     region[at: at + view.nbytes] = view
                     at += _aligned(view.nbytes)
+                fields[i] = array(fields[i].typecode)  # its memory returned before the next column is copied
             whole = True
     os.write(fd, b"\x01" if whole else b"\x00")
 
@@ -481,7 +484,7 @@ def _taken(fd: int, region: mmap.mmap) -> dict | None:
     return part
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """(glibc) Return the free pages of this process's heap to the system; nothing elsewhere."""
     global _MALLOC_TRIM
     if _MALLOC_TRIM is None:
@@ -553,7 +556,7 @@ def _take_ahead(path: Path, keep_python: bool, ahead: ReadAhead) -> TraceColumns
     first = _decode_range(str(path), *ahead.ranges[0], False, keep_python)
     if first is None:
         raise _StretchLost
-    _trim_heap()  # what decoding freed, given back before the other stretches' events arrive
+    trim_heap()  # what decoding freed, given back before the other stretches' events arrive
     return _joined(ahead.head, ahead.start, first, _later_stretches(path, keep_python, ahead))
 
 

@@ -100,20 +100,17 @@ def step_metrics(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
                       LAUNCH_COLUMNS)
     runtime = runtime.drop_duplicates("correlation", keep="first")
     launch_ts = pd.Series(runtime["ts_ns"].to_numpy(), index=runtime["correlation"].to_numpy())
-    cpu_threads = _cpu_threads(events)
-    step_of_corr = _launches_in_steps(runtime, out, cpu_threads)
-    g_ts, g_end = gpu["ts_ns"].to_numpy(), (gpu["ts_ns"] + gpu["dur_ns"]).to_numpy()
-    g_step = step_of_corr.reindex(gpu["correlation"].to_numpy()).to_numpy()
-    own = ~np.isnan(g_step)
-    step_ids = g_step[own].astype(np.int64)
+    own, step_ids = _ops_in_steps(gpu, _launches_in_steps(runtime, out, _cpu_threads(events)))
+    del runtime  # what is left of it is in launch_ts: each temporary goes as soon as it is used (the peak)
+    g_end = (gpu["ts_ns"] + gpu["dur_ns"]).to_numpy()
     n = len(out)
     out["kernels"] = np.bincount(step_ids, weights=(gpu["kind"] == "kernel").to_numpy()[own],
                                  minlength=n).astype(np.int64)
     out["gpu_ops"] = np.bincount(step_ids, minlength=n).astype(np.int64)
     # launch calls that reached the GPU: one per correlation id (a graph launch starts many kernels)
-    corr_own = gpu["correlation"].to_numpy()[own]
-    _, first = np.unique(corr_own, return_index=True)
+    _, first = np.unique(gpu["correlation"].to_numpy()[own], return_index=True)
     out["launches"] = np.bincount(step_ids[first], minlength=n).astype(np.int64)
+    del first
     last_end = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
     np.maximum.at(last_end, step_ids, g_end[own])
     wall_end = np.maximum(out["end_ns"].to_numpy(), last_end)
@@ -129,14 +126,8 @@ def step_metrics(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     out["spacing_ms"] = spacing
     start = out["ts_ns"].to_numpy()
     out["step_ms"] = (wall_end - start) / 1e6
-    seg_s, seg_e = union(g_ts, g_end)
-    busy = covered_between(seg_s, seg_e, start, wall_end)
-    wait_s, wait_e = _host_wait_gaps(seg_s, seg_e, g_ts, gpu["correlation"].to_numpy(), launch_ts,
-                                     lo=int(min(start.min(initial=0), seg_s.min(initial=0))),
-                                     hi=int(max(wall_end.max(initial=0), seg_e.max(initial=0))))
-    host_wait = covered_between(wait_s, wait_e, start, wall_end)
-    out["busy_ms"] = busy / 1e6
-    out["host_wait_ms"] = host_wait / 1e6
+    out["busy_ms"], out["host_wait_ms"] = _busy_and_waiting(gpu, g_end, launch_ts, start, wall_end)
+    del g_end, launch_ts
     cats = per_event(gpu, category)[own]
     dur = exclusive_ns(gpu)[own]
     for cat in CATEGORIES:
@@ -144,6 +135,25 @@ def step_metrics(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
         out[f"{cat} (ms)"] = np.bincount(step_ids[pick], weights=dur[pick], minlength=n) / 1e6
         out[f"{cat} kernels"] = np.bincount(step_ids[pick], minlength=n).astype(np.int64)
     return out
+
+
+def _ops_in_steps(gpu: pd.DataFrame, step_of_corr: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """Which GPU ops a step launched (a mask over `gpu`), and the step of each of them."""
+    g_step = step_of_corr.reindex(gpu["correlation"].to_numpy()).to_numpy()
+    own = ~np.isnan(g_step)
+    return own, g_step[own].astype(np.int64)
+
+
+def _busy_and_waiting(gpu: pd.DataFrame, g_end: np.ndarray, launch_ts: pd.Series, start: np.ndarray,
+                      wall_end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per step, ms the GPU was busy and ms it sat idle waiting for the host (`_host_wait_gaps`)."""
+    g_ts = gpu["ts_ns"].to_numpy()
+    seg_s, seg_e = union(g_ts, g_end)
+    busy = covered_between(seg_s, seg_e, start, wall_end)
+    wait_s, wait_e = _host_wait_gaps(seg_s, seg_e, g_ts, gpu["correlation"].to_numpy(), launch_ts,
+                                     lo=int(min(start.min(initial=0), seg_s.min(initial=0))),
+                                     hi=int(max(wall_end.max(initial=0), seg_e.max(initial=0))))
+    return busy / 1e6, covered_between(wait_s, wait_e, start, wall_end) / 1e6
 
 
 def exclusive_ns(gpu: pd.DataFrame) -> np.ndarray:
