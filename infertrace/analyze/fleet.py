@@ -218,7 +218,7 @@ def _without_events(cols: TraceColumns) -> TraceColumns:
 
 def analyze_fleet(path: str | Path, config=None, capture: str | None = None, rank: int | None = None,
                   exclude: Iterable[Path] = (), jobs: int | None = None, ray_address: str | None = None,
-                  cache_dir: Path | None = None, ahead: ReadAhead | None = None):
+                  cache_dir: Path | None = None, ahead: FleetAhead | None = None):
     """The report of the capture at `path`, its ranks analysed apart (in `jobs` processes, or as Ray tasks on the
     cluster at `ray_address`), each file's events cached under `cache_dir` (None: no cache). `ahead` is what
     `read_ahead` started for the same arguments; the caller still owns it (and cancels it when done)."""
@@ -296,26 +296,41 @@ def _workers(jobs: int | None, units: int) -> int:
 
 
 def _run(unit_paths: list[list[str]], config, trim, cache_root, jobs, ray_address,
-         ahead: ReadAhead | None = None) -> list[UnitResult]:
+         ahead: FleetAhead | None = None) -> list[UnitResult]:
     if ray_address:
         return _run_ray(unit_paths, config, trim, cache_root, ray_address)
+    files = ahead.files if ahead is not None else {}
     workers = _workers(jobs, len(unit_paths))
     if workers > 1:
         import multiprocessing  # here: planning and one-process reads go without it
         from concurrent.futures import ProcessPoolExecutor
 
+        global _INHERITED
         try:
             split = _rank_split(jobs, len(unit_paths))
+            _INHERITED = files  # the workers are forked: each takes up its rank's read-ahead from its own copy
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-                futures = [pool.submit(analyze_unit, paths, config, trim, cache_root, split=split)
+                futures = [pool.submit(_inherited_unit, paths, config, trim, cache_root, split)
                            for paths in unit_paths]
                 return [f.result() for f in futures]
         except (OSError, RuntimeError):  # no processes allowed here: one rank after another
             pass
+        finally:
+            _INHERITED = {}
     # one rank at a time here: a large file is decoded in several processes instead
     split = _split_workers(jobs) if len(unit_paths) == 1 else 1
-    return [analyze_unit(paths, config, trim, cache_root, split=split, ahead=ahead if len(unit_paths) == 1 else None)
-            for paths in unit_paths]
+    return [analyze_unit(paths, config, trim, cache_root, split=split,
+                         ahead=files.get(paths[0]) if len(paths) == 1 else None) for paths in unit_paths]
+
+
+_INHERITED: dict[str, ReadAhead] = {}  # a forked rank worker's copy of the read-aheads (FleetAhead.files)
+
+
+def _inherited_unit(paths: list[str], config, trim, cache_root, split: int) -> UnitResult:
+    """analyze_unit in a forked rank worker, with its file's read-ahead where the parent started one: the stretch
+    processes are the parent's children, their pipes and regions this worker's too."""
+    ahead = _INHERITED.get(paths[0]) if len(paths) == 1 else None
+    return analyze_unit(paths, config, trim, cache_root, split=split, ahead=ahead)
 
 
 def _rank_split(jobs: int | None, units: int) -> int:
@@ -332,36 +347,63 @@ def _split_workers(jobs: int | None) -> int:
     return jobs or (cores if cores >= SPLIT_CORES else 1)
 
 
+@dataclass(slots=True)
+class FleetAhead:
+    """The read-aheads `read_ahead` started, by file path; `cancel()` ends every process not taken up."""
+
+    files: dict[str, ReadAhead]
+
+    def cancel(self) -> None:
+        for ahead in self.files.values():
+            ahead.cancel()
+
+
 def read_ahead(path: str | Path, capture: str | None = None, rank: int | None = None, exclude: Iterable[Path] = (),
                jobs: int | None = None, ray_address: str | None = None,
-               cache_dir: Path | None = None) -> ReadAhead | None:
-    """Where `analyze_fleet` will decode a one-rank capture's large JSON trace in several processes, start them
-    now (kineto.read_ahead), before the caller imports the analysis modules (pandas, about a quarter of a second),
-    so that the trace is decoded meanwhile; pass the result to `analyze_fleet` and `cancel()` it after. Nothing
-    starts (None) for several ranks (each is a worker's), under Ray, for one process, or where the cache holds the
-    file's events."""
-    if ray_address is not None or _split_workers(jobs) < 2:
+               cache_dir: Path | None = None) -> FleetAhead | None:
+    """Where `analyze_fleet` will decode large JSON traces in several processes each, start the processes for their
+    later stretches now (kineto.read_ahead), before the caller imports the analysis modules (pandas, a quarter of a
+    second to most of one), so that the traces are decoded meanwhile; pass the result to `analyze_fleet` and
+    `cancel()` it after. One rank: its file over `_split_workers`; several ranks of one JSON file each: each file
+    over the processes `_rank_split` gives a rank, its first stretch left to the rank's worker. Nothing starts
+    (None) under Ray, where each rank gets one process, or for files whose events are cached."""
+    if ray_address is not None:
         return None
     try:
         _, _, units = plan_capture(Path(path), capture, rank, exclude)
     except CaptureError:
         return None  # analyze_fleet says why
-    if len(units) != 1 or len(units[0]) != 1 or units[0][0].path.name.endswith((".sqlite", ".nsys-rep")):
+    if any(len(u) != 1 or u[0].path.name.endswith((".sqlite", ".nsys-rep")) for u in units):
         return None
-    file = units[0][0].path
-    try:
-        if cache_dir is not None and ColumnCache(Path(cache_dir)).has_columns(file_key(file)):
-            return None
-    except OSError:
+    total = sum(_size(str(u[0].path)) for u in units)
+    if len(units) == 1:
+        workers = _split_workers(jobs)
+    elif jobs is None and total < PARALLEL_MIN_BYTES or _workers(jobs, len(units)) < 2:
+        return None  # one process for every rank (analyze_fleet's rule)
+    else:
+        workers = _rank_split(jobs, len(units))
+    if workers < 2:
         return None
-    return read_file_ahead(file, False, _ahead_workers(jobs, _size(str(file))))
+    files = {}
+    cache = ColumnCache(Path(cache_dir)) if cache_dir is not None else None
+    for unit in units:
+        file = unit[0].path
+        try:
+            if cache is not None and cache.has_columns(file_key(file)):
+                continue
+        except OSError:
+            continue
+        started = read_file_ahead(file, False, _ahead_workers(workers, _size(str(file))))
+        if started is not None:
+            files[str(file)] = started
+    return FleetAhead(files) if files else None
 
 
-def _ahead_workers(jobs: int | None, size: int) -> int:
-    """The processes a read-ahead of a `size`-byte trace starts with: `_split_workers`, at most AHEAD_MARGIN's bound."""
+def _ahead_workers(workers: int, size: int) -> int:
+    """The processes a read-ahead of a `size`-byte trace starts with: `workers`, at most AHEAD_MARGIN's bound."""
     if AHEAD_IMPORT_S <= 0:
-        return _split_workers(jobs)
-    return min(_split_workers(jobs), 1 + math.ceil(AHEAD_MARGIN * size / AHEAD_DECODE_BYTES_S / AHEAD_IMPORT_S))
+        return workers
+    return min(workers, 1 + math.ceil(AHEAD_MARGIN * size / AHEAD_DECODE_BYTES_S / AHEAD_IMPORT_S))
 
 
 def _run_ray(unit_paths, config, trim, cache_root, address: str) -> list[UnitResult]:

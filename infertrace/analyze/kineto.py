@@ -514,11 +514,23 @@ def _map_large_blocks() -> None:
 
 
 def _exited_cleanly(pid: int) -> bool:
+    """Whether a stretch's process ended well; True for one that is not this process's child (a rank worker taking
+    up its parent's read-ahead), where the process's word that its region is whole is all there is to go on."""
     try:
         _, status = os.waitpid(pid, 0)
     except ChildProcessError:
-        return False
+        return True
     return status == 0
+
+
+def _release(region: mmap.mmap) -> None:
+    """Free a region's pages for every process that maps it (a rank worker's parent maps its read-ahead's regions
+    until the end), then unmap it here."""
+    try:
+        region.madvise(mmap.MADV_REMOVE)
+    except (AttributeError, OSError, ValueError):
+        pass  # elsewhere the pages go when the last process unmaps them
+    region.close()
 
 
 def _cancel(children: list[tuple[int, int, mmap.mmap]]) -> None:
@@ -570,13 +582,13 @@ def _later_stretches(path: Path, keep_python: bool, ahead: ReadAhead):
         if not _exited_cleanly(pid) and part is not None:  # all of it left, yet the process did not end well
             part = None
         if part is None:
-            region.close()
+            _release(region)
             decoded = _decode_range(str(path), lo, hi, k == last, keep_python)  # the stretch decoded here
             if decoded is None:
                 raise _StretchLost
             part = {**_shipped(decoded.pop("sink")), **decoded}
         else:
-            part["release"] = region.close
+            part["release"] = lambda region=region: _release(region)
         yield part
 
 

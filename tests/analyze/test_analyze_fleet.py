@@ -138,7 +138,7 @@ def test_ranks_as_ray_tasks_on_a_local_cluster(cluster, two_rank, tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["ranks"][1]["rank"] == 1
 
 
-def test_read_ahead_starts_only_for_one_large_uncached_json_rank(traces, two_rank, tmp_path_factory, monkeypatch):
+def test_read_ahead_starts_only_for_large_uncached_json_ranks(traces, two_rank, tmp_path_factory, monkeypatch):
     import gzip
 
     from infertrace.analyze import fleet, kineto
@@ -148,16 +148,17 @@ def test_read_ahead_starts_only_for_one_large_uncached_json_rank(traces, two_ran
     (one / "rank0.json").write_bytes(
         gzip.decompress((traces / "tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz").read_bytes()))
     expected = build_report(load_capture(one))
-    assert fleet.read_ahead(two_rank, jobs=2) is None  # two ranks: each is a worker's
+    assert fleet.read_ahead(two_rank, jobs=2) is None  # two ranks on two processes: one process a rank
     assert fleet.read_ahead(one, jobs=1) is None  # one process asked for
     assert fleet.read_ahead(one, jobs=2, ray_address="auto") is None
     ahead = fleet.read_ahead(one, jobs=2)
-    assert len(ahead.children) == 1
+    (started,) = ahead.files.values()
+    assert len(started.children) == 1
     joined = []
     real = kineto._take_ahead
     monkeypatch.setattr(kineto, "_take_ahead", lambda *a: joined.append(1) or real(*a))
     assert_same_report(analyze_fleet(one, jobs=2, ahead=ahead), expected)
-    assert joined == [1] and not ahead.children  # the read-ahead was taken up by the analysis
+    assert joined == [1] and not started.children  # the read-ahead was taken up by the analysis
     cache = tmp_path_factory.mktemp("cache")
     analyze_fleet(one, jobs=1, cache_dir=cache)
     assert fleet.read_ahead(one, jobs=2, cache_dir=cache) is None  # its events are cached: nothing to decode
@@ -186,6 +187,45 @@ def test_a_read_ahead_starts_no_more_processes_than_can_decode_while_this_one_im
     monkeypatch.setattr(fleet, "AHEAD_DECODE_BYTES_S", trace.stat().st_size * 4)  # 0.25 s to decode: 2 stretches
     fleet.read_ahead(one, cache_dir=None)
     assert asked[-1] == 3
+
+
+def test_ranks_take_up_the_read_aheads_started_before_their_workers(traces, tmp_path, monkeypatch):
+    """Several ranks: each file's later stretches start decoding before the analysis modules are imported, forked
+    from this process; each rank's worker (forked later) joins its own file's, and the report is the one-process
+    report. The stretch processes end by themselves, having left their stretches."""
+    import gzip
+
+    from infertrace.analyze import fleet, kineto
+
+    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(fleet, "PARALLEL_MIN_BYTES", 0)
+    doc = json.loads(gzip.decompress((traces / "tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz").read_bytes()))
+    capture = tmp_path / "capture"
+    capture.mkdir()
+    for rank in (0, 1):
+        doc["distributedInfo"]["rank"] = rank
+        (capture / f"rank{rank}.json").write_text(json.dumps(doc))
+    expected = build_report(load_capture(capture))
+    monkeypatch.setattr(fleet, "AHEAD_IMPORT_S", 0.0)  # as many processes as the split gives, whatever the size
+    ahead = fleet.read_ahead(capture, jobs=8)  # 2 ranks on 8 cores: 4 processes a file, 3 of them started here
+    assert sorted(ahead.files) == [str(capture / "rank0.json"), str(capture / "rank1.json")]
+    pids = [pid for started in ahead.files.values() for pid, *_ in started.children]
+    assert len(pids) == 6
+    marks = tmp_path / "taken"
+    real = kineto._take_ahead
+
+    def counted(path, keep_python, started):  # runs in the forked rank workers
+        with open(marks, "a") as fh:
+            fh.write(f"{path.name} {len(started.children)}\n")
+        return real(path, keep_python, started)
+
+    monkeypatch.setattr(kineto, "_take_ahead", counted)
+    try:
+        assert_same_report(analyze_fleet(capture, jobs=8, ahead=ahead), expected)
+        assert sorted(marks.read_text().split("\n")[:-1]) == ["rank0.json 3", "rank1.json 3"]
+        assert all(os.waitpid(pid, 0) == (pid, 0) for pid in pids)  # each had ended well, by itself
+    finally:
+        ahead.cancel()
 
 
 def test_ranks_fewer_than_the_cores_each_decode_their_file_in_several_processes(traces, tmp_path, monkeypatch):
