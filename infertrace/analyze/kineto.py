@@ -282,8 +282,12 @@ def _next_brace(path: Path, at: int) -> int:
     return at + window.index(b"{")
 
 
-def _decode_range(path: str, lo: int, hi: int, last: bool, keep_python: bool) -> dict | None:
-    sink = _ColumnSink(keep_python)
+def _decode_range(path: str, lo: int, hi: int, last: bool, keep_python: bool,
+                  region: tuple[mmap.mmap, _RegionLayout] | None = None) -> dict | None:
+    """The events of bytes [lo, hi) of the file, a stretch of its events array (`last`: the array's end is in it),
+    into a sink of columns: this process's own, or, with `region`, the slots of a region shared with the parent.
+    None when the stretch is not whole events ending at its cut."""
+    sink = _ColumnSink(keep_python, *region) if region is not None else _ColumnSink(keep_python)
     block = min(STRETCH_BLOCK, BLOCK)
     decoder = _StreamDecoder(sink, _typed_decoder(), block)
     decoder._start_events(b"")
@@ -376,8 +380,9 @@ def _start_stretches(path: Path, keep_python: bool, shares: list[float]) -> Read
     # (13 MB of them after the imports, 2-core host), where fresh pages cost only what it uses
     trim_heap()
     for i, (lo, hi) in enumerate(ranges[1:], start=1):
-        try:  # room for the columns of the densest events (44 bytes an event) and the tables
-            region = mmap.mmap(-1, 2 * (hi - lo) + (1 << 20), flags=mmap.MAP_SHARED | _NORESERVE)
+        layout = _RegionLayout.for_stretch(hi - lo)
+        try:
+            region = mmap.mmap(-1, layout.size, flags=mmap.MAP_SHARED | _NORESERVE)
         except (OSError, ValueError):
             _cancel(children)
             return None
@@ -403,8 +408,8 @@ def _start_stretches(path: Path, keep_python: bool, shares: list[float]) -> Read
                 for _, earlier, earlier_region in children:  # the earlier stretches' are the parent's alone
                     os.close(earlier)
                     earlier_region.close()
-                _map_large_blocks()
-                _put(region, write_end, _decode_range(str(path), lo, hi, i == len(ranges) - 1, keep_python))
+                _put(region, layout, write_end,
+                     _decode_range(str(path), lo, hi, i == len(ranges) - 1, keep_python, (region, layout)))
                 code = 0
             finally:
                 os._exit(code)
@@ -435,30 +440,23 @@ def _aligned(n: int) -> int:
     return -(-n // 8) * 8
 
 
-def _put(region: mmap.mmap, fd: int, result: dict | None) -> None:
-    """A stretch's result into the region this process shares with its parent (`_taken` reads it): the pickled
-    tables and counts, then each column's bytes, 8-byte aligned. Then one byte down the pipe: 1 once the region
-    holds the whole stretch, 0 when it does not (the stretch did not decode, or does not fit). Each column is freed
-    once copied, so that the stretch is held here twice only a column at a time."""
+def _put(region: mmap.mmap, layout: _RegionLayout, fd: int, result: dict | None) -> None:
+    """Finish a stretch decoded into its region's slots (`_taken` reads it): the pickled tables and counts, with
+    each column's type, length and place, after the slots. Then one byte down the pipe: 1 once the region holds
+    the whole stretch, 0 when it does not (the stretch did not decode, or its tables do not fit)."""
     import pickle
 
     whole = False
     if result is not None:
         sink = result.pop("sink")
-        columns = [("<i4" if f.typecode == "i" else "<i8", len(f)) for f in sink.fields]
+        columns = [("<i4" if f.typecode == "i" else "<i8", len(f), f.offset) for f in sink.fields]
         header = pickle.dumps({"names": sink.names, "cats": sink.cats, "text_ids": sink.text_ids, "count": sink.count,
                                "exact": sink.exact, "invalid": sink.invalid, "cut_names": sink.cut_names, **result,
                                "columns": columns}, protocol=pickle.HIGHEST_PROTOCOL)
-        at = _aligned(8 + len(header))
-        if at + sum(_aligned(len(f) * f.itemsize) for f in sink.fields) <= len(region):
-            region[:8] = len(header).to_bytes(8, "little")
-            region[8: 8 + len(header)] = header
-            fields = sink.fields
-            for i in range(len(fields)):
-                with memoryview(fields[i]) as values, values.cast("B") as view:
-                    region[at: at + view.nbytes] = view
-                    at += _aligned(view.nbytes)
-                fields[i] = array(fields[i].typecode)  # its memory returned before the next column is copied
+        at = layout.tables_at
+        if len(header) <= layout.tables_room:
+            region[at: at + len(header)] = header
+            region[:16] = at.to_bytes(8, "little") + len(header).to_bytes(8, "little")
             whole = True
     os.write(fd, b"\x01" if whole else b"\x00")
 
@@ -472,15 +470,12 @@ def _taken(fd: int, region: mmap.mmap) -> dict | None:
         if inp.read(1) != b"\x01":
             return None
     try:
-        size = int.from_bytes(region[:8], "little")
-        part = pickle.loads(region[8: 8 + size])
+        at, size = int.from_bytes(region[:8], "little"), int.from_bytes(region[8:16], "little")
+        part = pickle.loads(region[at: at + size])
+        part["arrays"] = [np.frombuffer(region, dtype=dtype, count=count, offset=offset)
+                          for dtype, count, offset in part.pop("columns")]
     except (ValueError, EOFError, pickle.UnpicklingError):
         return None
-    at, arrays = _aligned(8 + size), []
-    for dtype, count in part.pop("columns"):
-        arrays.append(np.frombuffer(region, dtype=dtype, count=count, offset=at))
-        at += _aligned(count * arrays[-1].itemsize)
-    part["arrays"] = arrays
     return part
 
 
@@ -499,20 +494,6 @@ def trim_heap() -> None:
 
 
 _MALLOC_TRIM = None
-_M_MMAP_THRESHOLD = -3
-
-
-def _map_large_blocks() -> None:
-    """(glibc) Have this process's allocations from a megabyte up mapped apart, never taken from the heap: a growing
-    column is then moved by remapping its pages rather than copied, leaving no freed copy behind in the heap."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 1 << 20)
-    except (OSError, AttributeError):
-        pass
-
-
 def _exited_cleanly(pid: int) -> bool:
     """Whether a stretch's process ended well; True for one that is not this process's child (a rank worker taking
     up its parent's read-ahead), where the process's word that its region is whole is all there is to go on."""
@@ -975,18 +956,81 @@ def _mb(limit: int) -> str:
     return f"{limit / (1 << 20):g} MB"
 
 
+MIN_EVENT_BYTES = 9  # the shortest JSON an event kept here takes, with its comma: {"ts":0},
+
+
+@dataclass(frozen=True, slots=True)
+class _RegionLayout:
+    """Where things lie in the region a stretch's process shares with its parent: 16 bytes saying where the pickled
+    tables are (offset, length), a slot per column with room for as many int64 values as the stretch can hold
+    events, then the tables (_put)."""
+
+    room: int  # bytes a column's slot holds
+    tables_room: int
+
+    @staticmethod
+    def for_stretch(nbytes: int) -> _RegionLayout:
+        """The layout for a stretch of `nbytes` of JSON (the region is virtual: only what is written takes memory)."""
+        return _RegionLayout(_aligned((nbytes // MIN_EVENT_BYTES + 1) * 8), nbytes + (1 << 20))
+
+    def slot(self, i: int) -> int:
+        return 16 + i * self.room
+
+    @property
+    def tables_at(self) -> int:
+        return self.slot(len(_FIELD_CODES))
+
+    @property
+    def size(self) -> int:
+        return self.tables_at + self.tables_room
+
+
+class _Slot:
+    """A column growing in its slot of a shared region, its values written where the parent will read them: no
+    copy in this process's heap, nothing reallocated as it grows."""
+
+    __slots__ = ("region", "offset", "room", "typecode", "itemsize", "count")
+
+    def __init__(self, region: mmap.mmap, offset: int, room: int, typecode: str):
+        self.region, self.offset, self.room, self.typecode = region, offset, room, typecode
+        self.itemsize = 4 if typecode == "i" else 8
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def frombytes(self, data: np.ndarray) -> None:
+        at = self.offset + self.count * self.itemsize
+        if at + data.nbytes > self.offset + self.room:
+            raise TraceError("more events than the stretch's region has room for")
+        self.region[at: at + data.nbytes] = data
+        self.count += data.nbytes // self.itemsize
+
+    def values(self) -> np.ndarray:
+        return np.frombuffer(self.region, dtype=_dtype(self), count=self.count, offset=self.offset)
+
+    def widen(self) -> None:
+        """From int32 to int64 in place (the slot has room for int64 values)."""
+        narrow = self.values().copy()
+        self.typecode, self.itemsize = "q", 8
+        self.count = 0
+        self.frombytes(narrow.astype(np.int64).view(np.uint8))
+
+
 class _ColumnSink:
     """Turns decoded events (msgspec structs or dicts) into numpy columns, a piece at a time."""
 
-    def __init__(self, keep_python: bool):
+    def __init__(self, keep_python: bool, region: mmap.mmap | None = None, layout: _RegionLayout | None = None):
         self.skipped = frozenset() if keep_python else SKIPPED_CATS
         self.names: dict[str, int] = {}
         self.cats: dict[str, int] = {}
         self.class_codes: dict[type, int] = {}  # a tagged struct class -> its category's code
         self.text_ids: dict[str, int] = {}  # non-integer pid/tid values
         # each field's values so far, in an array.array: it grows in place (a large one by remapping its pages),
-        # so the events are never held twice, as joining per-piece arrays at the end would
-        self.fields = [array(code) for code in _FIELD_CODES]
+        # so the events are never held twice, as joining per-piece arrays at the end would; or, in a stretch's
+        # process, in its slot of the region it shares with its parent (_RegionLayout)
+        self.fields = [array(code) for code in _FIELD_CODES] if region is None else \
+            [_Slot(region, layout.slot(i), layout.room, code) for i, code in enumerate(_FIELD_CODES)]
         self.count = 0
         self.exact = True
         self.invalid = 0  # events dropped for their ts or dur
@@ -1048,13 +1092,17 @@ class _ColumnSink:
 
     def widen(self, i: int) -> None:
         """Field `i` (an id held as int32 while every value fits) as int64 from now on, its values kept."""
+        field = self.fields[i]
+        if isinstance(field, _Slot):
+            field.widen()
+            return
         wide = array("q")
-        wide.frombytes(np.frombuffer(self.fields[i], dtype=np.int32).astype(np.int64).view(np.uint8))
+        wide.frombytes(np.frombuffer(field, dtype=np.int32).astype(np.int64).view(np.uint8))
         self.fields[i] = wide
 
     def arrays(self) -> list[np.ndarray]:
         """The fields as numpy arrays over the sink's own memory (no copy)."""
-        return [np.frombuffer(f, dtype=_dtype(f)) for f in self.fields]
+        return [f.values() if isinstance(f, _Slot) else np.frombuffer(f, dtype=_dtype(f)) for f in self.fields]
 
     def _names(self, values: list, text: bool) -> np.ndarray:
         """Codes of the names (`text`: all of them strings), each name longer than NAME_LIMIT cut first

@@ -407,7 +407,7 @@ def test_a_read_ahead_child_that_dies_is_decoded_here(traces, tmp_path, monkeypa
     path = _plain_trace(traces, tmp_path / "t.json")
     whole = read_kineto(path)
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
-    monkeypatch.setattr(kineto, "_put", lambda region, fd, result: os._exit(3))  # the child dies before leaving it
+    monkeypatch.setattr(kineto, "_put", lambda region, layout, fd, result: os._exit(3))  # dies before its word
     ahead = kineto.read_ahead(path, workers=2)
     decoded = []
     real_decode = kineto._decode_range
@@ -456,11 +456,11 @@ def test_a_read_ahead_child_that_does_not_end_well_is_decoded_here(traces, tmp_p
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
     real_put = kineto._put
 
-    def put(region, fd, result):
+    def put(region, layout, fd, result):
         if how == "no word":
-            real_put(region, os.open(os.devnull, os.O_WRONLY), result)  # the region whole, the word lost
+            real_put(region, layout, os.open(os.devnull, os.O_WRONLY), result)  # the region whole, the word lost
             os._exit(0)
-        real_put(region, fd, result)
+        real_put(region, layout, fd, result)
         os._exit(5)
 
     monkeypatch.setattr(kineto, "_put", put)
@@ -500,20 +500,24 @@ def test_a_stretch_goes_through_its_region_whole_and_one_too_small_is_refused(tr
 
     path = _plain_trace(traces, tmp_path / "t.json")
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
-    start = kineto._plan_split(path, [1.0])[2][0][0]
+    start, end = kineto._plan_split(path, [1.0])[2][0][0], path.stat().st_size
+    expected = [np.array(a) for a in kineto._decode_range(str(path), start, end, True, False)["sink"].arrays()]
 
-    def through(room: int):
-        decoded = kineto._decode_range(str(path), start, path.stat().st_size, True, False)
-        expected = [np.array(a) for a in decoded["sink"].arrays()]
-        region = mmap.mmap(-1, room)
+    def through(layout):
+        region = mmap.mmap(-1, layout.size)
+        decoded = kineto._decode_range(str(path), start, end, True, False, (region, layout))
+        if decoded is None:
+            return None, region
+        assert all(isinstance(f, kineto._Slot) for f in decoded["sink"].fields)  # decoded into the region
         read_end, write_end = os.pipe()
-        kineto._put(region, write_end, decoded)
+        kineto._put(region, layout, write_end, decoded)
         os.close(write_end)
-        return expected, kineto._taken(read_end, region), region
+        return kineto._taken(read_end, region), region
 
-    expected, part, region = through(4 << 20)
+    layout = kineto._RegionLayout.for_stretch(end - start)
+    part, region = through(layout)
     assert sum(a.size for a in expected) > 1000
-    assert [a.dtype.itemsize for a in part["arrays"]] == [a.dtype.itemsize for a in expected]
+    assert [a.dtype for a in part["arrays"]] == [a.dtype for a in expected]
     for a, b in zip(expected, part["arrays"], strict=True):
         np.testing.assert_array_equal(a, b)
     assert part["trailer"].rstrip().endswith(b"}") and part["count"] > 0  # what follows the events array
@@ -523,8 +527,9 @@ def test_a_stretch_goes_through_its_region_whole_and_one_too_small_is_refused(tr
         np.testing.assert_array_equal(a, b)
     del part
     region.close()  # no array over the region is left
-    needed = 8 + sum(a.nbytes for a in expected)
-    expected, part, region = through(needed)  # less room than the columns and the tables take
+    part, region = through(kineto._RegionLayout(layout.room, 64))  # no room for the tables: refused
+    assert part is None
+    part, region = through(kineto._RegionLayout(len(expected[0]) * 2, layout.tables_room))  # nor for the columns
     assert part is None
 
 
