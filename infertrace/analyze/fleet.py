@@ -365,7 +365,8 @@ def read_ahead(path: str | Path, capture: str | None = None, rank: int | None = 
     later stretches now (kineto.read_ahead), before the caller imports the analysis modules (pandas, a quarter of a
     second to most of one), so that the traces are decoded meanwhile; pass the result to `analyze_fleet` and
     `cancel()` it after. One rank: its file over `_split_workers`; several ranks of one JSON file each: each file
-    over the processes `_rank_split` gives a rank, its first stretch left to the rank's worker. Nothing starts
+    over the processes `_rank_split` gives a rank and one more, its first stretch left to the rank's worker
+    (started once this process has imported). Nothing starts
     (None) under Ray, where each rank gets one process, or for files whose events are cached."""
     if ray_address is not None:
         return None
@@ -378,10 +379,11 @@ def read_ahead(path: str | Path, capture: str | None = None, rank: int | None = 
     total = sum(_size(str(u[0].path)) for u in units)
     if len(units) == 1:
         workers = _split_workers(jobs)
-    elif jobs is None and total < PARALLEL_MIN_BYTES or _workers(jobs, len(units)) < 2:
-        return None  # one process for every rank (analyze_fleet's rule)
-    else:
-        workers = _rank_split(jobs, len(units))
+    elif jobs is None and total < PARALLEL_MIN_BYTES or _workers(jobs, len(units)) < 2 \
+            or _rank_split(jobs, len(units)) < 2:
+        return None  # one process for every rank (analyze_fleet's rule), or one for each rank's file
+    else:  # a rank's cores, and one more: while this process imports, no rank's worker has started its own stretch
+        workers = _rank_split(jobs, len(units)) + 1
     if workers < 2:
         return None
     files = {}
