@@ -4,7 +4,8 @@ another's work: what is left is each kernel's own cost and the cross-GPU latency
 
 - off: the planes added and rounded by two torch kernels, PyTorch's one-shot all-reduce in bf16, then add_rmsnorm;
 - planes: PyTorch's one-shot all-reduce of the float32 planes in place, then add_rmsnorm adding them;
-- norm: kernels/allreduce_norm.py, all-reduce + residual add + RMSNorm in one kernel;
+- norm: kernels/allreduce_norm.py, all-reduce + residual add + RMSNorm in one kernel (norm/N: each row's push
+  spread over N programs, `--spread 1,2,4`);
 - nccl: the planes added and rounded, NCCL's all-reduce, then add_rmsnorm.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 benchmarks/allreduce_bench.py --ranks 2,4
@@ -24,7 +25,8 @@ if str(REPO) not in sys.path:  # this checkout's package, installed or not
 CALLS = 72  # a qwen3-4b decode step's row-parallel projections
 
 
-def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: int, replays: int, queue) -> None:
+def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: int, replays: int, queue,
+              spreads: tuple[int, ...] = (1,)) -> None:
     import torch
     import torch.distributed as dist
 
@@ -51,8 +53,8 @@ def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: i
     def planes():
         return add_rmsnorm(planes_ar.reduce_planes(shared), residual, weight, 1e-6)
 
-    def norm():
-        return norm_ar.add_rmsnorm(local, residual, weight, 1e-6, norm_call[0], CALLS)
+    def norm(spread: int = 1):  # spread: the programs a row's push is spread over (PushBuffers.add_rmsnorm)
+        return norm_ar.norm.add_rmsnorm(local, residual, weight, 1e-6, norm_call[0], CALLS, spread)
 
     def nccl():
         summed = local.sum(0, dtype=torch.float32).to(torch.bfloat16)
@@ -61,9 +63,11 @@ def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: i
 
     norm_call = [0]
     results = {}
-    for name, one in (("off", off), ("planes", planes), ("norm", norm), ("nccl", nccl)):
+    ways = [("off", off), ("planes", planes)]
+    ways += [("norm" if s == 1 else f"norm/{s}", lambda s=s: norm(s)) for s in spreads]
+    for name, one in ways + [("nccl", nccl)]:
         def step():
-            if name == "norm":
+            if name.startswith("norm"):
                 norm_ar.begin_forward()
             for c in range(CALLS):
                 norm_call[0] = c
@@ -87,7 +91,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2560)
     ap.add_argument("--split", type=int, default=2, help="planes a projection leaves (its split-K)")
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--spread", default="1", help="programs a row's push is spread over in the norm kernel, listed")
     args = ap.parse_args()
+    spreads = tuple(int(s) for s in args.spread.split(","))
     import torch
 
     from infertrace.engine.worker import free_port
@@ -101,7 +107,7 @@ def main() -> None:
         queue = ctx.Queue()
         port = free_port()
         procs = [ctx.Process(target=rank_main, args=(r, world, port, args.rows, args.hidden, args.split, args.replays,
-                                                      queue)) for r in range(world)]
+                                                      queue, spreads)) for r in range(world)]
         for p in procs:
             p.start()
         results = dict(queue.get(timeout=300) for _ in range(world))

@@ -128,6 +128,10 @@ class EngineConfig:
         "auto", "With the custom all-reduce and skinny GEMMs: planes (partial sums all-reduced in float32 in the "
                 "peer-memory buffer), norm (all-reduce, residual add and RMSNorm as one kernel), off, or auto (norm "
                 "on two and four ranks, planes on other counts).")
+    # with all_reduce_fusion=norm: the programs each row of the kernel is spread over (each pushes a slice of the row
+    # to every rank; the last pulls the row and runs the norm); 1 runs one program a row, as measured by default
+    all_reduce_spread: int = setting(
+        1, "With the norm fusion: programs a row's push is spread over (1, 2, 4 or 8).")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")
@@ -173,6 +177,8 @@ class EngineConfig:
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("all_reduce", self.all_reduce, ALL_REDUCE_MODES)
         _check_choice("all_reduce_fusion", self.all_reduce_fusion, ALL_REDUCE_FUSIONS)
+        if self.all_reduce_spread not in (1, 2, 4, 8):
+            raise ValueError(f"all_reduce_spread must be 1, 2, 4 or 8, got {self.all_reduce_spread}")
         if self.kv_cache_dtype != "auto" and self.offload != "off":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with offload={self.offload!r}")
         for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):

@@ -163,7 +163,8 @@ class ModelRunner:
             reduce, self.all_reduce_note = make_all_reduce(config.all_reduce, self.device, self.dtype, tp.size,
                                                            fusion=resolve_fusion(config.all_reduce_fusion, tp.size)
                                                            if skinny else "off",
-                                                           hidden_size=hf_config["hidden_size"])
+                                                           hidden_size=hf_config["hidden_size"],
+                                                           spread=config.all_reduce_spread)
             tp = dataclasses.replace(tp, reduce=reduce)
             self.all_reduce_name = reduce.name
         self.tp = tp

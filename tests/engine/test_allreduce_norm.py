@@ -1,9 +1,9 @@
 """The all-reduce + residual add + RMSNorm kernel's protocol on the CPU, under Triton's interpreter
 (TRITON_INTERPRET=1, in a process of its own): two or four ranks simulated one after the other over host buffers,
 the later ranks' parts landing in a rank's buffer before its kernel runs, as they would arrive over NVLink. Over
-forwards of 3, 16, 1 and 8 rows and 1, 2 or 4 planes: every rank gets the same values, the residual stream equals
-torch's sum in rank order, the norm torch's RMSNorm, and after each call the previous call's slot is empty again in
-every rank's buffer.
+forwards of 3, 16, 1 and 8 rows and 1, 2 or 4 planes, each row in one program or spread over three: every rank gets
+the same values, the residual stream equals torch's sum in rank order, the norm torch's RMSNorm, and after each call
+the previous call's slot is empty again in every rank's buffer.
 float32 activations: the interpreter rounds to bfloat16 by truncation, which would test the interpreter."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ SCRIPT = textwrap.dedent("""
     from infertrace.engine.kernels import allreduce_norm as an
 
     world, hidden, eps = int(sys.argv[1]), 96, 1e-6
+    chunk = {1: 128, 2: 64, 3: 32}[int(sys.argv[2])]  # a row's columns a program pushes: 1, 2 or 3 programs a row
     rows_cap, slots = an.MAX_ROWS, an.SLOTS
     buffers = [torch.empty(slots * world * rows_cap * hidden) for _ in range(world)]
     for b in buffers:
@@ -63,10 +64,11 @@ SCRIPT = textwrap.dedent("""
                     at = slot * slot_size + later * rows_cap * hidden
                     buffers[rank][at : at + rows * hidden] = part.flatten()
                 out = torch.empty(rows, hidden)
-                an._allreduce_add_rmsnorm_kernel[(rows,)](
+                # the interpreter runs the programs one after another, every row's earlier slices before the last
+                an._allreduce_add_rmsnorm_kernel[(-(-hidden // chunk), rows)](
                     parts[rank].contiguous(), rows * hidden, addresses, epoch, call, calls, residual[rank], weight,
                     out, rows, hidden, eps, PLANES=split, RANK=rank, WORLD=world, MAX_ROWS=rows_cap, BLOCK=128,
-                    PDL=False)
+                    CHUNK=chunk, PDL=False)
                 outs.append(out)
             total = planes_sum(parts[0])  # each rank's planes, then the ranks in order
             for rank in range(1, world):
@@ -85,10 +87,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ranks_one_after_the_other_under_the_interpreter(world):
+@pytest.mark.parametrize(("world", "parts"), [(2, 1), (4, 1), (2, 3)])
+def test_ranks_one_after_the_other_under_the_interpreter(world, parts):
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(world)], capture_output=True, text=True, timeout=600,
-                         env=env)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(world), str(parts)], capture_output=True, text=True,
+                         timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "CHECKED 12" in out.stdout

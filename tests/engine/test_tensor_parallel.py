@@ -377,6 +377,8 @@ def test_the_automatic_all_reduce_fusion_is_the_norm_kernel_on_two_and_four_rank
     assert [resolve_fusion(f, 2) for f in ("planes", "norm", "off")] == ["planes", "norm", "off"]
     with pytest.raises(ValueError, match="all_reduce_fusion"):
         EngineConfig(all_reduce_fusion="fast")
+    with pytest.raises(ValueError, match="all_reduce_spread"):
+        EngineConfig(all_reduce_spread=3)
 
 
 def test_tp_bench_counts_each_kernel_s_own_time_as_analyze_does():

@@ -1,9 +1,11 @@
 """All-reduce, residual add and RMSNorm of a decode step's row-parallel projection, one kernel on every rank.
 
-The projection before it (the skinny GEMM) leaves this rank's float32 split-K partial sums [split, T, N]. Program t
-takes row t: it adds its planes, then *pushes* the row into slot s of every rank's buffer (its own included), at
-its rank's place, with plain stores over NVLink peer memory. Then it *pulls*: it reads its own buffer's row of every
-rank, in rank order, and reads again until no entry is still empty. An empty entry holds -0.0 (the bits 0x80000000),
+The projection before it (the skinny GEMM) leaves this rank's float32 split-K partial sums [split, T, N]. The
+programs of row t (one, or `spread` of them each taking a slice of the row's columns) add their planes, then *push* the row
+into slot s of every rank's buffer (its own included), at its rank's place, with plain stores over NVLink peer
+memory. Then the row's last program *pulls*: it reads its own buffer's row of every rank, in rank order, and reads
+again until no entry is still empty (the other programs of the row run meanwhile: a program's dependents launch
+only once every program of it has started, so none waits on one that cannot start). An empty entry holds -0.0 (the bits 0x80000000),
 which no pushed value is (a -0.0 is pushed as +0.0). No barrier opens or closes the kernel: an entry is there when
 it is no longer empty. The sum, the same bits on every rank, then goes through the residual add and RMSNorm with the
 roundings of `kernels.norm.add_rmsnorm`.
@@ -39,10 +41,14 @@ EMPTY = tl.constexpr(EMPTY_BITS)  # the same, for the kernel
 def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_ptr, call, calls_per_forward,
                                   residual_ptr, weight_ptr, out_ptr, n_rows, n_cols, eps,
                                   PLANES: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
-                                  MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    row = tl.program_id(0)
+                                  MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                                  PDL: tl.constexpr):
+    part = tl.program_id(0)  # the row's CHUNK columns this program pushes
+    row = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    mine = part * CHUNK + tl.arange(0, CHUNK)
+    mine_mask = mine < n_cols
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # a constant: read while the kernel before drains
     if PDL:  # the planes come from the kernel before
         gdc_wait()
@@ -51,42 +57,43 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
     slot = k % 3
     previous = (k + 2) % 3
     slot_size = WORLD * MAX_ROWS * n_cols
-    x = tl.load(planes_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    x = tl.load(planes_ptr + row * n_cols + mine, mask=mine_mask, other=0.0)
     for p in tl.static_range(1, PLANES):
-        x += tl.load(planes_ptr + p * plane_stride + row * n_cols + cols, mask=mask, other=0.0)
+        x += tl.load(planes_ptr + p * plane_stride + row * n_cols + mine, mask=mine_mask, other=0.0)
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 marks an empty entry: push +0.0 instead
-    entry = (RANK * MAX_ROWS + row) * n_cols + cols
+    entry = (RANK * MAX_ROWS + row) * n_cols + mine
     for r in tl.static_range(WORLD):  # push this rank's part of the row into every rank's buffer
         peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(tl.float32)), 16)
-        tl.store(peer + slot * slot_size + entry, x, mask=mask)
+        tl.store(peer + slot * slot_size + entry, x, mask=mine_mask)
     own = tl.multiple_of(tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int32)), 16)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for r in tl.static_range(WORLD):  # pull every rank's part, in rank order, as it lands
-        ptrs = own + slot * slot_size + (r * MAX_ROWS + row) * n_cols + cols
-        # volatile: read again on every pass, from L2 (where the other ranks' stores land), never a stale line of
-        # this SM's L1; 16-byte loads, the buffers' addresses being 16-byte aligned
-        bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
-        while tl.max((bits == EMPTY).to(tl.int32), 0) > 0:
+    if part == tl.num_programs(0) - 1:  # the row's last program pulls the whole row and runs the norm
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for r in tl.static_range(WORLD):  # pull every rank's part, in rank order, as it lands
+            ptrs = own + slot * slot_size + (r * MAX_ROWS + row) * n_cols + cols
+            # volatile: read again on every pass, from L2 (where the other ranks' stores land), never a stale line
+            # of this SM's L1; 16-byte loads, the buffers' addresses being 16-byte aligned
             bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
-        acc += bits.to(tl.float32, bitcast=True)
-    # empty the previous call's slot, every row a decode step may have (the next call may have more rows than this):
-    # program p empties rows p, p + n_rows, ...
-    empty = tl.full((BLOCK,), EMPTY, dtype=tl.int32)
+            while tl.max((bits == EMPTY).to(tl.int32), 0) > 0:
+                bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
+            acc += bits.to(tl.float32, bitcast=True)
+        # residual add + RMSNorm, rounded as kernels.norm.add_rmsnorm rounds a projection's planes
+        dtype = out_ptr.dtype.element_ty
+        s = acc.to(dtype).to(tl.float32)
+        r_ = tl.load(residual_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        xs = (s + r_.to(tl.float32)).to(dtype)
+        tl.store(residual_ptr + row * n_cols + cols, xs, mask=mask)
+        xf = xs.to(tl.float32)
+        var = tl.sum(xf * xf, 0) / n_cols
+        normed = (xf * tl.math.rsqrt(var + eps)).to(dtype)
+        tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=mask)
+    # empty this program's columns of the previous call's slot, every row a decode step may have (the next call may
+    # have more rows than this): rows row, row + n_rows, ...
+    empty = tl.full((CHUNK,), EMPTY, dtype=tl.int32)
     rr = row
     while rr < MAX_ROWS:
         for r in tl.static_range(WORLD):
-            tl.store(own + previous * slot_size + (r * MAX_ROWS + rr) * n_cols + cols, empty, mask=mask)
+            tl.store(own + previous * slot_size + (r * MAX_ROWS + rr) * n_cols + mine, empty, mask=mine_mask)
         rr += n_rows
-    # residual add + RMSNorm, rounded as kernels.norm.add_rmsnorm rounds a projection's planes
-    dtype = out_ptr.dtype.element_ty
-    s = acc.to(dtype).to(tl.float32)
-    r_ = tl.load(residual_ptr + row * n_cols + cols, mask=mask, other=0.0)
-    xs = (s + r_.to(tl.float32)).to(dtype)
-    tl.store(residual_ptr + row * n_cols + cols, xs, mask=mask)
-    xf = xs.to(tl.float32)
-    var = tl.sum(xf * xf, 0) / n_cols
-    normed = (xf * tl.math.rsqrt(var + eps)).to(dtype)
-    tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=mask)
 
 
 class PushBuffers:
@@ -112,16 +119,19 @@ class PushBuffers:
         self.epoch.add_(1)
 
     def add_rmsnorm(self, planes: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, call: int,
-                    calls_per_forward: int) -> torch.Tensor:
+                    calls_per_forward: int, spread: int = 1) -> torch.Tensor:
+        """`spread`: the programs a row's push is spread over (each pushes a slice of the row to every rank; the
+        last pulls the whole row and runs the norm); EngineConfig.all_reduce_spread, 1 by default."""
         split, rows, cols = planes.shape
         assert planes.dtype == torch.float32 and planes.is_contiguous() and residual.is_contiguous()
         assert rows <= MAX_ROWS and cols == self.hidden_size and residual.shape == (rows, cols)
         out = torch.empty_like(residual)
         if rows:
-            _allreduce_add_rmsnorm_kernel[(rows,)](
+            chunk = triton.next_power_of_2(triton.cdiv(cols, spread))
+            _allreduce_add_rmsnorm_kernel[(triton.cdiv(cols, chunk), rows)](
                 planes, rows * cols, self.addresses, self.epoch, call, calls_per_forward, residual, weight, out, rows, cols,
                 eps, PLANES=split, RANK=self.rank, WORLD=self.world_size, MAX_ROWS=MAX_ROWS,
-                BLOCK=triton.next_power_of_2(cols), PDL=launch.enabled(), num_warps=8 if cols > 2048 else 4,
-                launch_pdl=launch.enabled(),
+                BLOCK=triton.next_power_of_2(cols), CHUNK=chunk, PDL=launch.enabled(),
+                num_warps=8 if cols > 2048 else 4, launch_pdl=launch.enabled(),
             )
         return out
