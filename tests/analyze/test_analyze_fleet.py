@@ -169,6 +169,10 @@ def test_a_read_ahead_starts_no_more_processes_than_can_decode_while_this_one_im
 
     from infertrace.analyze import fleet, kineto
 
+    # the rule as it stands: a 523 MB rank on 16 cores in six processes, the same as `--jobs 6` there
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert fleet._ahead_workers(fleet._split_workers(None), 523_000_000) == 6
+    assert fleet._ahead_workers(fleet._split_workers(6), 523_000_000) == 6
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
     one = tmp_path / "one"
     one.mkdir()
