@@ -193,22 +193,28 @@ def test_a_read_ahead_starts_no_more_processes_than_can_decode_while_this_one_im
     assert asked[-1] == 3
 
 
+def _two_plain_ranks(traces, capture):
+    """The TraceLens vLLM rank as two ranks' plain JSON files (large enough to split with SPLIT_MIN_BYTES at 0)."""
+    import gzip
+
+    doc = json.loads(gzip.decompress((traces / "tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz").read_bytes()))
+    capture.mkdir()
+    for rank in (0, 1):
+        doc["distributedInfo"]["rank"] = rank
+        (capture / f"rank{rank}.json").write_text(json.dumps(doc))
+    return capture
+
+
 def test_ranks_take_up_the_read_aheads_started_before_their_workers(traces, tmp_path, monkeypatch):
     """Several ranks: each file's later stretches start decoding before the analysis modules are imported, forked
     from this process; each rank's worker (forked later) joins its own file's, and the report is the one-process
     report. The stretch processes end by themselves, having left their stretches."""
-    import gzip
 
     from infertrace.analyze import fleet, kineto
 
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setattr(fleet, "PARALLEL_MIN_BYTES", 0)
-    doc = json.loads(gzip.decompress((traces / "tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz").read_bytes()))
-    capture = tmp_path / "capture"
-    capture.mkdir()
-    for rank in (0, 1):
-        doc["distributedInfo"]["rank"] = rank
-        (capture / f"rank{rank}.json").write_text(json.dumps(doc))
+    capture = _two_plain_ranks(traces, tmp_path / "capture")
     expected = build_report(load_capture(capture))
     monkeypatch.setattr(fleet, "AHEAD_IMPORT_S", 0.0)  # as many processes as the split gives, whatever the size
     ahead = fleet.read_ahead(capture, jobs=8)  # 2 ranks on 8 cores: 4 + 1 processes a file, 4 started here
@@ -235,7 +241,6 @@ def test_ranks_take_up_the_read_aheads_started_before_their_workers(traces, tmp_
 def test_ranks_fewer_than_the_cores_each_decode_their_file_in_several_processes(traces, tmp_path, monkeypatch):
     """8 ranks on 16 cores: each rank's large JSON file is decoded in 2 processes (the cores shared out), and the
     report is the one-process report."""
-    import gzip
 
     from infertrace.analyze import fleet, kineto
 
@@ -243,12 +248,7 @@ def test_ranks_fewer_than_the_cores_each_decode_their_file_in_several_processes(
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert fleet._rank_split(None, 8) == 2
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
-    doc = json.loads(gzip.decompress((traces / "tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz").read_bytes()))
-    capture = tmp_path / "capture"
-    capture.mkdir()
-    for rank in (0, 1):
-        doc["distributedInfo"]["rank"] = rank
-        (capture / f"rank{rank}.json").write_text(json.dumps(doc))
+    capture = _two_plain_ranks(traces, tmp_path / "capture")
     expected = build_report(load_capture(capture))
     marks = tmp_path / "splits"
     real = kineto._read_split
