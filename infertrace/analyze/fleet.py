@@ -53,8 +53,9 @@ from infertrace.analyze.kineto import (
 from infertrace.analyze.kineto import read_ahead as read_file_ahead
 from infertrace.analyze.report_cache import code_hash, file_key
 
-SPLIT_CORES = 4  # a one-rank capture's large file is split over the cores from this many on (on 2 busy cores the
-# split read measured slower than one process: 2.2 s against 1.8 s for 523 MB)
+SPLIT_CORES = 2  # a one-rank capture's large file is split over the cores from this many on (2-core machine, 523 MB
+# rank, 9839ad4: one process 1.28-1.41 s, two 0.88-0.92 s; with a third process busy on one core 1.35-1.39 against
+# 1.07-1.25 s)
 AHEAD_MARGIN = 1  # a read-ahead's processes: at most those that decode the later stretches each in this many times
 # what the first process spends importing; more only finish sooner, to wait for it, each holding memory while it
 # decodes. On the 16-core H100 host, 523 MB rank (7a3ba93): 10 processes (a margin of 2) 1.28 s and 134 MB of peak

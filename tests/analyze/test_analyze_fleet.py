@@ -244,7 +244,7 @@ def test_ranks_fewer_than_the_cores_each_decode_their_file_in_several_processes(
 
     from infertrace.analyze import fleet, kineto
 
-    assert [fleet._rank_split(j, units) for j, units in ((16, 8), (8, 2), (2, 8), (3, 1), (16, 32))] == [2, 4, 1, 1, 1]
+    assert [fleet._rank_split(j, units) for j, units in ((16, 8), (8, 2), (2, 8), (3, 1), (16, 32))] == [2, 4, 1, 3, 1]
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert fleet._rank_split(None, 8) == 2
     monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
