@@ -20,6 +20,12 @@ run() {  # run NAME GPUS pytest-args...: one pytest on those GPUs, its log kept,
     grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|TP=|ranks:|passed|failed" "$LOGS/$name.log" | tail -20
     [ $rc -eq 0 ] || { echo "-- end of $name's log"; tail -60 "$LOGS/$name.log"; }
 }
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the GPU machine lacks (msgspec: `serve` imports it), carried along
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
 GPUS=$(nvidia-smi -L | grep -c '^GPU')
 T=tests/engine
 date -u

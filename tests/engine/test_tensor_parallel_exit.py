@@ -211,7 +211,7 @@ def _serve(model_dir, tmp_path) -> tuple[subprocess.Popen, str]:
     while url is None and time.monotonic() < deadline:
         line = proc.stderr.readline()
         if not line and proc.poll() is not None:
-            raise AssertionError(f"serve exited with {proc.returncode}")
+            raise AssertionError(f"serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
         if "http://127.0.0.1:" in line:
             url = "http://127.0.0.1:" + line.split("http://127.0.0.1:")[1].split()[0].rstrip("/.,")
     assert url, "serve printed no URL"
