@@ -431,7 +431,7 @@ def _die_with_parent(parent: int) -> None:
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        return  # elsewhere the child ends when it finds the pipe closed
+        return  # elsewhere the child ends once its stretch is decoded, at the latest
     if os.getppid() != parent:  # the parent ended before the request took effect
         os._exit(1)
 
