@@ -137,14 +137,10 @@ def child_exact(trace_dir: str) -> dict:
     return {"kernels": len(kernels), "kernel_ns": int(kernels["dur_ns"].sum())}
 
 
-def _tree_pss_mb(root: int) -> float:
-    """Proportional set size of `root` and every process below it, in MB: a page shared by n of them counts 1/n to
-    each, so pages a forked worker shares with its parent are counted once (peak RSS summed counts them twice)."""
-    return _tree_pss(root)[0]
-
-
 def _tree_pss(root: int) -> tuple[float, float, int]:
-    """The tree's PSS (MB), `root`'s own share of it (MB), and the processes in the tree."""
+    """Proportional set size of `root` and every process below it, in MB: a page shared by n of them counts 1/n to
+    each, so pages a forked worker shares with its parent are counted once (peak RSS summed counts them twice).
+    Also `root`'s own share of it (MB) and the processes in the tree."""
     total, own, count, todo = 0, 0, 0, [root]
     while todo:
         pid = todo.pop()

@@ -223,9 +223,14 @@ def _joined(head: bytes, start: int, first: dict, rest) -> TraceColumns:
 
 
 def _shipped(sink: _ColumnSink) -> dict:
-    """What another process needs of a stretch's sink (`_join`): its tables, counts and columns."""
-    return {"names": sink.names, "cats": sink.cats, "text_ids": sink.text_ids, "arrays": sink.arrays(),
-            "count": sink.count, "exact": sink.exact, "invalid": sink.invalid, "cut_names": sink.cut_names}
+    """What `_join` needs of a stretch's sink: its tables, counts and columns."""
+    return {**_tables(sink), "arrays": sink.arrays()}
+
+
+def _tables(sink: _ColumnSink) -> dict:
+    """A stretch's tables and counts, without its columns."""
+    return {"names": sink.names, "cats": sink.cats, "text_ids": sink.text_ids, "count": sink.count,
+            "exact": sink.exact, "invalid": sink.invalid, "cut_names": sink.cut_names}
 
 
 def _join(whole: _ColumnSink, part: dict) -> None:
@@ -450,9 +455,7 @@ def _put(region: mmap.mmap, layout: _RegionLayout, fd: int, result: dict | None)
     if result is not None:
         sink = result.pop("sink")
         columns = [("<i4" if f.typecode == "i" else "<i8", len(f), f.offset) for f in sink.fields]
-        header = pickle.dumps({"names": sink.names, "cats": sink.cats, "text_ids": sink.text_ids, "count": sink.count,
-                               "exact": sink.exact, "invalid": sink.invalid, "cut_names": sink.cut_names, **result,
-                               "columns": columns}, protocol=pickle.HIGHEST_PROTOCOL)
+        header = pickle.dumps({**_tables(sink), **result, "columns": columns}, protocol=pickle.HIGHEST_PROTOCOL)
         at = layout.tables_at
         if len(header) <= layout.tables_room:
             region[at: at + len(header)] = header
@@ -519,7 +522,7 @@ def _cancel(children: list[tuple[int, int, mmap.mmap]]) -> None:
 
     for pid, fd, region in children:
         for step in (lambda: os.kill(pid, signal.SIGKILL), lambda: os.close(fd), lambda: os.waitpid(pid, 0),
-                     region.close):
+                     lambda: _release(region)):
             try:
                 step()
             except OSError:
@@ -956,7 +959,7 @@ def _mb(limit: int) -> str:
     return f"{limit / (1 << 20):g} MB"
 
 
-MIN_EVENT_BYTES = 9  # the shortest JSON an event kept here takes, with its comma: {"ts":0},
+MIN_EVENT_BYTES = 9  # no event kept here takes less JSON, with its comma: {"ts":0}, (a kept one has a dur too)
 
 
 @dataclass(frozen=True, slots=True)
