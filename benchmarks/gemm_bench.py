@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+from pathlib import Path
 
 import torch
 import triton
@@ -93,6 +95,9 @@ SPLIT_SHAPES = {  # projections whose split-K planes the kernel after them adds 
     "o_proj 14b tp4": (5120, 1280, "norm", 0),
     "down_proj 14b tp4": (5120, 4352, "norm", 0),
     "qkv_proj 14b tp4": (1792, 5120, "qknorm", 2),
+    # the gate/up projection before SiLU-and-multiply (no split: silu_mul reads the projection's own output)
+    "gate_up 14b tp2": (17408, 5120, "silu", 0),
+    "gate_up 14b tp4": (8704, 5120, "silu", 0),
 }
 
 
@@ -102,6 +107,10 @@ def _consumer(kind: str, m: int, n: int, kv_heads: int = 8):
     from infertrace.engine.kernels.norm import add_rmsnorm
 
     dev, dt = "cuda", torch.bfloat16
+    if kind == "silu":
+        from infertrace.engine.kernels.fused import silu_mul
+
+        return silu_mul
     if kind == "norm":
         residual = torch.zeros(m, n, device=dev, dtype=dt)
         norm_w = torch.ones(n, device=dev, dtype=dt)
@@ -116,10 +125,13 @@ def _consumer(kind: str, m: int, n: int, kv_heads: int = 8):
     return lambda out: qk_norm_rope(out, q_heads, kv_heads, d, qk_w, qk_w, 1e-6, cos, sin, positions, kv_cache=cache)
 
 
-def split_sweep(m: int, peak: float, names: list[str], top: int = 4) -> dict[str, tuple[int, int, int, int]]:
+def split_sweep(m: int, peak: float, names: list[str], top: int = 4,
+                tuning_out: str | None = None) -> dict[str, tuple[int, int, int, int]]:
     """Projections followed by the kernel that adds their split-K planes (SPLIT_SHAPES), 36 pairs (each its own
     weight copy) in one CUDA graph with programmatic dependent launch, as in a decode graph: time per pair for
-    tilings at 4 stages, then the best `top` at other stage counts. Returns the best tiling of each shape."""
+    tilings at 4 stages, then the best `top` at other stage counts. Returns the best tiling of each shape. With
+    `tuning_out`, each shape's best tiling that beats the engine's own is written there as it is found, in the form
+    INFERTRACE_KERNEL_TUNING reads (kernels/tuning.py), for a decode-graph run to try."""
     from infertrace.engine.kernels import launch
     from infertrace.engine.kernels.skinny_gemm import decode_config, skinny_gemm
 
@@ -142,9 +154,11 @@ def split_sweep(m: int, peak: float, names: list[str], top: int = 4) -> dict[str
 
         tried: dict[tuple, float] = {}
         # K divisible into whole tiles a slice: a slice ending in a partial tile loads without the pipeline
-        grid = [(bn, bk, sk, 4) for bn, bk, sk in itertools.product((32, 64), (64, 128, 256), (1, 2, 4, 8))
+        splits, widths = ((1,), (16, 32, 64)) if kind == "silu" else ((1, 2, 4, 8), (32, 64))
+        grid = [(bn, bk, sk, 4) for bn, bk, sk in itertools.product(widths, (64, 128, 256), splits)
                 if k % (bk * sk) == 0 and (bk > 64 or k % (128 * sk))]
-        engine = decode_config(n, k, planes=True)
+        engine = decode_config(n, k, planes=kind != "silu")
+        engine = engine[:2] + (1,) + engine[3:] if kind == "silu" else engine
         for cfg in grid + [engine]:
             if cfg in tried:
                 continue
@@ -167,6 +181,11 @@ def split_sweep(m: int, peak: float, names: list[str], top: int = 4) -> dict[str
         for cfg in sorted(tried, key=tried.get)[:8]:
             print(f"| {cfg} | {tried[cfg] * 1e6:.2f} | {100 * nbytes / tried[cfg] / peak:.1f}% |", flush=True)
         best[name] = min(tried, key=tried.get)
+        if tuning_out and tried[best[name]] < tried[engine]:
+            path = Path(tuning_out)
+            table = json.loads(path.read_text()) if path.exists() else {}
+            table.setdefault("skinny_gemm", {})[f"{n},{k}"] = list(best[name])
+            path.write_text(json.dumps(table, indent=2))
         del weights
         torch.cuda.empty_cache()
     launch.set_enabled(False)
@@ -239,6 +258,8 @@ def main() -> None:
     ap.add_argument("--split-sweep", nargs="?", const=",".join(SPLIT_SHAPES), metavar="SHAPES",
                     help="only projections with the kernel that adds their split-K planes (SPLIT_SHAPES; all by "
                     "default, or a comma-separated list)")
+    ap.add_argument("--tuning-out", default=None, metavar="JSON",
+                    help="with --split-sweep: write each shape's best tiling, where it beats the engine's, here")
     ap.add_argument("--fused-qkv", action="store_true",
                     help="only the qkv projection + q/k norm as two kernels against the one-kernel qkv_norm_rope")
     args = ap.parse_args()
@@ -250,7 +271,7 @@ def main() -> None:
         fused_qkv(m)
         return
     if args.split_sweep:
-        split_sweep(m, peak, args.split_sweep.split(","))
+        split_sweep(m, peak, args.split_sweep.split(","), tuning_out=args.tuning_out)
         return
     engine_calls(m, peak)
     if args.engine_only:
