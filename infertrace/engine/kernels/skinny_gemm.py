@@ -97,6 +97,18 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
 # (N, K) -> (block_n, block_k, split_k, num_stages) ahead of decode_config's rules (benchmarks try tilings with it)
 TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = tuning.load("skinny_gemm")
 
+# One rank's shard of qwen3-14b's projections at TP=2 and TP=4, where the rules below leave speed behind:
+# `gemm_bench.py --split-sweep` on an H200 (each GEMM with the kernel that reads it, 36 in a CUDA graph), us a pair,
+# the rules' tiling -> this one. In the TP decode graph together: TP=2 4.995 -> 4.756 ms, TP=4 3.470 -> 3.284 ms
+# (docs/benchmarks.md, "qwen3-14b's tensor-parallel shards tiled").
+SHARDS: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (5120, 8704): (32, 128, 2, 4),  # down, TP=2: 27.65 -> 26.05
+    (5120, 4352): (32, 128, 2, 4),  # down, TP=4: 15.95 -> 15.34
+    (3584, 5120): (64, 128, 4, 4),  # qkv, TP=2: 12.69 -> 12.26
+    (1792, 5120): (64, 128, 4, 5),  # qkv, TP=4: 8.21 -> 8.05
+    (8704, 5120): (32, 128, 1, 5),  # gate/up before SiLU-and-multiply, TP=4: 27.60 -> 25.45
+}
+
 
 def decode_config(n: int, k: int, planes: bool = False) -> tuple[int, int, int, int]:
     """(block_n, block_k, split_k, num_stages) for an [8-16, K] x [N, K]^T projection, from benchmarks/gemm_bench.py
@@ -105,6 +117,8 @@ def decode_config(n: int, k: int, planes: bool = False) -> tuple[int, int, int, 
     projection); otherwise split_k is 1."""
     if (n, k) in TUNED:
         return TUNED[(n, k)]
+    if (n, k) in SHARDS:
+        return SHARDS[(n, k)]
     if planes and n <= 4096 and k >= n and k % 512 == 0:
         # few output columns for a long reduction: split it 4 ways to fill the SMs (`--split-sweep`, with the norm:
         # qwen3-4b's down projection 22.48 -> 21.39 us; 0.6b's 8.26 -> 5.76 us at 5 stages, these 4 stages not among
