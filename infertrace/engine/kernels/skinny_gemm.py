@@ -104,6 +104,7 @@ TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = tuning.load("skinny_ge
 SHARDS: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (5120, 8704): (32, 128, 2, 4),  # down, TP=2: 27.65 -> 26.05
     (5120, 4352): (32, 128, 2, 4),  # down, TP=4: 15.95 -> 15.34
+    (5120, 2560): (32, 128, 2, 4),  # o, TP=2: 10.56 -> 10.53 alone; the TP=2 graph 4.825 ms without it, 4.756 with
     (3584, 5120): (64, 128, 4, 4),  # qkv, TP=2: 12.69 -> 12.26
     (1792, 5120): (64, 128, 4, 5),  # qkv, TP=4: 8.21 -> 8.05
     (8704, 5120): (32, 128, 1, 5),  # gate/up before SiLU-and-multiply, TP=4: 27.60 -> 25.45
