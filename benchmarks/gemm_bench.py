@@ -125,6 +125,53 @@ def _consumer(kind: str, m: int, n: int, kv_heads: int = 8):
     return lambda out: qk_norm_rope(out, q_heads, kv_heads, d, qk_w, qk_w, 1e-6, cos, sin, positions, kv_cache=cache)
 
 
+def _pair_timer(n: int, k: int, kind: str, kv_heads: int, m: int, layers: int = 36):
+    """time(block_n, block_k, split_k, stages) -> seconds a pair: the skinny GEMM of an [m, k] x [n, k]^T projection
+    with the tiling, then the kernel after it (`_consumer`), `layers` pairs (each its own weight copy) in one CUDA
+    graph; a tiling whose result is off by more than 2e-2 of the largest value raises."""
+    from infertrace.engine.kernels.skinny_gemm import skinny_gemm
+
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    consume = _consumer(kind, m, n, kv_heads)
+    ref = torch.nn.functional.linear(x, weights[0]).float()
+
+    def time_tiling(bn, bk, sk, stages):
+        cfg = dict(block_n=bn, block_k=bk, split_k=sk, num_stages=stages)
+        got = skinny_gemm(x, weights[0], **cfg).float()
+        err = float(((got if sk == 1 else got.sum(0)) - ref).abs().max() / ref.abs().max())
+        if err > 2e-2:
+            raise ValueError(f"wrong result (rel err {err:.3g})")
+        return timed(lambda w: consume(skinny_gemm(x, w, **cfg)), weights)
+
+    return time_tiling
+
+
+def shards_check(m: int, peak: float) -> None:
+    """Each tiling of `skinny_gemm.SHARDS` (measured on one GPU model) against the rules' tiling for that shape on
+    this GPU, pairs timed as `split_sweep` times them."""
+    from infertrace.engine.kernels import launch, skinny_gemm
+
+    launch.set_enabled(True)
+    kinds = {(n, k): (kind, kv) for n, k, kind, kv in SPLIT_SHAPES.values()}
+    print("| shard (N, K) | the rules' tiling | us | SHARDS' tiling | us |\n| --- | --- | --- | --- | --- |")
+    for (n, k), tiling in skinny_gemm.SHARDS.items():
+        kind, kv_heads = kinds[(n, k)]
+        planes = kind != "silu"
+        del skinny_gemm.SHARDS[(n, k)]
+        try:
+            rules = skinny_gemm.decode_config(n, k, planes)
+        finally:
+            skinny_gemm.SHARDS[(n, k)] = tiling
+        rules = rules if planes else rules[:2] + (1,) + rules[3:]
+        time_tiling = _pair_timer(n, k, kind, kv_heads, m)
+        t_rules, t_shard = time_tiling(*rules), time_tiling(*tiling)
+        print(f"| {n}, {k} ({kind}) | {rules} | {t_rules * 1e6:.2f} | {tiling} | {t_shard * 1e6:.2f} |", flush=True)
+        del time_tiling
+        torch.cuda.empty_cache()
+    launch.set_enabled(False)
+
+
 def split_sweep(m: int, peak: float, names: list[str], top: int = 4,
                 tuning_out: str | None = None) -> dict[str, tuple[int, int, int, int]]:
     """Projections followed by the kernel that adds their split-K planes (SPLIT_SHAPES), 36 pairs (each its own
@@ -133,25 +180,13 @@ def split_sweep(m: int, peak: float, names: list[str], top: int = 4,
     `tuning_out`, each shape's best tiling that beats the engine's own is written there as it is found, in the form
     INFERTRACE_KERNEL_TUNING reads (kernels/tuning.py), for a decode-graph run to try."""
     from infertrace.engine.kernels import launch
-    from infertrace.engine.kernels.skinny_gemm import decode_config, skinny_gemm
+    from infertrace.engine.kernels.skinny_gemm import decode_config
 
     launch.set_enabled(True)
     layers, best = 36, {}
     for name in names:
         n, k, kind, kv_heads = SPLIT_SHAPES[name]
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        consume = _consumer(kind, m, n, kv_heads)
-        ref = torch.nn.functional.linear(x, weights[0]).float()
-
-        def time_tiling(bn, bk, sk, stages, weights=weights, x=x, consume=consume, ref=ref):
-            cfg = dict(block_n=bn, block_k=bk, split_k=sk, num_stages=stages)
-            got = skinny_gemm(x, weights[0], **cfg).float()
-            err = float(((got if sk == 1 else got.sum(0)) - ref).abs().max() / ref.abs().max())
-            if err > 2e-2:
-                raise ValueError(f"wrong result (rel err {err:.3g})")
-            return timed(lambda w: consume(skinny_gemm(x, w, **cfg)), weights)
-
+        time_tiling = _pair_timer(n, k, kind, kv_heads, m, layers)
         tried: dict[tuple, float] = {}
         # K divisible into whole tiles a slice: a slice ending in a partial tile loads without the pipeline
         splits, widths = ((1,), (16, 32, 64)) if kind == "silu" else ((1, 2, 4, 8), (32, 64))
@@ -186,7 +221,7 @@ def split_sweep(m: int, peak: float, names: list[str], top: int = 4,
             table = json.loads(path.read_text()) if path.exists() else {}
             table.setdefault("skinny_gemm", {})[f"{n},{k}"] = list(best[name])
             path.write_text(json.dumps(table, indent=2))
-        del weights
+        del time_tiling
         torch.cuda.empty_cache()
     launch.set_enabled(False)
     return best
@@ -258,6 +293,8 @@ def main() -> None:
     ap.add_argument("--split-sweep", nargs="?", const=",".join(SPLIT_SHAPES), metavar="SHAPES",
                     help="only projections with the kernel that adds their split-K planes (SPLIT_SHAPES; all by "
                     "default, or a comma-separated list)")
+    ap.add_argument("--shards", action="store_true",
+                    help="only skinny_gemm.SHARDS' tilings against the rules' for the same shapes, on this GPU")
     ap.add_argument("--tuning-out", default=None, metavar="JSON",
                     help="with --split-sweep: write each shape's best tiling, where it beats the engine's, here")
     ap.add_argument("--fused-qkv", action="store_true",
@@ -269,6 +306,9 @@ def main() -> None:
     m = args.rows
     if args.fused_qkv:
         fused_qkv(m)
+        return
+    if args.shards:
+        shards_check(m, peak)
         return
     if args.split_sweep:
         split_sweep(m, peak, args.split_sweep.split(","), tuning_out=args.tuning_out)
