@@ -148,21 +148,18 @@ def _pair_timer(n: int, k: int, kind: str, kv_heads: int, m: int, layers: int = 
 
 
 def shards_check(m: int, peak: float) -> None:
-    """Each tiling of `skinny_gemm.SHARDS` (measured on one GPU model) against the rules' tiling for that shape on
-    this GPU, pairs timed as `split_sweep` times them."""
+    """Every tiling of `skinny_gemm.SHARDS` (each measured on one GPU model) against the rules' tiling for that shape
+    on this GPU, pairs timed as `split_sweep` times them."""
     from infertrace.engine.kernels import launch, skinny_gemm
 
     launch.set_enabled(True)
     kinds = {(n, k): (kind, kv) for n, k, kind, kv in SPLIT_SHAPES.values()}
     print("| shard (N, K) | the rules' tiling | us | SHARDS' tiling | us |\n| --- | --- | --- | --- | --- |")
-    for (n, k), tiling in skinny_gemm.SHARDS.items():
+    tilings = {shape: tiling for table in skinny_gemm.SHARDS.values() for shape, tiling in table.items()}
+    for (n, k), tiling in tilings.items():
         kind, kv_heads = kinds[(n, k)]
         planes = kind != "silu"
-        del skinny_gemm.SHARDS[(n, k)]
-        try:
-            rules = skinny_gemm.decode_config(n, k, planes)
-        finally:
-            skinny_gemm.SHARDS[(n, k)] = tiling
+        rules = skinny_gemm.rules_config(n, k, planes)
         rules = rules if planes else rules[:2] + (1,) + rules[3:]
         time_tiling = _pair_timer(n, k, kind, kv_heads, m)
         t_rules, t_shard = time_tiling(*rules), time_tiling(*tiling)

@@ -38,3 +38,13 @@ def test_the_benchmark_s_tp_tilings_parse(monkeypatch):
     monkeypatch.setenv(tuning.ENV, str(path))
     assert all(len(v) == 4 for v in tuning.load("skinny_gemm").values())
     assert all(len(v) == 4 for v in tuning.load("gate_up_silu").values())
+
+
+def test_the_tp_shards_tilings_are_the_h200_s_and_other_gpus_keep_the_rules():
+    pytest.importorskip("triton")
+    from infertrace.engine.kernels import skinny_gemm
+
+    h200 = skinny_gemm.device_shards("NVIDIA H200")
+    assert h200[(5120, 4352)] == (32, 128, 2, 4)  # qwen3-14b's down projection at TP=4
+    assert skinny_gemm.device_shards("NVIDIA H100 80GB HBM3") == {}
+    assert skinny_gemm.rules_config(5120, 4352, True) == (64, 128, 1, 5)  # what an H100 runs

@@ -11,6 +11,8 @@ split.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -97,18 +99,30 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
 # (N, K) -> (block_n, block_k, split_k, num_stages) ahead of decode_config's rules (benchmarks try tilings with it)
 TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = tuning.load("skinny_gemm")
 
-# One rank's shard of qwen3-14b's projections at TP=2 and TP=4, where the rules below leave speed behind:
-# `gemm_bench.py --split-sweep` on an H200 (each GEMM with the kernel that reads it, 36 in a CUDA graph), us a pair,
-# the rules' tiling -> this one. In the TP decode graph together: TP=2 4.995 -> 4.756 ms, TP=4 3.470 -> 3.284 ms
-# (docs/benchmarks.md, "qwen3-14b's tensor-parallel shards tiled").
-SHARDS: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (5120, 8704): (32, 128, 2, 4),  # down, TP=2: 27.65 -> 26.05
-    (5120, 4352): (32, 128, 2, 4),  # down, TP=4: 15.95 -> 15.34
-    (5120, 2560): (32, 128, 2, 4),  # o, TP=2: 10.56 -> 10.53 alone; the TP=2 graph 4.825 ms without it, 4.756 with
-    (3584, 5120): (64, 128, 4, 4),  # qkv, TP=2: 12.69 -> 12.26
-    (1792, 5120): (64, 128, 4, 5),  # qkv, TP=4: 8.21 -> 8.05
-    (8704, 5120): (32, 128, 1, 5),  # gate/up before SiLU-and-multiply, TP=4: 27.60 -> 25.45
+# One rank's shard of qwen3-14b's projections at TP=2 and TP=4, where the rules below leave speed behind, by the GPU
+# they were measured on (the start of its name). `gemm_bench.py --split-sweep` on an H200 (each GEMM with the kernel
+# that reads it, 36 in a CUDA graph), us a pair, the rules' tiling -> this one; in the TP decode graph together: TP=2
+# 4.995 -> 4.756 ms, TP=4 3.470 -> 3.284 ms. On an H100 the same pairs (`gemm_bench.py --shards`) came out mixed (the
+# TP=2 output projection 12.14 -> 12.59 us, gate/up at TP=4 33.40 -> 33.83, down at TP=2 34.57 -> 34.15), so H100s
+# keep the rules (docs/benchmarks.md, "qwen3-14b's tensor-parallel shards tiled").
+SHARDS: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = {
+    "NVIDIA H200": {
+        (5120, 8704): (32, 128, 2, 4),  # down, TP=2: 27.65 -> 26.05
+        (5120, 4352): (32, 128, 2, 4),  # down, TP=4: 15.95 -> 15.34
+        (5120, 2560): (32, 128, 2, 4),  # o, TP=2: 10.56 -> 10.53 alone; the TP=2 graph 4.825 ms without it, 4.756 with
+        (3584, 5120): (64, 128, 4, 4),  # qkv, TP=2: 12.69 -> 12.26
+        (1792, 5120): (64, 128, 4, 5),  # qkv, TP=4: 8.21 -> 8.05
+        (8704, 5120): (32, 128, 1, 5),  # gate/up before SiLU-and-multiply, TP=4: 27.60 -> 25.45
+    },
 }
+
+
+@functools.cache
+def device_shards(name: str | None = None) -> dict[tuple[int, int], tuple[int, int, int, int]]:
+    """SHARDS' tilings for the GPU named `name` (this process's CUDA device by default); none for other GPUs."""
+    if name is None:
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((table for prefix, table in SHARDS.items() if name.startswith(prefix)), {})
 
 
 def decode_config(n: int, k: int, planes: bool = False) -> tuple[int, int, int, int]:
@@ -118,8 +132,11 @@ def decode_config(n: int, k: int, planes: bool = False) -> tuple[int, int, int, 
     projection); otherwise split_k is 1."""
     if (n, k) in TUNED:
         return TUNED[(n, k)]
-    if (n, k) in SHARDS:
-        return SHARDS[(n, k)]
+    return device_shards().get((n, k)) or rules_config(n, k, planes)
+
+
+def rules_config(n: int, k: int, planes: bool = False) -> tuple[int, int, int, int]:
+    """`decode_config`'s rules alone, without a tuning file or SHARDS."""
     if planes and n <= 4096 and k >= n and k % 512 == 0:
         # few output columns for a long reduction: split it 4 ways to fill the SMs (`--split-sweep`, with the norm:
         # qwen3-4b's down projection 22.48 -> 21.39 us; 0.6b's 8.26 -> 5.76 us at 5 stages, these 4 stages not among
