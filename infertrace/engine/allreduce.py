@@ -44,7 +44,7 @@ class PeerMemoryAllReduce:
     name = "custom"
 
     def __init__(self, device: torch.device, dtype: torch.dtype, world_size: int, max_bytes: int = CUSTOM_MAX_BYTES,
-                 fusion: str = "off", hidden_size: int = 0, spread: int = 1, prefetch_mb: float = 0.0):
+                 fusion: str = "off", hidden_size: int = 0, spread: int = 1):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -56,7 +56,6 @@ class PeerMemoryAllReduce:
         symm_mem.rendezvous(self.buffer, self.group_name)  # a collective: every rank exchanges its buffer's handle
         self.fusion = fusion  # EngineConfig.all_reduce_fusion
         self.spread = spread  # EngineConfig.all_reduce_spread
-        self.prefetch_bytes = int(prefetch_mb * 2**20)  # EngineConfig.all_reduce_prefetch_mb
         # "planes": a second buffer, float32, which the row-parallel skinny GEMMs write their partial sums into
         self.planes = None
         if fusion == "planes":
@@ -86,13 +85,11 @@ class PeerMemoryAllReduce:
         self.norm.begin_forward()
 
     def add_rmsnorm(self, planes: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, call: int,
-                    calls_per_forward: int, prefetch: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                    calls_per_forward: int) -> torch.Tensor:
         """`kernels.norm.add_rmsnorm` of the sum over ranks of every rank's float32 partial sums `planes` [split, T,
         N] ("norm" fusion): all-reduce, residual add (`residual` updated in place) and RMSNorm in one kernel. `call`
-        numbers the calls of a forward, the same on every rank. `prefetch`: the next projection's weight and the
-        bytes of a row each of its GEMM's split-K slices streams, for L2 to be asked for `prefetch_bytes` of it."""
-        return self.norm.add_rmsnorm(planes, residual, weight, eps, call, calls_per_forward, self.spread,
-                                     prefetch, self.prefetch_bytes)
+        numbers the calls of a forward, the same on every rank."""
+        return self.norm.add_rmsnorm(planes, residual, weight, eps, call, calls_per_forward, self.spread)
 
     def reduce_planes(self, planes: torch.Tensor) -> torch.Tensor:
         """The partial sums every rank wrote into `planes_out(...)`, added up across ranks in float32 (one-shot: the
@@ -141,12 +138,12 @@ def custom_unavailable(device: torch.device, dtype: torch.dtype, world_size: int
 
 
 def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_size: int, fusion: str = "off",
-                    hidden_size: int = 0, spread: int = 1, prefetch_mb: float = 0.0):
+                    hidden_size: int = 0, spread: int = 1):
     """The all-reduce every rank uses; a collective (the ranks agree on the choice): call it on every rank, after
     the process group is up and before any CUDA graph is captured. `fusion` (EngineConfig.all_reduce_fusion): what
     the custom one also takes from the row-parallel projections of decode steps ("planes": `planes_out` and
     `reduce_planes`; "norm": `add_rmsnorm` over rows of `hidden_size`, each row's push spread over `spread`
-    programs, asking L2 for `prefetch_mb` MB of the next projection's weights). Returns (implementation, why custom was not
+    programs). Returns (implementation, why custom was not
     chosen or None)."""
     import torch.distributed as dist
 
@@ -173,5 +170,4 @@ def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_s
             pass
     # no enable_symm_mem_for_group (deprecated): it caches the group's store by name, and an engine started after
     # another in the same process gets a new group of the same name
-    return PeerMemoryAllReduce(device, dtype, world_size, fusion=fusion, hidden_size=hidden_size, spread=spread,
-                               prefetch_mb=prefetch_mb), None
+    return PeerMemoryAllReduce(device, dtype, world_size, fusion=fusion, hidden_size=hidden_size, spread=spread), None

@@ -133,12 +133,6 @@ class EngineConfig:
     # one program a row, 5.30 with two, 4.99 with four or eight; qwen3-14b TP=2 1,560 -> 1,619 tok/s with four
     all_reduce_spread: int = setting(
         4, "With the norm fusion: programs a row's push is spread over (1, 2, 4 or 8).")
-    # with all_reduce_fusion=norm: while the kernel waits on the other ranks' parts, HBM is idle; more programs of it
-    # ask L2 for this many MB of the next projection's weights (the start of every split-K slice of every row, the
-    # bytes its GEMM streams first). 0: none
-    all_reduce_prefetch_mb: float = setting(
-        0.0, "With the norm fusion: MB of the next projection's weights the all-reduce asks L2 for while it waits on "
-             "the other ranks (0: none).")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")
@@ -184,8 +178,6 @@ class EngineConfig:
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("all_reduce", self.all_reduce, ALL_REDUCE_MODES)
         _check_choice("all_reduce_fusion", self.all_reduce_fusion, ALL_REDUCE_FUSIONS)
-        if not 0 <= self.all_reduce_prefetch_mb <= 64:
-            raise ValueError(f"all_reduce_prefetch_mb must be from 0 to 64, got {self.all_reduce_prefetch_mb}")
         if self.all_reduce_spread not in (1, 2, 4, 8):
             raise ValueError(f"all_reduce_spread must be 1, 2, 4 or 8, got {self.all_reduce_spread}")
         if self.kv_cache_dtype != "auto" and self.offload != "off":

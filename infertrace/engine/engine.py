@@ -324,7 +324,6 @@ class Engine:
                 "all_reduce": runner.all_reduce_name, "all_reduce_note": runner.all_reduce_note,
                 "all_reduce_fusion": getattr(runner.tp.reduce, "fusion", "off"),
                 "all_reduce_spread": getattr(runner.tp.reduce, "spread", 1),
-                "all_reduce_prefetch_mb": getattr(runner.tp.reduce, "prefetch_bytes", 0) / 2**20,
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch.")}
 
     def _launch_overlapped(self, prev: _Step) -> _Step | None:

@@ -164,8 +164,7 @@ class ModelRunner:
                                                            fusion=resolve_fusion(config.all_reduce_fusion, tp.size)
                                                            if skinny else "off",
                                                            hidden_size=hf_config["hidden_size"],
-                                                           spread=config.all_reduce_spread,
-                                                           prefetch_mb=config.all_reduce_prefetch_mb)
+                                                           spread=config.all_reduce_spread)
             tp = dataclasses.replace(tp, reduce=reduce)
             self.all_reduce_name = reduce.name
         self.tp = tp

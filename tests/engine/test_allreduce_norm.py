@@ -67,8 +67,8 @@ SCRIPT = textwrap.dedent("""
                 # the interpreter runs the programs one after another, every row's earlier slices before the last
                 an._allreduce_add_rmsnorm_kernel[(-(-hidden // chunk), rows)](
                     parts[rank].contiguous(), rows * hidden, addresses, epoch, call, calls, residual[rank], weight,
-                    out, rows, hidden, eps, weight, 0, 0, 0, 1, 0, PLANES=split, RANK=rank, WORLD=world,
-                    MAX_ROWS=rows_cap, BLOCK=128, CHUNK=chunk, PREFETCH=False, PREFETCH_BLOCK=128, PDL=False)
+                    out, rows, hidden, eps, PLANES=split, RANK=rank, WORLD=world, MAX_ROWS=rows_cap, BLOCK=128,
+                    CHUNK=chunk, PDL=False)
                 outs.append(out)
             total = planes_sum(parts[0])  # each rank's planes, then the ranks in order
             for rank in range(1, world):
@@ -94,48 +94,3 @@ def test_ranks_one_after_the_other_under_the_interpreter(world, parts):
                          timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "CHECKED 12" in out.stdout
-
-
-PREFETCH_SCRIPT = textwrap.dedent("""
-    import torch
-    import triton
-    import triton.language as tl
-    from infertrace.engine.kernels import allreduce_norm as an
-
-
-    @triton.jit
-    def starts(out_ptr, start, pairs, row_bytes, span_bytes, slices, BLOCK: tl.constexpr):
-        tl.store(out_ptr + tl.arange(0, BLOCK), an.slice_starts(start, pairs, row_bytes, span_bytes, slices, BLOCK))
-
-
-    for rows, slices, start in [(5, 3, 0), (5, 3, 8), (7, 1, 0)]:
-        out = torch.empty(16, dtype=torch.int64)
-        starts[(1,)](out, start, rows * slices, 10240, 2560, slices, BLOCK=16)
-        pairs = [min(j, rows * slices - 1) for j in range(start, start + 16)]
-        assert out.tolist() == [j // slices * 10240 + j % slices * 2560 for j in pairs], out.tolist()
-    print("CHECKED")
-""")
-
-
-def test_the_prefetch_asks_for_the_start_of_every_slice_of_every_row():
-    """Where the all-reduce's extra programs ask L2 for the next projection's bytes: pair j is row j // slices,
-    slice j % slices; lanes past the last pair ask for it again (the bulk prefetch itself needs a GPU)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", PREFETCH_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0 and "CHECKED" in out.stdout, out.stderr[-3000:]
-
-
-def test_the_prefetch_budget_is_spread_over_every_slice_in_16_byte_steps():
-    import torch
-
-    from infertrace.engine.kernels.allreduce_norm import prefetch_layout
-
-    w = torch.empty(1792, 5120, dtype=torch.bfloat16)  # qwen3-14b's qkv shard at TP=4: rows of 10,240 bytes
-    # split 4 ways (slices of 2,560 bytes): 8 MB over 7,168 slices is 1,170 bytes each, asked as 1,168
-    assert prefetch_layout(w, 2560, 8 << 20) == (1792, 10240, 4, 1168)
-    assert prefetch_layout(w, 10240, 8 << 20) == (1792, 10240, 1, 4672)  # unsplit
-    assert prefetch_layout(w, 2560, 1 << 30) == (1792, 10240, 4, 2560)  # never past a slice
-    assert prefetch_layout(w, 4096, 1 << 30) == (1792, 10240, 3, 2048)  # nor past the short last slice
-    assert prefetch_layout(w, 2560, 0) is None
-    assert prefetch_layout(w, 2560, 1000) is None  # under 16 bytes a slice
-    assert prefetch_layout(torch.empty(1792, 5119, dtype=torch.bfloat16), 2559 * 2, 8 << 20) is None  # odd rows

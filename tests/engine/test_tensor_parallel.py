@@ -379,34 +379,6 @@ def test_the_automatic_all_reduce_fusion_is_the_norm_kernel_on_two_and_four_rank
         EngineConfig(all_reduce_fusion="fast")
     with pytest.raises(ValueError, match="all_reduce_spread"):
         EngineConfig(all_reduce_spread=3)
-    with pytest.raises(ValueError, match="all_reduce_prefetch_mb"):
-        EngineConfig(all_reduce_prefetch_mb=-1)
-
-
-def test_each_all_reduce_of_a_forward_prefetches_the_projection_its_output_goes_to(tiny_model_dir, monkeypatch):
-    """all_reduce_prefetch_mb: the all-reduce after attention asks for the layer's gate/up weights, the one after
-    the MLP for the next layer's qkv (as its GEMM splits K where the q/k norm adds the planes), the last for the LM
-    head; a slice is the bytes of a row one split-K program streams."""
-    from infertrace.engine.models import qwen3
-
-    def decode_config(n, k, planes):  # the qkv projection split 2 ways in tiles of 16 columns
-        return 32, 16, 2 if planes else 1, 4
-
-    monkeypatch.setattr(qwen3, "_skinny_kernels", lambda: (decode_config, None))
-    spec = Qwen3Spec.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
-    model = Qwen3ForCausalLM(spec, torch.float32, TensorParallel(rank=0, size=2))
-    layers = model.model.layers
-    k = spec.hidden_size
-    for stored, span in [(True, -(-(k // 2) // 16) * 16 * 4), (False, k * 4)]:
-        model.attn = type("Attention", (), {"fuses_kv_store": stored})()
-        nexts = model._next_projections(one_kernel=False)
-        assert len(nexts) == 2 * len(layers)
-        head = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
-        for i, layer in enumerate(layers):
-            assert nexts[2 * i][0] is layer.mlp.gate_up_proj.weight and nexts[2 * i][1] == k * 4
-            after = layers[i + 1].self_attn.qkv_proj.weight if i + 1 < len(layers) else head
-            assert nexts[2 * i + 1][0] is after
-            assert nexts[2 * i + 1][1] == (span if i + 1 < len(layers) else k * 4)
 
 
 def test_tp_bench_counts_each_kernel_s_own_time_as_analyze_does():

@@ -33,7 +33,6 @@ from infertrace.engine.kernels import launch
 
 MAX_ROWS = 16  # the most rows of a decode step that takes the skinny GEMMs (models/qwen3.py SKINNY_MAX_ROWS)
 SLOTS = 3
-PREFETCH_PROGRAMS = 32  # programs that ask L2 for the next projection's weights, where asked to
 EMPTY_BITS = -(2**31)  # the int32 bits of -0.0
 EMPTY = tl.constexpr(EMPTY_BITS)  # the same, for the kernel
 
@@ -41,12 +40,11 @@ EMPTY = tl.constexpr(EMPTY_BITS)  # the same, for the kernel
 @triton.jit
 def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_ptr, call, calls_per_forward,
                                   residual_ptr, weight_ptr, out_ptr, n_rows, n_cols, eps,
-                                  next_ptr, next_rows, row_bytes, span_bytes, slices, prefix_bytes,
                                   PLANES: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
                                   MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                                  PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                                  PDL: tl.constexpr):
     part = tl.program_id(0)  # the row's CHUNK columns this program pushes
-    row = tl.program_id(1)  # rows n_rows and up: programs that ask L2 for the next projection's weights (PREFETCH)
+    row = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     mine = part * CHUNK + tl.arange(0, CHUNK)
@@ -55,13 +53,6 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
     if PDL:  # the planes come from the kernel before
         gdc_wait()
         gdc_launch_dependents()
-    if PREFETCH:
-        if row >= n_rows:  # the GEMM before has ended and HBM is idle while the rows below wait on the other ranks
-            index = (row - n_rows) * tl.num_programs(0) + part
-            stride = (tl.num_programs(1) - n_rows) * tl.num_programs(0)
-            _prefetch_slices(next_ptr, next_rows, row_bytes, span_bytes, slices, prefix_bytes, index, stride,
-                             PREFETCH_BLOCK)
-            return
     k = tl.load(epoch_ptr) * calls_per_forward + call
     slot = k % 3
     previous = (k + 2) % 3
@@ -105,43 +96,6 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
         rr += n_rows
 
 
-@triton.jit
-def _prefetch_slices(ptr, n_rows, row_bytes, span_bytes, slices, prefix_bytes, index, stride, BLOCK: tl.constexpr):
-    """Ask L2 for the first `prefix_bytes` of each split-K slice (`span_bytes` apart) of each of the `n_rows` rows of a
-    weight [N, K] (`row_bytes` a row): the bytes every program of a skinny GEMM streams first. Program `index` of
-    `stride` takes every stride-th (row, slice) pair; each lane asks for one pair's bytes with one bulk prefetch, and
-    nothing waits for them."""
-    pairs = n_rows * slices
-    base = ptr.to(tl.pointer_type(tl.int8))
-    for start in range(index * BLOCK, pairs, stride * BLOCK):
-        where = base + slice_starts(start, pairs, row_bytes, span_bytes, slices, BLOCK)
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [where, tl.full((BLOCK,), prefix_bytes, tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def slice_starts(start, pairs, row_bytes, span_bytes, slices, BLOCK: tl.constexpr):
-    """Byte offsets of (row, slice) pairs start .. start + BLOCK - 1 of a weight, pair j being row j // slices, slice
-    j % slices; past the last pair, the last pair again."""
-    j = tl.minimum(start + tl.arange(0, BLOCK), pairs - 1)
-    return (j // slices).to(tl.int64) * row_bytes + (j % slices) * span_bytes
-
-
-def prefetch_layout(weight: torch.Tensor, span_bytes: int, budget: int) -> tuple[int, int, int, int] | None:
-    """(rows, bytes a row, slices, bytes asked of each slice) for `_prefetch_slices` to spread `budget` bytes of
-    `weight` [N, K] over the starts of its rows' slices of `span_bytes` (a skinny GEMM's split-K slice; the whole row
-    unsplit), or None when nothing would be asked (16-byte multiples, as a bulk prefetch needs)."""
-    rows, cols = weight.shape
-    row_bytes = cols * weight.element_size()
-    if budget <= 0 or not weight.is_contiguous() or weight.data_ptr() % 16 or row_bytes % 16 or span_bytes % 16:
-        return None
-    slices = -(-row_bytes // span_bytes)
-    last = row_bytes - (slices - 1) * span_bytes  # the shortest slice: no slice is asked past its row
-    prefix = min(budget // (rows * slices), span_bytes, last) // 16 * 16
-    return (rows, row_bytes, slices, prefix) if prefix else None
-
-
 class PushBuffers:
     """This rank's slots (float32 [3, world, MAX_ROWS, hidden], every entry empty at first) in symmetric memory, the
     addresses of every rank's, and the forward counter. Built on every rank at once (a collective)."""
@@ -165,28 +119,19 @@ class PushBuffers:
         self.epoch.add_(1)
 
     def add_rmsnorm(self, planes: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, call: int,
-                    calls_per_forward: int, spread: int = 1, prefetch: tuple[torch.Tensor, int] | None = None,
-                    prefetch_bytes: int = 0) -> torch.Tensor:
+                    calls_per_forward: int, spread: int = 1) -> torch.Tensor:
         """`spread`: the programs a row's push is spread over (each pushes a slice of the row to every rank; the
-        last pulls the whole row and runs the norm); EngineConfig.all_reduce_spread (4 in the engine). `prefetch`:
-        the next projection's weight and the bytes of a row each of its GEMM's split-K slices streams; with it and
-        `prefetch_bytes` > 0 (EngineConfig.all_reduce_prefetch_mb), PREFETCH_PROGRAMS more programs ask L2 for that
-        many bytes of it, the starts of every slice, once the GEMM before has ended."""
+        last pulls the whole row and runs the norm); EngineConfig.all_reduce_spread (4 in the engine)."""
         split, rows, cols = planes.shape
         assert planes.dtype == torch.float32 and planes.is_contiguous() and residual.is_contiguous()
         assert rows <= MAX_ROWS and cols == self.hidden_size and residual.shape == (rows, cols)
         out = torch.empty_like(residual)
         if rows:
             chunk = triton.next_power_of_2(triton.cdiv(cols, spread))
-            parts = triton.cdiv(cols, chunk)
-            layout = prefetch_layout(prefetch[0], prefetch[1], prefetch_bytes) if prefetch is not None else None
-            extra = triton.cdiv(PREFETCH_PROGRAMS, parts) if layout else 0
-            next_ptr, (next_rows, row_bytes, slices, prefix) = (prefetch[0], layout) if layout else (planes, (0, 0, 1, 0))
-            _allreduce_add_rmsnorm_kernel[(parts, rows + extra)](
+            _allreduce_add_rmsnorm_kernel[(triton.cdiv(cols, chunk), rows)](
                 planes, rows * cols, self.addresses, self.epoch, call, calls_per_forward, residual, weight, out, rows, cols,
-                eps, next_ptr, next_rows, row_bytes, prefetch[1] if layout else 0, slices, prefix,
-                PLANES=split, RANK=self.rank, WORLD=self.world_size, MAX_ROWS=MAX_ROWS,
-                BLOCK=triton.next_power_of_2(cols), CHUNK=chunk, PREFETCH=layout is not None, PREFETCH_BLOCK=256, PDL=launch.enabled(),
+                eps, PLANES=split, RANK=self.rank, WORLD=self.world_size, MAX_ROWS=MAX_ROWS,
+                BLOCK=triton.next_power_of_2(cols), CHUNK=chunk, PDL=launch.enabled(),
                 num_warps=8 if cols > 2048 else 4, launch_pdl=launch.enabled(),
             )
         return out

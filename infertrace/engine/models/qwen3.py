@@ -349,11 +349,9 @@ class Qwen3ForCausalLM(nn.Module):
         else:
             reducer.begin_forward()
             calls = 2 * len(layers)
-            nexts = self._next_projections(one_kernel) if getattr(reducer, "prefetch_bytes", 0) else None
 
             def reduce_norm(x, call, norm):
-                return reducer.add_rmsnorm(x, residual, norm.weight, norm.eps, call, calls,
-                                           prefetch=None if nexts is None else nexts[call])
+                return reducer.add_rmsnorm(x, residual, norm.weight, norm.eps, call, calls)
         local = reducer is None
         # `residual` is updated in place by every add_rmsnorm below
         for i, layer in enumerate(layers):
@@ -364,33 +362,6 @@ class Qwen3ForCausalLM(nn.Module):
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h = reduce_norm(m, 2 * i + 1, norm)
         return h
-
-    def _next_projections(self, one_kernel: bool) -> list[tuple[torch.Tensor, int]]:
-        """For each all-reduce of a decode forward (two a layer), the projection its output goes to and the bytes of
-        a weight row each of that GEMM's split-K slices streams (the whole row unsplit): the layer's gate/up after
-        attention, the next layer's qkv after the MLP, the LM head after the last. For the all-reduce to ask L2 for
-        the start of every slice (EngineConfig.all_reduce_prefetch_mb)."""
-        decode_config, _ = _skinny_kernels()
-        stored = getattr(self.attn, "fuses_kv_store", False)
-
-        def streamed(weight: torch.Tensor, planes: bool) -> tuple[torch.Tensor, int]:
-            n, k = weight.shape
-            _, block_k, split, _ = decode_config(n, k, planes)
-            if not planes or split == 1:
-                return weight, k * weight.element_size()
-            return weight, -(-(-(-k // split)) // block_k) * block_k * weight.element_size()
-
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        out = []
-        for i, layer in enumerate(self.model.layers):
-            out.append(streamed(layer.mlp.gate_up_proj.weight, False))
-            if i + 1 == len(self.model.layers):
-                out.append(streamed(head.weight, False))
-                continue
-            qkv = self.model.layers[i + 1].self_attn.qkv_proj.weight
-            fused_qkv = stored and one_kernel and _fusions().qkv_fused_config(*qkv.shape) is not None
-            out.append(streamed(qkv, stored and not fused_qkv))
-        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (gathered from every rank's shard with tensor parallelism)."""
