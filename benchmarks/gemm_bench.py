@@ -147,7 +147,7 @@ def _pair_timer(n: int, k: int, kind: str, kv_heads: int, m: int, layers: int = 
     return time_tiling
 
 
-def shards_check(m: int, peak: float) -> None:
+def shards_check(m: int) -> None:
     """Every tiling of `skinny_gemm.SHARDS` (each measured on one GPU model) against the rules' tiling for that shape
     on this GPU, pairs timed as `split_sweep` times them."""
     from infertrace.engine.kernels import launch, skinny_gemm
@@ -158,9 +158,7 @@ def shards_check(m: int, peak: float) -> None:
     tilings = {shape: tiling for table in skinny_gemm.SHARDS.values() for shape, tiling in table.items()}
     for (n, k), tiling in tilings.items():
         kind, kv_heads = kinds[(n, k)]
-        planes = kind != "silu"
-        rules = skinny_gemm.rules_config(n, k, planes)
-        rules = rules if planes else rules[:2] + (1,) + rules[3:]
+        rules = skinny_gemm.rules_config(n, k, planes=kind != "silu")  # unsplit where nothing adds planes
         time_tiling = _pair_timer(n, k, kind, kv_heads, m)
         t_rules, t_shard = time_tiling(*rules), time_tiling(*tiling)
         print(f"| {n}, {k} ({kind}) | {rules} | {t_rules * 1e6:.2f} | {tiling} | {t_shard * 1e6:.2f} |", flush=True)
@@ -305,7 +303,7 @@ def main() -> None:
         fused_qkv(m)
         return
     if args.shards:
-        shards_check(m, peak)
+        shards_check(m)
         return
     if args.split_sweep:
         split_sweep(m, peak, args.split_sweep.split(","), tuning_out=args.tuning_out)

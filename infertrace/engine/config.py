@@ -128,11 +128,13 @@ class EngineConfig:
         "auto", "With the custom all-reduce and skinny GEMMs: planes (partial sums all-reduced in float32 in the "
                 "peer-memory buffer), norm (all-reduce, residual add and RMSNorm as one kernel), off, or auto (norm "
                 "on two and four ranks, planes on other counts).")
-    # with all_reduce_fusion=norm: the programs each row of the kernel is spread over (each pushes a slice of the row
-    # to every rank; the last pulls the row and runs the norm). Two H200s, hidden 5120, 8 rows: 6.78 us a call with
-    # one program a row, 5.30 with two, 4.99 with four or eight; qwen3-14b TP=2 1,560 -> 1,619 tok/s with four
+    # with all_reduce_fusion=norm: a row of the kernel is cut into slices of hidden / N columns, rounded up to a power
+    # of two, one program each (each pushes its slice to every rank; the last pulls the row and runs the norm):
+    # hidden 5120 runs 1, 2, 3 and 5 programs a row for N = 1, 2, 4, 8. Two H200s, hidden 5120, 8 rows: 6.78 us a call
+    # at N=1, 5.30 at 2, 4.99 at 4 or 8; qwen3-14b TP=2 1,560 -> 1,619 tok/s at 4
     all_reduce_spread: int = setting(
-        4, "With the norm fusion: programs a row's push is spread over (1, 2, 4 or 8).")
+        4, "With the norm fusion: a row's push cut into slices of hidden/N columns (rounded up to a power of two), "
+           "one program each; N is 1, 2, 4 or 8.")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")

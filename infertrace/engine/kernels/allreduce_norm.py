@@ -120,8 +120,9 @@ class PushBuffers:
 
     def add_rmsnorm(self, planes: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, call: int,
                     calls_per_forward: int, spread: int = 1) -> torch.Tensor:
-        """`spread`: the programs a row's push is spread over (each pushes a slice of the row to every rank; the
-        last pulls the whole row and runs the norm); EngineConfig.all_reduce_spread (4 in the engine)."""
+        """`spread` (EngineConfig.all_reduce_spread, 4 in the engine): a row is cut into slices of cols / spread
+        columns rounded up to a power of two, one program each (cols 5120 and spread 4: three programs of 2048, 2048
+        and 1024 columns); each pushes its slice to every rank, and the last pulls the whole row and runs the norm."""
         split, rows, cols = planes.shape
         assert planes.dtype == torch.float32 and planes.is_contiguous() and residual.is_contiguous()
         assert rows <= MAX_ROWS and cols == self.hidden_size and residual.shape == (rows, cols)
