@@ -88,10 +88,6 @@ class EngineConfig:
     pdl: bool = setting(
         True, "Programmatic dependent launch of the Triton kernels (Hopper and later): each starts while the one "
               "before drains.")
-    # with pdl: each skinny-GEMM program reads this many KB of its weights before it waits on the kernel before (the
-    # weights are constants), so they stream in while that kernel runs: an all-reduce waiting on the other ranks
-    gemm_early_kb: int = setting(
-        0, "With --pdl: KB of weights each decode GEMM program reads before waiting on the kernel before it.")
     # decode attention (Triton backend) launches its sequences' programs longest context first: over mixed context
     # lengths a long context launched last otherwise runs on alone while the rest of the GPU idles
     decode_longest_first: bool = setting(
@@ -184,8 +180,6 @@ class EngineConfig:
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("all_reduce", self.all_reduce, ALL_REDUCE_MODES)
         _check_choice("all_reduce_fusion", self.all_reduce_fusion, ALL_REDUCE_FUSIONS)
-        if not 0 <= self.gemm_early_kb <= 128:
-            raise ValueError(f"gemm_early_kb must be 0-128, got {self.gemm_early_kb}")
         if self.all_reduce_spread not in (1, 2, 4, 8):
             raise ValueError(f"all_reduce_spread must be 1, 2, 4 or 8, got {self.all_reduce_spread}")
         if self.kv_cache_dtype != "auto" and self.offload != "off":

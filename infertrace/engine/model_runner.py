@@ -191,7 +191,6 @@ class ModelRunner:
             from infertrace.engine.kernels import launch
 
             self.pdl = launch.set_enabled(config.pdl)
-            launch.set_gemm_early_bytes(config.gemm_early_kb << 10)
         model.setup(self.attention, max_positions, self.device, fused_norm=fused,
                     skinny_gemm=fused and config.skinny_gemm and self.dtype in (torch.bfloat16, torch.float16),
                     fused_projections=config.fused_projections)

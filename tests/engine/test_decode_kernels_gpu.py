@@ -33,29 +33,6 @@ def test_skinny_gemm_matches_matmul(rows, n, k, split_k):
     assert err < 1e-2, float(err)
 
 
-@pytest.mark.parametrize("n, k, block_n, split_k, early", [
-    (5120, 1280, 64, 1, 512), (1792, 5120, 64, 4, 256), (8704, 5120, 32, 1, 512), (5120, 4352, 32, 2, 512),
-    (1000, 1200, 32, 3, 256),  # a last slice past K
-])
-def test_skinny_gemm_reads_early_weights(n, k, block_n, split_k, early):
-    """The first `early` columns of each program's weights read before the PDL wait: the same products."""
-    from infertrace.engine.kernels import launch
-    from infertrace.engine.kernels.skinny_gemm import skinny_gemm
-
-    launch.set_enabled(True)
-    torch.manual_seed(n + k)
-    x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
-    ref = _linear_ref(x, w)
-    got = skinny_gemm(x, w, block_n=block_n, block_k=128, split_k=split_k, early_cols=early)
-    plain = skinny_gemm(x, w, block_n=block_n, block_k=128, split_k=split_k, early_cols=0)
-    if split_k > 1:
-        got, plain = got.sum(0), plain.sum(0)
-    err = (got.double() - ref).abs().max() / ref.abs().max()
-    assert err < 1e-2, float(err)
-    assert (got.float() - plain.float()).abs().max() <= 1e-2 * ref.abs().max()
-
-
 @pytest.mark.parametrize("split_k", [2, 4])
 def test_split_k_sums_are_deterministic(split_k):
     from infertrace.engine.kernels.norm import add_rmsnorm

@@ -48,20 +48,3 @@ def test_the_tp_shards_tilings_are_the_h200_s_and_other_gpus_keep_the_rules():
     assert h200[(5120, 4352)] == (32, 128, 2, 4)  # qwen3-14b's down projection at TP=4
     assert skinny_gemm.device_shards("NVIDIA H100 80GB HBM3") == {}
     assert skinny_gemm.rules_config(5120, 4352, True) == (64, 128, 1, 5)  # what an H100 runs
-
-
-def test_early_weight_columns_fit_the_budget_the_tile_and_the_slice(monkeypatch):
-    pytest.importorskip("triton")
-    from infertrace.engine.kernels import launch, skinny_gemm
-
-    monkeypatch.setattr(launch, "_enabled", True)
-    monkeypatch.setattr(launch, "_gemm_early_bytes", 32 << 10)
-    assert skinny_gemm.early_k(32, 128, 5120) == 512  # 32 KB of bf16 over 32 columns
-    assert skinny_gemm.early_k(64, 128, 1280) == 256
-    assert skinny_gemm.early_k(32, 128, 384) == 256  # within the program's slice of K, a power of two
-    assert skinny_gemm.early_k(128, 256, 4096) == 0  # less than one BLOCK_K fits
-    monkeypatch.setattr(launch, "_gemm_early_bytes", 0)
-    assert skinny_gemm.early_k(32, 128, 5120) == 0
-    monkeypatch.setattr(launch, "_gemm_early_bytes", 32 << 10)
-    monkeypatch.setattr(launch, "_enabled", False)  # without PDL there is no kernel before to overlap
-    assert skinny_gemm.early_k(32, 128, 5120) == 0

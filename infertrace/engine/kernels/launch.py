@@ -61,17 +61,3 @@ def set_early_weights(on: bool) -> None:
 
 def early_weights() -> bool:
     return _early_weights
-
-
-_gemm_early_bytes = 0
-
-
-def set_gemm_early_bytes(n: int) -> None:
-    """How many bytes of its weights each skinny-GEMM program reads before its wait (EngineConfig.gemm_early_kb):
-    with PDL they stream in while the kernel before runs; 0 reads none early."""
-    global _gemm_early_bytes
-    _gemm_early_bytes = max(0, int(n))
-
-
-def gemm_early_bytes() -> int:
-    return _gemm_early_bytes

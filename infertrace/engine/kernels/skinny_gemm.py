@@ -22,9 +22,12 @@ from infertrace.engine.kernels import launch, tuning
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, span, stride_xm, stride_wn, stride_ym, stride_ys,
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EARLY_K: tl.constexpr, PDL: tl.constexpr):
+                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # x comes from the kernel before, and the workspace planes are read by the kernel after it
+        gdc_wait()
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -32,29 +35,17 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, span, stride_xm, stride_wn
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
-    k_begin = pid_k * span  # span: a program's slice of K, whole BLOCK_Ks
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_begin = pid_k * span
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if EARLY_K > 0:
-        # the first EARLY_K columns of this program's weights, read before the wait: the weights are constants, so
-        # with PDL they stream in while the kernel before still runs (an all-reduce waiting on the other ranks)
-        ke = k_begin + tl.arange(0, EARLY_K)
-        w_early = tl.load(w_rows + ke[None, :], mask=col_ok[:, None] & (ke < K)[None, :], other=0.0)
-    if PDL:  # x comes from the kernel before, and the workspace planes are read by the kernel after it
-        gdc_wait()
-        gdc_launch_dependents()
-    if EARLY_K > 0:
-        x_early = tl.load(x_ptr + rows[:, None] * stride_xm + ke[None, :], mask=row_ok[:, None] & (ke < K)[None, :],
-                          other=0.0)
-        acc += tl.dot(x_early, tl.trans(w_early))
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + EARLY_K + ks)[None, :]
-    w_ptrs = w_rows + (k_begin + EARLY_K + ks)[None, :]
-    for k in range(0, span - EARLY_K, BLOCK_K):
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + ks)[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + (k_begin + ks)[None, :]
+    for k in range(0, span, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
         else:
-            k_ok = (k_begin + EARLY_K + k + ks) < K
+            k_ok = (k_begin + k + ks) < K
             x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
@@ -62,16 +53,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, span, stride_xm, stride_wn
         w_ptrs += BLOCK_K
     y_ptrs = y_ptr + pid_k * stride_ys + rows[:, None] * stride_ym + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-def early_k(block_n: int, block_k: int, span: int, itemsize: int = 2) -> int:
-    """How many of a program's K columns it reads before its wait (`launch.gemm_early_bytes` of weights a program,
-    with PDL on): a power of two, a whole number of BLOCK_K and within the program's slice of K, or 0."""
-    budget = launch.gemm_early_bytes() // (block_n * itemsize) if launch.enabled() else 0
-    if budget < block_k:
-        return 0
-    cols = 1 << (min(budget, span).bit_length() - 1)
-    return cols if cols >= block_k else 0
 
 
 @triton.jit
@@ -88,8 +69,7 @@ def load_planes(ptrs, mask, plane_stride, PLANES: tl.constexpr, dtype: tl.conste
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int = 32,
-                block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
-                early_cols: int | None = None) -> torch.Tensor:
+                block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """x [M, K] (M <= 16) times weight [N, K] transposed.
 
     With split_k > 1 the result is the float32 partial sums [split_k, M, N], one plane a slice of K, to be added
@@ -109,12 +89,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
         plane_stride = out.stride(0)
     row_stride = out.stride(-2)
     grid = (triton.cdiv(n, block_n), split_k)
-    span = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    early = early_k(block_n, block_k, span, weight.element_size()) if early_cols is None else early_cols
-    assert early == 0 or (early % block_k == 0 and early <= span and early == triton.next_power_of_2(early))
-    _skinny_gemm_kernel[grid](x, weight, out, m, n, k, span, x.stride(0), weight.stride(0), row_stride, plane_stride,
+    _skinny_gemm_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), row_stride, plane_stride,
                               BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                              EVEN_K=k % (block_k * split_k) == 0, EARLY_K=early, PDL=launch.enabled(),
+                              EVEN_K=k % (block_k * split_k) == 0, PDL=launch.enabled(),
                               num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
     return out
 
