@@ -5,7 +5,7 @@ another's work: what is left is each kernel's own cost and the cross-GPU latency
 - off: the planes added and rounded by two torch kernels, PyTorch's one-shot all-reduce in bf16, then add_rmsnorm;
 - planes: PyTorch's one-shot all-reduce of the float32 planes in place, then add_rmsnorm adding them;
 - norm: kernels/allreduce_norm.py, all-reduce + residual add + RMSNorm in one kernel (norm/N: each row's push
-  spread over N programs, `--spread 1,2,4`);
+  spread over N programs, `--spread 1,2,4`; +all: the ranks' parts pulled at once, `--pull each,all`);
 - nccl: the planes added and rounded, NCCL's all-reduce, then add_rmsnorm.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 benchmarks/allreduce_bench.py --ranks 2,4
@@ -26,7 +26,7 @@ CALLS = 72  # a qwen3-4b decode step's row-parallel projections
 
 
 def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: int, replays: int, queue,
-              spreads: tuple[int, ...] = (1,)) -> None:
+              spreads: tuple[int, ...] = (1,), pulls: tuple[str, ...] = ("each",)) -> None:
     import torch
     import torch.distributed as dist
 
@@ -53,8 +53,8 @@ def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: i
     def planes():
         return add_rmsnorm(planes_ar.reduce_planes(shared), residual, weight, 1e-6)
 
-    def norm(spread: int = 1):  # spread: the programs a row's push is spread over (PushBuffers.add_rmsnorm)
-        return norm_ar.norm.add_rmsnorm(local, residual, weight, 1e-6, norm_call[0], CALLS, spread)
+    def norm(spread: int = 1, pull: str = "each"):  # PushBuffers.add_rmsnorm's spread and pull
+        return norm_ar.norm.add_rmsnorm(local, residual, weight, 1e-6, norm_call[0], CALLS, spread, pull)
 
     def nccl():
         summed = local.sum(0, dtype=torch.float32).to(torch.bfloat16)
@@ -64,7 +64,8 @@ def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: i
     norm_call = [0]
     results = {}
     ways = [("off", off), ("planes", planes)]
-    ways += [("norm" if s == 1 else f"norm/{s}", lambda s=s: norm(s)) for s in spreads]
+    ways += [(("norm" if s == 1 else f"norm/{s}") + ("" if p == "each" else f"+{p}"), lambda s=s, p=p: norm(s, p))
+             for s in spreads for p in pulls]
     for name, one in ways + [("nccl", nccl)]:
         def step():
             if name.startswith("norm"):
@@ -92,8 +93,10 @@ def main() -> None:
     ap.add_argument("--split", type=int, default=2, help="planes a projection leaves (its split-K)")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--spread", default="1", help="programs a row's push is spread over in the norm kernel, listed")
+    ap.add_argument("--pull", default="each", help="how the norm kernel waits for the ranks' parts, listed: each, all")
     args = ap.parse_args()
     spreads = tuple(int(s) for s in args.spread.split(","))
+    pulls = tuple(args.pull.split(","))
     import torch
 
     from infertrace.engine.worker import free_port
@@ -107,7 +110,7 @@ def main() -> None:
         queue = ctx.Queue()
         port = free_port()
         procs = [ctx.Process(target=rank_main, args=(r, world, port, args.rows, args.hidden, args.split, args.replays,
-                                                      queue, spreads)) for r in range(world)]
+                                                      queue, spreads, pulls)) for r in range(world)]
         for p in procs:
             p.start()
         results = dict(queue.get(timeout=300) for _ in range(world))
@@ -115,7 +118,7 @@ def main() -> None:
             p.join(30)
         for name in results[0]:
             values = [results[r][name] for r in range(world)]
-            print(f"{world} ranks  {name:>7}  {values[0]:6.2f} us  ({max(values):6.2f})", flush=True)
+            print(f"{world} ranks  {name:>10}  {values[0]:6.2f} us  ({max(values):6.2f})", flush=True)
 
 
 if __name__ == "__main__":

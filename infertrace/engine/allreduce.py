@@ -44,7 +44,7 @@ class PeerMemoryAllReduce:
     name = "custom"
 
     def __init__(self, device: torch.device, dtype: torch.dtype, world_size: int, max_bytes: int = CUSTOM_MAX_BYTES,
-                 fusion: str = "off", hidden_size: int = 0, spread: int = 1):
+                 fusion: str = "off", hidden_size: int = 0, spread: int = 1, pull: str = "each"):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -56,6 +56,7 @@ class PeerMemoryAllReduce:
         symm_mem.rendezvous(self.buffer, self.group_name)  # a collective: every rank exchanges its buffer's handle
         self.fusion = fusion  # EngineConfig.all_reduce_fusion
         self.spread = spread  # EngineConfig.all_reduce_spread
+        self.pull = pull  # EngineConfig.all_reduce_pull
         # "planes": a second buffer, float32, which the row-parallel skinny GEMMs write their partial sums into
         self.planes = None
         if fusion == "planes":
@@ -89,7 +90,8 @@ class PeerMemoryAllReduce:
         """`kernels.norm.add_rmsnorm` of the sum over ranks of every rank's float32 partial sums `planes` [split, T,
         N] ("norm" fusion): all-reduce, residual add (`residual` updated in place) and RMSNorm in one kernel. `call`
         numbers the calls of a forward, the same on every rank."""
-        return self.norm.add_rmsnorm(planes, residual, weight, eps, call, calls_per_forward, self.spread)
+        return self.norm.add_rmsnorm(planes, residual, weight, eps, call, calls_per_forward, self.spread,
+                                    self.pull)
 
     def reduce_planes(self, planes: torch.Tensor) -> torch.Tensor:
         """The partial sums every rank wrote into `planes_out(...)`, added up across ranks in float32 (one-shot: the
@@ -138,12 +140,12 @@ def custom_unavailable(device: torch.device, dtype: torch.dtype, world_size: int
 
 
 def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_size: int, fusion: str = "off",
-                    hidden_size: int = 0, spread: int = 1):
+                    hidden_size: int = 0, spread: int = 1, pull: str = "each"):
     """The all-reduce every rank uses; a collective (the ranks agree on the choice): call it on every rank, after
     the process group is up and before any CUDA graph is captured. `fusion` (EngineConfig.all_reduce_fusion): what
     the custom one also takes from the row-parallel projections of decode steps ("planes": `planes_out` and
     `reduce_planes`; "norm": `add_rmsnorm` over rows of `hidden_size`, each row's push spread over `spread`
-    programs). Returns (implementation, why custom was not
+    programs, its parts pulled as `pull` says). Returns (implementation, why custom was not
     chosen or None)."""
     import torch.distributed as dist
 
@@ -170,4 +172,5 @@ def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_s
             pass
     # no enable_symm_mem_for_group (deprecated): it caches the group's store by name, and an engine started after
     # another in the same process gets a new group of the same name
-    return PeerMemoryAllReduce(device, dtype, world_size, fusion=fusion, hidden_size=hidden_size, spread=spread), None
+    return PeerMemoryAllReduce(device, dtype, world_size, fusion=fusion, hidden_size=hidden_size, spread=spread,
+                              pull=pull), None

@@ -164,7 +164,8 @@ class ModelRunner:
                                                            fusion=resolve_fusion(config.all_reduce_fusion, tp.size)
                                                            if skinny else "off",
                                                            hidden_size=hf_config["hidden_size"],
-                                                           spread=config.all_reduce_spread)
+                                                           spread=config.all_reduce_spread,
+                                                           pull=config.all_reduce_pull)
             tp = dataclasses.replace(tp, reduce=reduce)
             self.all_reduce_name = reduce.name
         self.tp = tp

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _rank(rank: int, world: int, port: int, queue, spread: int = 1) -> None:
+def _rank(rank: int, world: int, port: int, queue, spread: int = 1, pull: str = "each") -> None:
     import traceback
 
     import torch.distributed as dist
@@ -38,7 +38,8 @@ def _rank(rank: int, world: int, port: int, queue, spread: int = 1) -> None:
                 everyone = [torch.randn(split, rows, hidden, device="cuda", generator=_seeded(1000 * forward + 10 * call + r))
                             for r in range(world)]
                 everyone[0][0, 0, :4] = -0.0  # zeros of either sign are pushed as +0.0
-                out = buffers.add_rmsnorm(everyone[rank].contiguous(), residual, weight, eps, call, calls, spread)
+                out = buffers.add_rmsnorm(everyone[rank].contiguous(), residual, weight, eps, call, calls, spread,
+                                           pull)
                 total = torch.zeros(rows, hidden, device="cuda")
                 for part in everyone:
                     rank_sum = part[0].clone()
@@ -64,7 +65,7 @@ def _rank(rank: int, world: int, port: int, queue, spread: int = 1) -> None:
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
             buffers.begin_forward()
-            outs = [buffers.add_rmsnorm(mine, residual, weight, eps, c, calls, spread) for c in range(calls)]
+            outs = [buffers.add_rmsnorm(mine, residual, weight, eps, c, calls, spread, pull) for c in range(calls)]
         for _ in range(10):
             residual.zero_()
             graph.replay()
@@ -87,11 +88,13 @@ def _seeded(seed: int) -> torch.Generator:
     return g
 
 
-@pytest.mark.parametrize(("world", "spread"), [  # spread: the programs a row's push is spread over
-    pytest.param(2, 1, marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")),
-    pytest.param(4, 1, marks=pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs")),
-    pytest.param(2, 4, marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs"))])
-def test_every_rank_gets_the_same_all_reduced_norm(world, spread):
+@pytest.mark.parametrize(("world", "spread", "pull"), [  # spread: the programs a row's push is spread over
+    pytest.param(2, 1, "each", marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")),
+    pytest.param(4, 1, "each", marks=pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs")),
+    pytest.param(2, 4, "each", marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")),
+    pytest.param(2, 4, "all", marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")),
+    pytest.param(4, 4, "all", marks=pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs"))])
+def test_every_rank_gets_the_same_all_reduced_norm(world, spread, pull):
     import multiprocessing
 
     from infertrace.engine.worker import free_port
@@ -99,7 +102,7 @@ def test_every_rank_gets_the_same_all_reduced_norm(world, spread):
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, queue, spread)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, queue, spread, pull)) for r in range(world)]
     for p in procs:
         p.start()
     try:

@@ -379,6 +379,8 @@ def test_the_automatic_all_reduce_fusion_is_the_norm_kernel_on_two_and_four_rank
         EngineConfig(all_reduce_fusion="fast")
     with pytest.raises(ValueError, match="all_reduce_spread"):
         EngineConfig(all_reduce_spread=3)
+    with pytest.raises(ValueError, match="all_reduce_pull"):
+        EngineConfig(all_reduce_pull="some")
 
 
 def test_tp_bench_counts_each_kernel_s_own_time_as_analyze_does():

@@ -35,6 +35,7 @@ MAX_ROWS = 16  # the most rows of a decode step that takes the skinny GEMMs (mod
 SLOTS = 3
 EMPTY_BITS = -(2**31)  # the int32 bits of -0.0
 EMPTY = tl.constexpr(EMPTY_BITS)  # the same, for the kernel
+PULL_ALL_MAX = 1 << 15  # the most values (ranks x the row's block) the pulling program reads at once
 
 
 @triton.jit
@@ -42,7 +43,7 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
                                   residual_ptr, weight_ptr, out_ptr, n_rows, n_cols, eps,
                                   PLANES: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
                                   MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                                  PDL: tl.constexpr):
+                                  PDL: tl.constexpr, PULL_ALL: tl.constexpr = False):
     part = tl.program_id(0)  # the row's CHUNK columns this program pushes
     row = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -68,14 +69,24 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
     own = tl.multiple_of(tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int32)), 16)
     if part == tl.num_programs(0) - 1:  # the row's last program pulls the whole row and runs the norm
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for r in tl.static_range(WORLD):  # pull every rank's part, in rank order, as it lands
-            ptrs = own + slot * slot_size + (r * MAX_ROWS + row) * n_cols + cols
-            # volatile: read again on every pass, from L2 (where the other ranks' stores land), never a stale line
-            # of this SM's L1; 16-byte loads, the buffers' addresses being 16-byte aligned
-            bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
-            while tl.max((bits == EMPTY).to(tl.int32), 0) > 0:
+        if PULL_ALL:  # every rank's part of the row read at once, and again while any entry is empty
+            ranks = tl.arange(0, WORLD)
+            ptrs = own + slot * slot_size + (ranks[:, None] * MAX_ROWS + row) * n_cols + cols[None, :]
+            bits = tl.load(ptrs, mask=mask[None, :], other=0, volatile=True)
+            while tl.max(tl.max((bits == EMPTY).to(tl.int32), 1), 0) > 0:
+                bits = tl.load(ptrs, mask=mask[None, :], other=0, volatile=True)
+            parts = bits.to(tl.float32, bitcast=True)
+            for r in tl.static_range(WORLD):  # added in rank order (each part picked out exactly: x + 0.0 == x)
+                acc += tl.sum(tl.where(ranks[:, None] == r, parts, 0.0), 0)
+        else:
+            for r in tl.static_range(WORLD):  # pull every rank's part, in rank order, as it lands
+                ptrs = own + slot * slot_size + (r * MAX_ROWS + row) * n_cols + cols
+                # volatile: read again on every pass, from L2 (where the other ranks' stores land), never a stale
+                # line of this SM's L1; 16-byte loads, the buffers' addresses being 16-byte aligned
                 bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
-            acc += bits.to(tl.float32, bitcast=True)
+                while tl.max((bits == EMPTY).to(tl.int32), 0) > 0:
+                    bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
+                acc += bits.to(tl.float32, bitcast=True)
         # residual add + RMSNorm, rounded as kernels.norm.add_rmsnorm rounds a projection's planes
         dtype = out_ptr.dtype.element_ty
         s = acc.to(dtype).to(tl.float32)
@@ -119,20 +130,23 @@ class PushBuffers:
         self.epoch.add_(1)
 
     def add_rmsnorm(self, planes: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, call: int,
-                    calls_per_forward: int, spread: int = 1) -> torch.Tensor:
+                    calls_per_forward: int, spread: int = 1, pull: str = "each") -> torch.Tensor:
         """`spread` (EngineConfig.all_reduce_spread, 4 in the engine): a row is cut into slices of cols / spread
         columns rounded up to a power of two, one program each (cols 5120 and spread 4: three programs of 2048, 2048
-        and 1024 columns); each pushes its slice to every rank, and the last pulls the whole row and runs the norm."""
+        and 1024 columns); each pushes its slice to every rank, and the last pulls the whole row and runs the norm.
+        `pull` (EngineConfig.all_reduce_pull): "each" waits for the ranks' parts one after another, "all" reads every
+        rank's part at once and again while any is missing (up to 32K values: four ranks of hidden 8,192)."""
         split, rows, cols = planes.shape
         assert planes.dtype == torch.float32 and planes.is_contiguous() and residual.is_contiguous()
         assert rows <= MAX_ROWS and cols == self.hidden_size and residual.shape == (rows, cols)
         out = torch.empty_like(residual)
         if rows:
             chunk = triton.next_power_of_2(triton.cdiv(cols, spread))
+            block = triton.next_power_of_2(cols)
             _allreduce_add_rmsnorm_kernel[(triton.cdiv(cols, chunk), rows)](
                 planes, rows * cols, self.addresses, self.epoch, call, calls_per_forward, residual, weight, out, rows, cols,
-                eps, PLANES=split, RANK=self.rank, WORLD=self.world_size, MAX_ROWS=MAX_ROWS,
-                BLOCK=triton.next_power_of_2(cols), CHUNK=chunk, PDL=launch.enabled(),
+                eps, PLANES=split, RANK=self.rank, WORLD=self.world_size, MAX_ROWS=MAX_ROWS, BLOCK=block,
+                CHUNK=chunk, PDL=launch.enabled(), PULL_ALL=pull == "all" and self.world_size * block <= PULL_ALL_MAX,
                 num_warps=8 if cols > 2048 else 4, launch_pdl=launch.enabled(),
             )
         return out
