@@ -44,7 +44,7 @@ class PeerMemoryAllReduce:
     name = "custom"
 
     def __init__(self, device: torch.device, dtype: torch.dtype, world_size: int, max_bytes: int = CUSTOM_MAX_BYTES,
-                 fusion: str = "off", hidden_size: int = 0, spread: int = 1, pull: str = "each"):
+                 fusion: str = "off", hidden_size: int = 0, spread: int = 1, pull: str = "auto"):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -140,7 +140,7 @@ def custom_unavailable(device: torch.device, dtype: torch.dtype, world_size: int
 
 
 def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_size: int, fusion: str = "off",
-                    hidden_size: int = 0, spread: int = 1, pull: str = "each"):
+                    hidden_size: int = 0, spread: int = 1, pull: str = "auto"):
     """The all-reduce every rank uses; a collective (the ranks agree on the choice): call it on every rank, after
     the process group is up and before any CUDA graph is captured. `fusion` (EngineConfig.all_reduce_fusion): what
     the custom one also takes from the row-parallel projections of decode steps ("planes": `planes_out` and

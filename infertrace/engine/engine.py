@@ -324,7 +324,7 @@ class Engine:
                 "all_reduce": runner.all_reduce_name, "all_reduce_note": runner.all_reduce_note,
                 "all_reduce_fusion": getattr(runner.tp.reduce, "fusion", "off"),
                 "all_reduce_spread": getattr(runner.tp.reduce, "spread", 1),
-                "all_reduce_pull": getattr(runner.tp.reduce, "pull", "each"),
+                "all_reduce_pull": getattr(runner.tp.reduce, "pull", "auto"),
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch.")}
 
     def _launch_overlapped(self, prev: _Step) -> _Step | None:
