@@ -5,8 +5,7 @@ another's work: what is left is each kernel's own cost and the cross-GPU latency
 - off: the planes added and rounded by two torch kernels, PyTorch's one-shot all-reduce in bf16, then add_rmsnorm;
 - planes: PyTorch's one-shot all-reduce of the float32 planes in place, then add_rmsnorm adding them;
 - norm: kernels/allreduce_norm.py, all-reduce + residual add + RMSNorm in one kernel (norm/N: each row's push
-  spread over N programs, `--spread 1,2,4`; +all: the ranks' parts pulled at once, `--pull each,all`; +late: the
-  previous call's slot emptied at the kernel's end instead of its start, `--empty early,late`);
+  spread over N programs, `--spread 1,2,4`; +all: the ranks' parts pulled at once, `--pull each,all`);
 - nccl: the planes added and rounded, NCCL's all-reduce, then add_rmsnorm.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 benchmarks/allreduce_bench.py --ranks 2,4
@@ -27,8 +26,7 @@ CALLS = 72  # a qwen3-4b decode step's row-parallel projections
 
 
 def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: int, replays: int, queue,
-              spreads: tuple[int, ...] = (1,), pulls: tuple[str, ...] = ("each",),
-              empties: tuple[str, ...] = ("early",)) -> None:
+              spreads: tuple[int, ...] = (1,), pulls: tuple[str, ...] = ("each",)) -> None:
     import torch
     import torch.distributed as dist
 
@@ -55,9 +53,8 @@ def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: i
     def planes():
         return add_rmsnorm(planes_ar.reduce_planes(shared), residual, weight, 1e-6)
 
-    def norm(spread: int = 1, pull: str = "each", empty: str = "early"):  # PushBuffers.add_rmsnorm's choices
-        return norm_ar.norm.add_rmsnorm(local, residual, weight, 1e-6, norm_call[0], CALLS, spread, pull,
-                                        empty == "early")
+    def norm(spread: int = 1, pull: str = "each"):  # PushBuffers.add_rmsnorm's spread and pull
+        return norm_ar.norm.add_rmsnorm(local, residual, weight, 1e-6, norm_call[0], CALLS, spread, pull)
 
     def nccl():
         summed = local.sum(0, dtype=torch.float32).to(torch.bfloat16)
@@ -67,8 +64,8 @@ def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: i
     norm_call = [0]
     results = {}
     ways = [("off", off), ("planes", planes)]
-    ways += [(("norm" if s == 1 else f"norm/{s}") + ("" if p == "each" else f"+{p}") + ("" if e == "early" else f"+{e}"),
-              lambda s=s, p=p, e=e: norm(s, p, e)) for s in spreads for p in pulls for e in empties]
+    ways += [(("norm" if s == 1 else f"norm/{s}") + ("" if p == "each" else f"+{p}"), lambda s=s, p=p: norm(s, p))
+             for s in spreads for p in pulls]
     for name, one in ways + [("nccl", nccl)]:
         def step():
             if name.startswith("norm"):
@@ -97,11 +94,9 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--spread", default="1", help="programs a row's push is spread over in the norm kernel, listed")
     ap.add_argument("--pull", default="each", help="how the norm kernel waits for the ranks' parts, listed: each, all")
-    ap.add_argument("--empty", default="early", help="when the norm kernel empties the previous slot, listed: early, late")
     args = ap.parse_args()
     spreads = tuple(int(s) for s in args.spread.split(","))
     pulls = tuple(args.pull.split(","))
-    empties = tuple(args.empty.split(","))
     import torch
 
     from infertrace.engine.worker import free_port
@@ -115,8 +110,7 @@ def main() -> None:
         queue = ctx.Queue()
         port = free_port()
         procs = [ctx.Process(target=rank_main, args=(r, world, port, args.rows, args.hidden, args.split, args.replays,
-                                                      queue, spreads, pulls, empties))
-                 for r in range(world)]
+                                                      queue, spreads, pulls)) for r in range(world)]
         for p in procs:
             p.start()
         results = dict(queue.get(timeout=300) for _ in range(world))
@@ -124,7 +118,7 @@ def main() -> None:
             p.join(30)
         for name in results[0]:
             values = [results[r][name] for r in range(world)]
-            print(f"{world} ranks  {name:>15}  {values[0]:6.2f} us  ({max(values):6.2f})", flush=True)
+            print(f"{world} ranks  {name:>10}  {values[0]:6.2f} us  ({max(values):6.2f})", flush=True)
 
 
 if __name__ == "__main__":

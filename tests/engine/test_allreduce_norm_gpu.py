@@ -94,7 +94,6 @@ def _seeded(seed: int) -> torch.Generator:
     pytest.param(2, 4, "each", marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")),
     pytest.param(2, 4, "all", marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")),
     pytest.param(4, 4, "all", marks=pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs"))])
-# the previous call's slot is emptied at the kernel's start (PushBuffers.add_rmsnorm's default) in every case
 def test_every_rank_gets_the_same_all_reduced_norm(world, spread, pull):
     import multiprocessing
 

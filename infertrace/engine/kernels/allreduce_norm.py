@@ -43,8 +43,7 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
                                   residual_ptr, weight_ptr, out_ptr, n_rows, n_cols, eps,
                                   PLANES: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
                                   MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                                  PDL: tl.constexpr, PULL_ALL: tl.constexpr = False,
-                                  EMPTY_EARLY: tl.constexpr = False):
+                                  PDL: tl.constexpr, PULL_ALL: tl.constexpr = False):
     part = tl.program_id(0)  # the row's CHUNK columns this program pushes
     row = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -52,19 +51,13 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
     mine = part * CHUNK + tl.arange(0, CHUNK)
     mine_mask = mine < n_cols
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # a constant: read while the kernel before drains
-    own = tl.multiple_of(tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int32)), 16)
-    slot_size = WORLD * MAX_ROWS * n_cols
-    if EMPTY_EARLY:
-        # the previous call's slot, emptied while the kernel before drains: every kernel before that one has ended
-        # (each waits on its own predecessor before letting its successor start), the previous call among them, so
-        # this rank has read the slot, and the forward counter is written
-        k = tl.load(epoch_ptr) * calls_per_forward + call
-        _empty_previous(own, (k + 2) % 3, slot_size, row, n_rows, n_cols, mine, mine_mask, WORLD, MAX_ROWS, CHUNK)
     if PDL:  # the planes come from the kernel before
         gdc_wait()
         gdc_launch_dependents()
     k = tl.load(epoch_ptr) * calls_per_forward + call
     slot = k % 3
+    previous = (k + 2) % 3
+    slot_size = WORLD * MAX_ROWS * n_cols
     x = tl.load(planes_ptr + row * n_cols + mine, mask=mine_mask, other=0.0)
     for p in tl.static_range(1, PLANES):
         x += tl.load(planes_ptr + p * plane_stride + row * n_cols + mine, mask=mine_mask, other=0.0)
@@ -73,6 +66,7 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
     for r in tl.static_range(WORLD):  # push this rank's part of the row into every rank's buffer
         peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(tl.float32)), 16)
         tl.store(peer + slot * slot_size + entry, x, mask=mine_mask)
+    own = tl.multiple_of(tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int32)), 16)
     if part == tl.num_programs(0) - 1:  # the row's last program pulls the whole row and runs the norm
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         if PULL_ALL:  # every rank's part of the row read at once, and again while any entry is empty
@@ -103,15 +97,8 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
         var = tl.sum(xf * xf, 0) / n_cols
         normed = (xf * tl.math.rsqrt(var + eps)).to(dtype)
         tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=mask)
-    if not EMPTY_EARLY:
-        _empty_previous(own, (k + 2) % 3, slot_size, row, n_rows, n_cols, mine, mine_mask, WORLD, MAX_ROWS, CHUNK)
-
-
-@triton.jit
-def _empty_previous(own, previous, slot_size, row, n_rows, n_cols, mine, mine_mask, WORLD: tl.constexpr,
-                    MAX_ROWS: tl.constexpr, CHUNK: tl.constexpr):
-    """Empty this program's columns of the previous call's slot, every row a decode step may have (the next call may
-    have more rows than this): rows row, row + n_rows, ..."""
+    # empty this program's columns of the previous call's slot, every row a decode step may have (the next call may
+    # have more rows than this): rows row, row + n_rows, ...
     empty = tl.full((CHUNK,), EMPTY, dtype=tl.int32)
     rr = row
     while rr < MAX_ROWS:
@@ -147,16 +134,13 @@ class PushBuffers:
         self.epoch.add_(1)
 
     def add_rmsnorm(self, planes: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, call: int,
-                    calls_per_forward: int, spread: int = 1, pull: str = "auto",
-                    empty_early: bool = True) -> torch.Tensor:
+                    calls_per_forward: int, spread: int = 1, pull: str = "auto") -> torch.Tensor:
         """`spread` (EngineConfig.all_reduce_spread, 4 in the engine): a row is cut into slices of cols / spread
         columns rounded up to a power of two, one program each (cols 5120 and spread 4: three programs of 2048, 2048
         and 1024 columns); each pushes its slice to every rank, and the last pulls the whole row and runs the norm.
         `pull` (EngineConfig.all_reduce_pull): "each" waits for the ranks' parts one after another, "all" reads every
         rank's part at once and again while any is missing (up to 32K values: four ranks of hidden 8,192), "auto"
-        all on four or more ranks.
-        `empty_early`: the previous call's slot is emptied at the kernel's start, while the kernel before drains,
-        rather than at its end."""
+        all on four or more ranks."""
         split, rows, cols = planes.shape
         assert planes.dtype == torch.float32 and planes.is_contiguous() and residual.is_contiguous()
         assert rows <= MAX_ROWS and cols == self.hidden_size and residual.shape == (rows, cols)
@@ -168,7 +152,6 @@ class PushBuffers:
                 planes, rows * cols, self.addresses, self.epoch, call, calls_per_forward, residual, weight, out, rows, cols,
                 eps, PLANES=split, RANK=self.rank, WORLD=self.world_size, MAX_ROWS=MAX_ROWS, BLOCK=block,
                 CHUNK=chunk, PDL=launch.enabled(), PULL_ALL=self.pulls_all(pull, block),
-                EMPTY_EARLY=empty_early,
                 num_warps=8 if cols > 2048 else 4, launch_pdl=launch.enabled(),
             )
         return out
