@@ -97,3 +97,17 @@ def test_ranks_one_after_the_other_under_the_interpreter(world, parts, pull):
                          timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "CHECKED 12" in out.stdout
+
+
+def test_every_part_is_read_at_once_where_the_block_fits():
+    from types import SimpleNamespace
+
+    from infertrace.engine.kernels import allreduce_norm as an
+
+    def pulls_all(world, pull, block=8192):
+        return an.PushBuffers.pulls_all(SimpleNamespace(world_size=world), pull, block)
+
+    assert [pulls_all(w, "auto") for w in (2, 4)] == [False, True]  # two ranks measured slower reading at once
+    assert pulls_all(2, "all") and not pulls_all(4, "each")
+    assert not pulls_all(8, "all")  # 8 x 8192 values: more than the program holds
+    assert pulls_all(8, "all", 4096) and not pulls_all(6, "all", 4096)  # the ranks a power of two

@@ -127,8 +127,11 @@ class PushBuffers:
         dist.barrier()  # every rank's slots are empty before any rank pushes
 
     def pulls_all(self, pull: str, block: int) -> bool:
-        wanted = pull == "all" or (pull == "auto" and self.world_size >= 4)
-        return wanted and self.world_size * block <= PULL_ALL_MAX
+        """Whether the kernel reads every rank's part at once: as `pull` asks, where the block fits (a power-of-two
+        number of ranks, at most PULL_ALL_MAX values)."""
+        world = self.world_size
+        wanted = pull == "all" or (pull == "auto" and world >= 4)
+        return wanted and world & (world - 1) == 0 and world * block <= PULL_ALL_MAX
 
     def begin_forward(self) -> None:
         self.epoch.add_(1)
