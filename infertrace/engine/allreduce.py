@@ -56,7 +56,7 @@ class PeerMemoryAllReduce:
         symm_mem.rendezvous(self.buffer, self.group_name)  # a collective: every rank exchanges its buffer's handle
         self.fusion = fusion  # EngineConfig.all_reduce_fusion
         self.spread = spread  # EngineConfig.all_reduce_spread
-        self.pull = pull  # EngineConfig.all_reduce_pull
+        self.pull = pull  # EngineConfig.all_reduce_pull; with the norm fusion, what it resolves to: each or all
         # "planes": a second buffer, float32, which the row-parallel skinny GEMMs write their partial sums into
         self.planes = None
         if fusion == "planes":
@@ -68,6 +68,7 @@ class PeerMemoryAllReduce:
             from infertrace.engine.kernels.allreduce_norm import PushBuffers
 
             self.norm = PushBuffers(device, world_size, hidden_size, self.group_name)
+            self.pull = "all" if self.norm.pulls_all(pull) else "each"
         self.nccl = NcclAllReduce()
         self.ops = torch.ops.symm_mem
         self.custom_calls = 0  # counted at capture or eager call time

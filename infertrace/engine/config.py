@@ -17,6 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 ALL_REDUCE_MODES = ("auto", "nccl", "custom")
 ALL_REDUCE_FUSIONS = ("auto", "planes", "norm", "off")
+ALL_REDUCE_PULLS = ("auto", "each", "all")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # token counts of prefill and mixed steps: 16 apart up to 1,024 tokens (vLLM's spacing of its capture sizes above
 # 256), so a prompt chunk with the decodes of a mixed step beside it pads by at most 15 tokens (cuBLAS's GEMM time is
@@ -136,12 +137,12 @@ class EngineConfig:
         4, "With the norm fusion: a row's push cut into slices of hidden/N columns (rounded up to a power of two), "
            "one program each; N is 1, 2, 4 or 8.")
     # with all_reduce_fusion=norm: how a row's last program waits for the ranks' parts: "each" one rank after another,
-    # "all" every rank's part read at once and again while any is missing (up to 32K values: four ranks of hidden
-    # 8,192; more take "each"); "auto": all on four or more ranks. qwen3-14b's decode graph on four H200s 3.290 ->
-    # 3.267 ms with all; on two 4.762 -> 4.788 ms
+    # "all" every rank's part read at once and again while any is missing (a power-of-two number of ranks, up to 32K
+    # values: four ranks of hidden 8,192; others take "each"); "auto": all on four or more ranks. qwen3-14b's decode
+    # graph on four H200s 3.290 -> 3.267 ms with all; on two 4.762 -> 4.788 ms
     all_reduce_pull: str = setting(
         "auto", "With the norm fusion: each (wait for the ranks' parts one after another), all (read every rank's "
-                "part at once, again while any is missing) or auto (all on four or more ranks).")
+                "part at once, again while any is missing; where the block fits) or auto (all on four or more ranks).")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")
@@ -187,7 +188,7 @@ class EngineConfig:
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("all_reduce", self.all_reduce, ALL_REDUCE_MODES)
         _check_choice("all_reduce_fusion", self.all_reduce_fusion, ALL_REDUCE_FUSIONS)
-        _check_choice("all_reduce_pull", self.all_reduce_pull, ("auto", "each", "all"))
+        _check_choice("all_reduce_pull", self.all_reduce_pull, ALL_REDUCE_PULLS)
         if self.all_reduce_spread not in (1, 2, 4, 8):
             raise ValueError(f"all_reduce_spread must be 1, 2, 4 or 8, got {self.all_reduce_spread}")
         if self.kv_cache_dtype != "auto" and self.offload != "off":

@@ -126,10 +126,10 @@ class PushBuffers:
         torch.cuda.synchronize(device)
         dist.barrier()  # every rank's slots are empty before any rank pushes
 
-    def pulls_all(self, pull: str, block: int) -> bool:
+    def pulls_all(self, pull: str) -> bool:
         """Whether the kernel reads every rank's part at once: as `pull` asks, where the block fits (a power-of-two
         number of ranks, at most PULL_ALL_MAX values)."""
-        world = self.world_size
+        world, block = self.world_size, triton.next_power_of_2(self.hidden_size)
         wanted = pull == "all" or (pull == "auto" and world >= 4)
         return wanted and world & (world - 1) == 0 and world * block <= PULL_ALL_MAX
 
@@ -154,7 +154,7 @@ class PushBuffers:
             _allreduce_add_rmsnorm_kernel[(triton.cdiv(cols, chunk), rows)](
                 planes, rows * cols, self.addresses, self.epoch, call, calls_per_forward, residual, weight, out, rows, cols,
                 eps, PLANES=split, RANK=self.rank, WORLD=self.world_size, MAX_ROWS=MAX_ROWS, BLOCK=block,
-                CHUNK=chunk, PDL=launch.enabled(), PULL_ALL=self.pulls_all(pull, block),
+                CHUNK=chunk, PDL=launch.enabled(), PULL_ALL=self.pulls_all(pull),
                 num_warps=8 if cols > 2048 else 4, launch_pdl=launch.enabled(),
             )
         return out
