@@ -5,7 +5,8 @@ another's work: what is left is each kernel's own cost and the cross-GPU latency
 - off: the planes added and rounded by two torch kernels, PyTorch's one-shot all-reduce in bf16, then add_rmsnorm;
 - planes: PyTorch's one-shot all-reduce of the float32 planes in place, then add_rmsnorm adding them;
 - norm: kernels/allreduce_norm.py, all-reduce + residual add + RMSNorm in one kernel (norm/N: each row's push
-  spread over N programs, `--spread 1,2,4`; +all: the ranks' parts pulled at once, `--pull each,all`);
+  spread over N programs, `--spread 1,2,4`; +all: the ranks' parts pulled at once, `--pull each,all`; +bf16: the
+  parts pushed in bfloat16, `--payload float32,model`);
 - nccl: the planes added and rounded, NCCL's all-reduce, then add_rmsnorm.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 benchmarks/allreduce_bench.py --ranks 2,4
@@ -14,6 +15,7 @@ another's work: what is left is each kernel's own cost and the cross-GPU latency
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing
 import sys
 from pathlib import Path
@@ -26,7 +28,8 @@ CALLS = 72  # a qwen3-4b decode step's row-parallel projections
 
 
 def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: int, replays: int, queue,
-              spreads: tuple[int, ...] = (1,), pulls: tuple[str, ...] = ("each",)) -> None:
+              spreads: tuple[int, ...] = (1,), pulls: tuple[str, ...] = ("each",),
+              payloads: tuple[str, ...] = ("float32",)) -> None:
     import torch
     import torch.distributed as dist
 
@@ -38,7 +41,8 @@ def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: i
 
     device = torch.device("cuda", rank)
     planes_ar = PeerMemoryAllReduce(device, torch.bfloat16, world, fusion="planes")
-    norm_ar = PeerMemoryAllReduce(device, torch.bfloat16, world, fusion="norm", hidden_size=hidden)
+    norm_ars = {payload: PeerMemoryAllReduce(device, torch.bfloat16, world, fusion="norm", hidden_size=hidden,
+                                             payload=payload) for payload in payloads}
     weight = torch.randn(hidden, dtype=torch.bfloat16, device=device)
     residual = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device)
     local = torch.randn(split, rows, hidden, device=device) * 1e-3
@@ -53,8 +57,8 @@ def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: i
     def planes():
         return add_rmsnorm(planes_ar.reduce_planes(shared), residual, weight, 1e-6)
 
-    def norm(spread: int = 1, pull: str = "each"):  # PushBuffers.add_rmsnorm's spread and pull
-        return norm_ar.norm.add_rmsnorm(local, residual, weight, 1e-6, norm_call[0], CALLS, spread, pull)
+    def norm(spread: int = 1, pull: str = "each", payload: str = "float32"):  # PushBuffers.add_rmsnorm's settings
+        return norm_ars[payload].norm.add_rmsnorm(local, residual, weight, 1e-6, norm_call[0], CALLS, spread, pull)
 
     def nccl():
         summed = local.sum(0, dtype=torch.float32).to(torch.bfloat16)
@@ -63,12 +67,14 @@ def rank_main(rank: int, world: int, port: int, rows: int, hidden: int, split: i
 
     norm_call = [0]
     results = {}
-    ways = [("off", off), ("planes", planes)]
-    ways += [(("norm" if s == 1 else f"norm/{s}") + ("" if p == "each" else f"+{p}"), lambda s=s, p=p: norm(s, p))
-             for s in spreads for p in pulls]
-    for name, one in ways + [("nccl", nccl)]:
+    ways = [("off", off, None), ("planes", planes, None)]  # (name, one call, the norm kernel's buffers)
+    for s, p, w in itertools.product(spreads, pulls, payloads):
+        name = ("norm" if s == 1 else f"norm/{s}") + ("" if p == "each" else f"+{p}") + ("" if w == "float32" else "+bf16")
+        ways.append((name, lambda s=s, p=p, w=w: norm(s, p, w), norm_ars[w]))
+    ways.append(("nccl", nccl, None))
+    for name, one, norm_ar in ways:
         def step():
-            if name.startswith("norm"):
+            if norm_ar is not None:
                 norm_ar.begin_forward()
             for c in range(CALLS):
                 norm_call[0] = c
@@ -94,9 +100,12 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--spread", default="1", help="programs a row's push is spread over in the norm kernel, listed")
     ap.add_argument("--pull", default="each", help="how the norm kernel waits for the ranks' parts, listed: each, all")
+    ap.add_argument("--payload", default="float32", help="the dtype the norm kernel pushes the parts in, listed: "
+                    "float32, model (bfloat16)")
     args = ap.parse_args()
     spreads = tuple(int(s) for s in args.spread.split(","))
     pulls = tuple(args.pull.split(","))
+    payloads = tuple(args.payload.split(","))
     import torch
 
     from infertrace.engine.worker import free_port
@@ -110,7 +119,7 @@ def main() -> None:
         queue = ctx.Queue()
         port = free_port()
         procs = [ctx.Process(target=rank_main, args=(r, world, port, args.rows, args.hidden, args.split, args.replays,
-                                                      queue, spreads, pulls)) for r in range(world)]
+                                                      queue, spreads, pulls, payloads)) for r in range(world)]
         for p in procs:
             p.start()
         results = dict(queue.get(timeout=300) for _ in range(world))

@@ -1,6 +1,6 @@
 """Decode-shaped GEMMs (8 rows) against the bytes they must read: cuBLAS variants and the skinny Triton kernel.
 
-    python benchmarks/gemm_bench.py [--rows 8] [--quick | --engine-only | --split-sweep | --fused-qkv]
+    python benchmarks/gemm_bench.py [--rows 8] [--quick | --engine-only | --split-sweep | --fused-qkv | --fused-gate-up]
 
 Each timing cycles through enough copies of the weight that none is served from L2, as in a real decode step
 where 36 layers of weights pass through the cache. Prints, per shape, each variant's time and its share of the
@@ -280,6 +280,56 @@ def fused_qkv(m: int, configs=((128, 4, 4), (128, 5, 4), (128, 6, 4), (64, 8, 4)
     launch.set_enabled(False)
 
 
+GATE_UP_SHAPES = {  # merged gate/up projections (2I, hidden): qwen3-4b's, and qwen3-14b's one rank's shard at TP=1, 2, 4
+    "qwen3-4b": (19456, 2560),
+    "qwen3-14b": (34816, 5120),
+    "qwen3-14b tp2": (17408, 5120),
+    "qwen3-14b tp4": (8704, 5120),
+}
+
+
+def fused_gate_up(m: int, configs=((32, 128, 3, 4), (32, 128, 4, 4), (32, 128, 5, 4), (16, 128, 4, 4),
+                                    (64, 128, 3, 4), (64, 128, 4, 4), (32, 256, 3, 4), (64, 128, 3, 8)),
+                  rounds: int = 2) -> None:
+    """The gate/up projection and SiLU-and-multiply (the skinny GEMM at the engine's tiling, then `silu_mul`) against
+    the one kernel `gate_up_silu` at each (block_n, block_k, num_stages, num_warps), for GATE_UP_SHAPES: 36 layers,
+    each over its own weights, in one CUDA graph with PDL; us a layer. First the two outputs compared."""
+    from infertrace.engine.kernels import launch
+    from infertrace.engine.kernels.fused import gate_up_silu, silu_mul
+    from infertrace.engine.kernels.skinny_gemm import decode_config
+
+    launch.set_enabled(True)
+    layers = 36
+    for label, (n, k) in GATE_UP_SHAPES.items():
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        bn, bk, _, st = decode_config(n, k, planes=False)
+
+        def pair(w):
+            return silu_mul(skinny_gemm(x, w, block_n=bn, block_k=bk, num_stages=st))
+
+        def one(w, cfg=configs[0]):
+            return gate_up_silu(x, w, block_n=cfg[0], block_k=cfg[1], num_stages=cfg[2], num_warps=cfg[3])
+
+        same = torch.equal(pair(weights[0]), one(weights[0]))
+        print(f"\n{label}: gate/up {n} x {k}, engine's tiling {(bn, bk, 1, st)}; one kernel {configs[0]} bit-equal to "
+              f"the two: {same}; weights {n * k * 2 / 1e6:.1f} MB")
+        times: dict[str, list[float]] = {"two kernels": [], **{str(c): [] for c in configs}}
+        for _ in range(rounds):
+            times["two kernels"].append(timed(pair, weights))
+            for c in configs:
+                try:
+                    times[str(c)].append(timed(lambda w, c=c: one(w, c), weights))
+                except Exception as exc:  # noqa: BLE001 - a tiling that does not fit is reported and skipped
+                    print(f"  {c}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+        for name, ts in times.items():
+            if ts:
+                print(f"  {name:<18} " + ", ".join(f"{t * 1e6:.2f}" for t in ts) + " us a layer", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    launch.set_enabled(False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=8)
@@ -294,6 +344,8 @@ def main() -> None:
                     help="with --split-sweep: write each shape's best tiling, where it beats the engine's, here")
     ap.add_argument("--fused-qkv", action="store_true",
                     help="only the qkv projection + q/k norm as two kernels against the one-kernel qkv_norm_rope")
+    ap.add_argument("--fused-gate-up", action="store_true",
+                    help="only the gate/up projection + SiLU-and-multiply as two kernels against gate_up_silu")
     args = ap.parse_args()
     torch.manual_seed(0)
     peak = copy_bandwidth()
@@ -301,6 +353,9 @@ def main() -> None:
     m = args.rows
     if args.fused_qkv:
         fused_qkv(m)
+        return
+    if args.fused_gate_up:
+        fused_gate_up(m)
         return
     if args.shards:
         shards_check(m)

@@ -44,7 +44,8 @@ class PeerMemoryAllReduce:
     name = "custom"
 
     def __init__(self, device: torch.device, dtype: torch.dtype, world_size: int, max_bytes: int = CUSTOM_MAX_BYTES,
-                 fusion: str = "off", hidden_size: int = 0, spread: int = 1, pull: str = "auto"):
+                 fusion: str = "off", hidden_size: int = 0, spread: int = 1, pull: str = "auto",
+                 payload: str = "float32"):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -57,6 +58,7 @@ class PeerMemoryAllReduce:
         self.fusion = fusion  # EngineConfig.all_reduce_fusion
         self.spread = spread  # EngineConfig.all_reduce_spread
         self.pull = pull  # EngineConfig.all_reduce_pull; with the norm fusion, what it resolves to: each or all
+        self.payload = "float32"  # EngineConfig.all_reduce_payload, as the norm fusion pushes the parts
         # "planes": a second buffer, float32, which the row-parallel skinny GEMMs write their partial sums into
         self.planes = None
         if fusion == "planes":
@@ -67,8 +69,10 @@ class PeerMemoryAllReduce:
         if fusion == "norm":
             from infertrace.engine.kernels.allreduce_norm import PushBuffers
 
-            self.norm = PushBuffers(device, world_size, hidden_size, self.group_name)
+            pushed = dtype if payload == "model" and dtype.itemsize == 2 else torch.float32
+            self.norm = PushBuffers(device, world_size, hidden_size, self.group_name, pushed)
             self.pull = "all" if self.norm.pulls_all(pull) else "each"
+            self.payload = "model" if self.norm.half else "float32"
         self.nccl = NcclAllReduce()
         self.ops = torch.ops.symm_mem
         self.custom_calls = 0  # counted at capture or eager call time
@@ -141,12 +145,13 @@ def custom_unavailable(device: torch.device, dtype: torch.dtype, world_size: int
 
 
 def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_size: int, fusion: str = "off",
-                    hidden_size: int = 0, spread: int = 1, pull: str = "auto"):
+                    hidden_size: int = 0, spread: int = 1, pull: str = "auto", payload: str = "float32"):
     """The all-reduce every rank uses; a collective (the ranks agree on the choice): call it on every rank, after
     the process group is up and before any CUDA graph is captured. `fusion` (EngineConfig.all_reduce_fusion): what
     the custom one also takes from the row-parallel projections of decode steps ("planes": `planes_out` and
     `reduce_planes`; "norm": `add_rmsnorm` over rows of `hidden_size`, each row's push spread over `spread`
-    programs, its parts pulled as `pull` says). Returns (implementation, why custom was not
+    programs, its parts pulled as `pull` says and pushed in float32 or, `payload` "model", in a 16-bit model's
+    dtype). Returns (implementation, why custom was not
     chosen or None)."""
     import torch.distributed as dist
 
@@ -174,4 +179,4 @@ def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_s
     # no enable_symm_mem_for_group (deprecated): it caches the group's store by name, and an engine started after
     # another in the same process gets a new group of the same name
     return PeerMemoryAllReduce(device, dtype, world_size, fusion=fusion, hidden_size=hidden_size, spread=spread,
-                              pull=pull), None
+                              pull=pull, payload=payload), None

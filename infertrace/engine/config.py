@@ -18,6 +18,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 ALL_REDUCE_MODES = ("auto", "nccl", "custom")
 ALL_REDUCE_FUSIONS = ("auto", "planes", "norm", "off")
 ALL_REDUCE_PULLS = ("auto", "each", "all")
+ALL_REDUCE_PAYLOADS = ("float32", "model")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # token counts of prefill and mixed steps: 16 apart up to 1,024 tokens (vLLM's spacing of its capture sizes above
 # 256), so a prompt chunk with the decodes of a mixed step beside it pads by at most 15 tokens (cuBLAS's GEMM time is
@@ -143,6 +144,12 @@ class EngineConfig:
     all_reduce_pull: str = setting(
         "auto", "With the norm fusion: each (wait for the ranks' parts one after another), all (read every rank's "
                 "part at once, again while any is missing; where the block fits) or auto (all on four or more ranks).")
+    # with all_reduce_fusion=norm: the dtype each rank's part of a row is pushed in: "float32" (the rank's sum as its
+    # GEMM left it: the total rounded to the model's dtype once, as on one GPU) or "model" (each rank's part rounded
+    # to the model's 16-bit dtype first, half the bytes over NVLink and to poll, as vLLM's all-reduce adds bf16 parts)
+    all_reduce_payload: str = setting(
+        "float32", "With the norm fusion: float32 (each rank's partial sums pushed unrounded) or model (rounded to "
+                   "the model's 16-bit dtype first: half the bytes).")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")
@@ -189,6 +196,7 @@ class EngineConfig:
         _check_choice("all_reduce", self.all_reduce, ALL_REDUCE_MODES)
         _check_choice("all_reduce_fusion", self.all_reduce_fusion, ALL_REDUCE_FUSIONS)
         _check_choice("all_reduce_pull", self.all_reduce_pull, ALL_REDUCE_PULLS)
+        _check_choice("all_reduce_payload", self.all_reduce_payload, ALL_REDUCE_PAYLOADS)
         if self.all_reduce_spread not in (1, 2, 4, 8):
             raise ValueError(f"all_reduce_spread must be 1, 2, 4 or 8, got {self.all_reduce_spread}")
         if self.kv_cache_dtype != "auto" and self.offload != "off":

@@ -325,6 +325,7 @@ class Engine:
                 "all_reduce_fusion": getattr(runner.tp.reduce, "fusion", "off"),
                 "all_reduce_spread": getattr(runner.tp.reduce, "spread", 1),
                 "all_reduce_pull": getattr(runner.tp.reduce, "pull", "auto"),
+                "all_reduce_payload": getattr(runner.tp.reduce, "payload", "float32"),
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch.")}
 
     def _launch_overlapped(self, prev: _Step) -> _Step | None:

@@ -165,7 +165,8 @@ class ModelRunner:
                                                            if skinny else "off",
                                                            hidden_size=hf_config["hidden_size"],
                                                            spread=config.all_reduce_spread,
-                                                           pull=config.all_reduce_pull)
+                                                           pull=config.all_reduce_pull,
+                                                           payload=config.all_reduce_payload)
             tp = dataclasses.replace(tp, reduce=reduce)
             self.all_reduce_name = reduce.name
         self.tp = tp

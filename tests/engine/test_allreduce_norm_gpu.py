@@ -1,6 +1,7 @@
 """The all-reduce + residual add + RMSNorm kernel (kernels/allreduce_norm.py) on 2 and 4 GPUs: over many calls and
 forwards, eagerly and replayed from a CUDA graph, every rank gets the same bits, the sum of every rank's partial
-sums exactly as torch adds them in rank order, and the residual add and RMSNorm of `add_rmsnorm`. Skipped without
+sums exactly as torch adds them in rank order (each rank's part rounded to bfloat16 first where the parts are pushed
+in bfloat16), and the residual add and RMSNorm of `add_rmsnorm`. Skipped without
 enough GPUs."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _rank(rank: int, world: int, port: int, queue, spread: int = 1, pull: str = "each") -> None:
+def _rank(rank: int, world: int, port: int, queue, spread: int = 1, pull: str = "each",
+          payload: torch.dtype = torch.float32) -> None:
     import traceback
 
     import torch.distributed as dist
@@ -24,7 +26,7 @@ def _rank(rank: int, world: int, port: int, queue, spread: int = 1, pull: str = 
         from infertrace.engine.kernels.allreduce_norm import PushBuffers
 
         hidden, eps = 2560, 1e-6
-        buffers = PushBuffers(torch.device("cuda", rank), world, hidden, dist.group.WORLD.group_name)
+        buffers = PushBuffers(torch.device("cuda", rank), world, hidden, dist.group.WORLD.group_name, payload)
         weight = torch.randn(hidden, dtype=torch.bfloat16, device="cuda", generator=_seeded(1))
         worst = 0.0
         for forward in range(5):
@@ -45,7 +47,7 @@ def _rank(rank: int, world: int, port: int, queue, spread: int = 1, pull: str = 
                     rank_sum = part[0].clone()
                     for p in range(1, split):
                         rank_sum += part[p]
-                    total += rank_sum
+                    total += rank_sum.to(payload).float()  # a 16-bit payload: each rank's part rounded first
                 x = (total.to(torch.bfloat16).float() + expected_residual.float()).to(torch.bfloat16)
                 expected_residual.copy_(x)
                 xf = x.float()
@@ -71,7 +73,7 @@ def _rank(rank: int, world: int, port: int, queue, spread: int = 1, pull: str = 
             graph.replay()
         torch.cuda.synchronize()
         check = torch.zeros(rows, hidden, dtype=torch.bfloat16, device="cuda")
-        total = sum(p[0] + p[1] for p in parts).to(torch.bfloat16)
+        total = sum((p[0] + p[1]).to(payload).float() for p in parts).to(torch.bfloat16)
         for c in range(calls):
             check = (total.float() + check.float()).to(torch.bfloat16)
         assert torch.equal(residual, check), "graph replay: residual"
@@ -88,13 +90,15 @@ def _seeded(seed: int) -> torch.Generator:
     return g
 
 
-@pytest.mark.parametrize(("world", "spread", "pull"), [  # spread: the programs a row's push is spread over
-    pytest.param(2, 1, "each", marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")),
-    pytest.param(4, 1, "each", marks=pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs")),
-    pytest.param(2, 4, "each", marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")),
-    pytest.param(2, 4, "all", marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")),
-    pytest.param(4, 4, "all", marks=pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs"))])
-def test_every_rank_gets_the_same_all_reduced_norm(world, spread, pull):
+@pytest.mark.parametrize(("world", "spread", "pull", "payload"), [  # spread: the programs a row's push is spread over
+    pytest.param(2, 1, "each", "float32", marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")),
+    pytest.param(4, 1, "each", "float32", marks=pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs")),
+    pytest.param(2, 4, "each", "float32", marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")),
+    pytest.param(2, 4, "all", "float32", marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")),
+    pytest.param(4, 4, "all", "float32", marks=pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs")),
+    pytest.param(2, 4, "each", "bfloat16", marks=pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")),
+    pytest.param(4, 4, "all", "bfloat16", marks=pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs"))])
+def test_every_rank_gets_the_same_all_reduced_norm(world, spread, pull, payload):
     import multiprocessing
 
     from infertrace.engine.worker import free_port
@@ -102,7 +106,8 @@ def test_every_rank_gets_the_same_all_reduced_norm(world, spread, pull):
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, queue, spread, pull)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, queue, spread, pull, getattr(torch, payload)))
+             for r in range(world)]
     for p in procs:
         p.start()
     try:

@@ -5,7 +5,9 @@ programs of row t (one, or `spread` of them each taking a slice of the row's col
 into slot s of every rank's buffer (its own included), at its rank's place, with plain stores over NVLink peer
 memory. Then the row's last program *pulls*: it reads its own buffer's row of every rank, in rank order, and reads
 again until no entry is still empty (the other programs of the row run meanwhile: a program's dependents launch
-only once every program of it has started, so none waits on one that cannot start). An empty entry holds -0.0 (the bits 0x80000000),
+only once every program of it has started, so none waits on one that cannot start). The row is pushed in float32,
+or rounded to the model's 16-bit dtype (`payload`: half the bytes, each rank's part rounded before the sum, as
+vLLM's all-reduce adds bfloat16 parts). An empty entry holds -0.0 (the bits 0x80000000, or 0x8000 in 16 bits),
 which no pushed value is (a -0.0 is pushed as +0.0). No barrier opens or closes the kernel: an entry is there when
 it is no longer empty. The sum, the same bits on every rank, then goes through the residual add and RMSNorm with the
 roundings of `kernels.norm.add_rmsnorm`.
@@ -35,6 +37,8 @@ MAX_ROWS = 16  # the most rows of a decode step that takes the skinny GEMMs (mod
 SLOTS = 3
 EMPTY_BITS = -(2**31)  # the int32 bits of -0.0
 EMPTY = tl.constexpr(EMPTY_BITS)  # the same, for the kernel
+EMPTY_HALF_BITS = -(2**15)  # the int16 bits of -0.0 in bfloat16 and float16, where the parts are pushed in those
+EMPTY_HALF = tl.constexpr(EMPTY_HALF_BITS)
 PULL_ALL_MAX = 1 << 15  # the most values (ranks x the row's block) the pulling program reads at once
 
 
@@ -43,7 +47,7 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
                                   residual_ptr, weight_ptr, out_ptr, n_rows, n_cols, eps,
                                   PLANES: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
                                   MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                                  PDL: tl.constexpr, PULL_ALL: tl.constexpr = False):
+                                  PDL: tl.constexpr, PULL_ALL: tl.constexpr = False, HALF: tl.constexpr = False):
     part = tl.program_id(0)  # the row's CHUNK columns this program pushes
     row = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -61,21 +65,29 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
     x = tl.load(planes_ptr + row * n_cols + mine, mask=mine_mask, other=0.0)
     for p in tl.static_range(1, PLANES):
         x += tl.load(planes_ptr + p * plane_stride + row * n_cols + mine, mask=mine_mask, other=0.0)
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 marks an empty entry: push +0.0 instead
+    dtype = out_ptr.dtype.element_ty
+    if HALF:  # the part rounded to the model's 16-bit dtype: half the bytes to push and to pull
+        x = x.to(dtype)
+        x = tl.where(x == 0.0, tl.zeros_like(x), x)  # -0.0 marks an empty entry: push +0.0 instead
+    else:
+        x = tl.where(x == 0.0, 0.0, x)
     entry = (RANK * MAX_ROWS + row) * n_cols + mine
     for r in tl.static_range(WORLD):  # push this rank's part of the row into every rank's buffer
-        peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(tl.float32)), 16)
+        peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(x.dtype)), 16)
         tl.store(peer + slot * slot_size + entry, x, mask=mine_mask)
-    own = tl.multiple_of(tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int32)), 16)
+    if HALF:  # an entry's bits, as the pull reads and the emptying writes them
+        own = tl.multiple_of(tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int16)), 16)
+    else:
+        own = tl.multiple_of(tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int32)), 16)
     if part == tl.num_programs(0) - 1:  # the row's last program pulls the whole row and runs the norm
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         if PULL_ALL:  # every rank's part of the row read at once, and again while any entry is empty
             ranks = tl.arange(0, WORLD)
             ptrs = own + slot * slot_size + (ranks[:, None] * MAX_ROWS + row) * n_cols + cols[None, :]
             bits = tl.load(ptrs, mask=mask[None, :], other=0, volatile=True)
-            while tl.max(tl.max((bits == EMPTY).to(tl.int32), 1), 0) > 0:
+            while tl.max(tl.max((bits == _empty(HALF)).to(tl.int32), 1), 0) > 0:
                 bits = tl.load(ptrs, mask=mask[None, :], other=0, volatile=True)
-            parts = bits.to(tl.float32, bitcast=True)
+            parts = _values(bits, dtype, HALF)
             for r in tl.static_range(WORLD):  # added in rank order (each part picked out exactly: x + 0.0 == x)
                 acc += tl.sum(tl.where(ranks[:, None] == r, parts, 0.0), 0)
         else:
@@ -84,11 +96,10 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
                 # volatile: read again on every pass, from L2 (where the other ranks' stores land), never a stale
                 # line of this SM's L1; 16-byte loads, the buffers' addresses being 16-byte aligned
                 bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
-                while tl.max((bits == EMPTY).to(tl.int32), 0) > 0:
+                while tl.max((bits == _empty(HALF)).to(tl.int32), 0) > 0:
                     bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
-                acc += bits.to(tl.float32, bitcast=True)
+                acc += _values(bits, dtype, HALF)
         # residual add + RMSNorm, rounded as kernels.norm.add_rmsnorm rounds a projection's planes
-        dtype = out_ptr.dtype.element_ty
         s = acc.to(dtype).to(tl.float32)
         r_ = tl.load(residual_ptr + row * n_cols + cols, mask=mask, other=0.0)
         xs = (s + r_.to(tl.float32)).to(dtype)
@@ -99,7 +110,7 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
         tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=mask)
     # empty this program's columns of the previous call's slot, every row a decode step may have (the next call may
     # have more rows than this): rows row, row + n_rows, ...
-    empty = tl.full((CHUNK,), EMPTY, dtype=tl.int32)
+    empty = tl.full((CHUNK,), _empty(HALF), dtype=own.dtype.element_ty)
     rr = row
     while rr < MAX_ROWS:
         for r in tl.static_range(WORLD):
@@ -107,20 +118,45 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
         rr += n_rows
 
 
+@triton.jit
+def _empty(HALF: tl.constexpr):
+    """The bits of an empty entry: -0.0 in float32, or in the 16-bit dtype with HALF."""
+    if HALF:
+        return EMPTY_HALF
+    return EMPTY
+
+
+@triton.jit
+def _values(bits, dtype: tl.constexpr, HALF: tl.constexpr):
+    """Entries' bits as float32 values (16-bit entries are values of `dtype`)."""
+    if HALF:
+        return bits.to(dtype, bitcast=True).to(tl.float32)
+    return bits.to(tl.float32, bitcast=True)
+
+
 class PushBuffers:
     """This rank's slots (float32 [3, world, MAX_ROWS, hidden], every entry empty at first) in symmetric memory, the
     addresses of every rank's, and the forward counter. Built on every rank at once (a collective)."""
 
-    def __init__(self, device: torch.device, world_size: int, hidden_size: int, group_name: str):
+    def __init__(self, device: torch.device, world_size: int, hidden_size: int, group_name: str,
+                 payload: torch.dtype = torch.float32):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
         self.world_size = world_size
         self.hidden_size = hidden_size
+        # the dtype of the parts pushed: float32 (each rank's sum unrounded; the total rounded once, as on one GPU)
+        # or the model's 16-bit dtype (each rank's part rounded first, half the bytes; the slots then use half
+        # the buffer)
+        self.payload = payload
+        self.half = payload.itemsize == 2
         self.buffer = symm_mem.empty(SLOTS * world_size * MAX_ROWS * hidden_size, dtype=torch.float32, device=device)
         handle = symm_mem.rendezvous(self.buffer, group_name)
         self.rank = handle.rank
-        self.buffer.view(torch.int32).fill_(EMPTY_BITS)
+        if self.half:
+            self.buffer.view(torch.int16).fill_(EMPTY_HALF_BITS)
+        else:
+            self.buffer.view(torch.int32).fill_(EMPTY_BITS)
         self.addresses = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
@@ -147,6 +183,7 @@ class PushBuffers:
         split, rows, cols = planes.shape
         assert planes.dtype == torch.float32 and planes.is_contiguous() and residual.is_contiguous()
         assert rows <= MAX_ROWS and cols == self.hidden_size and residual.shape == (rows, cols)
+        assert not self.half or residual.dtype == self.payload, "16-bit parts are pushed in the residual's dtype"
         out = torch.empty_like(residual)
         if rows:
             chunk = triton.next_power_of_2(triton.cdiv(cols, spread))
@@ -154,7 +191,7 @@ class PushBuffers:
             _allreduce_add_rmsnorm_kernel[(triton.cdiv(cols, chunk), rows)](
                 planes, rows * cols, self.addresses, self.epoch, call, calls_per_forward, residual, weight, out, rows, cols,
                 eps, PLANES=split, RANK=self.rank, WORLD=self.world_size, MAX_ROWS=MAX_ROWS, BLOCK=block,
-                CHUNK=chunk, PDL=launch.enabled(), PULL_ALL=self.pulls_all(pull),
+                CHUNK=chunk, PDL=launch.enabled(), PULL_ALL=self.pulls_all(pull), HALF=self.half,
                 num_warps=8 if cols > 2048 else 4, launch_pdl=launch.enabled(),
             )
         return out
