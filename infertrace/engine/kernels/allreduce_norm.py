@@ -122,16 +122,20 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
 def _empty(HALF: tl.constexpr):
     """The bits of an empty entry: -0.0 in float32, or in the 16-bit dtype with HALF."""
     if HALF:
-        return EMPTY_HALF
-    return EMPTY
+        bits = EMPTY_HALF
+    else:
+        bits = EMPTY
+    return bits
 
 
 @triton.jit
-def _values(bits, dtype: tl.constexpr, HALF: tl.constexpr):
-    """Entries' bits as float32 values (16-bit entries are values of `dtype`)."""
+def _values(bits, value_type: tl.constexpr, HALF: tl.constexpr):
+    """Entries' bits as float32 values (16-bit entries are values of `value_type`)."""
     if HALF:
-        return bits.to(dtype, bitcast=True).to(tl.float32)
-    return bits.to(tl.float32, bitcast=True)
+        values = bits.to(value_type, bitcast=True).to(tl.float32)
+    else:
+        values = bits.to(tl.float32, bitcast=True)
+    return values
 
 
 class PushBuffers:
