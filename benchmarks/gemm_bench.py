@@ -330,6 +330,89 @@ def fused_gate_up(m: int, configs=((32, 128, 3, 4), (32, 128, 4, 4), (32, 128, 5
     launch.set_enabled(False)
 
 
+EARLY_SHAPES = {  # qwen3-14b's TP=4 and TP=2 shards with the kernel after each, and qwen3-4b's TP=1 projections
+    "qkv 14b tp4": (1792, 5120, "qknorm", 2),
+    "o 14b tp4": (5120, 1280, "norm", 0),
+    "gate_up 14b tp4": (8704, 5120, "silu", 0),
+    "down 14b tp4": (5120, 4352, "norm", 0),
+    "qkv 14b tp2": (3584, 5120, "qknorm", 4),
+    "gate_up 14b tp2": (17408, 5120, "silu", 0),
+}
+
+
+def _hold_kernel():
+    """A kernel of 24 programs standing in for the all-reduce + norm kernel before a projection: it lets the next
+    kernel launch (programmatic dependent launch), then spins `ns` nanoseconds on the GPU's global timer."""
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def hold(flag_ptr, ns):
+        gdc_wait()
+        gdc_launch_dependents()
+        t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        t = t0
+        while t - t0 < ns:
+            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                          pack=1)
+        if tl.program_id(0) == 0:
+            tl.store(flag_ptr, t - t0)
+
+    flag = torch.zeros(1, dtype=torch.int64, device="cuda")
+    return lambda ns: hold[(24,)](flag, ns, launch_pdl=True)
+
+
+def early_check(m: int, holds_ns=(0, 3000, 7000), stages: tuple[int, ...] = ()) -> None:
+    """The Gluon GEMM that copies its first weights before its wait (`skinny_gemm(..., early=True)`): first its
+    products against float64's over shapes with ragged edges, then EARLY_SHAPES at the engine's tiling, each layer a
+    kernel that holds the GPU for a while (the all-reduce's stand-in), the GEMM and the kernel after it, 36 layers
+    in one CUDA graph with PDL: us a layer, Triton's kernel against the early one (at the tiling's stages, and at
+    each of `stages`)."""
+    from infertrace.engine.kernels import launch
+    from infertrace.engine.kernels.skinny_gemm import decode_config
+
+    launch.set_enabled(True)
+    worst = 0.0
+    for rows, n, k, (bn, bk, sk, st) in [(8, 5120, 1280, (64, 128, 1, 5)), (3, 1000, 4352, (32, 128, 2, 4)),
+                                         (16, 1792, 5120, (64, 128, 4, 5)), (1, 96, 2000, (32, 64, 3, 3)),
+                                         (8, 8704, 5120, (32, 128, 1, 5)), (13, 320, 640, (64, 256, 2, 2))]:
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        got = skinny_gemm(x, w, block_n=bn, block_k=bk, split_k=sk, num_stages=st, early=True).float()
+        got = got.sum(0) if sk > 1 else got
+        ref = x.double() @ w.double().T
+        err = float((got.double() - ref).abs().max() / ref.abs().max())
+        worst = max(worst, err)
+        print(f"  early GEMM [{rows} x {k}] x [{n} x {k}]^T at {(bn, bk, sk, st)}: max error {err:.2e} of the largest")
+    print(f"early GEMM products: worst {worst:.2e} of the largest value (float64 reference)")
+    hold = _hold_kernel()
+    layers = 36
+    extra = "".join(f" early, {n} stages |" for n in stages)
+    print(f"| shape | hold ns | Triton us a layer | early us a layer |{extra}\n| --- | --- | --- | --- |"
+          + " --- |" * len(stages))
+    for name, (n, k, kind, kv_heads) in EARLY_SHAPES.items():
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        consume = _consumer(kind, m, n, kv_heads)
+        bn, bk, sk, st = decode_config(n, k, planes=kind != "silu")
+        sk = 1 if kind == "silu" else sk
+        for ns in holds_ns:
+            times = []
+            for early, stage_count in [(False, st), (True, st)] + [(True, n) for n in stages]:
+                def layer(w, early=early, ns=ns, stage_count=stage_count):
+                    hold(ns)
+                    return consume(skinny_gemm(x, w, block_n=bn, block_k=bk, split_k=sk, num_stages=stage_count,
+                                               early=early))
+                try:
+                    times.append(f"{timed(layer, weights) * 1e6:.2f}")
+                except Exception as exc:  # noqa: BLE001 - more stages than shared memory holds
+                    times.append(type(exc).__name__)
+            print(f"| {name} {(bn, bk, sk, st)} | {ns} | " + " | ".join(times) + " |", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    launch.set_enabled(False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=8)
@@ -344,6 +427,9 @@ def main() -> None:
                     help="with --split-sweep: write each shape's best tiling, where it beats the engine's, here")
     ap.add_argument("--fused-qkv", action="store_true",
                     help="only the qkv projection + q/k norm as two kernels against the one-kernel qkv_norm_rope")
+    ap.add_argument("--early", nargs="?", const="", metavar="STAGES",
+                    help="only the GEMM that copies its first weights before its wait, checked, then timed against "
+                    "Triton's after a kernel that holds the GPU (also at these stage counts, comma-separated)")
     ap.add_argument("--fused-gate-up", action="store_true",
                     help="only the gate/up projection + SiLU-and-multiply as two kernels against gate_up_silu")
     args = ap.parse_args()
@@ -356,6 +442,9 @@ def main() -> None:
         return
     if args.fused_gate_up:
         fused_gate_up(m)
+        return
+    if args.early is not None:
+        early_check(m, stages=tuple(int(v) for v in args.early.split(",") if v))
         return
     if args.shards:
         shards_check(m)

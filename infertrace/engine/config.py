@@ -19,6 +19,7 @@ ALL_REDUCE_MODES = ("auto", "nccl", "custom")
 ALL_REDUCE_FUSIONS = ("auto", "planes", "norm", "off")
 ALL_REDUCE_PULLS = ("auto", "each", "all")
 ALL_REDUCE_PAYLOADS = ("float32", "model")
+GEMM_EARLY_WEIGHTS = ("auto", "on", "off")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # token counts of prefill and mixed steps: 16 apart up to 1,024 tokens (vLLM's spacing of its capture sizes above
 # 256), so a prompt chunk with the decodes of a mixed step beside it pads by at most 15 tokens (cuBLAS's GEMM time is
@@ -90,6 +91,12 @@ class EngineConfig:
     pdl: bool = setting(
         True, "Programmatic dependent launch of the Triton kernels (Hopper and later): each starts while the one "
               "before drains.")
+    # with skinny_gemm and pdl: the decode GEMMs as a Gluon kernel that copies its first tiles of weights into
+    # shared memory before its wait, while the kernel before still runs (kernels/skinny_gemm.py); "auto": on with
+    # more than one rank, where the all-reduce before a projection leaves the GPU's memory idle for microseconds
+    gemm_early_weights: str = setting(
+        "auto", "Decode GEMMs copy their first weights before waiting on the kernel before them: on, off, or auto "
+                "(on with tensor parallelism).")
     # decode attention (Triton backend) launches its sequences' programs longest context first: over mixed context
     # lengths a long context launched last otherwise runs on alone while the rest of the GPU idles
     decode_longest_first: bool = setting(
@@ -197,6 +204,7 @@ class EngineConfig:
         _check_choice("all_reduce_fusion", self.all_reduce_fusion, ALL_REDUCE_FUSIONS)
         _check_choice("all_reduce_pull", self.all_reduce_pull, ALL_REDUCE_PULLS)
         _check_choice("all_reduce_payload", self.all_reduce_payload, ALL_REDUCE_PAYLOADS)
+        _check_choice("gemm_early_weights", self.gemm_early_weights, GEMM_EARLY_WEIGHTS)
         if self.all_reduce_spread not in (1, 2, 4, 8):
             raise ValueError(f"all_reduce_spread must be 1, 2, 4 or 8, got {self.all_reduce_spread}")
         if self.kv_cache_dtype != "auto" and self.offload != "off":

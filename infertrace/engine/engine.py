@@ -320,7 +320,7 @@ class Engine:
                 "cuda_graph_memory_bytes": runner.graph_memory_bytes,
                 "fused_norm": runner.model.fused_norm, "skinny_gemm": runner.model.skinny_gemm,
                 "fused_projections": runner.model.fused_projections,
-                "async_scheduling": self._async, "pdl": runner.pdl,
+                "async_scheduling": self._async, "pdl": runner.pdl, "gemm_early_weights": runner.gemm_early_weights,
                 "all_reduce": runner.all_reduce_name, "all_reduce_note": runner.all_reduce_note,
                 "all_reduce_fusion": getattr(runner.tp.reduce, "fusion", "off"),
                 "all_reduce_spread": getattr(runner.tp.reduce, "spread", 1),

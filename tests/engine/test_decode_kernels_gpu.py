@@ -13,19 +13,22 @@ def _linear_ref(x, w):
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 @pytest.mark.parametrize("n, k", [(2560, 4096), (6144, 2560), (1000, 1200), (151936, 256)])
 @pytest.mark.parametrize("split_k", [1, 2, 3, 4])
-def test_skinny_gemm_matches_matmul(rows, n, k, split_k):
-    from infertrace.engine.kernels.skinny_gemm import skinny_gemm
+@pytest.mark.parametrize("early", [False, True])  # the Gluon kernel copying its first weights before its wait
+def test_skinny_gemm_matches_matmul(rows, n, k, split_k, early):
+    from infertrace.engine.kernels.skinny_gemm import early_available, skinny_gemm
 
+    if early and not early_available():
+        pytest.skip("no Gluon in this Triton, or a GPU before compute capability 8.0")
     torch.manual_seed(rows + n)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
     ref = _linear_ref(x, w)
     if split_k == 1:
-        got = skinny_gemm(x, w, block_n=64, block_k=256)
+        got = skinny_gemm(x, w, block_n=64, block_k=256, early=early)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     else:  # float32 partial sums, a plane a slice of K (K need not divide evenly)
         workspace = torch.full((split_k + 1, rows, n), float("nan"), device="cuda")
-        got = skinny_gemm(x, w, workspace, block_n=64, block_k=128, split_k=split_k)
+        got = skinny_gemm(x, w, workspace, block_n=64, block_k=128, split_k=split_k, early=early)
         assert got.shape == (split_k, rows, n) and got.data_ptr() == workspace.data_ptr()
         assert not got.isnan().any() and workspace[split_k].isnan().all()
         got = got.sum(0)

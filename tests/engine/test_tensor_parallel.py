@@ -383,6 +383,8 @@ def test_the_automatic_all_reduce_fusion_is_the_norm_kernel_on_two_and_four_rank
         EngineConfig(all_reduce_pull="some")
     with pytest.raises(ValueError, match="all_reduce_payload"):
         EngineConfig(all_reduce_payload="bfloat16")  # "model": the model's own 16-bit dtype
+    with pytest.raises(ValueError, match="gemm_early_weights"):
+        EngineConfig(gemm_early_weights="yes")
 
 
 def test_tp_bench_counts_each_kernel_s_own_time_as_analyze_does():

@@ -20,6 +20,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from infertrace.engine.kernels import launch, tuning
 
+try:  # Gluon (Triton's lower-level language, 3.5 and later): the GEMM that reads its first weights before the wait
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+except ImportError:  # pragma: no cover - older Triton: the Triton kernel only
+    gluon = None
+
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
@@ -55,6 +62,70 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+if gluon is not None:
+    @gluon.jit
+    def _skinny_gemm_early_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
+                                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                                  SPLIT_K: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+        """`_skinny_gemm_kernel`'s product with its pipeline written out (4 warps, tensor-core mma.sync on tiles
+        copied into shared memory with cp.async), so that the copies of the first STAGES - 1 tiles of weights are
+        issued before the programmatic-dependent-launch wait: nothing writes the weights, so they stream in while
+        the kernel before still runs (at TP>1, the all-reduce waiting on the other ranks); x, which that kernel
+        writes, is copied after the wait."""
+        load: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte copies along K
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        smem: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        span = gl.cdiv(gl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_begin = pid_k * span
+        iters = gl.cdiv(gl.minimum(K - k_begin, span), BLOCK_K)
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load))
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load))
+        ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, load))
+        w_ptrs = w_ptr + cols.to(gl.int64)[:, None] * stride_wn + (k_begin + ks)[None, :]
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + ks)[None, :]
+        k_left = gl.minimum(K - k_begin, span)  # a tile's columns past it are masked (and read as zeros)
+        w_ok = (cols < N)[:, None] & (ks < k_left)[None, :]
+        x_ok = (rows < M)[:, None] & (ks < k_left)[None, :]
+        w_smem = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_K], smem)
+        x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K], smem)
+        for j in gl.static_range(STAGES - 1):  # the first tiles of weights, before the wait: one group each
+            async_copy.async_copy_global_to_shared(w_smem.index(j), w_ptrs + j * BLOCK_K,
+                                                   mask=w_ok & (ks < k_left - j * BLOCK_K)[None, :])
+            async_copy.commit_group()
+        if PDL:  # x comes from the kernel before, and the workspace planes are read by the kernel after it
+            gdc_wait()
+            gdc_launch_dependents()
+        for j in gl.static_range(STAGES - 1):  # their x, one group each
+            async_copy.async_copy_global_to_shared(x_smem.index(j), x_ptrs + j * BLOCK_K,
+                                                   mask=x_ok & (ks < k_left - j * BLOCK_K)[None, :])
+            async_copy.commit_group()
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
+        for i in range(iters):
+            # tile i has landed: STAGES - 2 groups were committed after its last one (the x of the first tiles
+            # after it, then the tiles copied in the loop), and every warp is done with tile i - 1, whose slot
+            # takes tile i + STAGES - 1 now, copied while tile i is multiplied
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            ahead = i + STAGES - 1
+            left = k_left - ahead * BLOCK_K  # <= 0 past the slice: nothing copied, the group empty
+            async_copy.async_copy_global_to_shared(w_smem.index(ahead % STAGES), w_ptrs + ahead * BLOCK_K,
+                                                   mask=w_ok & (ks < left)[None, :])
+            async_copy.async_copy_global_to_shared(x_smem.index(ahead % STAGES), x_ptrs + ahead * BLOCK_K,
+                                                   mask=x_ok & (ks < left)[None, :])
+            async_copy.commit_group()
+            cur = i % STAGES
+            acc = mma_v2(x_smem.index(cur).load(a_layout), w_smem.index(cur).permute((1, 0)).load(b_layout), acc)
+        async_copy.wait_group(0)
+        out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+        out_cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        y_ptrs = y_ptr + pid_k * stride_ys + out_rows[:, None] * stride_ym + out_cols[None, :]
+        gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(out_rows < M)[:, None] & (out_cols < N)[None, :])
+
+
 @triton.jit
 def load_planes(ptrs, mask, plane_stride, PLANES: tl.constexpr, dtype: tl.constexpr):
     """For the kernel that reads a projection's output: float32 values at `ptrs`, as stored (PLANES == 0), or the
@@ -69,14 +140,22 @@ def load_planes(ptrs, mask, plane_stride, PLANES: tl.constexpr, dtype: tl.conste
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int = 32,
-                block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+                block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
+                early: bool | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16) times weight [N, K] transposed.
 
     With split_k > 1 the result is the float32 partial sums [split_k, M, N], one plane a slice of K, to be added
     plane by plane (`.sum(0)`, or the kernel that reads them with `load_planes`); `out`, when given, is a float32
-    workspace of at least split_k planes of [M, N], and its first split_k planes are returned.
+    workspace of at least split_k planes of [M, N], and its first split_k planes are returned. `early`: the Gluon
+    kernel, whose first num_stages - 1 tiles of weights are copied before its programmatic-dependent-launch wait
+    (4 warps; bf16 or fp16; `early_available`); None: as `set_early` set it for the process. Its copies are 16
+    bytes, so it takes rows that start on 16-byte boundaries (K and x's row stride multiples of 16 elements, as
+    Triton specializes them); other inputs take the Triton kernel.
     """
     m, k = x.shape
+    early = _early if early is None else early
+    early = early and k % 16 == 0 and x.stride(0) % 16 == 0 and weight.stride(0) % 16 == 0 and not (
+        x.data_ptr() % 16 or weight.data_ptr() % 16)
     n = weight.shape[0]
     assert m <= 16 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
     if split_k == 1:
@@ -89,11 +168,36 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
         plane_stride = out.stride(0)
     row_stride = out.stride(-2)
     grid = (triton.cdiv(n, block_n), split_k)
+    if early:
+        assert early_available() and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+        assert block_n % 32 == 0 and block_k % 16 == 0 and num_stages >= 2
+        _skinny_gemm_early_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), row_stride,
+                                        plane_stride, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                                        STAGES=num_stages, PDL=launch.enabled(), num_warps=4,
+                                        launch_pdl=launch.enabled())
+        return out
     _skinny_gemm_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), row_stride, plane_stride,
                               BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                               EVEN_K=k % (block_k * split_k) == 0, PDL=launch.enabled(),
                               num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
     return out
+
+
+_early = False  # the process's choice (EngineConfig.gemm_early_weights, set by the model runner)
+
+
+def set_early(on: bool) -> bool:
+    """Whether skinny GEMMs called without `early` take the Gluon kernel, where it can run; returns whether they do.
+    A CUDA graph keeps the kernels as they were when it was captured."""
+    global _early
+    _early = bool(on) and early_available()
+    return _early
+
+
+def early_available() -> bool:
+    """Whether the Gluon kernel can run here: Triton with Gluon, and a CUDA GPU with tensor cores' mma.sync and
+    cp.async (compute capability 8.0 and later)."""
+    return gluon is not None and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
 # (N, K) -> (block_n, block_k, split_k, num_stages) ahead of decode_config's rules (benchmarks try tilings with it)
@@ -132,7 +236,22 @@ def decode_config(n: int, k: int, planes: bool = False) -> tuple[int, int, int, 
     projection); otherwise split_k is 1."""
     if (n, k) in TUNED:
         return TUNED[(n, k)]
-    return device_shards().get((n, k)) or rules_config(n, k, planes)
+    block_n, block_k, split_k, stages = device_shards().get((n, k)) or rules_config(n, k, planes)
+    if _early and triton.cdiv(n, block_n) * split_k <= _sm_count():
+        # the early kernel with one program an SM: more of each program's weights copied before the wait. One
+        # H200, behind a kernel holding the GPU 7 us (the all-reduce's stand-in), qwen3-14b's TP=4 qkv shard with
+        # the q/k norm after it: 15.40 us a layer at 5 stages, 14.07 at 6 (Triton's kernel 16.90; `gemm_bench.py
+        # --early 4,6`); grids of more programs than SMs measured no better or worse at 6
+        stages = max(stages, EARLY_ONE_WAVE_STAGES)
+    return block_n, block_k, split_k, stages
+
+
+EARLY_ONE_WAVE_STAGES = 6
+
+
+@functools.cache
+def _sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def rules_config(n: int, k: int, planes: bool = False) -> tuple[int, int, int, int]:
