@@ -381,6 +381,7 @@ def test_the_automatic_all_reduce_fusion_is_the_norm_kernel_on_two_and_four_rank
         EngineConfig(all_reduce_spread=3)
     with pytest.raises(ValueError, match="all_reduce_pull"):
         EngineConfig(all_reduce_pull="some")
+    assert EngineConfig().all_reduce_payload == "model"  # rounded to bf16 before the push, as vLLM's
     with pytest.raises(ValueError, match="all_reduce_payload"):
         EngineConfig(all_reduce_payload="bfloat16")  # "model": the model's own 16-bit dtype
     with pytest.raises(ValueError, match="gemm_early_weights"):
