@@ -82,12 +82,10 @@ class EngineConfig:
     skinny_gemm: bool = setting(
         True, "Projections of small decode steps as weight-streaming Triton GEMMs (CUDA, 16-bit, fused norm).")
     # with skinny_gemm: the qkv projection with the q/k norm, RoPE and K/V write, and the gate/up projection with
-    # SiLU-and-multiply, one kernel each, at the shapes measured to gain (kernels/fused.py; qwen3-4b's today); at
-    # other shapes SiLU-and-multiply is taken by the down projection's GEMM as it reads its input
+    # SiLU-and-multiply, one kernel each, at the shapes measured to gain (kernels/fused.py; qwen3-4b's today)
     fused_projections: bool = setting(
         True, "With --skinny-gemm: the qkv projection with its q/k norm and RoPE, and the gate/up projection with "
-              "SiLU, as one kernel each where measured faster (qwen3-4b's shapes); elsewhere SiLU inside the down "
-              "projection.")
+              "SiLU, as one kernel each where measured faster (qwen3-4b's shapes).")
     # programmatic dependent launch of the Triton kernels on Hopper and later (compute capability 9.0): a kernel's
     # programs start while the one before drains, and wait for its results on the device. No effect elsewhere
     pdl: bool = setting(

@@ -36,26 +36,6 @@ def test_skinny_gemm_matches_matmul(rows, n, k, split_k, early):
     assert err < 1e-2, float(err)
 
 
-@pytest.mark.parametrize("early", [False, True])
-@pytest.mark.parametrize("rows, k, n, tiling", [(8, 4352, 5120, (32, 128, 2, 4)), (3, 9728, 2560, (64, 128, 4, 4)),
-                                                (16, 1008, 1000, (32, 64, 3, 3))])
-def test_silu_inside_the_gemm_is_silu_mul_then_the_gemm(early, rows, k, n, tiling):
-    """The down projection taking silu(gate) * up as it reads the gate/up projection's output: bit for bit the
-    GEMM of `silu_mul`'s output, in both kernels."""
-    from infertrace.engine.kernels.fused import silu_mul
-    from infertrace.engine.kernels.skinny_gemm import early_available, skinny_gemm
-
-    if early and not early_available():
-        pytest.skip("no Gluon in this Triton, or a GPU before compute capability 8.0")
-    torch.manual_seed(rows)
-    gate_up = torch.randn(rows, 2 * k, device="cuda", dtype=torch.bfloat16) * 2
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
-    bn, bk, sk, st = tiling
-    fused = skinny_gemm(gate_up, w, block_n=bn, block_k=bk, split_k=sk, num_stages=st, early=early, silu=True)
-    apart = skinny_gemm(silu_mul(gate_up), w, block_n=bn, block_k=bk, split_k=sk, num_stages=st, early=early)
-    assert torch.equal(fused, apart)
-
-
 @pytest.mark.parametrize("split_k", [2, 4])
 def test_split_k_sums_are_deterministic(split_k):
     from infertrace.engine.kernels.norm import add_rmsnorm

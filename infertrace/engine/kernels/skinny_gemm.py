@@ -29,17 +29,9 @@ except ImportError:  # pragma: no cover - older Triton: the Triton kernel only
 
 
 @triton.jit
-def silu_times(g, u, dtype: tl.constexpr):
-    """silu(g) * u in `dtype` from float32 gate and up values, silu's result rounded to `dtype` first, as the
-    unfused model rounds it."""
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    return (act * u).to(dtype)
-
-
-@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, SILU: tl.constexpr = False):
+                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # x comes from the kernel before, and the workspace planes are read by the kernel after it
         gdc_wait()
         gdc_launch_dependents()
@@ -59,16 +51,10 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
-            if SILU:  # x is the gate half of a gate/up projection's rows, the up half K columns on
-                x = silu_times(x.to(tl.float32), tl.load(x_ptrs + K, mask=row_ok[:, None], other=0.0).to(tl.float32),
-                               x_ptr.dtype.element_ty)
         else:
             k_ok = (k_begin + k + ks) < K
             x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if SILU:
-                up = tl.load(x_ptrs + K, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                x = silu_times(x.to(tl.float32), up.to(tl.float32), x_ptr.dtype.element_ty)
         acc += tl.dot(x, tl.trans(w))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -80,14 +66,12 @@ if gluon is not None:
     @gluon.jit
     def _skinny_gemm_early_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
                                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                                  SPLIT_K: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                                  SILU: gl.constexpr = False):
+                                  SPLIT_K: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
         """`_skinny_gemm_kernel`'s product with its pipeline written out (4 warps, tensor-core mma.sync on tiles
         copied into shared memory with cp.async), so that the copies of the first STAGES - 1 tiles of weights are
         issued before the programmatic-dependent-launch wait: nothing writes the weights, so they stream in while
         the kernel before still runs (at TP>1, the all-reduce waiting on the other ranks); x, which that kernel
-        writes, is copied after the wait. SILU: x is a gate/up projection's output, silu(gate) * up taken as the
-        tiles are multiplied (the up half K columns on, copied beside the gate half)."""
+        writes, is copied after the wait."""
         load: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte copies along K
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -108,7 +92,6 @@ if gluon is not None:
         x_ok = (rows < M)[:, None] & (ks < k_left)[None, :]
         w_smem = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_K], smem)
         x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K], smem)
-        u_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES if SILU else 1, BLOCK_M, BLOCK_K], smem)
         for j in gl.static_range(STAGES - 1):  # the first tiles of weights, before the wait: one group each
             async_copy.async_copy_global_to_shared(w_smem.index(j), w_ptrs + j * BLOCK_K,
                                                    mask=w_ok & (ks < k_left - j * BLOCK_K)[None, :])
@@ -119,9 +102,6 @@ if gluon is not None:
         for j in gl.static_range(STAGES - 1):  # their x, one group each
             async_copy.async_copy_global_to_shared(x_smem.index(j), x_ptrs + j * BLOCK_K,
                                                    mask=x_ok & (ks < k_left - j * BLOCK_K)[None, :])
-            if SILU:
-                async_copy.async_copy_global_to_shared(u_smem.index(j), x_ptrs + K + j * BLOCK_K,
-                                                       mask=x_ok & (ks < k_left - j * BLOCK_K)[None, :])
             async_copy.commit_group()
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
         for i in range(iters):
@@ -136,17 +116,9 @@ if gluon is not None:
                                                    mask=w_ok & (ks < left)[None, :])
             async_copy.async_copy_global_to_shared(x_smem.index(ahead % STAGES), x_ptrs + ahead * BLOCK_K,
                                                    mask=x_ok & (ks < left)[None, :])
-            if SILU:
-                async_copy.async_copy_global_to_shared(u_smem.index(ahead % STAGES), x_ptrs + K + ahead * BLOCK_K,
-                                                       mask=x_ok & (ks < left)[None, :])
             async_copy.commit_group()
             cur = i % STAGES
-            a = x_smem.index(cur).load(a_layout)
-            if SILU:  # silu_times' roundings
-                g = a.to(gl.float32)
-                act = (g / (1.0 + gl.exp(-g))).to(x_ptr.dtype.element_ty).to(gl.float32)
-                a = (act * u_smem.index(cur).load(a_layout).to(gl.float32)).to(x_ptr.dtype.element_ty)
-            acc = mma_v2(a, w_smem.index(cur).permute((1, 0)).load(b_layout), acc)
+            acc = mma_v2(x_smem.index(cur).load(a_layout), w_smem.index(cur).permute((1, 0)).load(b_layout), acc)
         async_copy.wait_group(0)
         out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
         out_cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
@@ -169,9 +141,8 @@ def load_planes(ptrs, mask, plane_stride, PLANES: tl.constexpr, dtype: tl.conste
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int = 32,
                 block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
-                early: bool | None = None, silu: bool = False) -> torch.Tensor:
-    """x [M, K] (M <= 16) times weight [N, K] transposed; with `silu`, x is a gate/up projection's output [M, 2K]
-    and silu(gate) * up (`fused.silu_mul`'s values) is multiplied, taken as its tiles are read.
+                early: bool | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 16) times weight [N, K] transposed.
 
     With split_k > 1 the result is the float32 partial sums [split_k, M, N], one plane a slice of K, to be added
     plane by plane (`.sum(0)`, or the kernel that reads them with `load_planes`); `out`, when given, is a float32
@@ -182,14 +153,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     Triton specializes them); other inputs take the Triton kernel.
     """
     m, k = x.shape
-    if silu:
-        k //= 2
-        assert x.shape[1] == 2 * k
     early = _early if early is None else early
     early = early and k % 16 == 0 and x.stride(0) % 16 == 0 and weight.stride(0) % 16 == 0 and not (
         x.data_ptr() % 16 or weight.data_ptr() % 16)
     n = weight.shape[0]
-    assert m <= 16 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k, (x.shape, weight.shape)
+    assert m <= 16 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
     if split_k == 1:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
         assert out.shape == (m, n) and out.stride(1) == 1
@@ -205,12 +173,12 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
         assert block_n % 32 == 0 and block_k % 16 == 0 and num_stages >= 2
         _skinny_gemm_early_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), row_stride,
                                         plane_stride, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                                        STAGES=num_stages, PDL=launch.enabled(), SILU=silu, num_warps=4,
+                                        STAGES=num_stages, PDL=launch.enabled(), num_warps=4,
                                         launch_pdl=launch.enabled())
         return out
     _skinny_gemm_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), row_stride, plane_stride,
                               BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                              EVEN_K=k % (block_k * split_k) == 0, PDL=launch.enabled(), SILU=silu,
+                              EVEN_K=k % (block_k * split_k) == 0, PDL=launch.enabled(),
                               num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
     return out
 

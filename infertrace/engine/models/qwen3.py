@@ -126,26 +126,23 @@ def _fusions():
     return fused
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, planes: bool = False, silu: bool = False) -> torch.Tensor:
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, planes: bool = False) -> torch.Tensor:
     """x @ weight.T by the skinny GEMM with its tuned tiling. With `planes`, a shape whose tiling splits K returns
-    its float32 partial sums [split, T, N] for the kernel after it to add up as it reads them. With `silu`, x is a
-    gate/up projection's output and silu(gate) * up is multiplied."""
+    its float32 partial sums [split, T, N] for the kernel after it to add up as it reads them."""
     decode_config, skinny_gemm = _skinny_kernels()
     n, k = weight.shape
     block_n, block_k, split_k, stages = decode_config(n, k, planes)
     return skinny_gemm(x, weight, block_n=block_n, block_k=block_k, split_k=split_k if planes else 1,
-                       num_stages=stages, silu=silu)
+                       num_stages=stages)
 
 
-def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool = True,
-                        silu: bool = False) -> torch.Tensor:
+def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool = True) -> torch.Tensor:
     """x @ W.T of a row-parallel projection of a decode step by the skinny GEMM, added up over the ranks, for the
     residual add + RMSNorm after it, which adds float32 planes [split, T, N] as it reads them. One rank: the GEMM's
     own split-K planes. More ranks, where the all-reduce takes planes (`all_reduce_fusion="planes"`): the GEMM writes
     them into its peer-memory buffer and they are all-reduced there, in float32. Otherwise they are added up, rounded
     to the model's dtype and all-reduced as one [T, N] tensor. `reduce=False` (more ranks, "norm" fusion): this
-    rank's float32 planes, for the all-reduce + norm kernel after it. `silu`: x is the gate/up projection's output,
-    silu(gate) * up taken inside the GEMM."""
+    rank's float32 planes, for the all-reduce + norm kernel after it."""
     tp = layer.tp
     planes_out = getattr(tp.reduce, "planes_out", None)
     if tp.size > 1 and (not reduce or planes_out is not None):
@@ -156,9 +153,9 @@ def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool 
         out = planes_out(*shape) if reduce else torch.empty(shape, dtype=torch.float32, device=x.device)
         if out is not None:  # None: more planes than the buffer holds
             skinny_gemm(x, layer.weight, out if split_k > 1 else out[0], block_n=block_n, block_k=block_k,
-                        split_k=split_k, num_stages=stages, silu=silu)
+                        split_k=split_k, num_stages=stages)
             return tp.reduce.reduce_planes(out) if reduce else out
-    partial = decode_linear(x, layer.weight, planes=True, silu=silu)
+    partial = decode_linear(x, layer.weight, planes=True)
     return tp.reduce_partial_sums(partial, x.dtype)
 
 
@@ -235,8 +232,7 @@ class Qwen3MLP(nn.Module):
     def forward(self, x: torch.Tensor, fused: bool = False, skinny: bool = False,
                 fuse_projections: bool = False, reduce: bool = True) -> torch.Tensor:
         """With `fuse_projections` (and `skinny`), a gate/up shape measured to gain runs the projection and
-        SiLU-and-multiply as one kernel (`fused.gate_up_silu`); other shapes take SiLU-and-multiply inside the down
-        projection's GEMM, as it reads the gate/up projection's output (`skinny_gemm(..., silu=True)`)."""
+        SiLU-and-multiply as one kernel (`fused.gate_up_silu`)."""
         if fused:
             kernels = _fusions()
             if skinny:
@@ -246,8 +242,6 @@ class Qwen3MLP(nn.Module):
                     block_n, block_k, stages, warps = one_kernel
                     act = kernels.gate_up_silu(x, w, block_n=block_n, block_k=block_k, num_stages=stages,
                                                num_warps=warps)
-                elif fuse_projections:
-                    return row_parallel_decode(decode_linear(x, w), self.down_proj, reduce, silu=True)
                 else:
                     act = kernels.silu_mul(decode_linear(x, w))
                 return row_parallel_decode(act, self.down_proj, reduce)
@@ -310,8 +304,7 @@ class Qwen3ForCausalLM(nn.Module):
         tensor parallelism the row-parallel ones' split-K partial sums are added up and all-reduced before the
         residual add reads them (with one rank the residual add reads the partial sums itself). `fused_projections` (with
         `skinny_gemm`) runs the qkv projection with the q/k norm, RoPE and K/V write, and the gate/up projection
-        with SiLU-and-multiply, as one kernel each at the shapes measured to gain from it (the rest keep two, and
-        SiLU-and-multiply goes into the down projection's GEMM).
+        with SiLU-and-multiply, as one kernel each at the shapes measured to gain from it (the rest keep two).
         """
         self.attn = attn
         self.rope = RotaryEmbedding(self.spec.head_dim, self.spec.rope_theta, max_positions, device)
