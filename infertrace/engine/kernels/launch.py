@@ -8,7 +8,9 @@ lengths, block tables, launch order, copied in before the graph or step starts) 
 tables). The RMSNorm kernels (their weight), the q/k-norm kernel, decode attention and the split merge read theirs
 there; the GEMMs and SiLU-and-multiply wait first. About a microsecond a kernel, which adds up over the few hundred
 small kernels of a decode step. (Asking L2 for a GEMM's first weights, or decode attention's first K/V lines, before
-the wait measured slower or no faster on an H100, so the kernels do not.)
+the wait measured slower or no faster on an H100, so the kernels do not. With more than one rank the decode GEMMs
+take a Gluon kernel that copies its first tiles of weights into shared memory before its wait, while the all-reduce
+before it waits on the other ranks: `skinny_gemm(..., early=True)`, EngineConfig.gemm_early_weights.)
 
 A kernel must not end before the kernel before it: the next kernel's wait is a wait on this one, and the engine does
 not rely on it reaching further back. So in every kernel some program waits whatever the step's inputs are (decode
