@@ -200,10 +200,14 @@ def set_early(on: bool) -> bool:
     return _early
 
 
+GLUON_TRITON = "3.6."  # the Triton whose Gluon the early kernel is written for (Gluon is experimental, its API moves)
+
+
 def early_available() -> bool:
-    """Whether the Gluon kernel can run here: Triton with Gluon, and a CUDA GPU with tensor cores' mma.sync and
-    cp.async (compute capability 8.0 and later)."""
-    return gluon is not None and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+    """Whether the Gluon kernel can run here: Triton 3.6 (GLUON_TRITON) with Gluon, and a CUDA GPU with tensor
+    cores' mma.sync and cp.async (compute capability 8.0 and later). Elsewhere the Triton kernel runs."""
+    return (gluon is not None and triton.__version__.startswith(GLUON_TRITON) and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= (8, 0))
 
 
 # (N, K) -> (block_n, block_k, split_k, num_stages) ahead of decode_config's rules (benchmarks try tilings with it)
