@@ -222,6 +222,22 @@ def split_sweep(m: int, peak: float, names: list[str], top: int = 4,
     return best
 
 
+def _two_against_one(pair, one, configs, weights, rounds: int, note: str = "") -> None:
+    """Prints us a layer of `pair` (two kernels) and of `one` at each tiling of `configs`, `rounds` times over the
+    weight copies; a tiling that does not fit is reported and skipped."""
+    times: dict[str, list[float]] = {"two kernels": [], **{str(c): [] for c in configs}}
+    for _ in range(rounds):
+        times["two kernels"].append(timed(pair, weights))
+        for c in configs:
+            try:
+                times[str(c)].append(timed(lambda w, c=c: one(w, c), weights))
+            except Exception as exc:  # noqa: BLE001 - a tiling that does not fit is reported and skipped
+                print(f"  {c}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+    for name, ts in times.items():
+        if ts:
+            print(f"  {name:<18} " + ", ".join(f"{t * 1e6:.2f}" for t in ts) + f" us a layer{note}", flush=True)
+
+
 def fused_qkv(m: int, configs=((128, 4, 4), (128, 5, 4), (128, 6, 4), (64, 8, 4), (256, 4, 8), (128, 6, 8)),
               rounds: int = 2) -> None:
     """The qkv projection and the q/k norm + RoPE + K/V write after it (the skinny GEMM at the engine's tiling, then
@@ -263,18 +279,7 @@ def fused_qkv(m: int, configs=((128, 4, 4), (128, 5, 4), (128, 6, 4), (64, 8, 4)
         same = [torch.equal(a, b) for a, b in ((q0, q1), (caches[0][0], caches[1][0]), (caches[0][1], caches[1][1]))]
         print(f"\n{label}: qkv {n} x {hidden}, engine's tiling {tiling}; one kernel (128, 5, 4) bit-equal to the two: "
               f"q {same[0]}, K {same[1]}, V {same[2]}")
-        times: dict[str, list[float]] = {"two kernels": [], **{str(c): [] for c in configs}}
-        for _ in range(rounds):
-            times["two kernels"].append(timed(pair, weights))
-            for c in configs:
-                try:
-                    times[str(c)].append(timed(lambda w, c=c: one(w, c), weights))
-                except Exception as exc:  # noqa: BLE001 - a tiling that does not fit is reported and skipped
-                    print(f"  {c}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
-        for name, ts in times.items():
-            if ts:
-                print(f"  {name:<14} " + ", ".join(f"{t * 1e6:.2f}" for t in ts) + " us a layer (with its add + norm)",
-                      flush=True)
+        _two_against_one(pair, one, configs, weights, rounds, " (with its add + norm)")
         del weights
         torch.cuda.empty_cache()
     launch.set_enabled(False)
@@ -314,17 +319,7 @@ def fused_gate_up(m: int, configs=((32, 128, 3, 4), (32, 128, 4, 4), (32, 128, 5
         same = torch.equal(pair(weights[0]), one(weights[0]))
         print(f"\n{label}: gate/up {n} x {k}, engine's tiling {(bn, bk, 1, st)}; one kernel {configs[0]} bit-equal to "
               f"the two: {same}; weights {n * k * 2 / 1e6:.1f} MB")
-        times: dict[str, list[float]] = {"two kernels": [], **{str(c): [] for c in configs}}
-        for _ in range(rounds):
-            times["two kernels"].append(timed(pair, weights))
-            for c in configs:
-                try:
-                    times[str(c)].append(timed(lambda w, c=c: one(w, c), weights))
-                except Exception as exc:  # noqa: BLE001 - a tiling that does not fit is reported and skipped
-                    print(f"  {c}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
-        for name, ts in times.items():
-            if ts:
-                print(f"  {name:<18} " + ", ".join(f"{t * 1e6:.2f}" for t in ts) + " us a layer", flush=True)
+        _two_against_one(pair, one, configs, weights, rounds)
         del weights
         torch.cuda.empty_cache()
     launch.set_enabled(False)
