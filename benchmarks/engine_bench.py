@@ -29,10 +29,12 @@ def row(name: str, value: str, note: str = "") -> None:
     print(f"  {name}: {value}  {note}", flush=True)
 
 
-def model_dir(root: Path, preset: str, dtype: str = "bfloat16") -> Path:
+def model_dir(root: Path, preset: str, dtype: str = "bfloat16", device: str = "cpu") -> Path:
+    """The model directory of `preset` under `root`, written on first use (`device="cuda"` draws the weights on
+    the GPU: seconds for the larger presets)."""
     path = root / f"{preset}-{dtype}"
     if not (path / "config.json").exists():
-        init_model(preset, path, seed=0, dtype=dtype)
+        init_model(preset, path, seed=0, dtype=dtype, device=device)
     return path
 
 

@@ -49,6 +49,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_bench import ROWS, bench_decode, bench_nano, copy_bandwidth, model_dir, replay_ms, row  # noqa: E402
 
 from infertrace.engine import LLM, SamplingParams  # noqa: E402
+from infertrace.engine.attention import TritonAttention  # noqa: E402
+from infertrace.engine.kernels import paged_attention  # noqa: E402
+
+DEFAULT_MAX_SPLITS = TritonAttention.MAX_SPLITS
+DEFAULT_TILING = paged_attention._default_tiling
 
 
 def _free() -> None:
@@ -258,9 +263,18 @@ def decode_increments(root: Path, batch: int = 8, replays: int = 5) -> None:
     _free()
 
 
-DECODE_VARIANTS = {  # name -> residual add + RMSNorm reads its weight before its wait
-    "base": False,
-    "normw": True,  # the engine's default
+DECODE_VARIANTS = {  # name -> the kernels' switches it sets (the others at the engine's defaults)
+    "base": {"early_weights": False},  # residual add + RMSNorm reads its weight after its wait
+    "normw": {},  # the engine's defaults: the norm's weight before its wait
+    "gemmearly": {"gemm_early": True},  # the skinny GEMMs copy their first weights before their wait (Gluon)
+    # decode attention split at most 1, 2, 4 or 16 ways instead of 8 (TritonAttention.MAX_SPLITS); its tiles of 32
+    # keys instead of 64 (BLOCK_N of 16-bit decode)
+    "splits1": {"max_splits": 1},
+    "splits2": {"max_splits": 2},
+    "splits4": {"max_splits": 4},
+    "splits16": {"max_splits": 16},
+    "bn32": {"decode_block_n": 32},
+    "splits16bn32": {"max_splits": 16, "decode_block_n": 32},
 }
 # qwen3-4b projections by letter, for variants named by their tilings: "o=64.256.4.4+d=64.128.4.5" runs the output
 # projection at (block_n, block_k, split_k, num_stages) = (64, 256, 4, 4) and the down projection at (64, 128, 4, 5);
@@ -276,10 +290,17 @@ def _set_variant(name: str) -> None:
     skinny_gemm.TUNED.clear()
     fused.QKV_TUNED.clear()
     fused.GATE_UP_TUNED.clear()
+    switches = {"early_weights": True, "gemm_early": False, "max_splits": DEFAULT_MAX_SPLITS,
+                "decode_block_n": None} | DECODE_VARIANTS.get(name, {})
+    launch.set_early_weights(switches["early_weights"])
+    TritonAttention.MAX_SPLITS = switches["max_splits"]
+    block_n = switches["decode_block_n"]
+    paged_attention._default_tiling = DEFAULT_TILING if block_n is None else (
+        lambda eight_bit, widen, prefill_sm90=False: (block_n, 4, 2) if not (eight_bit or prefill_sm90)
+        else DEFAULT_TILING(eight_bit, widen, prefill_sm90))
+    skinny_gemm.set_early(switches["gemm_early"])
     if name in DECODE_VARIANTS:
-        launch.set_early_weights(DECODE_VARIANTS[name])
         return
-    launch.set_early_weights(True)
     # f: the qkv projection fused with the q/k norm; s: the gate/up projection fused with SiLU; others: skinny GEMMs
     tables = {"f": (fused.QKV_TUNED, "q"), "s": (fused.GATE_UP_TUNED, "g")}
     for part in name.split("+"):
@@ -301,11 +322,20 @@ def _capture_decode(graphs, bs: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def decode_variants(root: Path, names: list[str], contexts=(385, 640), rounds: int = 3, batch: int = 8) -> None:
-    """The batch-8 qwen3-4b decode graph captured under each variant of DECODE_VARIANTS at the same step inputs,
+def decode_variants(root: Path, names: list[str], contexts=(385, 640), rounds: int = 3, batch: int = 8,
+                    preset: str = "qwen3-4b") -> None:
+    """The batch-8 decode graph of `preset` (qwen3-4b; `qwen3-14b/tp4` is one rank's layers of qwen3-14b at TP=4,
+    run whole: see tp_bench.shard_preset) captured under each variant of DECODE_VARIANTS at the same step inputs,
     replayed alternating, at each context; one engine (the variants change only kernels' switches)."""
+    name, _, shard = preset.partition("/tp")
+    if shard:
+        from tp_bench import shard_preset
+
+        name = shard_preset(name, int(shard))
     _set_variant("base")
-    llm = LLM(model_dir(root, "qwen3-4b"), prefill_cuda_graphs=False)
+    # the split workspace is sized once, by the engine's first decode step: for the most splits a variant takes
+    TritonAttention.MAX_SPLITS = max(DECODE_VARIANTS.get(n, {}).get("max_splits", DEFAULT_MAX_SPLITS) for n in names)
+    llm = LLM(model_dir(root, name, device="cuda"), prefill_cuda_graphs=False)
     rng = random.Random(0)
     for i in range(batch):
         llm.engine.add_request(f"v{i}", [rng.randrange(1000, 3000) for _ in range(128)],
@@ -325,6 +355,7 @@ def decode_variants(root: Path, names: list[str], contexts=(385, 640), rounds: i
         print(f"context {ctx}: " + "  ".join(
             f"{n} {' '.join(f'{t:.3f}' for t in results[(n, ctx)])}" for n in names), flush=True)
     _set_variant("normw")  # the engine's defaults
+    print(f"{preset}, batch {batch}")
     print("| variant | " + " | ".join(f"replay ms, context {c}" for c in contexts) + " |")
     print("| --- |" + " --- |" * len(contexts))
     for n in names:
@@ -450,6 +481,8 @@ def main() -> None:
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/models"))
     ap.add_argument("--only", default="prefill,nano,startup,decode")
     ap.add_argument("--variants", default=",".join(DECODE_VARIANTS), help="for --only variants")
+    ap.add_argument("--variants-preset", default="qwen3-4b",
+                    help="for --only variants: a preset, or PRESET/tpN for one rank's layers at TP=N")
     ap.add_argument("--wholerun", default="base,normw", help="for --only wholerun")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -488,7 +521,7 @@ def main() -> None:
             bench_decode(args.models_dir, bw, repeats=3, note=f" attention_early_inputs={on}")
         launch.set_early_inputs(True)
     if "variants" in only:
-        decode_variants(args.models_dir, args.variants.split(","))
+        decode_variants(args.models_dir, args.variants.split(","), preset=args.variants_preset)
     if "wholerun" in only:
         # the issue's decode measure, alternating the listed variants in one process
         for _ in range(2):

@@ -189,7 +189,7 @@ def all_reduce_share(trace_path: Path) -> dict:
                                                if any(s in k["name"] for s in AR_KERNELS)})}
 
 
-def rank_summary(trace_path: Path, top: int = 12) -> dict:
+def rank_summary(trace_path: Path, top: int = 20) -> dict:
     """One rank's decode steps: host time inside each step range (CPU), and its top GPU kernels in us per step."""
     trace = json.loads(gzip.decompress(Path(trace_path).read_bytes()))
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
@@ -211,6 +211,23 @@ def rank_summary(trace_path: Path, top: int = 12) -> dict:
             "top_kernels_us_per_step": {k: round(v / n, 1) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]}}
 
 
+def shard_preset(name: str, n: int) -> str:
+    """Register (in this process) and return the name of a preset whose attention heads, KV heads and MLP width are
+    `name`'s divided by `n`: one rank's layers at TP=n, which the engine then runs whole on one GPU."""
+    from dataclasses import replace
+
+    from infertrace.modelgen import PRESETS
+
+    spec = PRESETS[name]
+    if spec.num_attention_heads % n or spec.num_key_value_heads % n or spec.intermediate_size % n:
+        raise SystemExit(f"--shard-of {n}: {name}'s heads and MLP width do not divide by {n}")
+    shard = f"{name}-rank-of-tp{n}"
+    PRESETS[shard] = replace(spec, num_attention_heads=spec.num_attention_heads // n,
+                             num_key_value_heads=spec.num_key_value_heads // n,
+                             intermediate_size=spec.intermediate_size // n)
+    return shard
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-4b")
@@ -228,6 +245,10 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="more TP>1 runs, ';'-separated, each tp:all_reduce:key=value,...")
     ap.add_argument("--out", default=None, help="JSON file for every figure")
     ap.add_argument("--config-timeout", type=float, default=900.0, help="seconds one configuration may take")
+    ap.add_argument("--shard-of", type=int, default=None, metavar="N",
+                    help="write a model whose layers have the shapes of one rank of TP=N (heads, KV heads and the "
+                         "MLP width divided by N; the vocabulary whole) and run it on one GPU: the TP=N rank's "
+                         "work without the all-reduce, for one-GPU experiments on the shards' kernels")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one configuration
     args = ap.parse_args()
 
@@ -248,11 +269,14 @@ def main() -> None:
         from infertrace.modelgen import init_model
 
         root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        model = str(root / f"tp-bench-{args.preset}")
+        preset = args.preset if args.shard_of is None else shard_preset(args.preset, args.shard_of)
+        model = str(root / f"tp-bench-{preset}")
         t0 = time.perf_counter()
         if not (Path(model) / "config.json").exists():
-            init_model(args.preset, model, seed=0, device="cuda")
+            init_model(preset, model, seed=0, device="cuda")
         print(f"model {args.preset} ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    if args.shard_of is not None:
+        args.tp = "1"  # the shard's model is one rank's: TP=1 (and TP=1 variants) only
     configs = []
     for tp in (int(t) for t in args.tp.split(",")):
         import torch
@@ -299,7 +323,8 @@ def main() -> None:
         for fn, own, cum, calls in res.get("host_profile", []):
             print(f"  host {own:>8.1f} us own {cum:>8.1f} us cum {calls:>6.2f}/step  {fn}", file=sys.stderr, flush=True)
     base = next((r["tok_s"] for r in results if r["tp"] == 1), None)
-    print(f"\n{args.preset}, batch {args.batch}, {args.input_len} in / {args.output_len} out, greedy")
+    shard = f" (one rank of TP={args.shard_of}, on one GPU)" if args.shard_of else ""
+    print(f"\n{args.preset}{shard}, batch {args.batch}, {args.input_len} in / {args.output_len} out, greedy")
     print(f"{'TP':>3} {'all-reduce':>10} {'overrides':>24} {'tok/s':>8} {'x TP=1':>7} {'AR us/step':>10} {'AR share':>8} "
           f"{'GPU busy us/step':>16} {'wall ms/step':>12} {'graph ms':>8}")
     def fmt(value, spec: str) -> str:

@@ -92,3 +92,99 @@ def test_engine_logits_with_and_without_pdl(tmp_path, lengths, first_max, more):
     assert len(seen[True]) == len(seen[False]) > first_max
     for a, b in zip(seen[True], seen[False]):
         assert torch.equal(a, b)
+
+
+def _late_kv_store():
+    """A kernel that lets the next one launch, holds the GPU `ns` nanoseconds, then writes a step's K/V at their
+    slots: the q/k norm's place before decode attention, made slow, so that what attention reads before its wait is
+    read while this step's K/V are not yet written."""
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def late_store(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ns, ROW: tl.constexpr):
+        gdc_wait()
+        gdc_launch_dependents()
+        t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        t = t0
+        while t - t0 < ns:
+            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                          pack=1)
+        i = tl.program_id(0)
+        slot = tl.load(slot_ptr + i)
+        offs = tl.arange(0, ROW)
+        tl.store(k_cache_ptr + slot * ROW + offs, tl.load(k_ptr + i * ROW + offs))
+        tl.store(v_cache_ptr + slot * ROW + offs, tl.load(v_ptr + i * ROW + offs))
+
+    def run(k_new, v_new, k_cache, v_cache, slots, ns):
+        late_store[(k_new.shape[0],)](k_new, v_new, k_cache, v_cache, slots, ns, ROW=k_new[0].numel(),
+                                      launch_pdl=True)
+
+    return run
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, 8])
+def test_decode_attention_reads_this_steps_kv_after_its_wait(num_splits):
+    """Decode attention with programmatic dependent launch, its step inputs read before its wait, after a kernel
+    that writes this step's K/V 20 us after letting it launch: the slots hold NaN until then, so a read of this
+    step's keys before the wait shows (a version that read the first tile of K/V before its wait, this step's key
+    included, failed here on an H200). Eager and replayed from a CUDA graph, the output is bit for bit the
+    attention's without programmatic dependent launch."""
+    from infertrace.engine.kernels import launch
+    from infertrace.engine.kernels.paged_attention import paged_attention
+    from infertrace.engine.kernels.tiles import decode_order
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    torch.manual_seed(3)
+    dev, dt, heads, kv_heads, dim, block_size = "cuda", torch.bfloat16, 10, 2, 128, 16
+    lens = [1, 65, 64, 640, 200, 129, 17, 513]  # contexts: this step's token is the last key of each
+    rows = len(lens)
+    num_blocks = rows * 1024 // block_size
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, device=dev, dtype=dt)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(num_blocks, device=dev).view(rows, -1)
+    q = torch.randn(rows, heads, dim, device=dev, dtype=dt)
+    k_new = torch.randn(rows, kv_heads, dim, device=dev, dtype=dt)
+    v_new = torch.randn_like(k_new)
+    slots = torch.tensor([block_tables[i, (n - 1) // block_size].item() * block_size + (n - 1) % block_size
+                          for i, n in enumerate(lens)], device=dev)
+    cu = torch.arange(rows + 1, device=dev)
+    ctx = torch.tensor(lens, device=dev)
+    order = torch.from_numpy(decode_order(lens, rows)).to(dev)
+    store = _late_kv_store()
+
+    def attend(out):
+        return paged_attention(q, k_cache, v_cache, cu, ctx, block_tables, 1, dim ** -0.5, out=out,
+                               num_splits=num_splits, seq_order=order)
+
+    def blank():  # this step's slots not yet written
+        k_cache.flatten(0, 1)[slots] = float("nan")
+        v_cache.flatten(0, 1)[slots] = float("nan")
+
+    blank()
+    k_cache.flatten(0, 1)[slots] = k_new
+    v_cache.flatten(0, 1)[slots] = v_new
+    want = attend(torch.empty_like(q))  # no programmatic dependent launch
+    assert not want.isnan().any()
+    out = torch.full_like(q, float("nan"))
+    try:
+        launch.set_enabled(True)
+        blank()
+        store(k_new, v_new, k_cache, v_cache, slots, 20_000)
+        attend(out)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            store(k_new, v_new, k_cache, v_cache, slots, 20_000)
+            attend(out)
+        for _ in range(3):
+            blank()
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
+    finally:
+        launch.set_enabled(False)
