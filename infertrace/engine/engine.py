@@ -326,6 +326,9 @@ class Engine:
                 "all_reduce_spread": getattr(runner.tp.reduce, "spread", 1),
                 "all_reduce_pull": getattr(runner.tp.reduce, "pull", "auto"),
                 "all_reduce_payload": getattr(runner.tp.reduce, "payload", "float32"),
+                # how a decode step's vocabulary-parallel logits reach every rank
+                "logits_gather": "none" if runner.tp.size == 1 else (
+                    "peer memory" if getattr(runner.tp.reduce, "gather", None) is not None else "torch.distributed"),
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch.")}
 
     def _launch_overlapped(self, prev: _Step) -> _Step | None:

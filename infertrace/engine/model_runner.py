@@ -166,7 +166,8 @@ class ModelRunner:
                                                            hidden_size=hf_config["hidden_size"],
                                                            spread=config.all_reduce_spread,
                                                            pull=config.all_reduce_pull,
-                                                           payload=config.all_reduce_payload)
+                                                           payload=config.all_reduce_payload,
+                                                           gather_cols=-(-hf_config["vocab_size"] // tp.size))
             tp = dataclasses.replace(tp, reduce=reduce)
             self.all_reduce_name = reduce.name
         self.tp = tp

@@ -49,9 +49,13 @@ class TensorParallel:
         return self.all_reduce(x.to(dtype))
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """The ranks' `x` side by side along the last dimension, on every rank."""
+        """The ranks' `x` side by side along the last dimension, on every rank (through peer memory where the
+        all-reduce has a gather that takes `x`: a decode step's logits)."""
         if self.size == 1:
             return x
+        gather = getattr(self.reduce, "gather", None)
+        if gather is not None and gather.takes(x):
+            return gather.all_gather_last(x)
         import torch.distributed as dist
 
         parts = [torch.empty_like(x) for _ in range(self.size)]

@@ -249,6 +249,37 @@ def test_embed_rmsnorm_is_the_lookup_then_the_norm():
     assert torch.equal(h, add_rmsnorm(want_residual.clone(), None, weight, 1e-6))
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_embed_shard_planes_add_up_to_the_lookup(ranks):
+    """A vocabulary-parallel embedding's shards (the last one padded with zero rows): each rank's float32 plane holds
+    its own tokens' rows and zeros elsewhere, the planes summed over the ranks are the lookup exactly, the residual
+    starts as zeros, and the norm of (the summed planes + that residual) is `embed_rmsnorm`'s bit for bit, as the
+    all-reduce + norm kernel computes it on every rank."""
+    from infertrace.engine.kernels.norm import add_rmsnorm, embed_rmsnorm, embed_shard
+
+    torch.manual_seed(5)
+    vocab, hidden = 1001, 2560
+    table = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.tensor([5, 0, 1000, 5, 17, 0, 500, 640, 251], device="cuda")
+    shard = -(-vocab // ranks)
+    padded = torch.cat([table, table.new_zeros(shard * ranks - vocab, hidden)])
+    total = torch.zeros(ids.shape[0], hidden, device="cuda")
+    for rank in range(ranks):
+        plane, residual = embed_shard(ids, padded[rank * shard:(rank + 1) * shard].contiguous(), rank * shard)
+        assert plane.shape == (1, ids.shape[0], hidden) and plane.dtype == torch.float32
+        assert torch.equal(residual, torch.zeros_like(residual)) and residual.dtype == table.dtype
+        mine = (ids >= rank * shard) & (ids < (rank + 1) * shard)
+        assert torch.equal(plane[0][~mine], torch.zeros_like(plane[0][~mine]))
+        total += plane[0]
+    lookup = torch.nn.functional.embedding(ids, table)
+    assert torch.equal(total.to(table.dtype), lookup)
+    residual = torch.zeros_like(lookup)
+    h = add_rmsnorm(total[None].contiguous(), residual, weight, 1e-6)
+    assert torch.equal(residual, lookup)
+    assert torch.equal(h, embed_rmsnorm(ids, table, weight, 1e-6)[0])
+
+
 @pytest.mark.parametrize("rows, vocab, dtype", [(8, 151936, torch.bfloat16), (3, 1000, torch.bfloat16),
                                                 (5, 9000, torch.float32), (1, 4096, torch.float16)])
 def test_argmax_rows_is_torch_argmax_with_ties_to_the_first(rows, vocab, dtype):

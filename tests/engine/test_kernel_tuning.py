@@ -48,3 +48,23 @@ def test_the_tp_shards_tilings_are_the_h200_s_and_other_gpus_keep_the_rules():
     assert h200[(5120, 4352)] == (32, 128, 2, 4)  # qwen3-14b's down projection at TP=4
     assert skinny_gemm.device_shards("NVIDIA H100 80GB HBM3") == {}
     assert skinny_gemm.rules_config(5120, 4352, True) == (64, 128, 1, 5)  # what an H100 runs
+
+
+def test_the_early_kernel_takes_no_more_stages_than_shared_memory_holds(monkeypatch):
+    """One program an SM raises the early kernel's stages to 6, as far as its tiles fit: (64, 256) tiles are 40 KB
+    a stage, so five in an H100's or H200's 227 KB (six asked for 240 KB and did not launch: qwen3-0.6b at TP=2);
+    (64, 128) tiles fit six."""
+    pytest.importorskip("triton")
+    from infertrace.engine.kernels import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "_shared_memory_per_program", lambda: 232448)
+    monkeypatch.setattr(skinny_gemm, "_sm_count", lambda: 132)
+    monkeypatch.setattr(skinny_gemm, "_early", True)
+    monkeypatch.setattr(skinny_gemm, "TUNED", {})
+    monkeypatch.setattr(skinny_gemm, "device_shards", lambda: {(1536, 1024): (64, 256, 1, 4),
+                                                              (1792, 5120): (64, 128, 4, 5)})
+    assert skinny_gemm.early_max_stages(64, 256) == 5 and skinny_gemm.early_max_stages(64, 128) == 11
+    assert skinny_gemm.decode_config(1536, 1024) == (64, 256, 1, 5)
+    assert skinny_gemm.decode_config(1792, 5120) == (64, 128, 4, 6)
+    monkeypatch.setattr(skinny_gemm, "_early", False)
+    assert skinny_gemm.decode_config(1536, 1024) == (64, 256, 1, 4)

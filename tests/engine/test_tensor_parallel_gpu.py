@@ -124,6 +124,7 @@ def test_bfloat16_first_step_logits_within_2e_2(model_dir, size, fusion, payload
                                                       all_reduce_payload=payload)
     assert path["skinny_gemm"] and path["all_reduce"] == "custom" and path["all_reduce_fusion"] == fusion
     assert path["all_reduce_payload"] == (payload if fusion == "norm" else "float32")
+    assert path["logits_gather"] == ("peer memory" if fusion == "norm" else "torch.distributed")
     assert path["gemm_early_weights"] == early_available()
     alike = [i for i in range(len(PROMPTS)) if one_tokens[i][0] == exact_tokens[i][0] == many_tokens[i][0]]
     assert alike, "no prompt's first token is the same in the three runs"

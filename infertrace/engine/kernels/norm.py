@@ -97,3 +97,36 @@ def embed_rmsnorm(input_ids: torch.Tensor, table: torch.Tensor, weight: torch.Te
                                          BLOCK=triton.next_power_of_2(n_cols), PDL=launch.enabled(),
                                          num_warps=4 if n_cols <= 2048 else 8, launch_pdl=launch.enabled())
     return out, residual
+
+
+@triton.jit
+def _embed_shard_kernel(ids_ptr, table_ptr, plane_ptr, residual_ptr, vocab_start, shard_rows, n_cols,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    if PDL:  # past this point the op before has finished (the ids may be the step before's samples, copied in)
+        gdc_wait()
+        gdc_launch_dependents()
+    token = tl.load(ids_ptr + row) - vocab_start
+    ok = mask & (token >= 0) & (token < shard_rows)
+    x = tl.load(table_ptr + token.to(tl.int64) * n_cols + cols, mask=ok, other=0.0)
+    tl.store(plane_ptr + row * n_cols + cols, x.to(tl.float32), mask=mask)
+    tl.store(residual_ptr + row * n_cols + cols, tl.zeros_like(x), mask=mask)
+
+
+def embed_shard(input_ids: torch.Tensor, table: torch.Tensor, vocab_start: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A vocabulary-parallel embedding's lookup on one rank, for the all-reduce + norm kernel: (this rank's rows of
+    the lookup as one float32 plane [1, T, H], zeros where a token's row lies in another rank's shard; a residual
+    stream of zeros [T, H] in the table's dtype). Summed over the ranks and added to the zeros, the plane is the
+    embedding exactly (one rank holds each token's row), and the kernel's norm is then `embed_rmsnorm`'s."""
+    assert input_ids.dim() == 1 and input_ids.is_contiguous() and table.is_contiguous()
+    n_rows, (shard_rows, n_cols) = input_ids.shape[0], table.shape
+    plane = torch.empty((1, n_rows, n_cols), dtype=torch.float32, device=table.device)
+    residual = torch.empty((n_rows, n_cols), dtype=table.dtype, device=table.device)
+    if n_rows:
+        _embed_shard_kernel[(n_rows,)](input_ids, table, plane, residual, vocab_start, shard_rows, n_cols,
+                                       BLOCK=triton.next_power_of_2(n_cols), PDL=launch.enabled(),
+                                       num_warps=4 if n_cols <= 2048 else 8, launch_pdl=launch.enabled())
+    return plane, residual

@@ -177,6 +177,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     if early:
         assert early_available() and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
         assert block_n % 32 == 0 and block_k % 16 == 0 and num_stages >= 2
+        num_stages = min(num_stages, early_max_stages(block_n, block_k))  # what shared memory holds
         _skinny_gemm_early_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), row_stride,
                                         plane_stride, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                                         STAGES=num_stages, PDL=launch.enabled(), num_warps=4,
@@ -252,11 +253,23 @@ def decode_config(n: int, k: int, planes: bool = False) -> tuple[int, int, int, 
         # H200, behind a kernel holding the GPU 7 us (the all-reduce's stand-in), qwen3-14b's TP=4 qkv shard with
         # the q/k norm after it: 15.40 us a layer at 5 stages, 14.07 at 6 (Triton's kernel 16.90; `gemm_bench.py
         # --early 4,6`); grids of more programs than SMs measured no better or worse at 6
-        stages = max(stages, EARLY_ONE_WAVE_STAGES)
+        stages = max(stages, min(EARLY_ONE_WAVE_STAGES, early_max_stages(block_n, block_k)))
     return block_n, block_k, split_k, stages
 
 
 EARLY_ONE_WAVE_STAGES = 6
+
+
+def early_max_stages(block_n: int, block_k: int) -> int:
+    """The most stages of the early kernel whose tiles (BLOCK_M = 16 rows of x and block_n of weights, block_k
+    16-bit values each) fit in a program's shared memory: (64, 256) tiles take 40 KB a stage, so five on an
+    H100 or H200 (227 KB), where six asked for 240 KB and failed to launch (qwen3-0.6b at TP=2)."""
+    return _shared_memory_per_program() // ((16 + block_n) * block_k * 2)
+
+
+@functools.cache
+def _shared_memory_per_program() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
 
 
 @functools.cache

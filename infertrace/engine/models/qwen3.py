@@ -330,28 +330,33 @@ class Qwen3ForCausalLM(nn.Module):
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
                        ) -> torch.Tensor:
-        from infertrace.engine.kernels.norm import add_rmsnorm, embed_rmsnorm
+        from infertrace.engine.kernels.norm import add_rmsnorm, embed_rmsnorm, embed_shard
 
         layers = self.model.layers
         first = layers[0].input_layernorm
         skinny = self.skinny_gemm and input_ids.shape[0] <= SKINNY_MAX_ROWS
         one_kernel = skinny and self.fused_projections
-        if self.tp.size == 1:  # the lookup and the first norm in one kernel
-            h, residual = embed_rmsnorm(input_ids, self.model.embed_tokens.weight, first.weight, first.eps)
-        else:  # the lookup is sharded and all-reduced
-            residual = self.model.embed_tokens(input_ids)
-            h = add_rmsnorm(residual, None, first.weight, first.eps)
         # "norm" all-reduce fusion: each projection's partial sums go to the all-reduce + residual add + RMSNorm
         reducer = self.tp.reduce if skinny and getattr(self.tp.reduce, "fusion", "off") == "norm" else None
+        embed = self.model.embed_tokens
+        if self.tp.size == 1:  # the lookup and the first norm in one kernel
+            h, residual = embed_rmsnorm(input_ids, embed.weight, first.weight, first.eps)
+        elif reducer is None:  # the lookup is sharded and all-reduced
+            residual = embed(input_ids)
+            h = add_rmsnorm(residual, None, first.weight, first.eps)
         if reducer is None:
             def reduce_norm(x, call, norm):
                 return add_rmsnorm(x, residual, norm.weight, norm.eps)
         else:
             reducer.begin_forward()
-            calls = 2 * len(layers)
+            calls = 2 * len(layers) + 1  # the embedding's, then two a layer
+            # the lookup's shard and the first norm through the same kernel, as call 0 (one kernel for the
+            # all-reduce, which PyTorch's one-shot all-reduce and the norm after it took two for)
+            plane, residual = embed_shard(input_ids, embed.weight, embed.vocab_start)
+            h = reducer.add_rmsnorm(plane, residual, first.weight, first.eps, 0, calls)
 
             def reduce_norm(x, call, norm):
-                return reducer.add_rmsnorm(x, residual, norm.weight, norm.eps, call, calls)
+                return reducer.add_rmsnorm(x, residual, norm.weight, norm.eps, call + 1, calls)
         local = reducer is None
         # `residual` is updated in place by every add_rmsnorm below
         for i, layer in enumerate(layers):
