@@ -45,7 +45,7 @@ class PeerMemoryAllReduce:
 
     def __init__(self, device: torch.device, dtype: torch.dtype, world_size: int, max_bytes: int = CUSTOM_MAX_BYTES,
                  fusion: str = "off", hidden_size: int = 0, spread: int = 1, pull: str = "auto",
-                 payload: str = "float32", gather_cols: int = 0):
+                 payload: str = "float32", gather_cols: int = 0, push: str = "off"):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -73,6 +73,8 @@ class PeerMemoryAllReduce:
             self.norm = PushBuffers(device, world_size, hidden_size, self.group_name, pushed)
             self.pull = "all" if self.norm.pulls_all(pull) else "each"
             self.payload = "model" if self.norm.half else "float32"
+        # EngineConfig.all_reduce_push: with the norm fusion, the row-parallel projections' GEMMs push their parts
+        self.push_gemm = fusion == "norm" and push == "on"
         # with the norm fusion and a 16-bit model: the decode steps' logits, [rows, gather_cols] a rank, gathered
         # through peer memory too (kernels/allgather.py); None: torch.distributed's all-gather
         self.gather = None
@@ -153,13 +155,14 @@ def custom_unavailable(device: torch.device, dtype: torch.dtype, world_size: int
 
 def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_size: int, fusion: str = "off",
                     hidden_size: int = 0, spread: int = 1, pull: str = "auto", payload: str = "float32",
-                    gather_cols: int = 0):
+                    gather_cols: int = 0, push: str = "off"):
     """The all-reduce every rank uses; a collective (the ranks agree on the choice): call it on every rank, after
     the process group is up and before any CUDA graph is captured. `fusion` (EngineConfig.all_reduce_fusion): what
     the custom one also takes from the row-parallel projections of decode steps ("planes": `planes_out` and
     `reduce_planes`; "norm": `add_rmsnorm` over rows of `hidden_size`, each row's push spread over `spread`
     programs, its parts pulled as `pull` says and pushed in float32 or, `payload` "model", in a 16-bit model's
-    dtype; with "norm", a 16-bit model's logits of `gather_cols` a rank are all-gathered through peer memory too).
+    dtype; with "norm", a 16-bit model's logits of `gather_cols` a rank are all-gathered through peer memory too,
+    and `push` "on" has the row-parallel projections' GEMMs push their parts into the kernel's slots themselves).
     Returns (implementation, why custom was not chosen or None)."""
     import torch.distributed as dist
 
@@ -187,4 +190,4 @@ def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_s
     # no enable_symm_mem_for_group (deprecated): it caches the group's store by name, and an engine started after
     # another in the same process gets a new group of the same name
     return PeerMemoryAllReduce(device, dtype, world_size, fusion=fusion, hidden_size=hidden_size, spread=spread,
-                              pull=pull, payload=payload, gather_cols=gather_cols), None
+                              pull=pull, payload=payload, gather_cols=gather_cols, push=push), None

@@ -159,6 +159,13 @@ class EngineConfig:
     all_reduce_payload: str = setting(
         "model", "With the norm fusion: model (each rank's partial sums rounded to the model's 16-bit dtype before "
                  "they are pushed: half the bytes) or float32 (pushed unrounded).")
+    # with all_reduce_fusion=norm: "on" has the output and down projections' GEMMs of a decode step (unsplit, Triton's
+    # kernel) push this rank's part into every rank's slot of the all-reduce + norm kernel from their epilogue, so
+    # that kernel only pulls (no read of the planes, no push after the GEMM has ended); the same values as "off".
+    # Not yet measured on GPUs, so "off" is the default
+    all_reduce_push: str = setting(
+        "off", "With the norm fusion: on (the row-parallel projections' GEMMs push their parts to the ranks "
+               "themselves; the all-reduce + norm kernel only pulls) or off.")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")
@@ -206,6 +213,7 @@ class EngineConfig:
         _check_choice("all_reduce_fusion", self.all_reduce_fusion, ALL_REDUCE_FUSIONS)
         _check_choice("all_reduce_pull", self.all_reduce_pull, ALL_REDUCE_PULLS)
         _check_choice("all_reduce_payload", self.all_reduce_payload, ALL_REDUCE_PAYLOADS)
+        _check_choice("all_reduce_push", self.all_reduce_push, ("off", "on"))
         _check_choice("gemm_early_weights", self.gemm_early_weights, GEMM_EARLY_WEIGHTS)
         if self.all_reduce_spread not in (1, 2, 4, 8):
             raise ValueError(f"all_reduce_spread must be 1, 2, 4 or 8, got {self.all_reduce_spread}")

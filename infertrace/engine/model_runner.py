@@ -167,7 +167,8 @@ class ModelRunner:
                                                            spread=config.all_reduce_spread,
                                                            pull=config.all_reduce_pull,
                                                            payload=config.all_reduce_payload,
-                                                           gather_cols=-(-hf_config["vocab_size"] // tp.size))
+                                                           gather_cols=-(-hf_config["vocab_size"] // tp.size),
+                                                           push=config.all_reduce_push)
             tp = dataclasses.replace(tp, reduce=reduce)
             self.all_reduce_name = reduce.name
         self.tp = tp

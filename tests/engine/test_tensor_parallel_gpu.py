@@ -105,26 +105,29 @@ def test_float32_greedy_tokens_equal_one_gpu(model_dir, size):
         assert many == one, f"TP={size} {all_reduce}"
 
 
-@pytest.mark.parametrize(("fusion", "payload"), [("planes", "float32"), ("norm", "float32"), ("norm", "model")])
+@pytest.mark.parametrize(("fusion", "payload", "push"), [("planes", "float32", "off"), ("norm", "float32", "off"),
+                                                     ("norm", "model", "off"), ("norm", "model", "on")])
 @pytest.mark.parametrize("size", [pytest.param(2, marks=needs(2)), pytest.param(4, marks=needs(4))])
-def test_bfloat16_first_step_logits_within_2e_2(model_dir, size, fusion, payload):
+def test_bfloat16_first_step_logits_within_2e_2(model_dir, size, fusion, payload, push):
     """Within 2e-2 of the largest logit, the prefill's (cuBLAS GEMMs, the all-reduce in bf16) and the first decode
     step's (the skinny GEMMs and the `fusion` under test), or, where bf16 itself is further than that from float32 on
     these random weights (TP=1 bf16 against TP=1 float32, printed), within 1.5x of that: tensor parallelism may add
     no more error than bf16 has. An absolute 2e-2 is below bf16's own error here: one bf16 step at a logit near 3 is
     0.0156, so any other order of the same sums misses it; the float32 test above is the exact one. The decode step
     is compared on the rows whose first token all three runs chose alike (its input). `payload` "model": the norm
-    kernel pushes each rank's part rounded to bf16. The decode GEMMs are the early kernel wherever it can run."""
+    kernel pushes each rank's part rounded to bf16; `push` "on": the output and down projections' GEMMs push it. The
+    decode GEMMs are the early kernel wherever it can run (the pushing ones are Triton's)."""
     from infertrace.engine.kernels.skinny_gemm import early_available
 
     one_tokens, one, _ = one_gpu(model_dir, "bfloat16")
     exact_tokens, exact, _ = one_gpu(model_dir, "float32")
     many_tokens, many, path = greedy_and_first_logits(model_dir, PROMPTS, 2, dtype="bfloat16",
                                                       tensor_parallel_size=size, all_reduce_fusion=fusion,
-                                                      all_reduce_payload=payload)
+                                                      all_reduce_payload=payload, all_reduce_push=push)
     assert path["skinny_gemm"] and path["all_reduce"] == "custom" and path["all_reduce_fusion"] == fusion
     assert path["all_reduce_payload"] == (payload if fusion == "norm" else "float32")
     assert path["logits_gather"] == ("peer memory" if fusion == "norm" else "torch.distributed")
+    assert path["all_reduce_push"] == push
     assert path["gemm_early_weights"] == early_available()
     alike = [i for i in range(len(PROMPTS)) if one_tokens[i][0] == exact_tokens[i][0] == many_tokens[i][0]]
     assert alike, "no prompt's first token is the same in the three runs"

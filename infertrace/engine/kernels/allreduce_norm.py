@@ -47,7 +47,8 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
                                   residual_ptr, weight_ptr, out_ptr, n_rows, n_cols, eps,
                                   PLANES: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
                                   MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                                  PDL: tl.constexpr, PULL_ALL: tl.constexpr = False, HALF: tl.constexpr = False):
+                                  PDL: tl.constexpr, PULL_ALL: tl.constexpr = False, HALF: tl.constexpr = False,
+                                  PUSHED: tl.constexpr = False):
     part = tl.program_id(0)  # the row's CHUNK columns this program pushes
     row = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -62,19 +63,20 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
     slot = k % 3
     previous = (k + 2) % 3
     slot_size = WORLD * MAX_ROWS * n_cols
-    x = tl.load(planes_ptr + row * n_cols + mine, mask=mine_mask, other=0.0)
-    for p in tl.static_range(1, PLANES):
-        x += tl.load(planes_ptr + p * plane_stride + row * n_cols + mine, mask=mine_mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
-    if HALF:  # the part rounded to the model's 16-bit dtype: half the bytes to push and to pull
-        x = x.to(dtype)
-        x = tl.where(x == 0.0, tl.zeros_like(x), x)  # -0.0 marks an empty entry: push +0.0 instead
-    else:
-        x = tl.where(x == 0.0, 0.0, x)
-    entry = (RANK * MAX_ROWS + row) * n_cols + mine
-    for r in tl.static_range(WORLD):  # push this rank's part of the row into every rank's buffer
-        peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(x.dtype)), 16)
-        tl.store(peer + slot * slot_size + entry, x, mask=mine_mask)
+    if not PUSHED:  # (PUSHED: the projection's GEMM pushed this rank's part itself, skinny_gemm.push_part)
+        x = tl.load(planes_ptr + row * n_cols + mine, mask=mine_mask, other=0.0)
+        for p in tl.static_range(1, PLANES):
+            x += tl.load(planes_ptr + p * plane_stride + row * n_cols + mine, mask=mine_mask, other=0.0)
+        if HALF:  # the part rounded to the model's 16-bit dtype: half the bytes to push and to pull
+            x = x.to(dtype)
+            x = tl.where(x == 0.0, tl.zeros_like(x), x)  # -0.0 marks an empty entry: push +0.0 instead
+        else:
+            x = tl.where(x == 0.0, 0.0, x)
+        entry = (RANK * MAX_ROWS + row) * n_cols + mine
+        for r in tl.static_range(WORLD):  # push this rank's part of the row into every rank's buffer
+            peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(x.dtype)), 16)
+            tl.store(peer + slot * slot_size + entry, x, mask=mine_mask)
     if HALF:  # an entry's bits, as the pull reads and the emptying writes them
         own = tl.multiple_of(tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int16)), 16)
     else:
@@ -176,16 +178,26 @@ class PushBuffers:
     def begin_forward(self) -> None:
         self.epoch.add_(1)
 
-    def add_rmsnorm(self, planes: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, call: int,
-                    calls_per_forward: int, spread: int = 1, pull: str = "auto") -> torch.Tensor:
+    def push_target(self, call: int, calls_per_forward: int) -> tuple:
+        """What a row-parallel projection's GEMM needs to push this rank's part of call `call` itself
+        (`skinny_gemm(..., push=)`); `add_rmsnorm(None, ...)` of the same call then only pulls."""
+        return (self.addresses, self.epoch, call, calls_per_forward, self.rank, self.world_size, MAX_ROWS, self.half)
+
+    def add_rmsnorm(self, planes: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                    call: int, calls_per_forward: int, spread: int = 1, pull: str = "auto") -> torch.Tensor:
         """`spread` (EngineConfig.all_reduce_spread, 4 in the engine): a row is cut into slices of cols / spread
         columns rounded up to a power of two, one program each (cols 5120 and spread 4: three programs of 2048, 2048
         and 1024 columns); each pushes its slice to every rank, and the last pulls the whole row and runs the norm.
         `pull` (EngineConfig.all_reduce_pull): "each" waits for the ranks' parts one after another, "all" reads every
         rank's part at once and again while any is missing (up to 32K values: four ranks of hidden 8,192), "auto"
         all on four or more ranks."""
+        pushed = planes is None  # the GEMM before pushed this rank's part (push_target): nothing to read here
+        if pushed:
+            planes = residual[None]  # never read
+        else:
+            assert planes.dtype == torch.float32 and planes.is_contiguous()
         split, rows, cols = planes.shape
-        assert planes.dtype == torch.float32 and planes.is_contiguous() and residual.is_contiguous()
+        assert residual.is_contiguous()
         assert rows <= MAX_ROWS and cols == self.hidden_size and residual.shape == (rows, cols)
         assert not self.half or residual.dtype == self.payload, "16-bit parts are pushed in the residual's dtype"
         out = torch.empty_like(residual)
@@ -195,7 +207,7 @@ class PushBuffers:
             _allreduce_add_rmsnorm_kernel[(triton.cdiv(cols, chunk), rows)](
                 planes, rows * cols, self.addresses, self.epoch, call, calls_per_forward, residual, weight, out, rows, cols,
                 eps, PLANES=split, RANK=self.rank, WORLD=self.world_size, MAX_ROWS=MAX_ROWS, BLOCK=block,
-                CHUNK=chunk, PDL=launch.enabled(), PULL_ALL=self.pulls_all(pull), HALF=self.half,
+                CHUNK=chunk, PDL=launch.enabled(), PULL_ALL=self.pulls_all(pull), HALF=self.half, PUSHED=pushed,
                 num_warps=8 if cols > 2048 else 4, launch_pdl=launch.enabled(),
             )
         return out

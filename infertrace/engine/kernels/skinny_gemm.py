@@ -37,7 +37,10 @@ except ImportError:  # pragma: no cover - older Triton: the Triton kernel only
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+                        buffers_ptr=None, epoch_ptr=None, call=0, calls_per_forward=1, PUSH: tl.constexpr = False,
+                        RANK: tl.constexpr = 0, WORLD: tl.constexpr = 1, MAX_ROWS: tl.constexpr = 16,
+                        HALF: tl.constexpr = False):
     if PDL:  # x comes from the kernel before, and the workspace planes are read by the kernel after it
         gdc_wait()
         gdc_launch_dependents()
@@ -64,8 +67,31 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         acc += tl.dot(x, tl.trans(w))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    y_ptrs = y_ptr + pid_k * stride_ys + rows[:, None] * stride_ym + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if PUSH:  # this rank's part, straight into every rank's slot of the all-reduce + norm kernel's buffers
+        push_part(acc, rows, cols, row_ok[:, None] & col_ok[None, :], N, buffers_ptr, epoch_ptr, call,
+                  calls_per_forward, x_ptr.dtype.element_ty, RANK, WORLD, MAX_ROWS, HALF)
+    else:
+        y_ptrs = y_ptr + pid_k * stride_ys + rows[:, None] * stride_ym + cols[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def push_part(acc, rows, cols, mask, n_cols, buffers_ptr, epoch_ptr, call, calls_per_forward, dtype: tl.constexpr,
+              RANK: tl.constexpr, WORLD: tl.constexpr, MAX_ROWS: tl.constexpr, HALF: tl.constexpr):
+    """A row-parallel projection's tile of this rank's part (unsplit: the rank's whole sum) stored into slot k mod 3
+    of every rank's all-reduce buffer at this rank's place, as the all-reduce + norm kernel would push it (rounded to
+    `dtype` with HALF, -0.0 pushed as +0.0); that kernel then only pulls (kernels/allreduce_norm.py, PUSHED)."""
+    k = tl.load(epoch_ptr) * calls_per_forward + call
+    slot_size = WORLD * MAX_ROWS * n_cols
+    if HALF:
+        part = acc.to(dtype)
+    else:
+        part = acc
+    part = tl.where(part == 0.0, tl.zeros_like(part), part)  # -0.0 marks an empty entry
+    entry = (k % 3) * slot_size + (RANK * MAX_ROWS + rows)[:, None] * n_cols + cols[None, :]
+    for r in tl.static_range(WORLD):
+        peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(part.dtype)), 16)
+        tl.store(peer + entry, part, mask=mask)
 
 
 if gluon is not None:
@@ -147,7 +173,7 @@ def load_planes(ptrs, mask, plane_stride, PLANES: tl.constexpr, dtype: tl.conste
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int = 32,
                 block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
-                early: bool | None = None) -> torch.Tensor:
+                early: bool | None = None, push: tuple | None = None) -> torch.Tensor | None:
     """x [M, K] (M <= 16) times weight [N, K] transposed.
 
     With split_k > 1 the result is the float32 partial sums [split_k, M, N], one plane a slice of K, to be added
@@ -157,8 +183,23 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     (4 warps; bf16 or fp16; `early_available`); None: as `set_early` set it for the process. Its copies are 16
     bytes, so it takes rows that start on 16-byte boundaries (K and x's row stride multiples of 16 elements, as
     Triton specializes them); other inputs take the Triton kernel.
+
+    `push` (`PushBuffers.push_target`: a row-parallel projection at TP>1, unsplit): the product, this rank's part of
+    the all-reduce, goes straight into every rank's slot of the all-reduce + norm kernel's buffers instead of `out`
+    (the Triton kernel; returns None), and that kernel, told so, only pulls.
     """
     m, k = x.shape
+    if push is not None:
+        assert split_k == 1, "a pushed part is the rank's whole sum"
+        addresses, epoch, call, calls, rank, world, max_rows, half = push
+        n = weight.shape[0]
+        assert m <= max_rows and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
+        _skinny_gemm_kernel[(triton.cdiv(n, block_n), 1)](
+            x, weight, x, m, n, k, x.stride(0), weight.stride(0), 0, 0, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+            SPLIT_K=1, EVEN_K=k % block_k == 0, PDL=launch.enabled(), buffers_ptr=addresses, epoch_ptr=epoch,
+            call=call, calls_per_forward=calls, PUSH=True, RANK=rank, WORLD=world, MAX_ROWS=max_rows, HALF=half,
+            num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
+        return None
     early = _early if early is None else early
     early = early and k % 16 == 0 and x.stride(0) % 16 == 0 and weight.stride(0) % 16 == 0 and not (
         x.data_ptr() % 16 or weight.data_ptr() % 16)

@@ -136,14 +136,28 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, planes: bool = False) -
                        num_stages=stages)
 
 
-def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool = True) -> torch.Tensor:
+def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool = True,
+                        push: tuple[int, int] | None = None) -> torch.Tensor | None:
     """x @ W.T of a row-parallel projection of a decode step by the skinny GEMM, added up over the ranks, for the
     residual add + RMSNorm after it, which adds float32 planes [split, T, N] as it reads them. One rank: the GEMM's
     own split-K planes. More ranks, where the all-reduce takes planes (`all_reduce_fusion="planes"`): the GEMM writes
     them into its peer-memory buffer and they are all-reduced there, in float32. Otherwise they are added up, rounded
     to the model's dtype and all-reduced as one [T, N] tensor. `reduce=False` (more ranks, "norm" fusion): this
-    rank's float32 planes, for the all-reduce + norm kernel after it."""
+    rank's float32 planes, for the all-reduce + norm kernel after it. `push` = (call, calls per forward), with
+    `all_reduce_push`: the GEMM, unsplit, pushes this rank's part of that call into every rank's all-reduce buffer
+    itself and returns None; the all-reduce + norm kernel after it only pulls."""
     tp = layer.tp
+    if push is not None:
+        decode_config, skinny_gemm = _skinny_kernels()
+        from infertrace.engine.kernels.skinny_gemm import rules_config
+
+        n, k = layer.weight.shape
+        block_n, block_k, split_k, stages = decode_config(n, k, True)
+        if split_k > 1:  # a pushed part is the rank's whole sum: the rules' unsplit tiling
+            block_n, block_k, _, stages = rules_config(n, k, False)
+        skinny_gemm(x, layer.weight, block_n=block_n, block_k=block_k, num_stages=stages,
+                    push=tp.reduce.norm.push_target(*push))
+        return None
     planes_out = getattr(tp.reduce, "planes_out", None)
     if tp.size > 1 and (not reduce or planes_out is not None):
         decode_config, skinny_gemm = _skinny_kernels()
@@ -178,7 +192,8 @@ class Qwen3Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata,
-                fused: bool = False, skinny: bool = False, fuse_projections: bool = False, reduce: bool = True):
+                fused: bool = False, skinny: bool = False, fuse_projections: bool = False, reduce: bool = True,
+                push: tuple[int, int] | None = None):
         """With `skinny`, the projections run as weight-streaming GEMMs. Where a tiling splits K, the qkv projection
         returns split-K partial sums to the fused q/k norm (when it also writes K and V to the cache) and the output
         projection to the residual add + RMSNorm after it; each adds them up as it reads them. With
@@ -198,7 +213,7 @@ class Qwen3Attention(nn.Module):
         else:
             out = self._attend(x, positions, rope, attn, meta, fused, skinny, stored)
         if skinny:
-            return row_parallel_decode(out.reshape(-1, self.q_size), self.o_proj, reduce)
+            return row_parallel_decode(out.reshape(-1, self.q_size), self.o_proj, reduce, push)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _attend(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata, fused: bool,
@@ -230,7 +245,8 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, False, dtype, tp)
 
     def forward(self, x: torch.Tensor, fused: bool = False, skinny: bool = False,
-                fuse_projections: bool = False, reduce: bool = True) -> torch.Tensor:
+                fuse_projections: bool = False, reduce: bool = True, push: tuple[int, int] | None = None
+                ) -> torch.Tensor | None:
         """With `fuse_projections` (and `skinny`), a gate/up shape measured to gain runs the projection and
         SiLU-and-multiply as one kernel (`fused.gate_up_silu`)."""
         if fused:
@@ -244,7 +260,7 @@ class Qwen3MLP(nn.Module):
                                                num_warps=warps)
                 else:
                     act = kernels.silu_mul(decode_linear(x, w))
-                return row_parallel_decode(act, self.down_proj, reduce)
+                return row_parallel_decode(act, self.down_proj, reduce, push)
             return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -358,12 +374,19 @@ class Qwen3ForCausalLM(nn.Module):
             def reduce_norm(x, call, norm):
                 return reducer.add_rmsnorm(x, residual, norm.weight, norm.eps, call + 1, calls)
         local = reducer is None
+        # all_reduce_push: the o and down projections' GEMMs push their parts themselves (a is None then)
+        pushing = reducer is not None and reducer.push_gemm
+
+        def push(call):
+            return (call + 1, calls) if pushing else None
+
         # `residual` is updated in place by every add_rmsnorm below
         for i, layer in enumerate(layers):
             a = layer.self_attn(h, positions, self.rope, self.attn, meta, fused=True, skinny=skinny,
-                                fuse_projections=one_kernel, reduce=local)
+                                fuse_projections=one_kernel, reduce=local, push=push(2 * i))
             h = reduce_norm(a, 2 * i, layer.post_attention_layernorm)
-            m = layer.mlp(h, fused=True, skinny=skinny, fuse_projections=one_kernel, reduce=local)
+            m = layer.mlp(h, fused=True, skinny=skinny, fuse_projections=one_kernel, reduce=local,
+                          push=push(2 * i + 1))
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h = reduce_norm(m, 2 * i + 1, norm)
         return h
