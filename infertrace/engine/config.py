@@ -19,6 +19,7 @@ ALL_REDUCE_MODES = ("auto", "nccl", "custom")
 ALL_REDUCE_FUSIONS = ("auto", "planes", "norm", "off")
 ALL_REDUCE_PULLS = ("auto", "each", "all")
 ALL_REDUCE_PAYLOADS = ("float32", "model")
+ALL_REDUCE_PUSH = ("off", "on")
 GEMM_EARLY_WEIGHTS = ("auto", "on", "off")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # token counts of prefill and mixed steps: 16 apart up to 1,024 tokens (vLLM's spacing of its capture sizes above
@@ -213,7 +214,7 @@ class EngineConfig:
         _check_choice("all_reduce_fusion", self.all_reduce_fusion, ALL_REDUCE_FUSIONS)
         _check_choice("all_reduce_pull", self.all_reduce_pull, ALL_REDUCE_PULLS)
         _check_choice("all_reduce_payload", self.all_reduce_payload, ALL_REDUCE_PAYLOADS)
-        _check_choice("all_reduce_push", self.all_reduce_push, ("off", "on"))
+        _check_choice("all_reduce_push", self.all_reduce_push, ALL_REDUCE_PUSH)
         _check_choice("gemm_early_weights", self.gemm_early_weights, GEMM_EARLY_WEIGHTS)
         if self.all_reduce_spread not in (1, 2, 4, 8):
             raise ValueError(f"all_reduce_spread must be 1, 2, 4 or 8, got {self.all_reduce_spread}")

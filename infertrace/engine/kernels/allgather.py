@@ -23,7 +23,15 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from infertrace.engine.kernels import launch
-from infertrace.engine.kernels.allreduce_norm import EMPTY_HALF, EMPTY_HALF_BITS, MAX_ROWS, SLOTS
+from infertrace.engine.kernels.allreduce_norm import (
+    EMPTY_HALF,
+    EMPTY_HALF_BITS,
+    MAX_ROWS,
+    SLOTS,
+    empty_rows,
+    push_to_ranks,
+    wait_filled,
+)
 
 CHUNK = 2048  # the columns of a row one program pushes and pulls
 
@@ -44,27 +52,16 @@ def _allgather_kernel(x_ptr, buffers_ptr, count_ptr, rows_ptr, out_ptr, n_rows, 
     previous = (k + 2) % 3
     slot_size = WORLD * MAX_ROWS * n_cols
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
-    x = tl.where(x == 0.0, tl.zeros_like(x), x)  # -0.0 marks an empty entry: push +0.0 instead
-    entry = (RANK * MAX_ROWS + row) * n_cols + cols
-    for r in tl.static_range(WORLD):  # push this rank's columns of the row into every rank's buffer
-        peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(x.dtype)), 16)
-        tl.store(peer + slot * slot_size + entry, x, mask=mask)
+    # this rank's columns of the row into every rank's buffer
+    push_to_ranks(x, slot * slot_size + (RANK * MAX_ROWS + row) * n_cols + cols, mask, buffers_ptr, x.dtype, WORLD,
+                  False)
     own = tl.multiple_of(tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int16)), 16)
     for r in tl.static_range(WORLD):  # every rank's columns, as they land, to the output in rank order
-        ptrs = own + slot * slot_size + (r * MAX_ROWS + row) * n_cols + cols
-        # volatile: read again on every pass, from L2 (where the other ranks' stores land)
-        bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
-        while tl.max((bits == EMPTY_HALF).to(tl.int32), 0) > 0:
-            bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        bits = wait_filled(own + slot * slot_size + (r * MAX_ROWS + row) * n_cols + cols, mask, EMPTY_HALF)
         tl.store(out_ptr + row * stride_out + r * n_cols + cols, bits.to(x.dtype, bitcast=True), mask=mask)
     # empty these columns of the previous call's rows in the previous slot (every rank pushed the same rows)
-    previous_rows = tl.load(rows_ptr + previous)
-    empty = tl.full((CHUNK,), EMPTY_HALF, dtype=tl.int16)
-    rr = row
-    while rr < previous_rows:
-        for r in tl.static_range(WORLD):
-            tl.store(own + previous * slot_size + (r * MAX_ROWS + rr) * n_cols + cols, empty, mask=mask)
-        rr += n_rows
+    empty_rows(own + previous * slot_size, row, n_rows, tl.load(rows_ptr + previous), cols, mask, n_cols, EMPTY_HALF,
+               CHUNK, WORLD, MAX_ROWS)
     if (part == 0) & (row == 0):  # the rows this call pushed, for the call that empties its slot
         tl.store(rows_ptr + slot, n_rows)
 

@@ -68,15 +68,10 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
         x = tl.load(planes_ptr + row * n_cols + mine, mask=mine_mask, other=0.0)
         for p in tl.static_range(1, PLANES):
             x += tl.load(planes_ptr + p * plane_stride + row * n_cols + mine, mask=mine_mask, other=0.0)
-        if HALF:  # the part rounded to the model's 16-bit dtype: half the bytes to push and to pull
-            x = x.to(dtype)
-            x = tl.where(x == 0.0, tl.zeros_like(x), x)  # -0.0 marks an empty entry: push +0.0 instead
-        else:
-            x = tl.where(x == 0.0, 0.0, x)
-        entry = (RANK * MAX_ROWS + row) * n_cols + mine
-        for r in tl.static_range(WORLD):  # push this rank's part of the row into every rank's buffer
-            peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(x.dtype)), 16)
-            tl.store(peer + slot * slot_size + entry, x, mask=mine_mask)
+        # the part (rounded to the model's 16-bit dtype with HALF: half the bytes to push and to pull) into every
+        # rank's buffer
+        push_to_ranks(x, slot * slot_size + (RANK * MAX_ROWS + row) * n_cols + mine, mine_mask, buffers_ptr, dtype,
+                      WORLD, HALF)
     if HALF:  # an entry's bits, as the pull reads and the emptying writes them
         own = tl.multiple_of(tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int16)), 16)
     else:
@@ -95,12 +90,7 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
         else:
             for r in tl.static_range(WORLD):  # pull every rank's part, in rank order, as it lands
                 ptrs = own + slot * slot_size + (r * MAX_ROWS + row) * n_cols + cols
-                # volatile: read again on every pass, from L2 (where the other ranks' stores land), never a stale
-                # line of this SM's L1; 16-byte loads, the buffers' addresses being 16-byte aligned
-                bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
-                while tl.max((bits == _empty(HALF)).to(tl.int32), 0) > 0:
-                    bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
-                acc += _values(bits, dtype, HALF)
+                acc += _values(wait_filled(ptrs, mask, _empty(HALF)), dtype, HALF)
         # residual add + RMSNorm, rounded as kernels.norm.add_rmsnorm rounds a projection's planes
         s = acc.to(dtype).to(tl.float32)
         r_ = tl.load(residual_ptr + row * n_cols + cols, mask=mask, other=0.0)
@@ -112,11 +102,43 @@ def _allreduce_add_rmsnorm_kernel(planes_ptr, plane_stride, buffers_ptr, epoch_p
         tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=mask)
     # empty this program's columns of the previous call's slot, every row a decode step may have (the next call may
     # have more rows than this): rows row, row + n_rows, ...
-    empty = tl.full((CHUNK,), _empty(HALF), dtype=own.dtype.element_ty)
+    empty_rows(own + previous * slot_size, row, n_rows, MAX_ROWS, mine, mine_mask, n_cols, _empty(HALF), CHUNK, WORLD,
+               MAX_ROWS)
+
+
+@triton.jit
+def push_to_ranks(x, entry, mask, buffers_ptr, dtype: tl.constexpr, WORLD: tl.constexpr, ROUND: tl.constexpr):
+    """Store `x` (rounded to `dtype` first with ROUND) at offset `entry` of every rank's buffer (the addresses at
+    `buffers_ptr`), a -0.0 as +0.0: -0.0 marks an entry still empty."""
+    if ROUND:
+        x = x.to(dtype)
+    x = tl.where(x == 0.0, tl.zeros_like(x), x)
+    for r in tl.static_range(WORLD):
+        peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(x.dtype)), 16)
+        tl.store(peer + entry, x, mask=mask)
+
+
+@triton.jit
+def wait_filled(ptrs, mask, EMPTY_BITS: tl.constexpr):
+    """The bits at `ptrs` (an integer pointer block) once none is EMPTY_BITS: the other ranks' pushes have landed.
+    Volatile loads: read again on every pass, from L2 (where the other ranks' stores land), never a stale line of
+    this SM's L1; 16-byte loads, the buffers' addresses being 16-byte aligned."""
+    bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    while tl.max((bits == EMPTY_BITS).to(tl.int32), 0) > 0:
+        bits = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    return bits
+
+
+@triton.jit
+def empty_rows(slot_ptr, row, n_rows, rows_end, cols, mask, n_cols, EMPTY_BITS: tl.constexpr, CHUNK: tl.constexpr,
+               WORLD: tl.constexpr, MAX_ROWS: tl.constexpr):
+    """Mark `cols` of rows row, row + n_rows, ... (below rows_end) of every rank's place in a slot (`slot_ptr`, of
+    this rank's buffer, integer entries) empty again, for the call that reuses the slot."""
+    empty = tl.full((CHUNK,), EMPTY_BITS, dtype=slot_ptr.dtype.element_ty)
     rr = row
-    while rr < MAX_ROWS:
+    while rr < rows_end:
         for r in tl.static_range(WORLD):
-            tl.store(own + previous * slot_size + (r * MAX_ROWS + rr) * n_cols + mine, empty, mask=mine_mask)
+            tl.store(slot_ptr + (r * MAX_ROWS + rr) * n_cols + cols, empty, mask=mask)
         rr += n_rows
 
 

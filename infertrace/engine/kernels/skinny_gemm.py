@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from infertrace.engine.kernels import launch, tuning
+from infertrace.engine.kernels.allreduce_norm import push_to_ranks
 
 try:  # Gluon (Triton's lower-level language, 3.5 and later): the GEMM that reads its first weights before the wait
     from triton.experimental import gluon
@@ -82,16 +83,8 @@ def push_part(acc, rows, cols, mask, n_cols, buffers_ptr, epoch_ptr, call, calls
     of every rank's all-reduce buffer at this rank's place, as the all-reduce + norm kernel would push it (rounded to
     `dtype` with HALF, -0.0 pushed as +0.0); that kernel then only pulls (kernels/allreduce_norm.py, PUSHED)."""
     k = tl.load(epoch_ptr) * calls_per_forward + call
-    slot_size = WORLD * MAX_ROWS * n_cols
-    if HALF:
-        part = acc.to(dtype)
-    else:
-        part = acc
-    part = tl.where(part == 0.0, tl.zeros_like(part), part)  # -0.0 marks an empty entry
-    entry = (k % 3) * slot_size + (RANK * MAX_ROWS + rows)[:, None] * n_cols + cols[None, :]
-    for r in tl.static_range(WORLD):
-        peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(part.dtype)), 16)
-        tl.store(peer + entry, part, mask=mask)
+    entry = (k % 3) * (WORLD * MAX_ROWS * n_cols) + (RANK * MAX_ROWS + rows)[:, None] * n_cols + cols[None, :]
+    push_to_ranks(acc, entry, mask, buffers_ptr, dtype, WORLD, HALF)
 
 
 if gluon is not None:
