@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
-    import os, sys, time, traceback
+    import os, signal, sys, time, traceback
     import torch
     import triton.runtime.interpreter as interpreter
 
@@ -116,6 +116,7 @@ SCRIPT = textwrap.dedent("""
         for rank in range(world):
             pid = os.fork()
             if pid == 0:
+                signal.alarm(330)  # a rank ends even if this process is killed before it gives up on the ranks
                 code = 1
                 try:
                     rank_main(rank, mode, ar_addresses, gb_addresses, outs, gathered)
