@@ -19,7 +19,7 @@ ALL_REDUCE_MODES = ("auto", "nccl", "custom")
 ALL_REDUCE_FUSIONS = ("auto", "planes", "norm", "off")
 ALL_REDUCE_PULLS = ("auto", "each", "all")
 ALL_REDUCE_PAYLOADS = ("float32", "model")
-ALL_REDUCE_PUSH = ("off", "on")
+ALL_REDUCE_PUSH = ("auto", "off", "on", "on+silu")
 GEMM_EARLY_WEIGHTS = ("auto", "on", "off")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # token counts of prefill and mixed steps: 16 apart up to 1,024 tokens (vLLM's spacing of its capture sizes above
@@ -141,10 +141,12 @@ class EngineConfig:
     # with all_reduce_fusion=norm: a row of the kernel is cut into slices of hidden / N columns, rounded up to a power
     # of two, one program each (each pushes its slice to every rank; the last pulls the row and runs the norm):
     # hidden 5120 runs 1, 2, 3 and 5 programs a row for N = 1, 2, 4, 8. Two H200s, hidden 5120, 8 rows: 6.78 us a call
-    # at N=1, 5.30 at 2, 4.99 at 4 or 8; qwen3-14b TP=2 1,560 -> 1,619 tok/s at 4
+    # at N=1, 5.30 at 2, 4.99 at 4 or 8; qwen3-14b TP=2 1,560 -> 1,619 tok/s at 4. Four H200s, qwen3-14b's decode
+    # graph at 8 against 4: 3.465 against 3.481 ms, and 2.957 against 2.973 with all_reduce_push. 0: 8 on four or
+    # more ranks, 4 on fewer
     all_reduce_spread: int = setting(
-        4, "With the norm fusion: a row's push cut into slices of hidden/N columns (rounded up to a power of two), "
-           "one program each; N is 1, 2, 4 or 8.")
+        0, "With the norm fusion: a row's push cut into slices of hidden/N columns (rounded up to a power of two), "
+           "one program each; N is 1, 2, 4 or 8, or 0 for 8 with four or more ranks and 4 with fewer.")
     # with all_reduce_fusion=norm: how a row's last program waits for the ranks' parts: "each" one rank after another,
     # "all" every rank's part read at once and again while any is missing (a power-of-two number of ranks, up to 32K
     # values: four ranks of hidden 8,192; others take "each"); "auto": all on four or more ranks. qwen3-14b's decode
@@ -163,10 +165,14 @@ class EngineConfig:
     # with all_reduce_fusion=norm: "on" has the output and down projections' GEMMs of a decode step (unsplit, Triton's
     # kernel) push this rank's part into every rank's slot of the all-reduce + norm kernel from their epilogue, so
     # that kernel only pulls (no read of the planes, no push after the GEMM has ended); the same values as "off".
-    # Not yet measured on GPUs, so "off" is the default
+    # qwen3-14b's decode graph on four H200s 3.012 -> 2.967-2.973 ms with "on"; on two 4.618 -> 4.774 ms (the down
+    # projection's split-K tiling and the early kernel given up), so "auto" is "on" on four or more ranks. "on+silu":
+    # "on", and the down projection's pushing GEMM does SiLU-and-multiply as it reads the gate/up output (one kernel
+    # less a layer; the same values; not yet measured on GPUs)
     all_reduce_push: str = setting(
-        "off", "With the norm fusion: on (the row-parallel projections' GEMMs push their parts to the ranks "
-               "themselves; the all-reduce + norm kernel only pulls) or off.")
+        "auto", "With the norm fusion: on (the row-parallel projections' GEMMs push their parts to the ranks "
+                "themselves; the all-reduce + norm kernel only pulls), on+silu (on, with SiLU-and-multiply in the "
+                "down projection's GEMM), off, or auto (on with four or more ranks).")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")
@@ -216,8 +222,8 @@ class EngineConfig:
         _check_choice("all_reduce_payload", self.all_reduce_payload, ALL_REDUCE_PAYLOADS)
         _check_choice("all_reduce_push", self.all_reduce_push, ALL_REDUCE_PUSH)
         _check_choice("gemm_early_weights", self.gemm_early_weights, GEMM_EARLY_WEIGHTS)
-        if self.all_reduce_spread not in (1, 2, 4, 8):
-            raise ValueError(f"all_reduce_spread must be 1, 2, 4 or 8, got {self.all_reduce_spread}")
+        if self.all_reduce_spread not in (0, 1, 2, 4, 8):
+            raise ValueError(f"all_reduce_spread must be 0, 1, 2, 4 or 8, got {self.all_reduce_spread}")
         if self.kv_cache_dtype != "auto" and self.offload != "off":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with offload={self.offload!r}")
         for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):

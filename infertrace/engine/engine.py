@@ -326,7 +326,7 @@ class Engine:
                 "all_reduce_spread": getattr(runner.tp.reduce, "spread", 1),
                 "all_reduce_pull": getattr(runner.tp.reduce, "pull", "auto"),
                 "all_reduce_payload": getattr(runner.tp.reduce, "payload", "float32"),
-                "all_reduce_push": "on" if getattr(runner.tp.reduce, "push_gemm", False) else "off",
+                "all_reduce_push": getattr(runner.tp.reduce, "push", "off"),
                 # how a decode step's vocabulary-parallel logits reach every rank
                 "logits_gather": "none" if runner.tp.size == 1 else (
                     "peer memory" if getattr(runner.tp.reduce, "gather", None) is not None else "torch.distributed"),

@@ -194,6 +194,22 @@ def test_qkv_norm_rope_is_the_skinny_gemm_then_the_qk_norm(cache_dtype, rows, hi
     assert (caches[1][0][untouched].float() == 0.25).all() and (caches[1][1][untouched].float() == 0.25).all()
 
 
+@pytest.mark.parametrize("rows, inter, hidden, block_n, block_k", [(8, 4352, 5120, 64, 128), (3, 1000, 700, 32, 256)])
+def test_gated_skinny_gemm_is_silu_mul_then_the_gemm(rows, inter, hidden, block_n, block_k):
+    """The down projection's GEMM doing SiLU-and-multiply as it reads the gate/up output (`gated`, what the pushing
+    GEMM of `all_reduce_push` runs): silu_mul then the GEMM bit for bit (qwen3-14b's TP=4 shard; a partial last K
+    tile and column band)."""
+    from infertrace.engine.kernels.fused import silu_mul
+    from infertrace.engine.kernels.skinny_gemm import skinny_gemm
+
+    torch.manual_seed(rows + inter)
+    gate_up = torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16) * 2
+    w = torch.randn(hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.05
+    ref = skinny_gemm(silu_mul(gate_up), w, block_n=block_n, block_k=block_k, early=False)
+    got = skinny_gemm(gate_up, w, block_n=block_n, block_k=block_k, gated=True)
+    assert got.shape == (rows, hidden) and torch.equal(got, ref)
+
+
 @pytest.mark.parametrize("rows, hidden, inter, block_n, block_k", [(8, 2560, 9728, 64, 128), (3, 1024, 3072, 32, 128),
                                                                     (16, 1000, 700, 64, 256)])
 def test_gate_up_silu_is_the_skinny_gemm_then_silu_mul(rows, hidden, inter, block_n, block_k):

@@ -13,7 +13,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from infertrace.engine.kernels import launch, tuning
-from infertrace.engine.kernels.skinny_gemm import load_planes
+from infertrace.engine.kernels.skinny_gemm import load_planes, silu_times
 
 
 @triton.jit
@@ -228,14 +228,6 @@ def qkv_fused_config(n: int, k: int) -> tuple[int, int, int] | None:
 
 
 @triton.jit
-def _silu_times(g, u, dtype: tl.constexpr):
-    """silu(g) * u in `dtype` from float32 gate and up values, silu's result rounded to `dtype` first, as the
-    unfused model rounds it."""
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    return (act * u).to(dtype)
-
-
-@triton.jit
 def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, K, inter, stride_xm, stride_wn, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                          PDL: tl.constexpr):
@@ -272,7 +264,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, K, inter, stride_xm, stride_w
     dtype = out_ptr.dtype.element_ty
     g = acc_g.to(dtype).to(tl.float32)  # gate and up as the projection stores them, then `silu_mul`'s roundings
     u = acc_u.to(dtype).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], _silu_times(g, u, dtype),
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], silu_times(g, u, dtype),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -319,7 +311,7 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.c
     dtype = out_ptr.dtype.element_ty
     g = tl.load(gate_up_ptr + t * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_up_ptr + t * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * inter + cols, _silu_times(g, u, dtype), mask=mask)
+    tl.store(out_ptr + t * inter + cols, silu_times(g, u, dtype), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

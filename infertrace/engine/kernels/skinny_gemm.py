@@ -41,7 +41,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
                         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
                         buffers_ptr=None, epoch_ptr=None, call=0, calls_per_forward=1, PUSH: tl.constexpr = False,
                         RANK: tl.constexpr = 0, WORLD: tl.constexpr = 1, MAX_ROWS: tl.constexpr = 16,
-                        HALF: tl.constexpr = False):
+                        HALF: tl.constexpr = False, GATED: tl.constexpr = False):
+    # GATED: x_ptr is a merged gate/up projection's output [M, 2K], and x = silu(gate) * up, computed as it is read
     if PDL:  # x comes from the kernel before, and the workspace planes are read by the kernel after it
         gdc_wait()
         gdc_launch_dependents()
@@ -59,12 +60,17 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + (k_begin + ks)[None, :]
     for k in range(0, span, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+            x_ok = row_ok[:, None]
+            w_ok = col_ok[:, None]
         else:
             k_ok = (k_begin + k + ks) < K
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x_ok = row_ok[:, None] & k_ok[None, :]
+            w_ok = col_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+        if GATED:  # `fused.silu_mul`'s values, rows past M zero
+            up = tl.load(x_ptrs + K, mask=x_ok, other=0.0)
+            x = silu_times(x.to(tl.float32), up.to(tl.float32), x_ptr.dtype.element_ty)
         acc += tl.dot(x, tl.trans(w))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -74,6 +80,14 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     else:
         y_ptrs = y_ptr + pid_k * stride_ys + rows[:, None] * stride_ym + cols[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def silu_times(g, u, dtype: tl.constexpr):
+    """silu(g) * u in `dtype` from float32 gate and up values, silu's result rounded to `dtype` first, as the
+    unfused model rounds it."""
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (act * u).to(dtype)
 
 
 @triton.jit
@@ -166,8 +180,10 @@ def load_planes(ptrs, mask, plane_stride, PLANES: tl.constexpr, dtype: tl.conste
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int = 32,
                 block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
-                early: bool | None = None, push: tuple | None = None) -> torch.Tensor | None:
-    """x [M, K] (M <= 16) times weight [N, K] transposed.
+                early: bool | None = None, push: tuple | None = None, gated: bool = False) -> torch.Tensor | None:
+    """x [M, K] (M <= 16) times weight [N, K] transposed; with `gated`, x is a merged gate/up projection's output
+    [M, 2K] and the product is `fused.silu_mul(x)`'s (the same bits), SiLU-and-multiply done as the GEMM reads x
+    (the Triton kernel).
 
     With split_k > 1 the result is the float32 partial sums [split_k, M, N], one plane a slice of K, to be added
     plane by plane (`.sum(0)`, or the kernel that reads them with `load_planes`); `out`, when given, is a float32
@@ -182,6 +198,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     (the Triton kernel; returns None), and that kernel, told so, only pulls.
     """
     m, k = x.shape
+    if gated:
+        k //= 2
+        early = False
     if push is not None:
         assert split_k == 1, "a pushed part is the rank's whole sum"
         addresses, epoch, call, calls, rank, world, max_rows, half = push
@@ -191,7 +210,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
             x, weight, x, m, n, k, x.stride(0), weight.stride(0), 0, 0, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
             SPLIT_K=1, EVEN_K=k % block_k == 0, PDL=launch.enabled(), buffers_ptr=addresses, epoch_ptr=epoch,
             call=call, calls_per_forward=calls, PUSH=True, RANK=rank, WORLD=world, MAX_ROWS=max_rows, HALF=half,
-            num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
+            GATED=gated, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
         return None
     early = _early if early is None else early
     early = early and k % 16 == 0 and x.stride(0) % 16 == 0 and weight.stride(0) % 16 == 0 and not (
@@ -219,7 +238,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
         return out
     _skinny_gemm_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), row_stride, plane_stride,
                               BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                              EVEN_K=k % (block_k * split_k) == 0, PDL=launch.enabled(),
+                              EVEN_K=k % (block_k * split_k) == 0, PDL=launch.enabled(), GATED=gated,
                               num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
     return out
 
