@@ -10,6 +10,7 @@ from infertrace.config_fields import FlagSet, check_types, parse_overrides, sett
 
 ATTENTION_MODES = ("batched", "looped")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+ATTENTION_SPLIT_MERGES = ("kernel", "last_split")
 OFFLOAD_MODES = ("off", "prefix", "long", "prefix+long")
 SCHEDULING_POLICIES = ("fcfs",)
 ASYNC_SCHEDULING = ("auto", "on", "off")
@@ -66,6 +67,12 @@ class EngineConfig:
     attention_backend: str = setting(
         "auto", "Attention kernels: auto (triton on CUDA, torch elsewhere), torch, triton, or flash (FlashAttention-4, "
         "Hopper and later; pip install 'infertrace[flash]').")
+    # the triton backend's decode attention over KV splits: "kernel" merges the splits' partial outputs in a kernel
+    # after the attention; "last_split" has the last split of each row block to finish merge them (counted with an
+    # atomic), one kernel less a layer, the same values. Not yet measured on GPUs, so "kernel" is the default
+    attention_split_merge: str = setting(
+        "kernel", "Decode attention over KV splits (triton backend): kernel (a merge kernel after it) or last_split "
+                  "(the last split to finish merges).")
     cuda_graphs: bool = setting(True, "Capture decode steps in CUDA graphs per batch-size bucket (no effect on CPU).")
     # prefill and mixed steps replay CUDA graphs per token-count bucket (cuda_graph_token_sizes, up to
     # max_num_batched_tokens; larger steps run eagerly), the paged attention inside them over a grid fixed by the
@@ -213,6 +220,7 @@ class EngineConfig:
         _check_choice("async_scheduling", self.async_scheduling, ASYNC_SCHEDULING)
         _check_choice("attention", self.attention, ATTENTION_MODES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("attention_split_merge", self.attention_split_merge, ATTENTION_SPLIT_MERGES)
         _check_choice("offload", self.offload, OFFLOAD_MODES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)

@@ -234,3 +234,49 @@ def test_float8_cache_reads_as_its_widened_values(dtype):
             for widen in ("cast", "asm_kv"):
                 other = paged_attention(q, k8, v8, *args, num_splits=splits, widen=widen)
                 assert (other.float() - out8.float()).abs().max() <= 1e-3 * out8.float().abs().max(), widen
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("heads, kv_heads", [(10, 2), (32, 8), (64, 2)])
+def test_the_last_split_merges_as_the_merge_kernel_does(kv_dtype, heads, kv_heads):
+    """KV splits merged by the last split to finish (`merge_counts`, where the programs of a row block really run at
+    once) instead of the merge kernel: the same bits, in eager calls and in a CUDA graph replayed many times over
+    changing contexts (the counts back at zero after each call; qwen3-14b's TP=4 heads among the shapes)."""
+    from infertrace.engine.kernels.paged_attention import paged_attention
+    from infertrace.engine.kernels.tiles import decode_order
+
+    torch.manual_seed(3)
+    dev, dim, block_size, rows, splits = "cuda", 128, 16, 12, 8
+    num_blocks = rows * 2048 // block_size
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, device=dev).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, device=dev).to(kv_dtype)
+    block_tables = torch.randperm(num_blocks, device=dev).view(rows, -1).int()
+    q = torch.randn(rows, heads, dim, device=dev, dtype=torch.bfloat16)
+    cu = torch.arange(rows + 1, device=dev, dtype=torch.int32)
+    ctx = torch.ones(rows, dtype=torch.int32, device=dev)
+    order = torch.arange(rows, device=dev, dtype=torch.int32)
+    counts = torch.zeros(rows * kv_heads, dtype=torch.int32, device=dev)
+    out = torch.full_like(q, float("nan"))
+
+    def run():
+        paged_attention(q, k_cache, v_cache, cu, ctx, block_tables, 1, dim ** -0.5, out=out, num_splits=splits,
+                        seq_order=order, merge_counts=counts)
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for lens in ([5, 2048, 17, 640, 1, 1300, 64, 900], [1, 1, 2000, 3, 33, 128, 1024, 700, 1999, 12, 65, 513]):
+        n = len(lens)
+        ctx.copy_(torch.tensor(lens + [1] * (rows - n)))
+        order.copy_(torch.from_numpy(decode_order(lens, rows)))
+        want = paged_attention(q, k_cache, v_cache, cu, ctx, block_tables, 1, dim ** -0.5, num_splits=splits,
+                               seq_order=order)
+        for _ in range(50):
+            out.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(out, want) and not counts.any()
+        out.fill_(float("nan"))
+        run()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and not counts.any()

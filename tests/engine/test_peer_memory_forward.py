@@ -18,24 +18,15 @@ import subprocess
 import sys
 import textwrap
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("triton")
 
-SCRIPT = textwrap.dedent("""
+SCRIPT = (Path(__file__).parent / "interpreter_numpy.py").read_text() + textwrap.dedent("""
     import os, signal, sys, time, traceback
     import torch
-    import triton.runtime.interpreter as interpreter
-
-    # Triton 3.6's interpreter takes a scalar as an index by int() of its one-element array, which numpy 2.4 refuses
-    # ("only 0-dimensional arrays ..."); the skinny GEMM's loop bound is such a scalar
-    _patch_tensor = interpreter._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = _patch_lang_tensor
     from infertrace.engine.kernels import allgather as ag
     from infertrace.engine.kernels import allreduce_norm as an
     from infertrace.engine.kernels.norm import embed_shard
