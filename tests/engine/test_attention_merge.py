@@ -72,3 +72,43 @@ def test_the_last_split_merges_as_the_merge_kernel_does():
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "CHECKED 4" in out.stdout
+
+
+def _attention_ptx() -> str:
+    """The decode attention with the last split merging, compiled for an H100/H200 (sm_90) on the CPU, as the
+    engine launches it for qwen3-14b's TP=4 rank (five query heads a KV head, eight splits, longest first)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from infertrace.engine.kernels.paged_attention import _paged_attention_kernel
+
+    constants = dict(GROUP=5, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=8, PRECISION="tf32",
+                     TILE_LIST=False, ORDERED=True, PDL=True, F16_DOTS=False, WIDEN=0, EARLY=True, MERGE_LAST=True)
+    pointers = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
+                "part_ptr": "*fp32", "lse_ptr": "*fp32", "count_ptr": "*i32"}
+    signature = {}
+    for name in inspect.signature(_paged_attention_kernel.fn).parameters:
+        signature[name] = ("constexpr" if name in constants else pointers.get(name) or
+                           ("*i32" if name.endswith("_ptr") else "fp32" if name == "scale" else "i32"))
+    source = ASTSource(_paged_attention_kernel, signature, constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
+
+
+def test_the_count_releases_the_program_s_stores_and_the_merge_reads_past_l1():
+    """What the interpreter cannot show, in the instructions: every thread's stores of the split's partial output
+    come before a barrier, then one acquire-release atomic add at GPU scope (the count), its result shared through
+    a second barrier, and the merge's loads of the other splits' partial outputs bypass L1 (ld.global.cg), where
+    another SM's stores would not be seen."""
+    lines = [line.strip() for line in _attention_ptx().splitlines()]
+    atoms = [i for i, line in enumerate(lines) if "atom." in line]
+    assert len(atoms) == 1 and "atom.global.gpu.acq_rel.add" in lines[atoms[0]], [lines[i] for i in atoms]
+    atom = atoms[0]
+    stores = [i for i, line in enumerate(lines[:atom]) if "st.global" in line]
+    barriers = [i for i, line in enumerate(lines) if line.startswith("bar.sync")]
+    assert stores and any(stores[-1] < b < atom for b in barriers)
+    shared = next(b for b in barriers if b > atom)
+    reads = [line for line in lines[shared:] if "ld.global" in line]
+    assert reads and all("ld.global.cg" in line for line in reads), reads[:3]
