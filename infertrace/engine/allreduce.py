@@ -76,7 +76,6 @@ class PeerMemoryAllReduce:
         # EngineConfig.all_reduce_push: with the norm fusion, the row-parallel projections' GEMMs push their parts
         # ("on+silu": the down projection's GEMM also does SiLU-and-multiply as it reads the gate/up output)
         self.push = push if fusion == "norm" and push in ("on", "on+silu") else "off"
-        self.push_gemm = self.push != "off"
         # with the norm fusion and a 16-bit model: the decode steps' logits, [rows, gather_cols] a rank, gathered
         # through peer memory too (kernels/allgather.py); None: torch.distributed's all-gather
         self.gather = None

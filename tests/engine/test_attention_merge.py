@@ -94,7 +94,8 @@ def _attention_ptx() -> str:
         signature[name] = ("constexpr" if name in constants else pointers.get(name) or
                            ("*i32" if name.endswith("_ptr") else "fp32" if name == "scale" else "i32"))
     source = ASTSource(_paged_attention_kernel, signature, constants)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+    return compiled.asm["ptx"]
 
 
 def test_the_count_releases_the_program_s_stores_and_the_merge_reads_past_l1():

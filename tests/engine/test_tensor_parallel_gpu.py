@@ -138,6 +138,7 @@ def test_bfloat16_first_step_logits_within_2e_2(model_dir, size, fusion, payload
         diff = (ours - theirs).abs().max().item()
         scale = theirs.abs().max().item()
         floor = (theirs - ref).abs().max().item()
-        print(f"TP={size} ({fusion}, {payload}, push {push}) bf16 {step} logits: max |diff| {diff:.3g} ({diff / scale:.2%} of max |logit| "
-              f"{scale:.3g}); TP=1 bf16 against float32 {floor:.3g} ({floor / scale:.2%})")
+        print(f"TP={size} ({fusion}, {payload}, push {push}) bf16 {step} logits: max |diff| {diff:.3g} "
+              f"({diff / scale:.2%} of max |logit| {scale:.3g}); TP=1 bf16 against float32 {floor:.3g} "
+              f"({floor / scale:.2%})")
         assert diff <= max(2e-2 * scale, 1.5 * floor), step

@@ -209,10 +209,10 @@ class PushBuffers:
                     call: int, calls_per_forward: int, spread: int = 1, pull: str = "auto") -> torch.Tensor:
         """`spread` (EngineConfig.all_reduce_spread: in the engine 4 on two ranks, 8 on four or more): a row is cut
         into slices of cols / spread columns rounded up to a power of two, one program each (cols 5120 and spread 4:
-        three programs of 2048, 2048 and 1024 columns); each pushes its slice to every rank, and the last pulls the whole row and runs the norm.
-        `pull` (EngineConfig.all_reduce_pull): "each" waits for the ranks' parts one after another, "all" reads every
-        rank's part at once and again while any is missing (up to 32K values: four ranks of hidden 8,192), "auto"
-        all on four or more ranks."""
+        three programs of 2048, 2048 and 1024 columns); each pushes its slice to every rank, and the last pulls the
+        whole row and runs the norm. `pull` (EngineConfig.all_reduce_pull): "each" waits for the ranks' parts one
+        after another, "all" reads every rank's part at once and again while any is missing (up to 32K values: four
+        ranks of hidden 8,192), "auto" all on four or more ranks."""
         pushed = planes is None  # the GEMM before pushed this rank's part (push_target): nothing to read here
         if pushed:
             planes = residual[None]  # never read

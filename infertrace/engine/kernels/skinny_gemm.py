@@ -199,6 +199,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     """
     m, k = x.shape
     if gated:
+        assert k % 2 == 0, "a merged gate/up output has gate and up halves"
         k //= 2
         early = False
     if push is not None:

@@ -380,8 +380,8 @@ class Qwen3ForCausalLM(nn.Module):
                 return reducer.add_rmsnorm(x, residual, norm.weight, norm.eps, call + 1, calls)
         local = reducer is None
         # all_reduce_push: the o and down projections' GEMMs push their parts themselves (a is None then)
-        pushing = reducer is not None and reducer.push_gemm
-        silu_in_push = pushing and reducer.push == "on+silu"
+        push_mode = "off" if reducer is None else reducer.push
+        pushing, silu_in_push = push_mode != "off", push_mode == "on+silu"
 
         def push(call):
             return (call + 1, calls) if pushing else None
