@@ -1,6 +1,6 @@
 """Decode-shaped GEMMs (8 rows) against the bytes they must read: cuBLAS variants and the skinny Triton kernel.
 
-    python benchmarks/gemm_bench.py [--rows 8] [--quick | --engine-only | --split-sweep | --fused-qkv | --fused-gate-up]
+    python benchmarks/gemm_bench.py [--rows 8] [--quick | --engine-only | --split-sweep | --fused-qkv | --fused-gate-up | --silu-epilogue]
 
 Each timing cycles through enough copies of the weight that none is served from L2, as in a real decode step
 where 36 layers of weights pass through the cache. Prints, per shape, each variant's time and its share of the
@@ -408,6 +408,52 @@ def early_check(m: int, holds_ns=(0, 3000, 7000), stages: tuple[int, ...] = ()) 
     launch.set_enabled(False)
 
 
+def silu_epilogue_check(m: int, holds_ns=(0, 7000), rounds: int = 2) -> None:
+    """qwen3-14b's TP=4 and TP=2 gate/up shards as the engine's layer runs them behind the all-reduce (a kernel that
+    holds the GPU, its stand-in): the early gate/up GEMM then `silu_mul`, against the early GEMM with SiLU-and-
+    multiply in its epilogue (`gate_up_silu_early`), each followed by the down projection's early GEMM at its tiling; 36 layers in one CUDA graph with PDL, us
+    a layer."""
+    from infertrace.engine.kernels import launch
+    from infertrace.engine.kernels import skinny_gemm as sg
+    from infertrace.engine.kernels.fused import silu_mul
+
+    launch.set_enabled(True)
+    sg.set_early(True)
+    hold = _hold_kernel()
+    layers = 36
+    for label, (inter, hidden) in {"14b tp4": (4352, 5120), "14b tp2": (8704, 5120)}.items():
+        weights = [(torch.randn(2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02,
+                    torch.randn(hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(layers)]
+        x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+        gbn, gbk, _, gst = sg.decode_config(2 * inter, hidden)
+        dbn, dbk, dsk, dst = sg.decode_config(hidden, inter, planes=True)
+
+        def down(act, wd):
+            return sg.skinny_gemm(act, wd, block_n=dbn, block_k=dbk, split_k=dsk, num_stages=dst, early=True)
+
+        variants = {
+            "GEMM then silu_mul": lambda w: silu_mul(sg.skinny_gemm(x, w, block_n=gbn, block_k=gbk, num_stages=gst,
+                                                                     early=True)),
+            "SiLU in the epilogue": lambda w: sg.gate_up_silu_early(x, w, block_n=gbn, block_k=gbk, num_stages=gst),
+        }
+        ref = variants["GEMM then silu_mul"](weights[0][0])
+        same = [torch.equal(ref, fn(weights[0][0])) for fn in variants.values()]
+        print(f"\n{label}: gate/up {2 * inter} x {hidden} at {(gbn, gbk, 1, gst)}, down at {(dbn, dbk, dsk, dst)}; "
+              f"bit-equal: {same}")
+        for ns in holds_ns:
+            for name, fn in variants.items():
+                def layer(w, fn=fn, ns=ns):
+                    hold(ns)
+                    return down(fn(w[0]), w[1])
+                times = [timed(layer, weights) * 1e6 for _ in range(rounds)]
+                print(f"  hold {ns} ns, {name:<22} " + ", ".join(f"{t:.2f}" for t in times) + " us a layer",
+                      flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    sg.set_early(False)
+    launch.set_enabled(False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=8)
@@ -425,6 +471,8 @@ def main() -> None:
     ap.add_argument("--early", nargs="?", const="", metavar="STAGES",
                     help="only the GEMM that copies its first weights before its wait, checked, then timed against "
                     "Triton's after a kernel that holds the GPU (also at these stage counts, comma-separated)")
+    ap.add_argument("--silu-epilogue", action="store_true",
+                    help="only the early gate/up GEMM with SiLU-and-multiply in its epilogue against it then silu_mul")
     ap.add_argument("--fused-gate-up", action="store_true",
                     help="only the gate/up projection + SiLU-and-multiply as two kernels against gate_up_silu")
     args = ap.parse_args()
@@ -437,6 +485,9 @@ def main() -> None:
         return
     if args.fused_gate_up:
         fused_gate_up(m)
+        return
+    if args.silu_epilogue:
+        silu_epilogue_check(m)
         return
     if args.early is not None:
         early_check(m, stages=tuple(int(v) for v in args.early.split(",") if v))

@@ -4,8 +4,8 @@
 #   phase 2: the ways out (tests/engine/test_tensor_parallel_exit.py) on GPUs 0,1 | the all-reduce + norm kernel on
 #            GPUs 2,3 (two ranks)
 #   phase 3: TP=4 parity of both models and the kernel on four ranks, on all four GPUs
-# SETS=kernels (either machine): the one-GPU tests of the decode kernels written since the last GPU run (the gated
-# GEMM of all_reduce_push=on+silu, the attention's last-split merge), on GPU 0.
+# SETS=kernels (either machine): the one-GPU tests of the decode kernels written since the last GPU run (the early
+# GEMM with SiLU-and-multiply in its epilogue), on GPU 0.
 # On a two-GPU machine the two-GPU sets run one after another on GPUs 0,1 (SETS picks some) and phase 3 is left out. Each phase prints
 # its lines as they come, and a failed run the end of its log; LIMIT_S caps each pytest run (default 240 s).
 #   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 bash benchmarks/tp_checks.sh
@@ -32,7 +32,7 @@ GPUS=$(nvidia-smi -L | grep -c '^GPU')
 T=tests/engine
 date -u
 if [ "${SETS:-}" = kernels ]; then
-  run kernels 0 "$T/test_decode_kernels_gpu.py" "$T/test_paged_attention_kernels.py" -k "gated or last_split"
+  run kernels 0 "$T/test_decode_kernels_gpu.py" -k "silu"
   exit 0
 fi
 if [ "$GPUS" -lt 4 ]; then

@@ -168,7 +168,7 @@ class TritonAttention:
     fuses_kv_store = True  # the model's fused q/k-norm + RoPE kernel may write K/V into the cache for it
 
     def __init__(self, mode: str = "batched", block_size: int = 16, batch_buckets: tuple[int, ...] = (),
-                 max_num_seqs: int = 256, merge: str = "kernel"):
+                 max_num_seqs: int = 256):
         from infertrace.engine.kernels import paged_attention as kernels
 
         assert mode in ("batched", "looped")
@@ -179,8 +179,6 @@ class TritonAttention:
         self.max_num_seqs = max_num_seqs
         self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.merge = merge  # EngineConfig.attention_split_merge
-        self._merge_counts: torch.Tensor | None = None  # "last_split": a count per (sequence, KV head), zeros
 
     def decode_splits(self, batch_size: int, num_kv_heads: int) -> int:
         """KV splits for a decode batch: enough programs to cover the GPU twice. Chosen from the batch's CUDA-graph
@@ -219,17 +217,10 @@ class TritonAttention:
             if meta.max_query_len == 1 and q.shape[0] <= self.max_num_seqs:
                 splits = self.decode_splits(q.shape[0], num_heads_kv)
                 workspace = self._split_workspace(q, splits) if splits > 1 else None
-            counts = None
-            if self.merge == "last_split" and splits > 1:
-                if self._merge_counts is None:  # once, like the workspace: every layer and graph uses it in turn
-                    self._merge_counts = torch.zeros(self.max_num_seqs * num_heads_kv, dtype=torch.int32,
-                                                     device=q.device)
-                counts = self._merge_counts
             return self._kernels.paged_attention(
                 q, paged_k, paged_v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 meta.max_query_len, scale, out=out, num_splits=splits, workspace=workspace,
                 seq_order=meta.decode_order,  # set for decode steps only
-                merge_counts=counts,
             )
         for b, qlen in enumerate(meta.query_lens_list):
             # the kernel indexes q through query_start_loc, so a request is a one-row view of the batch tensors
@@ -331,6 +322,5 @@ def make_attention_backend(config: EngineConfig, device: torch.device, dtype: to
     if backend == "flash":
         return FlashAttention(config, device, dtype)
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
-        return TritonAttention(config.attention, config.block_size, config.cuda_graph_batch_sizes, config.max_num_seqs,
-                               merge=config.attention_split_merge)
+        return TritonAttention(config.attention, config.block_size, config.cuda_graph_batch_sizes, config.max_num_seqs)
     return TorchAttention(config.attention)

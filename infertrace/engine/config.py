@@ -10,7 +10,6 @@ from infertrace.config_fields import FlagSet, check_types, parse_overrides, sett
 
 ATTENTION_MODES = ("batched", "looped")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
-ATTENTION_SPLIT_MERGES = ("kernel", "last_split")
 OFFLOAD_MODES = ("off", "prefix", "long", "prefix+long")
 SCHEDULING_POLICIES = ("fcfs",)
 ASYNC_SCHEDULING = ("auto", "on", "off")
@@ -20,7 +19,7 @@ ALL_REDUCE_MODES = ("auto", "nccl", "custom")
 ALL_REDUCE_FUSIONS = ("auto", "planes", "norm", "off")
 ALL_REDUCE_PULLS = ("auto", "each", "all")
 ALL_REDUCE_PAYLOADS = ("float32", "model")
-ALL_REDUCE_PUSH = ("auto", "off", "on", "on+silu")
+ALL_REDUCE_PUSH = ("auto", "off", "on")
 GEMM_EARLY_WEIGHTS = ("auto", "on", "off")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # token counts of prefill and mixed steps: 16 apart up to 1,024 tokens (vLLM's spacing of its capture sizes above
@@ -67,12 +66,6 @@ class EngineConfig:
     attention_backend: str = setting(
         "auto", "Attention kernels: auto (triton on CUDA, torch elsewhere), torch, triton, or flash (FlashAttention-4, "
         "Hopper and later; pip install 'infertrace[flash]').")
-    # the triton backend's decode attention over KV splits: "kernel" merges the splits' partial outputs in a kernel
-    # after the attention; "last_split" has the last split of each row block to finish merge them (counted with an
-    # atomic), one kernel less a layer, the same values. Not yet measured on GPUs, so "kernel" is the default
-    attention_split_merge: str = setting(
-        "kernel", "Decode attention over KV splits (triton backend): kernel (a merge kernel after it) or last_split "
-                  "(the last split to finish merges).")
     cuda_graphs: bool = setting(True, "Capture decode steps in CUDA graphs per batch-size bucket (no effect on CPU).")
     # prefill and mixed steps replay CUDA graphs per token-count bucket (cuda_graph_token_sizes, up to
     # max_num_batched_tokens; larger steps run eagerly), the paged attention inside them over a grid fixed by the
@@ -90,10 +83,14 @@ class EngineConfig:
     skinny_gemm: bool = setting(
         True, "Projections of small decode steps as weight-streaming Triton GEMMs (CUDA, 16-bit, fused norm).")
     # with skinny_gemm: the qkv projection with the q/k norm, RoPE and K/V write, and the gate/up projection with
-    # SiLU-and-multiply, one kernel each, at the shapes measured to gain (kernels/fused.py; qwen3-4b's today)
+    # SiLU-and-multiply, one kernel each, at the shapes measured to gain (kernels/fused.py; qwen3-4b's today); and
+    # where the decode GEMMs are the early kernel (gemm_early_weights, with tensor parallelism) the gate/up
+    # projection's does SiLU-and-multiply in its epilogue: qwen3-14b's decode graph on four H200s 2.952 -> 2.916 ms,
+    # on two 4.555 -> 4.510 (docs/benchmarks.md)
     fused_projections: bool = setting(
         True, "With --skinny-gemm: the qkv projection with its q/k norm and RoPE, and the gate/up projection with "
-              "SiLU, as one kernel each where measured faster (qwen3-4b's shapes).")
+              "SiLU, as one kernel each where measured faster (qwen3-4b's shapes; gate/up at every shape with "
+              "tensor parallelism).")
     # programmatic dependent launch of the Triton kernels on Hopper and later (compute capability 9.0): a kernel's
     # programs start while the one before drains, and wait for its results on the device. No effect elsewhere
     pdl: bool = setting(
@@ -173,13 +170,12 @@ class EngineConfig:
     # kernel) push this rank's part into every rank's slot of the all-reduce + norm kernel from their epilogue, so
     # that kernel only pulls (no read of the planes, no push after the GEMM has ended); the same values as "off".
     # qwen3-14b's decode graph on four H200s 3.012 -> 2.967-2.973 ms with "on"; on two 4.618 -> 4.774 ms (the down
-    # projection's split-K tiling and the early kernel given up), so "auto" is "on" on four or more ranks. "on+silu":
-    # "on", and the down projection's pushing GEMM does SiLU-and-multiply as it reads the gate/up output (one kernel
-    # less a layer; the same values; not yet measured on GPUs)
+    # projection's split-K tiling and the early kernel given up), so "auto" is "on" on four or more ranks. SiLU-and-
+    # multiply in the down projection's pushing GEMM as it reads the gate/up output (one kernel less a layer, the same
+    # bits) was tried there: 2.957 -> 6.019 ms (docs/benchmarks.md), and taken out
     all_reduce_push: str = setting(
         "auto", "With the norm fusion: on (the row-parallel projections' GEMMs push their parts to the ranks "
-                "themselves; the all-reduce + norm kernel only pulls), on+silu (on, with SiLU-and-multiply in the "
-                "down projection's GEMM), off, or auto (on with four or more ranks).")
+                "themselves; the all-reduce + norm kernel only pulls), off, or auto (on with four or more ranks).")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")
@@ -220,7 +216,6 @@ class EngineConfig:
         _check_choice("async_scheduling", self.async_scheduling, ASYNC_SCHEDULING)
         _check_choice("attention", self.attention, ATTENTION_MODES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_choice("attention_split_merge", self.attention_split_merge, ATTENTION_SPLIT_MERGES)
         _check_choice("offload", self.offload, OFFLOAD_MODES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)

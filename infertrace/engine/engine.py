@@ -327,7 +327,6 @@ class Engine:
                 "all_reduce_pull": getattr(runner.tp.reduce, "pull", "auto"),
                 "all_reduce_payload": getattr(runner.tp.reduce, "payload", "float32"),
                 "all_reduce_push": getattr(runner.tp.reduce, "push", "off"),
-                "attention_split_merge": getattr(runner.attention, "merge", "none"),
                 # how a decode step's vocabulary-parallel logits reach every rank
                 "logits_gather": "none" if runner.tp.size == 1 else (
                     "peer memory" if getattr(runner.tp.reduce, "gather", None) is not None else "torch.distributed"),

@@ -171,10 +171,9 @@ def test_decode_path_recipe_is_the_published_sequence():
     plan = load_recipe(RECIPES / "decode_path.yaml").plan()
     assert [p.name for p in plan] == ["looped attention", "batched attention", "buffers allocated once",
                                       "CUDA graphs", "fused norm", "weight-streaming GEMMs", "async scheduling",
-                                      "programmatic dependent launch", "projections fused with the kernels after them",
-                                      "KV splits merged by the last split"]
+                                      "programmatic dependent launch", "projections fused with the kernels after them"]
     off = {"cuda_graphs": False, "static_buffers": False, "fused_norm": False, "skinny_gemm": False,
-           "fused_projections": False, "async_scheduling": "off", "pdl": False, "attention_split_merge": "kernel"}
+           "fused_projections": False, "async_scheduling": "off", "pdl": False}
     assert plan[0].config == {"max_num_seqs": 8, "attention": "looped", **off}
     assert plan[1].config == {"max_num_seqs": 8, "attention": "batched", **off}
     assert plan[2].config == {"max_num_seqs": 8, "attention": "batched", **off, "static_buffers": True}
@@ -185,7 +184,6 @@ def test_decode_path_recipe_is_the_published_sequence():
     assert plan[6].config == {**plan[5].config, "async_scheduling": "on"}
     assert plan[7].config == {**plan[6].config, "pdl": True}
     assert plan[8].config == {**plan[7].config, "fused_projections": True}
-    assert plan[9].config == {**plan[8].config, "attention_split_merge": "last_split"}
 
 
 def test_a_bad_value_is_pinned_to_its_own_line_not_a_field_with_a_longer_name(write_recipe):

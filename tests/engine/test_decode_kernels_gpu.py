@@ -194,22 +194,6 @@ def test_qkv_norm_rope_is_the_skinny_gemm_then_the_qk_norm(cache_dtype, rows, hi
     assert (caches[1][0][untouched].float() == 0.25).all() and (caches[1][1][untouched].float() == 0.25).all()
 
 
-@pytest.mark.parametrize("rows, inter, hidden, block_n, block_k", [(8, 4352, 5120, 64, 128), (3, 1000, 700, 32, 256)])
-def test_gated_skinny_gemm_is_silu_mul_then_the_gemm(rows, inter, hidden, block_n, block_k):
-    """The down projection's GEMM doing SiLU-and-multiply as it reads the gate/up output (`gated`, what the pushing
-    GEMM of `all_reduce_push` runs): silu_mul then the GEMM bit for bit (qwen3-14b's TP=4 shard; a partial last K
-    tile and column band)."""
-    from infertrace.engine.kernels.fused import silu_mul
-    from infertrace.engine.kernels.skinny_gemm import skinny_gemm
-
-    torch.manual_seed(rows + inter)
-    gate_up = torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16) * 2
-    w = torch.randn(hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.05
-    ref = skinny_gemm(silu_mul(gate_up), w, block_n=block_n, block_k=block_k, early=False)
-    got = skinny_gemm(gate_up, w, block_n=block_n, block_k=block_k, gated=True)
-    assert got.shape == (rows, hidden) and torch.equal(got, ref)
-
-
 @pytest.mark.parametrize("rows, hidden, inter, block_n, block_k", [(8, 2560, 9728, 64, 128), (3, 1024, 3072, 32, 128),
                                                                     (16, 1000, 700, 64, 256)])
 def test_gate_up_silu_is_the_skinny_gemm_then_silu_mul(rows, hidden, inter, block_n, block_k):
@@ -225,6 +209,35 @@ def test_gate_up_silu_is_the_skinny_gemm_then_silu_mul(rows, hidden, inter, bloc
     got = gate_up_silu(x, w, block_n=block_n, block_k=block_k)
     assert got.shape == (rows, inter) and torch.equal(got, ref)
 
+
+
+@pytest.mark.parametrize("rows, hidden, inter, block_n, block_k, stages", [
+    (8, 5120, 4352, 32, 128, 5),  # qwen3-14b's TP=4 shard, its tiling
+    (8, 5120, 8704, 32, 128, 3),  # TP=2
+    (3, 704, 1000, 64, 128, 4),  # a partial last band of gate/up rows and a partial last K tile
+    (16, 2560, 2432, 32, 256, 4),
+])
+def test_gate_up_silu_early_is_the_early_gemm_then_silu_mul(rows, hidden, inter, block_n, block_k, stages):
+    """The early kernel with SiLU-and-multiply in its epilogue (each program half gate rows, half the same up rows):
+    the early GEMM's product at the same block_k, then silu_mul's roundings, bit for bit."""
+    from infertrace.engine.kernels import skinny_gemm as sg
+    from infertrace.engine.kernels.fused import silu_mul
+
+    if not sg.early_available():
+        pytest.skip("no Gluon in this Triton, or a GPU before compute capability 8.0")
+    torch.manual_seed(rows + inter)
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.05
+    ref = silu_mul(sg.skinny_gemm(x, w, block_n=64, block_k=block_k, early=True))
+    was = sg._early
+    try:
+        assert sg.gate_up_silu_early(x, w, block_n=block_n, block_k=block_k, num_stages=stages) is None or was
+        sg.set_early(True)
+        got = sg.gate_up_silu_early(x, w, block_n=block_n, block_k=block_k, num_stages=stages)
+    finally:
+        sg.set_early(was)
+    assert got.shape == (rows, inter) and torch.equal(got, ref)
+    assert got.abs().max() > 0.1  # values, not zeros on both sides
 
 def test_qk_norm_rope_rounds_k_and_v_into_a_float8_cache():
     from infertrace.engine.kernels.fused import qk_norm_rope

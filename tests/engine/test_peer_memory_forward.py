@@ -8,8 +8,7 @@ equal to `embed_rmsnorm`'s over the whole table, the residual stream torch's sum
 RMSNorm, and every rank's logits side by side. A rank left waiting (a slot numbered differently on two ranks, a
 part never pushed) would not finish: the parent gives them 300 s. The projections' parts come as split-K planes, as
 the products of the skinny GEMM (its float32 output read by the kernel), or pushed by the GEMM itself
-(`all_reduce_push`), which must give the second's values bit for bit, also where the last projection's GEMM does
-SiLU-and-multiply of a gate/up output as it reads it ("on+silu")."""
+(`all_reduce_push`), which must give the second's values bit for bit."""
 
 from __future__ import annotations
 
@@ -30,7 +29,6 @@ SCRIPT = (Path(__file__).parent / "interpreter_numpy.py").read_text() + textwrap
     from infertrace.engine.kernels import allgather as ag
     from infertrace.engine.kernels import allreduce_norm as an
     from infertrace.engine.kernels.norm import embed_shard
-    from infertrace.engine.kernels.fused import silu_mul
     from infertrace.engine.kernels.skinny_gemm import skinny_gemm
 
     world, hidden, vocab, cols, eps = int(sys.argv[1]), 96, 203, 40, 1e-6
@@ -47,11 +45,6 @@ SCRIPT = (Path(__file__).parent / "interpreter_numpy.py").read_text() + textwrap
     inner = 64  # a projection's reduction on one rank
     acts = [[[torch.randn(rows, inner, generator=gen).to(dtype) for _ in range(world)] for _ in range(1, calls)]
             for rows in forwards]
-    # the last projection's input as the down projection's: SiLU-and-multiply of a gate/up output
-    gate_ups = [[(torch.randn(rows, 2 * inner, generator=gen) * 2).to(dtype) for _ in range(world)]
-                for rows in forwards]
-    for f in range(len(forwards)):
-        acts[f][-1] = [silu_mul(g) for g in gate_ups[f]]
     weights = [[(torch.randn(hidden, inner, generator=gen) / 8).to(dtype) for _ in range(world)]
                for _ in range(1, calls)]
     logits = [[torch.randn(rows, cols, generator=gen).to(dtype) for _ in range(world)] for rows in forwards]
@@ -89,11 +82,8 @@ SCRIPT = (Path(__file__).parent / "interpreter_numpy.py").read_text() + textwrap
                 elif mode == "gemm":  # the skinny GEMM's float32 output, unsplit, read by the kernel
                     x = torch.empty(1, rows, hidden)
                     skinny_gemm(acts[f][call - 1][rank], weights[call - 1][rank], x[0], block_n=32, block_k=32)
-                else:  # the GEMM pushes this rank's part itself ("push+silu": the last as the down projection's
-                    # GEMM of all_reduce_push "on+silu", SiLU-and-multiply done as it reads the gate/up output)
-                    gated = mode == "push+silu" and call == calls - 1
-                    skinny_gemm(gate_ups[f][rank] if gated else acts[f][call - 1][rank], weights[call - 1][rank],
-                                block_n=32, block_k=32, gated=gated,
+                else:  # the GEMM pushes this rank's part itself
+                    skinny_gemm(acts[f][call - 1][rank], weights[call - 1][rank], block_n=32, block_k=32,
                                 push=(ar_addresses, epoch, call, calls, rank, world, an.MAX_ROWS, True))
                     x, pushed = residual[None], True
                 out = torch.empty(rows, hidden, dtype=dtype)
@@ -169,11 +159,9 @@ SCRIPT = (Path(__file__).parent / "interpreter_numpy.py").read_text() + textwrap
             assert torch.equal(gathered[rank][f], want), (f, rank)
     by_gemm, _ = run("gemm")
     by_push, _ = run("push")
-    by_push_silu, _ = run("push+silu")
     for f, rows in enumerate(forwards):
-        for a, b, c in zip(by_gemm[0][f], by_push[0][f], by_push_silu[0][f]):
+        for a, b in zip(by_gemm[0][f], by_push[0][f]):
             assert torch.equal(a, b), f  # pushed by the GEMM: the same bits
-            assert torch.equal(a, c), f  # and with SiLU-and-multiply in the GEMM
         residual = torch.nn.functional.embedding(ids[f], table)
         for call in range(1, calls):
             total = sum((acts[f][call - 1][r].float() @ weights[call - 1][r].float().T).to(dtype).float()

@@ -15,18 +15,18 @@ if not triton.__version__.startswith("3.6."):  # skinny_gemm.GLUON_TRITON: the e
     pytest.skip(f"the early kernel is written for Triton 3.6's Gluon, not {triton.__version__}", allow_module_level=True)
 
 
-def _ptx(block_n: int, block_k: int, split_k: int, stages: int) -> str:
+def _ptx(block_n: int, block_k: int, split_k: int, stages: int, silu: bool = False) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from infertrace.engine.kernels.skinny_gemm import _skinny_gemm_early_kernel
 
-    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
-                 "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_ys": "i32",
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16" if silu else "*fp32", "M": "i32", "N": "i32",
+                 "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_ys": "i32",
                  "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr",
-                 "STAGES": "constexpr", "PDL": "constexpr"}
+                 "STAGES": "constexpr", "PDL": "constexpr", "SILU": "constexpr"}
     constants = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "STAGES": stages,
-                 "PDL": True}
+                 "PDL": True, "SILU": silu}
     # as Triton's launcher specializes them: pointers, N, K and the strides divisible by 16 (M, 8 rows, is not)
     divisible = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 4, 5, 6, 7, 8, 9)}
     source = GluonASTSource(_skinny_gemm_early_kernel, signature, constants, divisible)
@@ -49,3 +49,26 @@ def test_the_first_tiles_of_weights_are_copied_before_the_wait(block_n, block_k,
     # after the wait: the first tiles' x, then the loop's copies of a tile of weights and its x
     assert len(after) >= x_first + (block_n + 16) * block_k * 2 // 16 // threads
     assert any("mma.sync" in line for line in lines[wait[0]:])
+
+
+@pytest.mark.parametrize(("block_n", "stages"), [(32, 5), (64, 3)])
+def test_the_silu_epilogue_lets_the_next_kernel_launch_after_its_last_multiply(block_n, stages):
+    """With SiLU-and-multiply in the epilogue the kernel after it is the down projection's GEMM, whose programs, let
+    in at the wait, took the SMs from this one's later programs (3 us a layer slower on an H200): the launch of
+    dependents comes after the last mma.sync and before the stores; the first weights still come before the wait,
+    the tile's halves go through shared memory, and SiLU's exponential is there."""
+    plain = _ptx(block_n, 128, 1, stages).splitlines()
+    lines = _ptx(block_n, 128, 1, stages, silu=True).splitlines()
+
+    def where(text, in_lines):
+        return [i for i, line in enumerate(in_lines) if text in line]
+
+    wait, launch, mma, stores = (where(t, lines) for t in ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
+                                                           "mma.sync", "st.global"))
+    assert len(wait) == 1 and len(launch) == 1 and stores
+    assert max(mma) < launch[0] < min(stores)
+    # the plain kernel lets the kernel after it in at the wait, before any multiply
+    assert where("griddepcontrol.launch_dependents", plain)[0] < min(where("mma.sync", plain))
+    copies = [i for i, line in enumerate(lines) if re.search(r"cp\.async\.\w+\.shared\.global .*, 0x10", line)]
+    assert len([i for i in copies if i < wait[0]]) == (stages - 1) * block_n * 128 * 2 // 16 // 128
+    assert where("stmatrix", lines) and where("ex2.approx", lines)

@@ -63,7 +63,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     TILE_LIST: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, F16_DOTS: tl.constexpr,
-    WIDEN: tl.constexpr, EARLY: tl.constexpr, count_ptr=None, MERGE_LAST: tl.constexpr = False,
+    WIDEN: tl.constexpr, EARLY: tl.constexpr,
 ):
     if PDL and not EARLY:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
@@ -146,32 +146,6 @@ def _paged_attention_kernel(
         base = split * stride_ls + (q_start + tok) * stride_lt + head * stride_lh
         tl.store(lse_ptr + base, lse, mask=row_ok)
         tl.store(part_ptr + (base * HEAD_DIM)[:, None] + d[None, :], out, mask=row_ok[:, None])
-        if MERGE_LAST:  # the last of the row block's splits to finish merges them (no merge kernel)
-            count = count_ptr + seq * (tl.num_programs(0 if ORDERED else 2) // NUM_SPLITS) + kv_head
-            tl.debug_barrier()  # every thread's stores before the count, which releases them to the other programs
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                tl.store(count, 0)  # every split has counted: ready for the next call
-                _merge_rows(part_ptr, lse_ptr, out_ptr, (q_start + tok) * stride_lt + head * stride_lh,
-                            (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], row_ok,
-                            stride_ls, d, HEAD_DIM, NUM_SPLITS)
-
-
-@triton.jit
-def _merge_rows(part_ptr, lse_ptr, out_ptr, rows, out_offsets, row_ok, stride_ls, d, HEAD_DIM: tl.constexpr,
-                NUM_SPLITS: tl.constexpr):
-    """The splits' partial outputs of `rows` (their lse entries' offsets) merged as `_merge_splits_kernel` merges a
-    row, the same operations in the same order, read past the L1 cache (other programs wrote them)."""
-    m = tl.full(rows.shape, float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(lse_ptr + s * stride_ls + rows, mask=row_ok, other=0.0, cache_modifier=".cg"))
-    total = tl.zeros(rows.shape, tl.float32)
-    acc = tl.zeros([rows.shape[0], HEAD_DIM], tl.float32)
-    for s in range(NUM_SPLITS):
-        w = tl.math.exp2(tl.load(lse_ptr + s * stride_ls + rows, mask=row_ok, other=0.0, cache_modifier=".cg") - m)
-        total += w
-        acc += w[:, None] * tl.load(part_ptr + ((s * stride_ls + rows) * HEAD_DIM)[:, None] + d[None, :],
-                                    mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-    tl.store(out_ptr + out_offsets, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -257,7 +231,6 @@ def paged_attention(
     tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     widen: str = "auto",
     seq_order: torch.Tensor | None = None,
-    merge_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over a paged cache that already holds their K/V.
 
@@ -274,10 +247,6 @@ def paged_attention(
 
     `seq_order` ([num_seqs], a permutation of the sequences; decode only) launches sequence seq_order[0]'s programs
     first, then seq_order[1]'s, and so on (`decode_order` gives longest context first).
-
-    `merge_counts` (int32, zeros, at least num_seqs * num_kv_heads; with num_splits > 1): the splits of a sequence's
-    KV head count themselves done there, and the last to finish merges their partial outputs, instead of a merge
-    kernel after the attention (one kernel less; the same values). It leaves the counts at zero.
 
     An 8-bit (float8 e4m3) cache is widened where it is read. Under a 16-bit q the dots then run in float16 (the
     cache's values are exact in it, q and the probabilities are rounded to it; sums stay float32). `widen` says how:
@@ -320,10 +289,6 @@ def paged_attention(
         else:
             parts, lse = workspace
         lse_strides = (lse.stride(0), lse.stride(1), lse.stride(2))
-        assert lse.stride(2) == 1 and lse.stride(1) == num_heads and parts.stride(0) == lse.stride(0) * head_dim
-    merge_last = merge_counts is not None and num_splits > 1
-    if merge_last:
-        assert merge_counts.dtype == torch.int32 and merge_counts.numel() >= num_seqs * num_kv_heads
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, parts, lse, cu_seqlens_q, context_lens, block_tables, tile_seq, tile_index,
         cu_seqlens_q if seq_order is None else seq_order, scale,
@@ -334,10 +299,9 @@ def paged_attention(
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LIST=tiles is not None,
         ORDERED=seq_order is not None, PDL=launch.enabled(), F16_DOTS=f16_dots, WIDEN=WIDEN_MODES[widen],
         EARLY=launch.enabled() and launch.early_inputs() and max_q_len == 1 and tiles is None,
-        count_ptr=merge_counts if merge_last else None, MERGE_LAST=merge_last,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
     )
-    if num_splits > 1 and not merge_last:
+    if num_splits > 1:
         _merge_splits_kernel[(total, num_heads)](
             parts, lse, out, context_lens, num_heads, out.stride(0), out.stride(1), lse.stride(0),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n, PDL=launch.enabled(),

@@ -41,8 +41,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
                         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
                         buffers_ptr=None, epoch_ptr=None, call=0, calls_per_forward=1, PUSH: tl.constexpr = False,
                         RANK: tl.constexpr = 0, WORLD: tl.constexpr = 1, MAX_ROWS: tl.constexpr = 16,
-                        HALF: tl.constexpr = False, GATED: tl.constexpr = False):
-    # GATED: x_ptr is a merged gate/up projection's output [M, 2K], and x = silu(gate) * up, computed as it is read
+                        HALF: tl.constexpr = False):
     if PDL:  # x comes from the kernel before, and the workspace planes are read by the kernel after it
         gdc_wait()
         gdc_launch_dependents()
@@ -68,9 +67,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
             w_ok = col_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptrs, mask=x_ok, other=0.0)
         w = tl.load(w_ptrs, mask=w_ok, other=0.0)
-        if GATED:  # `fused.silu_mul`'s values, rows past M zero
-            up = tl.load(x_ptrs + K, mask=x_ok, other=0.0)
-            x = silu_times(x.to(tl.float32), up.to(tl.float32), x_ptr.dtype.element_ty)
         acc += tl.dot(x, tl.trans(w))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -105,12 +101,21 @@ if gluon is not None:
     @gluon.jit
     def _skinny_gemm_early_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
                                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                                  SPLIT_K: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+                                  SPLIT_K: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+                                  SILU: gl.constexpr = False):
         """`_skinny_gemm_kernel`'s product with its pipeline written out (4 warps, tensor-core mma.sync on tiles
         copied into shared memory with cp.async), so that the copies of the first STAGES - 1 tiles of weights are
         issued before the programmatic-dependent-launch wait: nothing writes the weights, so they stream in while
         the kernel before still runs (at TP>1, the all-reduce waiting on the other ranks); x, which that kernel
-        writes, is copied after the wait."""
+        writes, is copied after the wait.
+
+        SILU: w is a merged gate/up projection [N = 2I, K] and y gets silu(gate) * up [M, I]: program j multiplies
+        gate rows [j * BLOCK_N / 2, (j + 1) * BLOCK_N / 2) and the same up rows (I further) as one band of BLOCK_N
+        rows, and its epilogue rounds the two halves of its tile as the projection would store them and applies
+        `fused.silu_mul`'s roundings (no SiLU kernel after it; unsplit). The kernel after it (the down projection's
+        GEMM, not a small SiLU kernel) may launch only once this one's programs have multiplied their tiles: let at
+        the wait, its programs took the SMs and the bandwidth from this kernel's later ones (one H200, qwen3-14b's
+        TP=4 shard behind a 7 us hold, `gemm_bench.py --silu-epilogue`: 47.3 us a layer against 43.0)."""
         load: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte copies along K
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -121,13 +126,21 @@ if gluon is not None:
         span = gl.cdiv(gl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         k_begin = pid_k * span
         iters = gl.cdiv(gl.minimum(K - k_begin, span), BLOCK_K)
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load))
+        HALF_N: gl.constexpr = BLOCK_N // 2
+        band = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load))
+        if SILU:  # the band's first half gate rows, its second half the same up rows
+            act_cols = pid_n * HALF_N + band % HALF_N
+            cols = act_cols + (band // HALF_N) * (N // 2)
+            col_ok = act_cols < N // 2
+        else:
+            cols = pid_n * BLOCK_N + band
+            col_ok = cols < N
         rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load))
         ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, load))
         w_ptrs = w_ptr + cols.to(gl.int64)[:, None] * stride_wn + (k_begin + ks)[None, :]
         x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_begin + ks)[None, :]
         k_left = gl.minimum(K - k_begin, span)  # a tile's columns past it are masked (and read as zeros)
-        w_ok = (cols < N)[:, None] & (ks < k_left)[None, :]
+        w_ok = col_ok[:, None] & (ks < k_left)[None, :]
         x_ok = (rows < M)[:, None] & (ks < k_left)[None, :]
         w_smem = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_K], smem)
         x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K], smem)
@@ -137,7 +150,8 @@ if gluon is not None:
             async_copy.commit_group()
         if PDL:  # x comes from the kernel before, and the workspace planes are read by the kernel after it
             gdc_wait()
-            gdc_launch_dependents()
+            if not SILU:
+                gdc_launch_dependents()
         for j in gl.static_range(STAGES - 1):  # their x, one group each
             async_copy.async_copy_global_to_shared(x_smem.index(j), x_ptrs + j * BLOCK_K,
                                                    mask=x_ok & (ks < k_left - j * BLOCK_K)[None, :])
@@ -159,6 +173,22 @@ if gluon is not None:
             cur = i % STAGES
             acc = mma_v2(x_smem.index(cur).load(a_layout), w_smem.index(cur).permute((1, 0)).load(b_layout), acc)
         async_copy.wait_group(0)
+        if PDL and SILU:
+            gdc_launch_dependents()
+        if SILU:  # the tile's gate and up halves as the projection stores them, through shared memory
+            tile = gl.allocate_shared_memory(y_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N],
+                                             gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+            tile.store(acc.to(y_ptr.dtype.element_ty))
+            gl.thread_barrier()
+            halves: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0])
+            g = tile.slice(0, HALF_N, dim=1).load(halves).to(gl.float32)
+            u = tile.slice(HALF_N, HALF_N, dim=1).load(halves).to(gl.float32)
+            silu = (g / (1.0 + gl.exp(-g))).to(y_ptr.dtype.element_ty).to(gl.float32)  # `silu_times`' roundings
+            act_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, halves))
+            out_cols = pid_n * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, halves))
+            gl.store(y_ptr + act_rows[:, None] * stride_ym + out_cols[None, :], (silu * u).to(y_ptr.dtype.element_ty),
+                     mask=(act_rows < M)[:, None] & (out_cols < N // 2)[None, :])
+            return
         out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
         out_cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
         y_ptrs = y_ptr + pid_k * stride_ys + out_rows[:, None] * stride_ym + out_cols[None, :]
@@ -180,10 +210,8 @@ def load_planes(ptrs, mask, plane_stride, PLANES: tl.constexpr, dtype: tl.conste
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int = 32,
                 block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
-                early: bool | None = None, push: tuple | None = None, gated: bool = False) -> torch.Tensor | None:
-    """x [M, K] (M <= 16) times weight [N, K] transposed; with `gated`, x is a merged gate/up projection's output
-    [M, 2K] and the product is `fused.silu_mul(x)`'s (the same bits), SiLU-and-multiply done as the GEMM reads x
-    (the Triton kernel).
+                early: bool | None = None, push: tuple | None = None) -> torch.Tensor | None:
+    """x [M, K] (M <= 16) times weight [N, K] transposed.
 
     With split_k > 1 the result is the float32 partial sums [split_k, M, N], one plane a slice of K, to be added
     plane by plane (`.sum(0)`, or the kernel that reads them with `load_planes`); `out`, when given, is a float32
@@ -198,10 +226,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     (the Triton kernel; returns None), and that kernel, told so, only pulls.
     """
     m, k = x.shape
-    if gated:
-        assert k % 2 == 0, "a merged gate/up output has gate and up halves"
-        k //= 2
-        early = False
     if push is not None:
         assert split_k == 1, "a pushed part is the rank's whole sum"
         addresses, epoch, call, calls, rank, world, max_rows, half = push
@@ -211,7 +235,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
             x, weight, x, m, n, k, x.stride(0), weight.stride(0), 0, 0, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
             SPLIT_K=1, EVEN_K=k % block_k == 0, PDL=launch.enabled(), buffers_ptr=addresses, epoch_ptr=epoch,
             call=call, calls_per_forward=calls, PUSH=True, RANK=rank, WORLD=world, MAX_ROWS=max_rows, HALF=half,
-            GATED=gated, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
+            num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
         return None
     early = _early if early is None else early
     early = early and k % 16 == 0 and x.stride(0) % 16 == 0 and weight.stride(0) % 16 == 0 and not (
@@ -239,8 +263,32 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
         return out
     _skinny_gemm_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), row_stride, plane_stride,
                               BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                              EVEN_K=k % (block_k * split_k) == 0, PDL=launch.enabled(), GATED=gated,
+                              EVEN_K=k % (block_k * split_k) == 0, PDL=launch.enabled(),
                               num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
+    return out
+
+
+def gate_up_silu_early(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = 32, block_k: int = 128,
+                       num_stages: int = 5) -> torch.Tensor | None:
+    """silu(gate) * up [M, I] of a merged gate/up projection (weight [2I, K]) by the early kernel, SiLU-and-multiply
+    in its epilogue: `fused.silu_mul` of `skinny_gemm`'s product (early, same block_k) bit for bit, one kernel
+    instead of two. Each program takes block_n / 2 gate rows and the same up rows. None where the early kernel
+    cannot run these inputs (the caller runs the two kernels)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if not (_early and early_available() and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and n % 2 == 0 and k % 16 == 0 and x.stride(0) % 16 == 0 and weight.stride(0) % 16 == 0
+            and not (x.data_ptr() % 16 or weight.data_ptr() % 16)):
+        return None
+    assert m <= 16 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
+    assert block_n % 32 == 0 and block_k % 16 == 0 and num_stages >= 2
+    out = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
+    if m:
+        stages = min(num_stages, early_max_stages(block_n, block_k, epilogue=block_n))
+        _skinny_gemm_early_kernel[(triton.cdiv(n // 2, block_n // 2), 1)](
+            x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), 0, BLOCK_M=16, BLOCK_N=block_n,
+            BLOCK_K=block_k, SPLIT_K=1, STAGES=stages, PDL=launch.enabled(), SILU=True, num_warps=4,
+            launch_pdl=launch.enabled())
     return out
 
 
@@ -314,11 +362,12 @@ def decode_config(n: int, k: int, planes: bool = False) -> tuple[int, int, int, 
 EARLY_ONE_WAVE_STAGES = 6
 
 
-def early_max_stages(block_n: int, block_k: int) -> int:
+def early_max_stages(block_n: int, block_k: int, epilogue: int = 0) -> int:
     """The most stages of the early kernel whose tiles (BLOCK_M = 16 rows of x and block_n of weights, block_k
-    16-bit values each) fit in a program's shared memory: (64, 256) tiles take 40 KB a stage, so five on an
-    H100 or H200 (227 KB), where six asked for 240 KB and failed to launch (qwen3-0.6b at TP=2)."""
-    return _shared_memory_per_program() // ((16 + block_n) * block_k * 2)
+    16-bit values each) fit in a program's shared memory beside an epilogue tile of 16 x `epilogue` values: (64,
+    256) tiles take 40 KB a stage, so five on an H100 or H200 (227 KB), where six asked for 240 KB and failed to
+    launch (qwen3-0.6b at TP=2)."""
+    return (_shared_memory_per_program() - 16 * epilogue * 2) // ((16 + block_n) * block_k * 2)
 
 
 @functools.cache

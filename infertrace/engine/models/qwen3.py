@@ -136,8 +136,17 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, planes: bool = False) -
                        num_stages=stages)
 
 
+def decode_gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of a merged gate/up projection by the early decode GEMM with SiLU-and-multiply in its
+    epilogue, at the projection's tiling; None where the early kernel does not run."""
+    from infertrace.engine.kernels.skinny_gemm import decode_config, gate_up_silu_early
+
+    block_n, block_k, _, stages = decode_config(*weight.shape)
+    return gate_up_silu_early(x, weight, block_n=block_n, block_k=block_k, num_stages=stages)
+
+
 def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool = True,
-                        push: tuple[int, int] | None = None, gated: bool = False) -> torch.Tensor | None:
+                        push: tuple[int, int] | None = None) -> torch.Tensor | None:
     """x @ W.T of a row-parallel projection of a decode step by the skinny GEMM, added up over the ranks, for the
     residual add + RMSNorm after it, which adds float32 planes [split, T, N] as it reads them. One rank: the GEMM's
     own split-K planes. More ranks, where the all-reduce takes planes (`all_reduce_fusion="planes"`): the GEMM writes
@@ -145,9 +154,7 @@ def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool 
     to the model's dtype and all-reduced as one [T, N] tensor. `reduce=False` (more ranks, "norm" fusion): this
     rank's float32 planes, for the all-reduce + norm kernel after it. `push` = (call, calls per forward), with
     `all_reduce_push`: the GEMM, unsplit, pushes this rank's part of that call into every rank's all-reduce buffer
-    itself and returns None; the all-reduce + norm kernel after it only pulls. `gated` (with `push`): x is the
-    merged gate/up projection's output, and the pushing GEMM does SiLU-and-multiply as it reads it (one kernel
-    less a layer)."""
+    itself and returns None; the all-reduce + norm kernel after it only pulls."""
     tp = layer.tp
     if push is not None:
         decode_config, skinny_gemm = _skinny_kernels()
@@ -158,7 +165,7 @@ def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool 
         if split_k > 1:  # a pushed part is the rank's whole sum: the rules' unsplit tiling
             block_n, block_k, _, stages = rules_config(n, k, False)
         skinny_gemm(x, layer.weight, block_n=block_n, block_k=block_k, num_stages=stages,
-                    push=tp.reduce.norm.push_target(*push), gated=gated)
+                    push=tp.reduce.norm.push_target(*push))
         return None
     planes_out = getattr(tp.reduce, "planes_out", None)
     if tp.size > 1 and (not reduce or planes_out is not None):
@@ -247,11 +254,11 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, False, dtype, tp)
 
     def forward(self, x: torch.Tensor, fused: bool = False, skinny: bool = False,
-                fuse_projections: bool = False, reduce: bool = True, push: tuple[int, int] | None = None,
-                silu_in_push: bool = False) -> torch.Tensor | None:
+                fuse_projections: bool = False, reduce: bool = True,
+                push: tuple[int, int] | None = None) -> torch.Tensor | None:
         """With `fuse_projections` (and `skinny`), a gate/up shape measured to gain runs the projection and
-        SiLU-and-multiply as one kernel (`fused.gate_up_silu`); otherwise, with `push` and `silu_in_push`
-        (all_reduce_push "on+silu"), the down projection's pushing GEMM does SiLU-and-multiply as it reads."""
+        SiLU-and-multiply as one kernel (`fused.gate_up_silu`); otherwise, where the decode GEMMs are the early
+        kernel (tensor parallelism), that kernel does SiLU-and-multiply in its epilogue (`gate_up_silu_early`)."""
         if fused:
             kernels = _fusions()
             if skinny:
@@ -261,10 +268,10 @@ class Qwen3MLP(nn.Module):
                     block_n, block_k, stages, warps = one_kernel
                     act = kernels.gate_up_silu(x, w, block_n=block_n, block_k=block_k, num_stages=stages,
                                                num_warps=warps)
-                elif push is not None and silu_in_push:
-                    return row_parallel_decode(decode_linear(x, w), self.down_proj, reduce, push, gated=True)
                 else:
-                    act = kernels.silu_mul(decode_linear(x, w))
+                    act = decode_gate_up_silu(x, w) if fuse_projections else None
+                    if act is None:
+                        act = kernels.silu_mul(decode_linear(x, w))
                 return row_parallel_decode(act, self.down_proj, reduce, push)
             return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -381,7 +388,7 @@ class Qwen3ForCausalLM(nn.Module):
         local = reducer is None
         # all_reduce_push: the o and down projections' GEMMs push their parts themselves (a is None then)
         push_mode = "off" if reducer is None else reducer.push
-        pushing, silu_in_push = push_mode != "off", push_mode == "on+silu"
+        pushing = push_mode == "on"
 
         def push(call):
             return (call + 1, calls) if pushing else None
@@ -392,7 +399,7 @@ class Qwen3ForCausalLM(nn.Module):
                                 fuse_projections=one_kernel, reduce=local, push=push(2 * i))
             h = reduce_norm(a, 2 * i, layer.post_attention_layernorm)
             m = layer.mlp(h, fused=True, skinny=skinny, fuse_projections=one_kernel, reduce=local,
-                          push=push(2 * i + 1), silu_in_push=silu_in_push)
+                          push=push(2 * i + 1))
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h = reduce_norm(m, 2 * i + 1, norm)
         return h
