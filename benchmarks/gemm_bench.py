@@ -1,6 +1,7 @@
 """Decode-shaped GEMMs (8 rows) against the bytes they must read: cuBLAS variants and the skinny Triton kernel.
 
-    python benchmarks/gemm_bench.py [--rows 8] [--quick | --engine-only | --split-sweep | --fused-qkv | --fused-gate-up | --silu-epilogue]
+    python benchmarks/gemm_bench.py [--rows 8] [--quick | --engine-only | --split-sweep | --fused-qkv | --fused-gate-up
+                                     | --silu-epilogue]
 
 Each timing cycles through enough copies of the weight that none is served from L2, as in a real decode step
 where 36 layers of weights pass through the cache. Prints, per shape, each variant's time and its share of the
@@ -411,8 +412,8 @@ def early_check(m: int, holds_ns=(0, 3000, 7000), stages: tuple[int, ...] = ()) 
 def silu_epilogue_check(m: int, holds_ns=(0, 7000), rounds: int = 2) -> None:
     """qwen3-14b's TP=4 and TP=2 gate/up shards as the engine's layer runs them behind the all-reduce (a kernel that
     holds the GPU, its stand-in): the early gate/up GEMM then `silu_mul`, against the early GEMM with SiLU-and-
-    multiply in its epilogue (`gate_up_silu_early`), each followed by the down projection's early GEMM at its tiling; 36 layers in one CUDA graph with PDL, us
-    a layer."""
+    multiply in its epilogue (`gate_up_silu_early`), each followed by the down projection's early GEMM at its
+    tiling; 36 layers in one CUDA graph with PDL, us a layer."""
     from infertrace.engine.kernels import launch
     from infertrace.engine.kernels import skinny_gemm as sg
     from infertrace.engine.kernels.fused import silu_mul

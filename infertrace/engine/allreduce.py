@@ -74,7 +74,7 @@ class PeerMemoryAllReduce:
             self.pull = "all" if self.norm.pulls_all(pull) else "each"
             self.payload = "model" if self.norm.half else "float32"
         # EngineConfig.all_reduce_push: with the norm fusion, the row-parallel projections' GEMMs push their parts
-        self.push = push if fusion == "norm" and push == "on" else "off"
+        self.push = "on" if fusion == "norm" and push == "on" else "off"
         # with the norm fusion and a 16-bit model: the decode steps' logits, [rows, gather_cols] a rank, gathered
         # through peer memory too (kernels/allgather.py); None: torch.distributed's all-gather
         self.gather = None
@@ -162,8 +162,7 @@ def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_s
     `reduce_planes`; "norm": `add_rmsnorm` over rows of `hidden_size`, each row's push spread over `spread`
     programs, its parts pulled as `pull` says and pushed in float32 or, `payload` "model", in a 16-bit model's
     dtype; with "norm", a 16-bit model's logits of `gather_cols` a rank are all-gathered through peer memory too,
-    and `push` "on" has the row-parallel projections' GEMMs push their parts into the kernel's slots
-    themselves).
+    and `push` "on" has the row-parallel projections' GEMMs push their parts into the kernel's slots themselves).
     Returns (implementation, why custom was not chosen or None)."""
     import torch.distributed as dist
 

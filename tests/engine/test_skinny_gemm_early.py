@@ -15,7 +15,7 @@ if not triton.__version__.startswith("3.6."):  # skinny_gemm.GLUON_TRITON: the e
     pytest.skip(f"the early kernel is written for Triton 3.6's Gluon, not {triton.__version__}", allow_module_level=True)
 
 
-def _ptx(block_n: int, block_k: int, split_k: int, stages: int, silu: bool = False) -> str:
+def _compiled(block_n: int, block_k: int, split_k: int, stages: int, silu: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -30,7 +30,11 @@ def _ptx(block_n: int, block_k: int, split_k: int, stages: int, silu: bool = Fal
     # as Triton's launcher specializes them: pointers, N, K and the strides divisible by 16 (M, 8 rows, is not)
     divisible = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 4, 5, 6, 7, 8, 9)}
     source = GluonASTSource(_skinny_gemm_early_kernel, signature, constants, divisible)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def _ptx(block_n: int, block_k: int, split_k: int, stages: int, silu: bool = False) -> str:
+    return _compiled(block_n, block_k, split_k, stages, silu).asm["ptx"]
 
 
 @pytest.mark.parametrize(("block_n", "block_k", "split_k", "stages"), [(64, 128, 4, 6), (32, 128, 1, 5),
@@ -56,9 +60,12 @@ def test_the_silu_epilogue_lets_the_next_kernel_launch_after_its_last_multiply(b
     """With SiLU-and-multiply in the epilogue the kernel after it is the down projection's GEMM, whose programs, let
     in at the wait, took the SMs from this one's later programs (3 us a layer slower on an H200): the launch of
     dependents comes after the last mma.sync and before the stores; the first weights still come before the wait,
-    the tile's halves go through shared memory, and SiLU's exponential is there."""
+    the tile's halves go through shared memory (the pipeline's: no more than it, as `early_max_stages` counts), and
+    SiLU's exponential is there."""
     plain = _ptx(block_n, 128, 1, stages).splitlines()
-    lines = _ptx(block_n, 128, 1, stages, silu=True).splitlines()
+    kernel = _compiled(block_n, 128, 1, stages, silu=True)
+    lines = kernel.asm["ptx"].splitlines()
+    assert kernel.metadata.shared == stages * (16 + block_n) * 128 * 2
 
     def where(text, in_lines):
         return [i for i, line in enumerate(in_lines) if text in line]

@@ -183,10 +183,10 @@ if gluon is not None:
             halves: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0])
             g = tile.slice(0, HALF_N, dim=1).load(halves).to(gl.float32)
             u = tile.slice(HALF_N, HALF_N, dim=1).load(halves).to(gl.float32)
-            silu = (g / (1.0 + gl.exp(-g))).to(y_ptr.dtype.element_ty).to(gl.float32)  # `silu_times`' roundings
             act_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, halves))
             out_cols = pid_n * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, halves))
-            gl.store(y_ptr + act_rows[:, None] * stride_ym + out_cols[None, :], (silu * u).to(y_ptr.dtype.element_ty),
+            gl.store(y_ptr + act_rows[:, None] * stride_ym + out_cols[None, :],
+                     silu_times(g, u, y_ptr.dtype.element_ty),  # `silu_mul`'s roundings
                      mask=(act_rows < M)[:, None] & (out_cols < N // 2)[None, :])
             return
         out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
@@ -237,9 +237,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
             call=call, calls_per_forward=calls, PUSH=True, RANK=rank, WORLD=world, MAX_ROWS=max_rows, HALF=half,
             num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
         return None
-    early = _early if early is None else early
-    early = early and k % 16 == 0 and x.stride(0) % 16 == 0 and weight.stride(0) % 16 == 0 and not (
-        x.data_ptr() % 16 or weight.data_ptr() % 16)
+    early = (_early if early is None else early) and _early_fits(x, weight)
     n = weight.shape[0]
     assert m <= 16 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
     if split_k == 1:
@@ -276,20 +274,26 @@ def gate_up_silu_early(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = 
     cannot run these inputs (the caller runs the two kernels)."""
     m, k = x.shape
     n = weight.shape[0]
-    if not (_early and early_available() and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and n % 2 == 0 and k % 16 == 0 and x.stride(0) % 16 == 0 and weight.stride(0) % 16 == 0
-            and not (x.data_ptr() % 16 or weight.data_ptr() % 16)):
+    if not (_early and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and n % 2 == 0
+            and _early_fits(x, weight)):
         return None
     assert m <= 16 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
     assert block_n % 32 == 0 and block_k % 16 == 0 and num_stages >= 2
     out = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
-    if m:
-        stages = min(num_stages, early_max_stages(block_n, block_k, epilogue=block_n))
+    if m:  # the epilogue's tile takes the pipeline's shared memory once the pipeline is done with it
+        stages = min(num_stages, early_max_stages(block_n, block_k))
         _skinny_gemm_early_kernel[(triton.cdiv(n // 2, block_n // 2), 1)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), 0, BLOCK_M=16, BLOCK_N=block_n,
             BLOCK_K=block_k, SPLIT_K=1, STAGES=stages, PDL=launch.enabled(), SILU=True, num_warps=4,
             launch_pdl=launch.enabled())
     return out
+
+
+def _early_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the early kernel's 16-byte copies can take these rows: K and the row strides multiples of 16
+    elements, both tensors 16-byte aligned (as Triton specializes them)."""
+    return x.shape[1] % 16 == 0 and x.stride(0) % 16 == 0 and weight.stride(0) % 16 == 0 and not (
+        x.data_ptr() % 16 or weight.data_ptr() % 16)
 
 
 _early = False  # the process's choice (EngineConfig.gemm_early_weights, set by the model runner)
@@ -362,12 +366,11 @@ def decode_config(n: int, k: int, planes: bool = False) -> tuple[int, int, int, 
 EARLY_ONE_WAVE_STAGES = 6
 
 
-def early_max_stages(block_n: int, block_k: int, epilogue: int = 0) -> int:
+def early_max_stages(block_n: int, block_k: int) -> int:
     """The most stages of the early kernel whose tiles (BLOCK_M = 16 rows of x and block_n of weights, block_k
-    16-bit values each) fit in a program's shared memory beside an epilogue tile of 16 x `epilogue` values: (64,
-    256) tiles take 40 KB a stage, so five on an H100 or H200 (227 KB), where six asked for 240 KB and failed to
-    launch (qwen3-0.6b at TP=2)."""
-    return (_shared_memory_per_program() - 16 * epilogue * 2) // ((16 + block_n) * block_k * 2)
+    16-bit values each) fit in a program's shared memory: (64, 256) tiles take 40 KB a stage, so five on an
+    H100 or H200 (227 KB), where six asked for 240 KB and failed to launch (qwen3-0.6b at TP=2)."""
+    return _shared_memory_per_program() // ((16 + block_n) * block_k * 2)
 
 
 @functools.cache

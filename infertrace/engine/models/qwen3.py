@@ -387,8 +387,7 @@ class Qwen3ForCausalLM(nn.Module):
                 return reducer.add_rmsnorm(x, residual, norm.weight, norm.eps, call + 1, calls)
         local = reducer is None
         # all_reduce_push: the o and down projections' GEMMs push their parts themselves (a is None then)
-        push_mode = "off" if reducer is None else reducer.push
-        pushing = push_mode == "on"
+        pushing = reducer is not None and reducer.push == "on"
 
         def push(call):
             return (call + 1, calls) if pushing else None
