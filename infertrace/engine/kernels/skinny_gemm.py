@@ -194,12 +194,18 @@ if gluon is not None:
                      silu_times(g, u, y_ptr.dtype.element_ty),  # `silu_mul`'s roundings
                      mask=(act_rows < M)[:, None] & (out_cols < N // 2)[None, :])
             return
+        if PUSH:  # over NVLink in 16-byte stores (8-byte at 32 columns), not the mma layout's 4-byte pairs
+            VEC: gl.constexpr = 8 if BLOCK_N >= 64 else BLOCK_N // 8
+            wide: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
+            part = gl.convert_layout(acc, wide)
+            push_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, wide))
+            push_cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, wide))
+            push_part(part, push_rows, push_cols, (push_rows < M)[:, None] & (push_cols < N)[None, :], N,
+                      buffers_ptr, epoch_ptr, call, calls_per_forward, x_ptr.dtype.element_ty, RANK, WORLD, MAX_ROWS,
+                      HALF)
+            return
         out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
         out_cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-        if PUSH:
-            push_part(acc, out_rows, out_cols, (out_rows < M)[:, None] & (out_cols < N)[None, :], N, buffers_ptr,
-                      epoch_ptr, call, calls_per_forward, x_ptr.dtype.element_ty, RANK, WORLD, MAX_ROWS, HALF)
-            return
         y_ptrs = y_ptr + pid_k * stride_ys + out_rows[:, None] * stride_ym + out_cols[None, :]
         gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(out_rows < M)[:, None] & (out_cols < N)[None, :])
 
