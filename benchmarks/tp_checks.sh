@@ -5,7 +5,7 @@
 #            GPUs 2,3 (two ranks)
 #   phase 3: TP=4 parity of both models and the kernel on four ranks, on all four GPUs
 # SETS=kernels (either machine): the one-GPU tests of the decode kernels written since the last GPU run (the early
-# GEMM with SiLU-and-multiply in its epilogue, and pushing its part of the all-reduce), on GPU 0.
+# GEMM with SiLU-and-multiply in its epilogue; the pushing GEMM's stores), on GPU 0.
 # On a two-GPU machine the two-GPU sets run one after another on GPUs 0,1 (SETS picks some) and phase 3 is left out. Each phase prints
 # its lines as they come, and a failed run the end of its log; LIMIT_S caps each pytest run (default 240 s).
 #   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 bash benchmarks/tp_checks.sh
@@ -32,7 +32,7 @@ GPUS=$(nvidia-smi -L | grep -c '^GPU')
 T=tests/engine
 date -u
 if [ "${SETS:-}" = kernels ]; then
-  run kernels 0 "$T/test_decode_kernels_gpu.py" -k "silu or pushes"
+  run kernels 0 "$T/test_decode_kernels_gpu.py" -k "silu or pushing_gemm"
   exit 0
 fi
 if [ "$GPUS" -lt 4 ]; then

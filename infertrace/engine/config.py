@@ -20,7 +20,7 @@ ALL_REDUCE_FUSIONS = ("auto", "planes", "norm", "off")
 ALL_REDUCE_PULLS = ("auto", "each", "all")
 ALL_REDUCE_PAYLOADS = ("float32", "model")
 ALL_REDUCE_PUSH = ("auto", "off", "on")
-GEMM_EARLY_WEIGHTS = ("auto", "on", "off", "unpushed")
+GEMM_EARLY_WEIGHTS = ("auto", "on", "off")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # token counts of prefill and mixed steps: 16 apart up to 1,024 tokens (vLLM's spacing of its capture sizes above
 # 256), so a prompt chunk with the decodes of a mixed step beside it pads by at most 15 tokens (cuBLAS's GEMM time is
@@ -98,12 +98,10 @@ class EngineConfig:
               "before drains.")
     # with skinny_gemm and pdl: the decode GEMMs as a Gluon kernel that copies its first tiles of weights into
     # shared memory before its wait, while the kernel before still runs (kernels/skinny_gemm.py); "auto": on with
-    # more than one rank, where the all-reduce before a projection leaves the GPU's memory idle for microseconds;
-    # "unpushed": as auto, but the GEMMs that push their part of the all-reduce (all_reduce_push) stay Triton's
+    # more than one rank, where the all-reduce before a projection leaves the GPU's memory idle for microseconds
     gemm_early_weights: str = setting(
-        "auto", "Decode GEMMs copy their first weights before waiting on the kernel before them: on, off, auto "
-                "(on with tensor parallelism) or unpushed (auto, but not the GEMMs that push their part of the "
-                "all-reduce).")
+        "auto", "Decode GEMMs copy their first weights before waiting on the kernel before them: on, off, or auto "
+                "(on with tensor parallelism).")
     # decode attention (Triton backend) launches its sequences' programs longest context first: over mixed context
     # lengths a long context launched last otherwise runs on alone while the rest of the GPU idles
     decode_longest_first: bool = setting(
@@ -152,7 +150,7 @@ class EngineConfig:
     # more ranks, 4 on fewer
     all_reduce_spread: int = setting(
         0, "With the norm fusion: a row's push cut into slices of hidden/N columns (rounded up to a power of two), "
-           "one program each; N is 1, 2, 4, 8 or 16, or 0 for 8 with four or more ranks and 4 with fewer.")
+           "one program each; N is 1, 2, 4 or 8, or 0 for 8 with four or more ranks and 4 with fewer.")
     # with all_reduce_fusion=norm: how a row's last program waits for the ranks' parts: "each" one rank after another,
     # "all" every rank's part read at once and again while any is missing (a power-of-two number of ranks, up to 32K
     # values: four ranks of hidden 8,192; others take "each"); "auto": all on four or more ranks. qwen3-14b's decode
@@ -227,8 +225,8 @@ class EngineConfig:
         _check_choice("all_reduce_payload", self.all_reduce_payload, ALL_REDUCE_PAYLOADS)
         _check_choice("all_reduce_push", self.all_reduce_push, ALL_REDUCE_PUSH)
         _check_choice("gemm_early_weights", self.gemm_early_weights, GEMM_EARLY_WEIGHTS)
-        if self.all_reduce_spread not in (0, 1, 2, 4, 8, 16):
-            raise ValueError(f"all_reduce_spread must be 0, 1, 2, 4, 8 or 16, got {self.all_reduce_spread}")
+        if self.all_reduce_spread not in (0, 1, 2, 4, 8):
+            raise ValueError(f"all_reduce_spread must be 0, 1, 2, 4 or 8, got {self.all_reduce_spread}")
         if self.kv_cache_dtype != "auto" and self.offload != "off":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with offload={self.offload!r}")
         for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):

@@ -216,9 +216,8 @@ class ModelRunner:
             if fused:  # set on every engine with the Triton kernels (the switch is process-wide, like PDL's)
                 from infertrace.engine.kernels import skinny_gemm
 
-                early = config.gemm_early_weights == "on" or (config.gemm_early_weights != "off" and tp.size > 1)
-                self.gemm_early_weights = skinny_gemm.set_early(early and config.skinny_gemm and self.pdl,
-                                                                pushing=config.gemm_early_weights != "unpushed")
+                early = config.gemm_early_weights == "on" or (config.gemm_early_weights == "auto" and tp.size > 1)
+                self.gemm_early_weights = skinny_gemm.set_early(early and config.skinny_gemm and self.pdl)
         model.setup(self.attention, max_positions, self.device, fused_norm=fused,
                     skinny_gemm=fused and config.skinny_gemm and self.dtype in (torch.bfloat16, torch.float16),
                     fused_projections=config.fused_projections)

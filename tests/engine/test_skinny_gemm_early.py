@@ -15,29 +15,20 @@ if not triton.__version__.startswith("3.6."):  # skinny_gemm.GLUON_TRITON: the e
     pytest.skip(f"the early kernel is written for Triton 3.6's Gluon, not {triton.__version__}", allow_module_level=True)
 
 
-def _compiled(block_n: int, block_k: int, split_k: int, stages: int, silu: bool = False, push: int = 0,
-              bf16_out: bool = False):
-    """`push`: the kernel pushing its product to that many ranks' buffers (bf16 parts); `bf16_out`: y in bf16 (an
-    unsplit projection's output) rather than float32 planes."""
+def _compiled(block_n: int, block_k: int, split_k: int, stages: int, silu: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from infertrace.engine.kernels.skinny_gemm import _skinny_gemm_early_kernel
 
-    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16" if silu or push or bf16_out else "*fp32", "M": "i32",
-                 "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
-                 "stride_ys": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                 "SPLIT_K": "constexpr", "STAGES": "constexpr", "PDL": "constexpr", "SILU": "constexpr"}
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16" if silu else "*fp32", "M": "i32", "N": "i32",
+                 "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_ys": "i32",
+                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr",
+                 "STAGES": "constexpr", "PDL": "constexpr", "SILU": "constexpr"}
     constants = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "STAGES": stages,
                  "PDL": True, "SILU": silu}
     # as Triton's launcher specializes them: pointers, N, K and the strides divisible by 16 (M, 8 rows, is not)
     divisible = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 4, 5, 6, 7, 8, 9)}
-    if push:
-        signature |= {"buffers_ptr": "*i64", "epoch_ptr": "*i64", "call": "i32", "calls_per_forward": "i32",
-                      "PUSH": "constexpr", "RANK": "constexpr", "WORLD": "constexpr", "MAX_ROWS": "constexpr",
-                      "HALF": "constexpr"}
-        constants |= {"PUSH": True, "RANK": 1, "WORLD": push, "MAX_ROWS": 16, "HALF": True}
-        divisible |= {(17,): [["tt.divisibility", 16]], (18,): [["tt.divisibility", 16]]}
     source = GluonASTSource(_skinny_gemm_early_kernel, signature, constants, divisible)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
@@ -88,23 +79,3 @@ def test_the_silu_epilogue_lets_the_next_kernel_launch_after_its_last_multiply(b
     copies = [i for i, line in enumerate(lines) if re.search(r"cp\.async\.\w+\.shared\.global .*, 0x10", line)]
     assert len([i for i in copies if i < wait[0]]) == (stages - 1) * block_n * 128 * 2 // 16 // 128
     assert where("stmatrix", lines) and where("ex2.approx", lines)
-
-
-@pytest.mark.parametrize(("world", "block_n", "store"), [(2, 64, "v4.b32"), (4, 64, "v4.b32"), (4, 32, "v2.b32")])
-def test_the_pushing_kernel_stores_its_tile_once_a_rank_in_wide_stores(world, block_n, store):
-    """With `push` (a row-parallel projection at TP>1) the tile goes to every rank's buffer over NVLink: one store
-    a thread and rank, 16 bytes (8 at 32 columns: 16 x 32 values over 128 threads), not the mma layout's 4-byte
-    pairs (the first form, 4-byte stores, made qwen3-14b's TP=4 step 0.047 ms slower than Triton's pushing
-    kernel); its shared memory no more than the pipeline's, the first weights still copied before the wait and the
-    kernel after it let in at the wait."""
-    kernel = _compiled(block_n, 128, 1, 6, push=world)
-    lines = kernel.asm["ptx"].splitlines()
-    assert kernel.metadata.shared == 6 * (16 + block_n) * 128 * 2
-    stores = [line for line in lines if "st.global" in line]
-    assert len(stores) == world and all(f"st.global.{store} " in line for line in stores)
-    wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
-    launch = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
-    mma = [i for i, line in enumerate(lines) if "mma.sync" in line]
-    assert len(wait) == 1 and launch[0] < min(mma)
-    copies = [i for i, line in enumerate(lines) if re.search(r"cp\.async\.\w+\.shared\.global .*, 0x10", line)]
-    assert len([i for i in copies if i < wait[0]]) == 5 * block_n * 128 * 2 // 16 // 128

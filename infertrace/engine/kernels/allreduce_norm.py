@@ -112,7 +112,7 @@ def push_to_ranks(x, entry, mask, buffers_ptr, dtype: tl.constexpr, WORLD: tl.co
     `buffers_ptr`), a -0.0 as +0.0: -0.0 marks an entry still empty."""
     if ROUND:
         x = x.to(dtype)
-    x = tl.where(x == 0.0, tl.abs(x), x)  # (a layout-free +0.0: the early GEMM's Gluon tile pushes through here)
+    x = tl.where(x == 0.0, tl.zeros_like(x), x)
     for r in tl.static_range(WORLD):
         peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(x.dtype)), 16)
         tl.store(peer + entry, x, mask=mask)

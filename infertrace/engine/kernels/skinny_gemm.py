@@ -102,9 +102,7 @@ if gluon is not None:
     def _skinny_gemm_early_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
                                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                   SPLIT_K: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                                  SILU: gl.constexpr = False, buffers_ptr=None, epoch_ptr=None, call=0,
-                                  calls_per_forward=1, PUSH: gl.constexpr = False, RANK: gl.constexpr = 0,
-                                  WORLD: gl.constexpr = 1, MAX_ROWS: gl.constexpr = 16, HALF: gl.constexpr = False):
+                                  SILU: gl.constexpr = False):
         """`_skinny_gemm_kernel`'s product with its pipeline written out (4 warps, tensor-core mma.sync on tiles
         copied into shared memory with cp.async), so that the copies of the first STAGES - 1 tiles of weights are
         issued before the programmatic-dependent-launch wait: nothing writes the weights, so they stream in while
@@ -117,10 +115,7 @@ if gluon is not None:
         `fused.silu_mul`'s roundings (no SiLU kernel after it; unsplit). The kernel after it (the down projection's
         GEMM, not a small SiLU kernel) may launch only once this one's programs have multiplied their tiles: let at
         the wait, its programs took the SMs and the bandwidth from this kernel's later ones (one H200, qwen3-14b's
-        TP=4 shard behind a 7 us hold, `gemm_bench.py --silu-epilogue`: 47.3 us a layer against 43.0).
-
-        PUSH: as `_skinny_gemm_kernel`'s, the tile (unsplit: this rank's whole part) goes into every rank's slot of
-        the all-reduce + norm kernel's buffers (`push_part`) instead of y."""
+        TP=4 shard behind a 7 us hold, `gemm_bench.py --silu-epilogue`: 47.3 us a layer against 43.0)."""
         load: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte copies along K
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -194,16 +189,6 @@ if gluon is not None:
                      silu_times(g, u, y_ptr.dtype.element_ty),  # `silu_mul`'s roundings
                      mask=(act_rows < M)[:, None] & (out_cols < N // 2)[None, :])
             return
-        if PUSH:  # over NVLink in 16-byte stores (8-byte at 32 columns), not the mma layout's 4-byte pairs
-            VEC: gl.constexpr = 8 if BLOCK_N >= 64 else BLOCK_N // 8
-            wide: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
-            part = gl.convert_layout(acc, wide)
-            push_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, wide))
-            push_cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, wide))
-            push_part(part, push_rows, push_cols, (push_rows < M)[:, None] & (push_cols < N)[None, :], N,
-                      buffers_ptr, epoch_ptr, call, calls_per_forward, x_ptr.dtype.element_ty, RANK, WORLD, MAX_ROWS,
-                      HALF)
-            return
         out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
         out_cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
         y_ptrs = y_ptr + pid_k * stride_ys + out_rows[:, None] * stride_ym + out_cols[None, :]
@@ -238,30 +223,21 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
 
     `push` (`PushBuffers.push_target`: a row-parallel projection at TP>1, unsplit): the product, this rank's part of
     the all-reduce, goes straight into every rank's slot of the all-reduce + norm kernel's buffers instead of `out`
-    (returns None), and that kernel, told so, only pulls; `early` None takes the early kernel as `set_early` set it
-    for pushing GEMMs.
+    (the Triton kernel; returns None), and that kernel, told so, only pulls.
     """
     m, k = x.shape
-    early = (_early and (_early_push or push is None) if early is None else early) and _early_fits(x, weight)
     if push is not None:
         assert split_k == 1, "a pushed part is the rank's whole sum"
         addresses, epoch, call, calls, rank, world, max_rows, half = push
         n = weight.shape[0]
         assert m <= max_rows and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
-        pushing = dict(buffers_ptr=addresses, epoch_ptr=epoch, call=call, calls_per_forward=calls, PUSH=True,
-                       RANK=rank, WORLD=world, MAX_ROWS=max_rows, HALF=half)
-        if early and m:
-            assert block_n % 32 == 0 and block_k % 16 == 0 and num_stages >= 2
-            _skinny_gemm_early_kernel[(triton.cdiv(n, block_n), 1)](
-                x, weight, x, m, n, k, x.stride(0), weight.stride(0), 0, 0, BLOCK_M=16, BLOCK_N=block_n,
-                BLOCK_K=block_k, SPLIT_K=1, STAGES=min(num_stages, early_max_stages(block_n, block_k)),
-                PDL=launch.enabled(), **pushing, num_warps=4, launch_pdl=launch.enabled())
-        else:
-            _skinny_gemm_kernel[(triton.cdiv(n, block_n), 1)](
-                x, weight, x, m, n, k, x.stride(0), weight.stride(0), 0, 0, BLOCK_M=16, BLOCK_N=block_n,
-                BLOCK_K=block_k, SPLIT_K=1, EVEN_K=k % block_k == 0, PDL=launch.enabled(), **pushing,
-                num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
+        _skinny_gemm_kernel[(triton.cdiv(n, block_n), 1)](
+            x, weight, x, m, n, k, x.stride(0), weight.stride(0), 0, 0, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+            SPLIT_K=1, EVEN_K=k % block_k == 0, PDL=launch.enabled(), buffers_ptr=addresses, epoch_ptr=epoch,
+            call=call, calls_per_forward=calls, PUSH=True, RANK=rank, WORLD=world, MAX_ROWS=max_rows, HALF=half,
+            num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled())
         return None
+    early = (_early if early is None else early) and _early_fits(x, weight)
     n = weight.shape[0]
     assert m <= 16 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
     if split_k == 1:
@@ -321,16 +297,13 @@ def _early_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 _early = False  # the process's choice (EngineConfig.gemm_early_weights, set by the model runner)
-_early_push = True  # and for the GEMMs that push their part of the all-reduce
 
 
-def set_early(on: bool, pushing: bool = True) -> bool:
-    """Whether skinny GEMMs called without `early` take the Gluon kernel, where it can run (those that push their
-    part of the all-reduce too with `pushing`); returns whether they do. A CUDA graph keeps the kernels as they were
-    when it was captured."""
-    global _early, _early_push
+def set_early(on: bool) -> bool:
+    """Whether skinny GEMMs called without `early` take the Gluon kernel, where it can run; returns whether they do.
+    A CUDA graph keeps the kernels as they were when it was captured."""
+    global _early
     _early = bool(on) and early_available()
-    _early_push = pushing
     return _early
 
 
@@ -381,27 +354,13 @@ def decode_config(n: int, k: int, planes: bool = False) -> tuple[int, int, int, 
     if (n, k) in TUNED:
         return TUNED[(n, k)]
     block_n, block_k, split_k, stages = device_shards().get((n, k)) or rules_config(n, k, planes)
-    return block_n, block_k, split_k, _one_wave_stages(n, block_n, block_k, split_k, stages, _early)
-
-
-def push_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """`decode_config` for a row-parallel projection whose GEMM pushes its part of the all-reduce (unsplit: the
-    rank's whole sum): its tiling where that does not split K, else the rules' unsplit one."""
-    block_n, block_k, split_k, stages = decode_config(n, k, True)
-    if split_k > 1:
-        block_n, block_k, _, stages = rules_config(n, k, False)
-        stages = _one_wave_stages(n, block_n, block_k, 1, stages, _early and _early_push)
-    return block_n, block_k, 1, stages
-
-
-def _one_wave_stages(n: int, block_n: int, block_k: int, split_k: int, stages: int, early: bool) -> int:
-    """The early kernel with one program an SM copies more of each program's weights before the wait. One H200,
-    behind a kernel holding the GPU 7 us (the all-reduce's stand-in), qwen3-14b's TP=4 qkv shard with the q/k norm
-    after it: 15.40 us a layer at 5 stages, 14.07 at 6 (Triton's kernel 16.90; `gemm_bench.py --early 4,6`); grids
-    of more programs than SMs measured no better or worse at 6."""
-    if early and triton.cdiv(n, block_n) * split_k <= _sm_count():
-        return max(stages, min(EARLY_ONE_WAVE_STAGES, early_max_stages(block_n, block_k)))
-    return stages
+    if _early and triton.cdiv(n, block_n) * split_k <= _sm_count():
+        # the early kernel with one program an SM: more of each program's weights copied before the wait. One
+        # H200, behind a kernel holding the GPU 7 us (the all-reduce's stand-in), qwen3-14b's TP=4 qkv shard with
+        # the q/k norm after it: 15.40 us a layer at 5 stages, 14.07 at 6 (Triton's kernel 16.90; `gemm_bench.py
+        # --early 4,6`); grids of more programs than SMs measured no better or worse at 6
+        stages = max(stages, min(EARLY_ONE_WAVE_STAGES, early_max_stages(block_n, block_k)))
+    return block_n, block_k, split_k, stages
 
 
 EARLY_ONE_WAVE_STAGES = 6

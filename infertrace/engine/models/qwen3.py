@@ -157,10 +157,13 @@ def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool 
     itself and returns None; the all-reduce + norm kernel after it only pulls."""
     tp = layer.tp
     if push is not None:
-        _, skinny_gemm = _skinny_kernels()
-        from infertrace.engine.kernels.skinny_gemm import push_config
+        decode_config, skinny_gemm = _skinny_kernels()
+        from infertrace.engine.kernels.skinny_gemm import rules_config
 
-        block_n, block_k, _, stages = push_config(*layer.weight.shape)
+        n, k = layer.weight.shape
+        block_n, block_k, split_k, stages = decode_config(n, k, True)
+        if split_k > 1:  # a pushed part is the rank's whole sum: the rules' unsplit tiling
+            block_n, block_k, _, stages = rules_config(n, k, False)
         skinny_gemm(x, layer.weight, block_n=block_n, block_k=block_k, num_stages=stages,
                     push=tp.reduce.norm.push_target(*push))
         return None
