@@ -210,7 +210,6 @@ def test_gate_up_silu_is_the_skinny_gemm_then_silu_mul(rows, hidden, inter, bloc
     assert got.shape == (rows, inter) and torch.equal(got, ref)
 
 
-
 @pytest.mark.parametrize("rows, hidden, inter, block_n, block_k, stages", [
     (8, 5120, 4352, 32, 128, 5),  # qwen3-14b's TP=4 shard, its tiling
     (8, 5120, 8704, 32, 128, 3),  # TP=2
@@ -238,6 +237,7 @@ def test_gate_up_silu_early_is_the_early_gemm_then_silu_mul(rows, hidden, inter,
         sg.set_early(was)
     assert got.shape == (rows, inter) and torch.equal(got, ref)
     assert got.abs().max() > 0.1  # values, not zeros on both sides
+
 
 @pytest.mark.parametrize("rows, n, k, block_n, stages", [
     (8, 5120, 1280, 64, 6),  # qwen3-14b's TP=4 output projection, its tiling
