@@ -113,8 +113,7 @@ def load_capture(path: str | Path, keep_python: bool = False, capture: str | Non
                         claimed)
               for (file, parts), (r, claimed) in zip(loaded, ranks)]
     if all(len(cols) == 0 for cols in everything):
-        raise CaptureError(f"no events in {path}: no trace there holds a complete event"
-                           + "".join(f"; {p}" for p in problems))
+        raise no_events(path, group, problems, exclude)
     for trace in traces:
         if trace.events.empty:
             problems.append(f"{trace.path.name}: no complete events")
@@ -128,6 +127,29 @@ def load_capture(path: str | Path, keep_python: bool = False, capture: str | Non
     for front in fronts:
         notes.append(f"{front.path.name}: the API server's CPU trace (the frontend), not a rank")
     return Capture(path, sorted(traces, key=lambda t: t.rank), problems, origin, group.name, notes, fronts)
+
+
+def no_events(path: Path, group: CaptureGroup, problems: list[str], exclude: Iterable[Path] = ()) -> CaptureError:
+    """The error for a capture without a complete event, naming the other captures at `path` with their events,
+    so that an idle newest capture points to the one worth reading (--capture)."""
+    others = [g for g in catalog(path, exclude) if (g.name, g.directory) != (group.name, group.directory)]
+    text = f"no events in {path}: capture {group.name} holds no complete event"
+    if others:
+        counts = [(g.name, _event_count(g)) for g in others]
+        listed = ", ".join(f"{name} ({count:,} events)" for name, count in counts)
+        best = max(counts, key=lambda c: c[1])
+        text += f"; other captures here: {listed}"
+        if best[1] > 0:
+            text += f"; analyse one with --capture {best[0]}"
+    return CaptureError(text + "".join(f"; {p}" for p in problems))
+
+
+def _event_count(group: CaptureGroup) -> int:
+    count = 0
+    for f in group.rank_files():
+        cols, _ = _read_one(f.path, False)
+        count += len(cols) if cols is not None else 0
+    return count
 
 
 def plan_capture(path: Path, capture: str | None = None, rank: int | None = None,

@@ -1,9 +1,13 @@
 """Which trace files form which capture, and which rank each file is: the naming of vLLM 0.33, SGLang 0.5.23 and
 infertrace, so that a directory where captures accumulate is read capture by capture.
 
-- vLLM (vllm/v1/worker/gpu_worker.py, vllm/v1/engine/async_llm.py): `{prefix_}dp{d}_pp{p}_tp{t}_dcp{c}_ep{e}_rank{r}
-  .{ms}.pt.trace.json.gz` per worker, and the API server's CPU-only `{prefix_}{host}_{pid}.async_llm.{ms}.pt.trace
-  .json.gz`, which is the frontend, not a rank.
+- vLLM (vllm/v1/worker/gpu_worker.py `profile`, vllm/distributed/utils.py `get_worker_rank_suffix`,
+  vllm/v1/engine/async_llm.py; the file written by torch's `tensorboard_trace_handler` as `{worker_name}.{time_ns}
+  .pt.trace.json[.gz]`): `{prefix_}dp{d}_pp{p}_tp{t}_dcp{c}_ep{e}_rank{r}.{ns}.pt.trace.json.gz` per worker, or
+  `{prefix_}rank{r}.{ns}...` where the parallel groups are not set up (vLLM CPU 0.32 writes `rank0.{ns}...`), and
+  the API server's CPU-only `{prefix_}{host}_{pid}.async_llm.{ns}.pt.trace.json.gz`, which is the frontend, not a
+  rank. Every `/start_profile`..`/stop_profile` writes a new set into the same `torch_profiler_dir`: without a
+  prefix, a capture ends where a rank or frontend repeats, or where the stamps lie far apart.
 - SGLang (sglang/srt/managers/scheduler_components/profiler_manager.py): `[prefix-]{id}-TP-{t}[-DP-d][-PP-p][-EP-e]
   [-EXTEND|-DECODE].trace.json.gz`; the EXTEND and DECODE files are two stages of one rank; `merged-{id}.trace.json
   .gz` repeats the per-rank files and is read only when they are absent.
@@ -34,6 +38,8 @@ UNNAMED_GAP_MS = 120_000  # vLLM files without a prefix further apart than this 
 
 _VLLM_RANK = re.compile(r"^(?:(?P<prefix>.+)_)?dp(?P<dp>\d+)_pp(?P<pp>\d+)_tp(?P<tp>\d+)_dcp(?P<dcp>\d+)_ep(?P<ep>\d+)"
                         r"_rank(?P<rank>\d+)\.(?P<ms>\d+)\.pt\.trace\.json(?:\.gz)?$")
+# get_worker_rank_suffix's fallback (vllm/distributed/utils.py, vLLM 0.33.0): `rank{r}` alone
+_VLLM_BARE_RANK = re.compile(r"^(?:(?P<prefix>.+)_)?rank(?P<rank>\d+)\.(?P<ms>\d+)\.pt\.trace\.json(?:\.gz)?$")
 _VLLM_FRONTEND = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<host>[^_]+)_(?P<pid>\d+)\.async_llm\.(?P<ms>\d+)"
                             r"\.pt\.trace\.json(?:\.gz)?$")
 _SGLANG = re.compile(r"^(?P<capture>.+?)-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-PP-(?P<pp>\d+))?(?:-EP-(?P<ep>\d+))?"
@@ -69,7 +75,8 @@ class TraceFile:
     rank: int | None = None  # from the name; None when the name gives none
     stage: str | None = None  # SGLang EXTEND / DECODE
     mtime: float = 0.0
-    ms: int | None = None  # vLLM's millisecond stamp
+    ms: int | None = None  # vLLM's stamp in the name, in milliseconds (torch writes nanoseconds)
+    stamp: str | None = None  # the stamp as written
 
 
 @dataclass(slots=True)
@@ -111,10 +118,11 @@ def own_document(path: Path) -> str | None:
 def classify(path: Path) -> TraceFile:
     name = path.name
     mtime = _mtime(path)
-    if m := _VLLM_RANK.match(name):
-        return TraceFile(path, m["prefix"] or "", Role.RANK, int(m["rank"]), mtime=mtime, ms=int(m["ms"]))
+    if m := _VLLM_RANK.match(name) or _VLLM_BARE_RANK.match(name):
+        return TraceFile(path, m["prefix"] or "", Role.RANK, int(m["rank"]), mtime=mtime, ms=_stamp_ms(m["ms"]),
+                         stamp=m["ms"])
     if m := _VLLM_FRONTEND.match(name):
-        return TraceFile(path, m["prefix"] or "", Role.FRONTEND, mtime=mtime, ms=int(m["ms"]))
+        return TraceFile(path, m["prefix"] or "", Role.FRONTEND, mtime=mtime, ms=_stamp_ms(m["ms"]), stamp=m["ms"])
     if _INFERTRACE_FRONTEND.match(name):
         return TraceFile(path, "", Role.FRONTEND, mtime=mtime)
     if m := _SGLANG_MERGED.match(name):
@@ -142,7 +150,7 @@ def catalog(path: Path, exclude: Iterable[Path] = ()) -> list[CaptureGroup]:
         group.files.append(entry)
     out: list[CaptureGroup] = []
     for group in groups.values():
-        out.extend(_split_unnamed_vllm(group))
+        out.extend(_split_vllm(group))
     return sorted(out, key=lambda g: (g.newest, g.name))
 
 
@@ -163,6 +171,8 @@ def select(groups: list[CaptureGroup], capture: str | None = None,
             others = ", ".join(g.name for g in groups[:-1])
             notes.append(f"{len(groups)} captures here; analysing the newest, {group.name} (others: {others}; "
                          "choose one with --capture)")
+        else:
+            notes.append(f"analysing capture {group.name}, the only one here")
     if rank is not None:
         kept = [f for f in group.files if f.role is not Role.RANK or f.rank == rank or f.rank is None]
         if not any(f.role is Role.RANK and f.rank == rank for f in kept):
@@ -201,22 +211,39 @@ def _without_exported_reports(files: list[Path]) -> list[Path]:
                                      in exported)]
 
 
-def _split_unnamed_vllm(group: CaptureGroup) -> list[CaptureGroup]:
-    """vLLM files without a prefix carry only a millisecond stamp: files far apart in time are separate captures."""
-    stamped = sorted((f for f in group.files if f.ms is not None), key=lambda f: f.ms)
-    if not stamped or group.name != group.directory.name or any(f.capture for f in stamped):
+def _split_vllm(group: CaptureGroup) -> list[CaptureGroup]:
+    """vLLM's files of one prefix (or of none) differ only in their time stamp: a capture holds each rank and the frontend once, so a
+    file whose rank (or frontend) the capture already has starts the next one, as do files far apart in time."""
+    stamped = sorted((f for f in group.files if f.ms is not None), key=lambda f: (f.ms, f.path.name))
+    if not stamped:
         return [group]
     rest = [f for f in group.files if f.ms is None]
     parts: list[list[TraceFile]] = [[stamped[0]]]
     for f in stamped[1:]:
-        if f.ms - parts[-1][-1].ms > UNNAMED_GAP_MS:
+        seen = {_writer(g) for g in parts[-1]}
+        if f.ms - parts[-1][-1].ms > UNNAMED_GAP_MS or _writer(f) in seen:
             parts.append([])
         parts[-1].append(f)
     if len(parts) == 1:
         return [group]
-    out = [CaptureGroup(f"{group.name}@{part[0].ms}", group.directory, part) for part in parts]
+    # named by a rank's stamp: the one a user sees first among the files
+    out = [CaptureGroup(f"{group.name}@{next((f for f in part if f.role is Role.RANK), part[0]).stamp}",
+                        group.directory, part) for part in parts]
     out[-1].files.extend(rest)
     return out
+
+
+def _writer(f: TraceFile) -> tuple:
+    """What writes one file a capture: a rank, or the API server (one frontend trace a process)."""
+    if f.role is Role.FRONTEND:
+        return (Role.FRONTEND, f.path.name.split(".async_llm.")[0])
+    return (f.role, f.rank)
+
+
+def _stamp_ms(stamp: str) -> int:
+    """torch's trace handler stamps nanoseconds (time.time_ns()); older writers milliseconds."""
+    value = int(stamp)
+    return value // 1_000_000 if value >= 10**15 else value
 
 
 def _mtime(path: Path) -> float:

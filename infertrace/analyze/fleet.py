@@ -38,6 +38,7 @@ from infertrace.analyze.capture import (
     RankTrace,
     assign_ranks,
     claimed_rank,
+    no_events,
     plan_capture,
     read_trace_file,
     usable,
@@ -248,8 +249,7 @@ def analyze_fleet(path: str | Path, config=None, capture: str | None = None, ran
     if not done:
         raise CaptureError(f"no usable trace in {path}: " + "; ".join(problems))
     if all(r.events == 0 for _, r in done):
-        raise CaptureError(f"no events in {path}: no trace there holds a complete event"
-                           + "".join(f"; {p}" for p in problems))
+        raise no_events(path, group, problems, exclude)
     ranks = assign_ranks([(file, r.claim) for file, r in done], problems)
     parts = {}
     for (file, result), (r, claimed) in zip(done, ranks):
@@ -262,6 +262,7 @@ def analyze_fleet(path: str | Path, config=None, capture: str | None = None, ran
             notes.append(f"{' and '.join(f.path.name for f in unit)}: stages of one rank, read as one")
     report = combine(str(path), parts, config, problems, notes)
     report.files = {r: result.files for (_, result), (r, _) in zip(done, ranks)}
+    report.capture = group.name
     fronts = []
     for f in group.frontend():
         cols = usable(f.path, read_unit([f.path], False, None)[0], report.problems)

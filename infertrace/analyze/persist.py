@@ -18,6 +18,7 @@ def report_dict(report: Report) -> dict:
     return {
         "schema": SCHEMA,
         "source": report.source,
+        "capture": report.capture,
         "problems": list(report.problems),
         "notes": list(report.notes),
         "skipped": dict(report.skipped),
@@ -90,7 +91,8 @@ def read_json(path: Path) -> Report:
             raise ReportError(f"{path}: table {name!r} has no {missing[0]!r} column")
         tables[name] = table
     return Report(data.get("source", str(path)), pd.DataFrame(data.get("ranks", [])),
-                  list(data.get("problems", [])), list(data.get("notes", [])), tables, dict(data.get("skipped", {})))
+                  list(data.get("problems", [])), list(data.get("notes", [])), tables, dict(data.get("skipped", {})),
+                  capture=data.get("capture") if isinstance(data.get("capture"), str) else None)
 
 
 def table_records(table: pd.DataFrame) -> list[dict]:

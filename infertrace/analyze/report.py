@@ -44,6 +44,7 @@ class Report:
     files: dict[int, list[str]] = field(default_factory=dict)  # each rank's trace files (for --perfetto)
     run_notes: list[str] = field(default_factory=list)  # how this run went (processes, the cache): printed with the
     # notes, not part of the report's document (a cached report was made by another run)
+    capture: str | None = None  # the capture read, of those at the source (catalog.select)
 
     def table(self, name: str) -> pd.DataFrame | None:
         return self.tables.get(name)
@@ -135,6 +136,7 @@ def build_report(capture: Capture, config: AnalyzeConfig | None = None) -> Repor
     parts = {r.rank: rank_part(r.events, _rank_row(r), trim, config) for r in capture.ranks}
     report = combine(str(capture.source), parts, config, list(capture.problems), list(capture.notes))
     report.files = {r.rank: [str(r.path)] for r in capture.ranks}
+    report.capture = capture.name
     if capture.frontend:
         report.tables["frontend"] = frontend_ops(capture.frontend)
     add_step_requests(report, capture)

@@ -126,3 +126,46 @@ def test_the_outputs_of_this_run_are_left_out_by_path(tmp_path):
     assert len(catalog(tmp_path)) == 2  # without `exclude`, the stubs are files like any other
     groups = catalog(tmp_path, exclude=[tmp_path / "out.json", tmp_path / "tables"])
     assert [[f.path.name for f in g.files] for g in groups] == [["rank0.pt.trace.json.gz"]]
+
+
+def vllm_trace_name(worker_name: str, time_ns: int) -> str:
+    """A trace file's name as vLLM 0.33.0 makes it: the worker name (vllm/v1/worker/gpu_worker.py `profile`:
+    `{prefix}_` + vllm/distributed/utils.py `get_worker_rank_suffix`, whose fallback without parallel groups is
+    `rank{r}`; vllm/v1/engine/async_llm.py: `{host}_{pid}.async_llm` for the API server), then torch's
+    `tensorboard_trace_handler`: `{worker_name}.{time.time_ns()}.pt.trace.json` and `.gz` with use_gzip."""
+    return f"{worker_name}.{time_ns}.pt.trace.json.gz"
+
+
+@pytest.mark.parametrize("workers", [
+    ["rank0"],  # vLLM CPU 0.32 on one process: the rank suffix's fallback
+    ["dp0_pp0_tp0_dcp0_ep0_rank0", "dp0_pp0_tp1_dcp0_ep0_rank1"],
+])
+def test_two_vllm_captures_in_one_profiler_dir_are_two_captures(tmp_path, workers):
+    start = 1_765_000_000_000_000_000  # ns: /start_profile../stop_profile twice, ten seconds apart
+    for n, stop in enumerate((start, start + 10 * 10**9)):
+        for i, worker in enumerate(workers):
+            touch(tmp_path / vllm_trace_name(worker, stop + i * 3_000_000), 1000 + n)
+        touch(tmp_path / vllm_trace_name("cpuhost_4242.async_llm", stop + 9_000_000), 1000 + n)
+    groups = catalog(tmp_path)
+    assert len(groups) == 2
+    for group in groups:
+        assert sorted(f.rank for f in group.rank_files()) == list(range(len(workers)))
+        assert len(group.frontend()) == 1
+    newest, notes = select(groups)
+    assert newest is groups[-1] and str(start + 10 * 10**9) in newest.name
+    assert "analysing the newest" in notes[0]
+    older, _ = select(groups, capture=str(start))
+    assert older is groups[0]
+
+
+def test_a_prefixed_vllm_capture_taken_twice_is_two_captures(tmp_path):
+    for stop in (1_765_000_000_000_000_000, 1_765_000_005_000_000_000):
+        touch(tmp_path / vllm_trace_name("run_rank0", stop))
+    groups = catalog(tmp_path)
+    assert [len(g.files) for g in groups] == [1, 1] and all(g.name.startswith("run@") for g in groups)
+
+
+def test_a_single_capture_is_named(tmp_path):
+    touch(tmp_path / vllm_trace_name("rank0", 1_765_000_000_000_000_000))
+    group, notes = select(catalog(tmp_path))
+    assert notes == [f"analysing capture {tmp_path.name}, the only one here"]
