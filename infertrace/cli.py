@@ -3,11 +3,13 @@ when it runs (or when `--help` lists them), so that `infertrace analyze` does no
 
 from __future__ import annotations
 
+import difflib
 import importlib
 
 import click
 
 from infertrace import __version__
+from infertrace.exits import BAD_INPUT, INTERRUPTED
 
 # name -> where the command is defined: every command lives at <package>/command.py
 COMMANDS = {
@@ -21,8 +23,36 @@ COMMANDS = {
 }
 
 
-class LazyGroup(click.Group):
-    """A group whose commands are imported on first use (click's documented pattern for large CLIs)."""
+class UsageLine(click.ClickException):
+    """A usage error as one line on stderr, `infertrace gate: error: <what> (see --help)`, where click prints the
+    usage, a hint and the error on three or four."""
+
+    exit_code = BAD_INPUT
+
+    def __init__(self, error: click.UsageError) -> None:
+        super().__init__(" ".join(error.format_message().split()))
+        self.command_path = error.ctx.command_path if error.ctx is not None else "infertrace"
+
+    def show(self, file=None) -> None:
+        click.echo(f"{self.command_path}: error: {self.message} (see --help)", file=file, err=file is None)
+
+
+class SuggestingGroup(click.Group):
+    """A group that answers a mistyped subcommand with the closest one it has."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        name = args[0] if args else ""
+        names = self.list_commands(ctx)
+        if name and not name.startswith("-") and name not in names and not ctx.resilient_parsing:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"commands: {', '.join(names)}"
+            ctx.fail(f"no command {name!r}; {hint}")
+        return super().resolve_command(ctx, args)
+
+
+class LazyGroup(SuggestingGroup):
+    """A group whose commands are imported on first use (click's documented pattern for large CLIs), and where
+    every usage error of every command, and Ctrl-C, end the way the README's exit codes say."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
@@ -33,8 +63,27 @@ class LazyGroup(click.Group):
         module, _, attr = COMMANDS[name].partition(":")
         return getattr(importlib.import_module(module), attr)
 
+    def make_context(self, info_name, args, parent=None, **extra) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as exc:
+            raise UsageLine(exc) from None
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as exc:  # a subcommand's, raised while parsing its options or from its body
+            raise UsageLine(exc) from None
+        except KeyboardInterrupt:  # one a command did not handle itself (during a model load, an import...)
+            click.echo("\ninterrupted", err=True)
+            raise click.exceptions.Exit(INTERRUPTED) from None
+
+
+@click.group("infertrace", cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="infertrace")
 def main() -> None:
     """Benchmark, profile and explain LLM inference.

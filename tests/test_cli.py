@@ -44,17 +44,74 @@ def test_help_runs(path):
     assert "Usage:" in result.output
 
 
+def _one_error_line(result, command: str) -> str:
+    """The single line a usage error prints: `infertrace <command>: error: <what> (see --help)`."""
+    lines = result.stderr.splitlines()
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"{command}: error: ") and lines[0].endswith(" (see --help)"), lines[0]
+    assert result.stdout == ""
+    return lines[0]
+
+
 def test_model_init_without_out_is_one_line_usage_error():
     result = CliRunner().invoke(main, ["model", "init", "--preset", "tiny"])
-    assert result.exit_code == 2
-    assert "Missing option '--out'" in result.output
-    assert len([l for l in result.output.splitlines() if l.startswith("Error")]) == 1
+    assert "Missing option '--out'" in _one_error_line(result, "infertrace model init")
 
 
 def test_unknown_flag_is_usage_error():
     result = CliRunner().invoke(main, ["model", "init", "--preset", "tiny", "--out", "x", "--bogus"])
-    assert result.exit_code == 2
-    assert "No such option" in result.output and "--bogus" in result.output
+    line = _one_error_line(result, "infertrace model init")
+    assert "No such option" in line and "--bogus" in line
+
+
+@pytest.mark.parametrize("path", [p for p, cmd in _walk(main) if p and not isinstance(cmd, click.Group)])
+def test_every_command_gives_a_usage_error_in_one_line(path):
+    """click's own form is three or four lines (Usage:, Try '... --help', Error: ...)."""
+    result = CliRunner().invoke(main, [*path, "--no-such-option"])
+    assert "--no-such-option" in _one_error_line(result, " ".join(("infertrace", *path)))
+
+
+@pytest.mark.parametrize("args, command, expected", [
+    (["gate", "r.json", "--max-drop", "nonsense"], "infertrace gate", "'nonsense' is not METRIC=LIMIT"),
+    (["gate", "r.json", "--resamples", "many"], "infertrace gate", "'many' is not a valid integer"),
+    (["ablate"], "infertrace ablate", "Missing argument 'RECIPE'"),
+    (["--no-such-option"], "infertrace", "No such option"),
+])
+def test_bad_values_and_missing_arguments_are_one_line(args, command, expected):
+    assert expected in _one_error_line(CliRunner().invoke(main, args), command)
+
+
+def test_a_usage_error_raised_by_a_command_body_is_one_line(tmp_path):
+    (tmp_path / "r.json").write_text('{"output_throughput": 100.0}')
+    result = CliRunner().invoke(main, ["gate", str(tmp_path / "r.json"), "--update-baseline"])
+    assert "--update-baseline needs --baseline" in _one_error_line(result, "infertrace gate")
+
+
+@pytest.mark.parametrize("args, command, expected", [
+    (["benh"], "infertrace", "no command 'benh'; did you mean 'bench'?"),
+    (["analyse"], "infertrace", "did you mean 'analyze'?"),
+    (["model", "inti"], "infertrace model", "no command 'inti'; did you mean 'init'?"),
+    (["zzzz"], "infertrace", "commands: bench, serve, profile, analyze, ablate, gate, model"),
+])
+def test_a_mistyped_command_gets_the_closest_one(args, command, expected):
+    assert expected in _one_error_line(CliRunner().invoke(main, args), command)
+
+
+def test_ctrl_c_a_command_does_not_handle_exits_130(monkeypatch):
+    """click's default is "Aborted!" and exit 1; the README's table says 130."""
+    from infertrace import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "slow", "unused:unused")
+    real = cli.LazyGroup.get_command
+    monkeypatch.setattr(cli.LazyGroup, "get_command", lambda self, ctx, name: click.Command(
+        name, callback=interrupted, help="x") if name == "slow" else real(self, ctx, name))
+    result = CliRunner().invoke(main, ["slow"])
+    assert result.exit_code == 130
+    assert "interrupted" in result.stderr and "Aborted" not in result.output
 
 
 def test_python_dash_m_runs_the_cli():
