@@ -22,7 +22,7 @@ from infertrace.capture.peers import (
 )
 
 __all__ = ["SERVER_ACTIVITIES", "Flavour", "ProfileOptions", "ProfilerClient", "ProfilerError", "StartResult",
-           "StopResult", "is_local_url"]
+           "StopResult", "UnreachableError", "is_local_url"]
 
 VLLM_NO_PROFILER = (
     "vLLM answered 404 for {path}: the server was started without a profiler configuration; relaunch it "
@@ -33,6 +33,10 @@ VLLM_NO_PROFILER = (
 
 class ProfilerError(Exception):
     """A failure to report to the user in one line."""
+
+
+class UnreachableError(ProfilerError):
+    """No server answers at the URL (exit 2, as for `bench`: an unreachable target is unusable input)."""
 
 
 @dataclass(slots=True)
@@ -122,7 +126,7 @@ class ProfilerClient:
                 if options.frontend:
                     raise ProfilerError("--frontend is infertrace serve's: SGLang has no front-end trace to ask for")
                 options = await self._sglang_safe(options)
-            body = sglang_body(options)
+            body = sglang_body(options, flavour)
             if options.frontend:
                 body["frontend"] = True
             reply = await self._request("POST", "/start_profile", body=body)
@@ -213,11 +217,11 @@ class ProfilerClient:
             async with self._session.request(method, url, json=body) as response:
                 return _Reply(response.status, await response.text())
         except aiohttp.InvalidURL as exc:
-            raise ProfilerError(f"invalid server URL {self.base_url!r}") from exc
+            raise UnreachableError(f"invalid server URL {self.base_url!r}") from exc
         except aiohttp.ClientConnectorError as exc:
             errno = getattr(exc.os_error, "errno", None)
             reason = os.strerror(errno) if errno else str(exc.os_error or exc)
-            raise ProfilerError(f"cannot reach the server at {self.base_url}: {reason}") from exc
+            raise UnreachableError(f"cannot reach the server at {self.base_url}: {reason}") from exc
         except asyncio.TimeoutError as exc:
             raise ProfilerError(f"{method} {url} got no answer within {self.timeout_s:g} s") from exc
         except aiohttp.ClientError as exc:

@@ -126,10 +126,12 @@ def _parse_activities(text: str | None) -> tuple[str, ...] | None:
 
 
 def _run(coro):
-    from infertrace.capture.client import ProfilerError
+    from infertrace.capture.client import ProfilerError, UnreachableError
 
     try:
         return asyncio.run(coro)
+    except UnreachableError as exc:
+        fail(str(exc), BAD_INPUT)
     except ProfilerError as exc:
         fail(str(exc), FAILURE)
     except ValueError as exc:

@@ -86,11 +86,14 @@ def vllm_body(options: ProfileOptions) -> dict:
     return body
 
 
-def sglang_body(options: ProfileOptions) -> dict:
-    """SGLang 0.5.23's ProfileReq (and `infertrace serve`'s body, which follows it): the capture's name is the
-    profile_id every file name starts with; delay_steps becomes start_step relative to now, which SGLang has no
-    way to say, so it is refused."""
+def sglang_body(options: ProfileOptions, flavour: Flavour = Flavour.SGLANG) -> dict:
+    """SGLang 0.5.23's ProfileReq (and `infertrace serve`'s body, which follows it, hence `flavour`, for the
+    messages): the capture's name is the profile_id every file name starts with. Neither can delay a start by
+    steps from now (SGLang's start_step counts from its own forward counter), so delay_steps is refused."""
     if options.delay_steps is not None:
+        if flavour is Flavour.INFERTRACE:
+            raise ValueError("infertrace serve starts a capture at its next engine step and has no delay; drop "
+                             "--delay-steps (start later, or bound the capture with --num-steps)")
         raise ValueError("SGLang counts start_step from its own forward counter, not from now; drop --delay-steps")
     body: dict = {}
     for key in ("output_dir", "num_steps", "with_stack", "record_shapes"):

@@ -19,7 +19,7 @@ def invoke(*args):
 
 
 def error_lines(result):
-    return [line for line in result.stderr.splitlines() if line.startswith(("Error", "error"))]
+    return [line for line in result.stderr.splitlines() if line.startswith(("error", "infertrace profile: error:"))]
 
 
 def replying(response_factory):
@@ -271,9 +271,10 @@ def test_api_key_and_headers_reach_every_call(sglang_server_with_key):
 # detection, usage and faults ----------------------------------------------------------------------------
 
 def test_server_down_is_one_line(dead_url):
+    """An unreachable target is unusable input: exit 2, as in bench (README, "Exit codes")."""
     for args in (["--start"], ["--stop"], ["--seconds", "1"], ["--server", "sglang", "--start"]):
         result = invoke("--url", dead_url, *args)
-        assert result.exit_code == 1, args
+        assert result.exit_code == 2, args
         assert error_lines(result) == [f"error: cannot reach the server at {dead_url}: Connection refused"]
 
 
@@ -355,6 +356,18 @@ def test_usage_errors(args, message):
     result = invoke(*args)
     assert result.exit_code == 2
     assert message in result.output
+
+
+@pytest.mark.parametrize("flavour, named, not_named", [
+    ("infertrace", "infertrace serve starts a capture at its next engine step", "SGLang"),
+    ("sglang", "SGLang counts start_step from its own forward counter", "infertrace serve"),
+])
+def test_delay_steps_refusal_names_the_server_asked(dead_url, flavour, named, not_named):
+    """Refused before any call (the URL answers nothing), naming the server it was meant for."""
+    result = invoke("--url", dead_url, "--server", flavour, "--start", "--delay-steps", "3")
+    assert result.exit_code == 2
+    [line] = error_lines(result)
+    assert named in line and not_named not in line and "drop --delay-steps" in line
 
 
 def test_bad_url_is_one_line():

@@ -137,7 +137,7 @@ def invoke(*args):
 
 
 def error_lines(result):
-    return [line for line in result.stderr.splitlines() if line.startswith(("Error", "error"))]
+    return [line for line in result.stderr.splitlines() if line.startswith(("error", "infertrace profile: error:"))]
 
 
 @needs_server
