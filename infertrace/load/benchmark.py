@@ -69,14 +69,15 @@ class Interrupter:
         finally:
             loop.remove_signal_handler(signal.SIGINT)
 
-    async def run(self, coro) -> None:
+    async def run(self, coro):
+        """`coro`'s result, unless a trigger cancels it (Interrupted) or stop_phase does (PhaseStopped)."""
         if self.requested:
             coro.close()
             raise Interrupted
         self._stop_phase = False
         self._task = asyncio.ensure_future(coro)
         try:
-            await self._task
+            return await self._task
         except asyncio.CancelledError:
             if self.requested:
                 raise Interrupted from None
@@ -152,7 +153,12 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
             except PhaseStopped:
                 stopped_early = True
     await observer.stop()
-    joined = await join_run(target, log_at, runner.results, warm.results)  # each request's life on the server
+    joined = None
+    if not interrupted:  # each request's life on the server: evidence a Ctrl-C (then or now) does not wait for
+        try:
+            joined = await interrupter.run(join_run(target, log_at, runner.results, warm.results))
+        except Interrupted:
+            interrupted = True
 
     results = runner.results
     workload = {**(runner.figures() if isinstance(runner, Fleet) else {}), **load.figures(results, target)}

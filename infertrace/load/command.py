@@ -184,7 +184,8 @@ def print_warnings(records: list[PointRecord]) -> None:
     search repeats the same cause at every point."""
     from infertrace.load.results.metrics import sum_token_checks, token_count_warnings
 
-    lines = [w for record in records for w in record.headroom_warnings + record.prefix_cache["prefix_cache_warnings"]]
+    lines = [w for record in records for w in record.headroom_warnings + record.prefix_cache["prefix_cache_warnings"]
+             + record.request_log_warnings]
     lines += token_count_warnings(sum_token_checks([r.token_checks for r in records]),
                                   any(r.metrics.output_token_sources.get("chunks") for r in records))
     for warning in lines:

@@ -37,6 +37,11 @@ class StandInServer:
         self.serve_metrics = False  # GET /metrics in vLLM 0.33's names (vllm/v1/metrics/loggers.py), else 404
         self.active = 0
         self.peers: set = set()  # client (host, port) of every generation request: one per connection used
+        self.request_ids: list[tuple[str, float]] = []  # (X-Request-Id, arrival) of every generation request
+        # GET /v1/request_log: None answers 404 (no log); else an async function of (server, since, limit,
+        # request) that returns the web.Response the test chooses
+        self.request_log = None
+        self.log_reads: list[str] = []  # the query string of every GET /v1/request_log
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -44,6 +49,7 @@ class StandInServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         arrived = time.perf_counter()
         self.arrivals.append(arrived)
+        self.request_ids.append((request.headers.get("X-Request-Id"), arrived))
         body = await request.json()
         i, self.count = self.count, self.count + 1
         self.peers.add(request.transport.get_extra_info("peername"))
@@ -117,6 +123,13 @@ class StandInServer:
         return web.json_response({"status": "stopped", "files": ["/p/a.pt.trace.json.gz", "/p/manifest.json"],
                                   "trace_files": ["/p/a.pt.trace.json.gz"]})
 
+    async def read_request_log(self, request):
+        self.log_reads.append(request.query_string)
+        if self.request_log is None:
+            return web.json_response({"error": {"message": "not found"}}, status=404)
+        return await self.request_log(self, int(request.query.get("since", 0)), int(request.query.get("limit", 10**9)),
+                                      request)
+
     @web.middleware
     async def _record(self, request, handler):
         self.calls.append((request.path, request.headers.get("Authorization"), request.headers.get("X-Team")))
@@ -131,6 +144,7 @@ class StandInServer:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/start_profile", self.start_profile)
         app.router.add_post("/stop_profile", self.stop_profile)
+        app.router.add_get("/v1/request_log", self.read_request_log)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)

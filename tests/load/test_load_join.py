@@ -127,3 +127,222 @@ def test_the_bundled_engine_in_process_is_joined_on_one_clock(tiny_model_dir, tm
         if r["phase"] == "measured":
             assert sum(r["ttft_parts"].values()) == pytest.approx(r["ttft_ms"], abs=1e-6)
             assert r["request_id"].startswith("bench-") and len(r["itl_steps"]) == 5
+
+
+# ----- a request log of the wrong shape, or too big, never costs the run -----
+GOOD = {"request_id": "q0", "received": 100.002, "tokenized": 100.004, "first_output": 100.05, "steps": [],
+        "steps_complete": True}
+MALFORMED = [  # what a broken or hostile server may answer in place of one record
+    {"received": 1.0},  # no request_id
+    {**GOOD, "request_id": 7},
+    {**GOOD, "request_id": None},
+    {**GOOD, "received": float("nan")},
+    {**GOOD, "first_output": float("inf")},
+    {**GOOD, "received": 10**400},
+    {**GOOD, "tokenized": "100.004"},
+    {**GOOD, "steps": "all of them"},
+    {**GOOD, "steps": [[1, 64, 1]]},
+    {**GOOD, "steps": [[1, "64", 1, 1]]},
+    {**GOOD, "preempted": "5"},
+    {**GOOD, "waiting_ahead": -1},
+    {**GOOD, "prompt_tokens": 10**30},
+    {**GOOD, "steps_complete": "yes"},
+    "q0",
+    [GOOD],
+]
+
+
+@pytest.mark.parametrize("bad", MALFORMED, ids=range(len(MALFORMED)))
+def test_a_malformed_request_record_is_skipped_and_counted(bad):
+    a, b = _result(0, 0.0, 0.1, request_id="q0"), _result(1, 0.0, 0.1, request_id="q1")
+    good = {**GOOD, "request_id": "q1"}
+    summary = join([a, b], _log([good, bad], []))
+    assert summary["matched"] == 1 and b.server is not None and a.server is None
+    assert len(summary["warnings"]) == 1
+    assert summary["warnings"][0].startswith("the server's request log had 1 malformed request record, skipped")
+
+
+@pytest.mark.parametrize("bad", [{"step": 1, "start": float("nan"), "duration": 0.01},
+                                 {"step": 1, "start": 1.0, "duration": -1.0}, {"start": 1.0, "duration": 0.01},
+                                 {"step": "1", "start": 1.0, "duration": 0.01}, None])
+def test_a_malformed_step_is_skipped_and_counted(bad):
+    summary = join([_result(0, 0.0, 0.1)], _log([GOOD], [_step(0, 100.01, 0.02), bad]))
+    assert summary["matched"] == 1
+    assert summary["warnings"] == [summary["warnings"][0]] and "1 malformed step record" in summary["warnings"][0]
+
+
+@pytest.mark.parametrize("log", [{"requests": {"q0": GOOD}, "steps": []}, {"requests": [GOOD], "steps": "x"}, "log"])
+def test_a_log_whose_lists_are_not_lists_is_said_so(log):
+    summary = join([_result(0, 0.0, 0.1)], log)
+    assert summary["warnings"] and summary["matched"] in (0, 1)
+
+
+def test_crossed_clock_bounds_leave_ttft_parts_out_with_a_warning():
+    # request q0 says the server clock is 100 s ahead; q1 (sent 1 s later, answered as quickly) says 1,000 s:
+    # no offset fits both, and moving times by their midpoint would make parts of hundreds of seconds
+    steps = [_step(0, 100.010, 0.020, "prefill", 64, 1, 1), _step(1, 1001.010, 0.020, "prefill", 64, 1, 1)]
+    recs = [{"request_id": "q0", "received": 100.002, "tokenized": 100.004, "first_output": 100.031,
+             "steps": [[0, 64, 1, 1]]},
+            {"request_id": "q1", "received": 1001.002, "tokenized": 1001.004, "first_output": 1001.031,
+             "steps": [[1, 64, 1, 1]]}]
+    a, b = _result(0, 0.0, 0.035), _result(1, 1.0, 0.035)
+    summary = join([a, b], _log(recs, steps))
+    assert summary["offset_consistent"] is False and summary["matched"] == 2 and summary["explained"] == 0
+    assert "ttft_parts" not in a.server and "ttft_parts" not in b.server
+    assert a.server["received_ms"] is None  # no time moved onto the client's clock
+    assert a.server["queue_ms"] == pytest.approx(6.0)  # the server's own durations stand
+    assert len(summary["warnings"]) == 1 and "clocks disagree" in summary["warnings"][0]
+
+
+def _served_log(server, start=0, shape=lambda i, rec: rec):
+    """The stand-in's generation requests as the server's request log would list them, from `start` on."""
+    out = []
+    for i, (rid, arrived) in enumerate(server.request_ids[start:], start):
+        out.append(shape(i, {"request_id": rid, "seq": i, "received": arrived, "tokenized": arrived,
+                             "arrival": arrived, "first_output": arrived, "steps": [], "steps_complete": True}))
+    return out
+
+
+def _bench(standin, prompts_jsonl, tmp_path, *extra):
+    out, lines = tmp_path / "r.json", tmp_path / "r.jsonl"
+    res = CliRunner().invoke(bench, [
+        "--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", str(prompts_jsonl), "--num-prompts", "6",
+        "--concurrency", "2", "--warmup", "0", "--result-json", str(out), "--requests-jsonl", str(lines),
+        *map(str, extra)], catch_exceptions=False)
+    doc = json.loads(out.read_text()) if out.exists() else None
+    return res, doc, lines
+
+
+def test_a_malformed_request_log_costs_neither_the_run_nor_its_files(standin, prompts_jsonl, tmp_path):
+    from aiohttp import web
+
+    async def answer(server, since, limit, request):
+        if limit == 0:
+            return web.json_response({"next": 0, "requests": [], "steps": []})
+        rows = _served_log(server, since, lambda i, rec: rec if i == 0 else {**rec, **MALFORMED[i % 14]})
+        return web.Response(text=json.dumps({"next": len(server.request_ids), "requests": rows, "steps": [
+            {"step": 10**400, "start": float("nan"), "duration": 1}]}), content_type="application/json")
+
+    standin.request_log = answer
+    res, doc, lines = _bench(standin, prompts_jsonl, tmp_path)
+    assert res.exit_code == 0, res.output
+    assert doc["completed"] == 6 and len(lines.read_text().splitlines()) == 6
+    assert doc["request_log"]["matched"] == 1
+    assert "warning: the server's request log had 5 malformed request records, skipped" in res.stderr
+    assert "1 malformed step record" in res.stderr
+
+
+def test_the_log_is_read_page_by_page_following_next(standin, prompts_jsonl, tmp_path):
+    from aiohttp import web
+
+    async def answer(server, since, limit, request):  # two rows a page, whatever was asked
+        rows = _served_log(server, since)[:min(2, limit)]
+        return web.json_response({"next": rows[-1]["seq"] + 1 if rows else since, "requests": rows, "steps": []})
+
+    standin.request_log = answer
+    res, doc, _ = _bench(standin, prompts_jsonl, tmp_path)
+    assert res.exit_code == 0 and doc["request_log"]["matched"] == 6 and not doc["request_log"]["warnings"]
+    assert sum("since=" in q for q in standin.log_reads) == 4  # three pages of two, then an empty one
+
+
+def test_a_log_that_answers_the_same_page_forever_is_left(standin, prompts_jsonl, tmp_path):
+    from aiohttp import web
+
+    async def answer(server, since, limit, request):
+        return web.json_response({"next": 0, "requests": _served_log(server)[:limit], "steps": []})
+
+    standin.request_log = answer
+    res, doc, _ = _bench(standin, prompts_jsonl, tmp_path)
+    assert res.exit_code == 0 and doc["completed"] == 6
+    assert sum("since=" in q for q in standin.log_reads) == 1 and doc["request_log"]["matched"] == 6
+    assert "does not move on" in res.stderr
+
+
+def test_an_endless_log_is_read_to_a_bound(standin, prompts_jsonl, tmp_path, monkeypatch):
+    from aiohttp import web
+
+    from infertrace.load.results import join as join_module
+
+    monkeypatch.setattr(join_module, "MAX_ROWS", 40)
+
+    async def answer(server, since, limit, request):  # a log that always has ten more
+        rows = [{"request_id": f"other-{i}", "seq": i} for i in range(since, since + 10)]
+        return web.json_response({"next": since + 10, "requests": rows, "steps": []})
+
+    standin.request_log = answer
+    res, doc, _ = _bench(standin, prompts_jsonl, tmp_path)
+    assert res.exit_code == 0 and doc["completed"] == 6
+    assert sum("since=" in q for q in standin.log_reads) == 4 and "holds over 40 requests" in res.stderr
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_page_too_big_is_not_read_past_its_bound(standin, prompts_jsonl, tmp_path, monkeypatch, chunked):
+    from aiohttp import web
+
+    from infertrace.load.results import join as join_module
+
+    monkeypatch.setattr(join_module, "MAX_PAGE_BYTES", 1 << 20)
+    sent = []
+
+    async def answer(server, since, limit, request):
+        if limit == 0:
+            return web.json_response({"next": 0, "requests": [], "steps": []})
+        if not chunked:
+            return web.Response(body=b" " * (8 << 20), content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        try:
+            for _ in range(64):  # 64 MiB unless the reader stops
+                await resp.write(b" " * (1 << 20))
+                sent.append(1)
+        except (ConnectionError, RuntimeError):
+            pass
+        return resp
+
+    standin.request_log = answer
+    res, doc, _ = _bench(standin, prompts_jsonl, tmp_path)
+    assert res.exit_code == 0 and doc["completed"] == 6
+    assert "answered more than 1 MiB; not read" in res.stderr and doc["request_log"]["matched"] == 0
+    if chunked:
+        assert len(sent) < 64
+
+
+def test_ctrl_c_during_the_log_fetch_stops_it_and_saves_the_run(standin, prompts_jsonl, tmp_path):
+    import asyncio
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from aiohttp import web
+
+    done = []
+
+    async def answer(server, since, limit, request):  # the cursor at once, then a log that takes a minute
+        if limit == 0:
+            return web.json_response({"next": 0, "requests": [], "steps": []})
+        for _ in range(600):
+            if done:
+                break
+            await asyncio.sleep(0.1)
+        return web.json_response({"next": 0, "requests": [], "steps": []})
+
+    standin.request_log = answer
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "-c", "from infertrace.load.command import bench; bench()",
+                             "--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", str(prompts_jsonl),
+                             "--num-prompts", "6", "--concurrency", "2", "--warmup", "0", "--result-json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COLUMNS": "120"})
+    deadline = time.time() + 60
+    while not any("since=" in q for q in standin.log_reads) and time.time() < deadline:
+        time.sleep(0.05)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=30)
+    done.append(True)
+    assert proc.returncode == 130, stderr
+    assert time.monotonic() - sent < 10
+    doc = json.loads(out.read_text())
+    assert doc["interrupted"] is True and doc["completed"] == 6

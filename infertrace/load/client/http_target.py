@@ -23,6 +23,8 @@ READ_BUFSIZE = 4 * 1024 * 1024  # aiohttp's 64 KiB default throttles long stream
 PREFLIGHT_TIMEOUT_S = 10.0
 RESET_PREFIX_CACHE_PATHS = ("/reset_prefix_cache", "/flush_cache")  # vLLM's, then SGLang's
 PROFILE_TIMEOUT_S = 600.0  # stopping a profiler writes the trace, which takes a while on a busy server
+MAX_ANSWER_BYTES = 64 << 20  # a JSON answer (models, server info, metrics, a page of the request log) larger than
+# this is refused rather than read: a server must not be able to take the client's memory
 
 
 class StreamResponse(Protocol):
@@ -40,8 +42,11 @@ class Transport(Protocol):
 
     async def close(self) -> None: ...
 
-    async def request_json(self, method: str, path: str, body: Any = None,
-                           timeout_s: float = PREFLIGHT_TIMEOUT_S) -> tuple[int, Any]: ...
+    async def request_json(self, method: str, path: str, body: Any = None, timeout_s: float = PREFLIGHT_TIMEOUT_S,
+                           max_bytes: int = MAX_ANSWER_BYTES) -> tuple[int, Any]: ...
+
+    async def request_json_sized(self, method: str, path: str, timeout_s: float,
+                                 max_bytes: int) -> tuple[int, Any, int]: ...  # and the body's size in bytes
 
     def stream(self, path: str, body: dict, headers: dict | None = None) -> Any: ...  # async context manager
 
@@ -91,24 +96,51 @@ class AiohttpTransport:
             await self._session.close()
             self._session = None
 
-    async def request_json(self, method: str, path: str, body: Any = None,
-                           timeout_s: float = PREFLIGHT_TIMEOUT_S) -> tuple[int, Any]:
+    async def request_json(self, method: str, path: str, body: Any = None, timeout_s: float = PREFLIGHT_TIMEOUT_S,
+                           max_bytes: int = MAX_ANSWER_BYTES) -> tuple[int, Any]:
+        """The answer's status and its JSON (its text where it is not JSON); TargetError when the server cannot be
+        reached or the answer's body is over `max_bytes` (read no further than that)."""
+        status, answer, _ = await self.request_json_sized(method, path, timeout_s, max_bytes, body)
+        return status, answer
+
+    async def request_json_sized(self, method: str, path: str, timeout_s: float, max_bytes: int,
+                                 body: Any = None) -> tuple[int, Any, int]:
+        """request_json, with the size of the answer's body in bytes."""
         try:
             async with self._session.request(method, self.base_url + path, json=body,
                                              timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                raw = await resp.text(errors="replace")
+                data = await _read_capped(resp, max_bytes)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
             reason = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__)
             raise TargetError(f"cannot reach {self.base_url}: {reason}") from None
+        if data is None:
+            raise TargetError(f"{method} {path} answered more than {_size(max_bytes)}; not read")
+        raw = data.decode("utf-8", errors="replace")  # JSON is UTF-8 (RFC 8259)
         try:
-            return resp.status, json.loads(raw)
+            return resp.status, json.loads(raw), len(data)
         except ValueError:
-            return resp.status, raw
+            return resp.status, raw, len(data)
 
     @asynccontextmanager
     async def stream(self, path: str, body: dict, headers: dict | None = None):
         async with self._session.post(self.base_url + path, json=body, headers=headers) as resp:
             yield _AiohttpResponse(resp)
+
+
+async def _read_capped(resp, max_bytes: int) -> bytes | None:
+    """The body, or None as soon as it passes `max_bytes` (by its Content-Length, or while read)."""
+    if resp.content_length is not None and resp.content_length > max_bytes:
+        return None
+    data = bytearray()
+    async for chunk in resp.content.iter_any():
+        data += chunk
+        if len(data) > max_bytes:
+            return None
+    return bytes(data)
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.4g} MiB" if n >= 1 << 20 else f"{n:,} bytes"
 
 
 _scan_json = json.JSONDecoder().scan_once  # the C scanner without json.loads' wrappers: this runs per event

@@ -14,22 +14,97 @@ their width). With that, each request's TTFT is split into parts that add up to 
 
 Each inter-token gap is attributed to the step that produced the token which ended it: a decode step, a mixed step
 carrying other requests' prefill of N tokens, a preemption, or steps it sat out.
+
+The log is evidence beside the run, never a condition of it: a record of the wrong shape is skipped and counted,
+the fetch is bounded in bytes, rows, pages and time, and crossed clock bounds leave the TTFT parts out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import time
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from infertrace.load.records import RequestResult
 
 TTFT_PARTS = ("network_and_frontend", "tokenize", "queue", "prefill_steps", "between_prefill_waits",
               "first_token_send")
 LOG_PATH = "/v1/request_log"
-PAGE = 100_000
-FETCH_TIMEOUT_S = 120.0
+PAGE = 5_000  # rows asked for at a time; the server may answer fewer, and its `next` says where it goes on
+MAX_PAGE_BYTES = 64 << 20  # one answer (about 13 MB holds 5,000 requests with their steps)
+MAX_LOG_BYTES = 256 << 20  # all pages together: parsed, the log takes several times its bytes in memory
+MAX_ROWS = 500_000
+MAX_PAGES = 2_000
+FETCH_TIMEOUT_S = 120.0  # the whole fetch, every page included
+
+# What one record may hold. Times are the server's clock in seconds: a bound far beyond any clock (32,000 years)
+# keeps NaN, infinities and integers too large for a float out of the arithmetic.
+_Time = Annotated[float, msgspec.Meta(ge=-1e12, le=1e12)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+_Flag = int | bool
+
+
+class _LoggedRequest(msgspec.Struct):
+    request_id: Annotated[str, msgspec.Meta(min_length=1)]
+    seq: _Count | None = None
+    received: _Time | None = None
+    tokenized: _Time | None = None
+    arrival: _Time | None = None
+    first_output: _Time | None = None
+    finished: _Time | None = None
+    sent: _Time | None = None
+    prompt_tokens: _Count | None = None
+    cached_tokens: _Count | None = None
+    output_tokens: _Count | None = None
+    waiting_ahead: _Count | None = None
+    running_at_arrival: _Count | None = None
+    finish_reason: Annotated[str, msgspec.Meta(max_length=200)] | None = None
+    preempted: list[_Count] | None = None
+    steps_complete: bool = True
+    steps: list[tuple[_Count, _Count, _Flag, _Flag]] | None = None  # (step, tokens, prefill, sampled a token)
+
+
+class _LoggedStep(msgspec.Struct):
+    step: _Count
+    start: _Time
+    duration: Annotated[float, msgspec.Meta(ge=0, le=1e12)]
+    kind: Annotated[str, msgspec.Meta(max_length=200)] = "unknown"
+    batch_size: _Count = 0
+    num_tokens: _Count = 0
+    prefill_tokens: _Count = 0
+    prefill_rows: _Count = 0
+    preempted: _Count = 0
+
+
+def checked_log(log: Any) -> tuple[dict, list[str]]:
+    """The log's requests and steps that have the shape the join reads, as plain dicts, and a warning for what
+    was skipped (how many, and the first reason)."""
+    if not isinstance(log, dict):
+        return {"requests": [], "steps": []}, [f"the server's request log is not a JSON object; not joined"]
+    out, warnings = {**log}, []
+    for key, kind in (("requests", _LoggedRequest), ("steps", _LoggedStep)):
+        rows = log.get(key) or []
+        if not isinstance(rows, list):
+            warnings.append(f"the server's request log: `{key}` is not a list; ignored")
+            rows = []
+        kept, bad, first = [], 0, None
+        for row in rows:
+            try:
+                kept.append(msgspec.structs.asdict(msgspec.convert(row, kind)))
+            except msgspec.ValidationError as e:
+                bad += 1
+                first = first or str(e)
+        out[key] = kept
+        if bad:
+            noun = "request" if key == "requests" else "step"
+            warnings.append(f"the server's request log had {bad} malformed {noun} record{'s' if bad > 1 else ''}, "
+                            f"skipped (the first: {first})")
+    return out, warnings
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +131,14 @@ def join(results: list[RequestResult], log: dict, warmup: list[RequestResult] = 
          source: str = "infertrace") -> dict:
     """Give every result (measured and `warmup`) whose id the log holds its `server` view; returns the join's
     summary for the result file (how many measured requests matched and were explained, the clock offset and its
-    error)."""
+    error). Records of the wrong shape are skipped, and said so in the summary's `warnings`."""
+    log, warnings = checked_log(log)
+    warnings = [*(log.get("fetch_warnings") or []), *warnings]
     by_id: dict[str, dict] = {}
-    for rec in log.get("requests") or []:
+    for rec in log["requests"]:
         by_id[rec["request_id"]] = rec  # a reused id: the later record
-    steps = {s["step"]: s for s in log.get("steps") or []}
-    index = StepIndex(log.get("steps") or [])
+    steps = {s["step"]: s for s in log["steps"]}
+    index = StepIndex(log["steps"])
     matched = [(r, by_id[r.request_id]) for r in [*warmup, *results]
                if r.request_id is not None and r.request_id in by_id]
     pairs = []
@@ -69,11 +146,17 @@ def join(results: list[RequestResult], log: dict, warmup: list[RequestResult] = 
         if r.ttft is not None and rec.get("received") is not None and rec.get("first_output") is not None:
             pairs.append((r.t0, rec["received"], rec["first_output"], r.t0 + r.ttft))
     offset = estimate_offset(pairs)
+    usable = offset is not None and offset.consistent
+    if offset is not None and not offset.consistent:
+        # no single offset agrees with every request: times moved onto the client's clock would be guesses
+        warnings.append(f"the client's and the server's clocks disagree (their bounds cross by "
+                        f"{2 * offset.error_s * 1e3:.3g} ms over {offset.pairs} requests: clocks that drift, or "
+                        "hosts whose clocks differ); no request's TTFT is split into parts")
     for r, rec in matched:
-        r.server = explain(r, rec, steps, offset.offset_s if offset else None, index)
+        r.server = explain(r, rec, steps, offset.offset_s if usable else None, index)
     explained = sum(r.server is not None and r.server.get("ttft_parts") is not None for r in results)
     summary = {"source": source, "requests": len(results), "matched": sum(r.server is not None for r in results),
-               "explained": explained,
+               "explained": explained, "warnings": warnings,
                "offset_ms": None, "offset_error_ms": None, "offset_pairs": 0, "offset_consistent": None}
     if offset is not None:
         summary.update(offset_ms=offset.offset_s * 1e3, offset_error_ms=offset.error_s * 1e3,
@@ -235,29 +318,73 @@ def _embedded_log(target):
 
 
 async def fetch_log(target, since: int) -> dict | None:
-    """Every request the server logged from `since` on (page by page), with the steps they rode."""
+    """Every request the server logged from `since` on (page by page, following each answer's `next`), with the
+    steps they rode; None when the log cannot be read. The fetch stops, keeping what it has and saying why in
+    `fetch_warnings`, at a page that is empty or does not move on, or at a bound (MAX_* and FETCH_TIMEOUT_S)."""
     if (log := _embedded_log(target)) is not None:  # read between two steps, on the engine's thread
         return await target.aengine.call(lambda: log.read(since=since))
     transport = target.transport
-    requests, steps = [], {}
-    answer = None
-    while True:
-        try:
-            status, body = await transport.request_json("GET", f"{LOG_PATH}?since={since}&limit={PAGE}",
-                                                        timeout_s=FETCH_TIMEOUT_S)
-        except Exception:
-            return None
-        if status != 200 or not isinstance(body, dict):
-            return None
-        answer = body
-        requests += body.get("requests") or []
-        for s in body.get("steps") or []:
-            steps[s["step"]] = s
-        got = body.get("requests") or []
-        if len(got) < PAGE:
+    requests, steps, odd_steps, warnings = [], {}, [], []
+    answer, size = None, 0
+    deadline = time.monotonic() + FETCH_TIMEOUT_S
+    for _ in range(MAX_PAGES):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            warnings.append(f"the server's request log took over {FETCH_TIMEOUT_S:g} s to read; joined as far as "
+                            f"read ({len(requests)} requests)")
             break
-        since = got[-1]["seq"] + 1
-    return {**answer, "requests": requests, "steps": sorted(steps.values(), key=lambda s: s["step"])}
+        try:
+            status, body, n = await transport.request_json_sized(
+                "GET", f"{LOG_PATH}?since={since}&limit={PAGE}", left, min(MAX_PAGE_BYTES, MAX_LOG_BYTES - size))
+        except Exception as e:  # noqa: BLE001 - a target that went away, a page too big: the run stands
+            answer = answer or {}
+            warnings.append(f"the server's request log could not be read past {len(requests):,} requests ({e}); "
+                            "joined as far as read")
+            break
+        if status != 200 or not isinstance(body, dict):
+            if answer is None:
+                return None
+            break
+        answer, size = body, size + n
+        got = body.get("requests") if isinstance(body.get("requests"), list) else []
+        requests += got
+        for s in body.get("steps") if isinstance(body.get("steps"), list) else []:
+            if isinstance(s, dict) and isinstance(s.get("step"), int):
+                steps[s["step"]] = s
+            else:
+                odd_steps.append(s)  # kept for the join to count and skip
+        if len(requests) >= MAX_ROWS:
+            warnings.append(f"the server's request log holds over {MAX_ROWS:,} requests since the run began; "
+                            f"joined the first {MAX_ROWS:,}")
+            del requests[MAX_ROWS:]
+            break
+        if not got:
+            break
+        if (after := _next_cursor(since, got, body.get("next"))) is None:
+            warnings.append(f"the server's request log answered a page that does not move on from {since}; joined "
+                            "as far as read")
+            break
+        since = after
+    else:
+        warnings.append(f"the server's request log took over {MAX_PAGES:,} pages; joined as far as read")
+    if answer is None:
+        return None
+    ordered = [*sorted(steps.values(), key=lambda s: s["step"]), *odd_steps]
+    return {**answer, "requests": requests, "steps": ordered, "fetch_warnings": warnings}
+
+
+def _next_cursor(since: int, got: list, nxt: Any) -> int | None:
+    """Where the next page starts: just after this page's last row (a server whose `next` is the end of its whole
+    log, as older ones answer, would skip the rows a short page left out), or the answer's `next` when the rows
+    carry no `seq`; None when that does not move past `since` (a server that repeats itself)."""
+    last = got[-1].get("seq") if got and isinstance(got[-1], dict) else None
+    candidates = [c for c in (last + 1 if _is_int(last) else None, nxt if _is_int(nxt) else None) if c is not None]
+    after = min(candidates, default=None)
+    return after if after is not None and after > since else None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63
 
 
 async def join_run(target, cursor: int | None, results: list[RequestResult],

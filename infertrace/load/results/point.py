@@ -43,7 +43,13 @@ class PointRecord:
 
     @property
     def warnings(self) -> list[str]:
-        return self.headroom_warnings + self.token_count_warnings + self.prefix_cache["prefix_cache_warnings"]
+        return (self.headroom_warnings + self.token_count_warnings + self.prefix_cache["prefix_cache_warnings"]
+                + self.request_log_warnings)
+
+    @property
+    def request_log_warnings(self) -> list[str]:
+        """What of the server's request log could not be read or joined (results/join.py)."""
+        return list((self.request_log or {}).get("warnings") or [])
 
     @property
     def energy(self) -> dict | None:
