@@ -162,3 +162,33 @@ def test_bench_with_a_deeply_nested_sharegpt_file_is_one_line_and_exit_2(standin
                                     str(path), "--num-prompts", "2", "--warmup", "0"])
     assert res.exit_code == 2, res.output
     assert f"cannot read ShareGPT file {path}: nested too deeply" in res.output and "Traceback" not in res.output
+
+
+def test_a_small_dataset_is_read_under_a_memory_cap(tmp_path):
+    # the bound a file may hold (4 GiB) must not be what is allocated to read a 500-byte one
+    import subprocess
+    import sys
+
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": "x" * 400},
+                                                   {"from": "gpt", "value": "y"}]}]))
+    child = ("import resource, sys\n"
+             "from infertrace.load.workloads.dataset import read_text\n"
+             "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+             "print(len(read_text(sys.argv[1], 'dataset')))\n")
+    done = subprocess.run([sys.executable, "-c", child, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout) == path.stat().st_size
+
+
+def test_a_file_that_grows_past_its_size_while_read_is_read_whole_or_refused(tmp_path, monkeypatch):
+    from infertrace import input_files
+
+    path = tmp_path / "growing.jsonl"
+    path.write_bytes(b"a" * 100)
+    real_fstat = os.fstat
+    monkeypatch.setattr(input_files.os, "fstat", lambda fd: os.stat_result((*real_fstat(fd)[:6], 10,
+                                                                           *real_fstat(fd)[7:])))
+    assert input_files.read_bytes(path, 1000) == b"a" * 100  # fstat said 10 bytes: the rest is read too
+    with pytest.raises(input_files.InputFileError, match="grew past"):
+        input_files.read_bytes(path, 50)
