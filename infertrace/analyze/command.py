@@ -91,18 +91,29 @@ cached ranks.
               help="Analyse each rank as a Ray task on the cluster at ADDRESS (auto: the one `ray start` made); "
                    "the traces must be at the same path on every node. Needs the [distributed] extra.")
 @click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False), metavar="DIR",
-              help="Where decoded events and analysed ranks are cached [default: $INFERTRACE_CACHE_DIR, else "
-                   "~/.cache/infertrace/analyze].")
+              help="Where decoded events and analysed ranks are cached; a directory of another user's, or one "
+                   "others may write into, is not used [default: $INFERTRACE_CACHE_DIR, else "
+                   "$INFERTRACE_CACHE/analyze, else ~/.cache/infertrace/analyze].")
 @click.option("--no-cache", is_flag=True, help="Neither read nor write the cache.")
 @click.option("--quiet", is_flag=True, help="Print no tables (only warnings and the files written).")
 def run(trace_dir: Path, json_path: Path | None, csv_dir: Path | None, html_path: Path | None,
         top_kernels: int | None, capture_name: str | None, rank: int | None, perfetto_path: Path | None,
         jobs: int | None, ray_address: str | None, cache_dir: Path | None, no_cache: bool, quiet: bool) -> None:
-    from infertrace.analyze.report_cache import default_cache_dir, load_report, report_key, store_report
+    from infertrace.analyze.report_cache import (
+        default_cache_dir,
+        load_report,
+        own_cache_root,
+        report_key,
+        store_report,
+    )
 
     _skip_last_collection()
     outputs = [p for p in (json_path, csv_dir, html_path, perfetto_path) if p is not None]
-    cache = None if no_cache else (cache_dir or default_cache_dir())
+    cache = None
+    if not no_cache:
+        cache, why_not = own_cache_root(cache_dir or default_cache_dir())
+        if why_not is not None:
+            err_console.print(f"[yellow]warning:[/] {why_not}", highlight=False, soft_wrap=True)
     key = doc = report = None
     if cache is not None and csv_dir is None and html_path is None and perfetto_path is None:
         # the finished report, where nothing under the path changed: no trace read, no pandas imported

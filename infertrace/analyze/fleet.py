@@ -8,24 +8,20 @@ whatever the number of ranks. `--jobs` bounds the processes on this host; `--ray
 tasks on a cluster instead (the trace files must be readable at the same path on every node, as on a shared file
 system).
 
-The cache: a file's decoded events are kept as one `.npy` column per field (names and metadata beside them, in
-JSON), and a rank's analysed part beside it, under the cache directory (`--cache-dir`, else $INFERTRACE_CACHE_DIR,
-else $XDG_CACHE_HOME/infertrace/analyze, else ~/.cache/infertrace/analyze). An entry is keyed by the file's real
-path, size and modification time and a hash of its first and last 64 KB, so a trace that changes is read again; an
-analysed part is keyed also by the options that shape it and by a hash of this package's source, so new code never
-reads an old part. A second `analyze` of the same folder reads only the parts. Entries are written to a temporary
-name and renamed, so a reader never sees half an entry; a damaged entry is read again from the trace.
+The cache (column_cache.py, data-only formats): a file's decoded events are kept as one `.npy` column per field
+(names and metadata beside them, in JSON), and a rank's analysed part beside it in JSON, under the cache directory
+(report_cache.default_cache_dir). An entry is keyed by the file's real path, size and modification time and a hash
+of its first and last 64 KB, so a trace that changes is read again; an analysed part is keyed also by the options
+that shape it and by a hash of this package's source, so new code never reads an old part. A second `analyze` of
+the same folder reads only the parts. Entries are written to a temporary name and renamed, so a reader never sees
+half an entry; a damaged entry is read again from the trace.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
-import pickle
-import shutil
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +39,7 @@ from infertrace.analyze.capture import (
     read_trace_file,
     usable,
 )
+from infertrace.analyze.column_cache import ColumnCache
 from infertrace.analyze.kineto import (
     AHEAD_DECODE_BYTES_S,
     AHEAD_IMPORT_S,
@@ -61,65 +58,6 @@ AHEAD_MARGIN = 1  # a read-ahead's processes: at most those that decode the late
 # what the first process spends importing; more only finish sooner, to wait for it, each holding memory while it
 # decodes. On the 16-core H100 host, 523 MB rank (7a3ba93): 10 processes (a margin of 2) 1.28 s and 134 MB of peak
 # PSS, 6 (a margin of 1) 1.38 s and 122 MB, against the fast HTA loader's 31.9 s and 1,070 MB.
-_COLUMNS = ("name", "cat", "pid", "tid", "ts_ns", "dur_ns", "stream", "correlation", "external_id")
-
-
-class ColumnCache:
-    """Decoded events (`TraceColumns`) and analysed parts on disk, keyed as the module's docstring says."""
-
-    def __init__(self, root: Path):
-        self.root = Path(root)
-
-    def _entry(self, key: str) -> Path:
-        return self.root / key[:2] / key
-
-    def load_columns(self, key: str) -> TraceColumns | None:
-        entry = self._entry(key)
-        try:
-            info = json.loads((entry / "info.json").read_text())
-            arrays = {c: np.load(entry / f"{c}.npy", allow_pickle=False) for c in _COLUMNS}
-        except (OSError, ValueError, KeyError):
-            return None
-        return TraceColumns(names=info["names"], cats=info["cats"], metadata=info["metadata"],
-                            problem=info["problem"], warnings=info["warnings"], exact_times=info["exact_times"],
-                            **arrays)
-
-    def has_columns(self, key: str) -> bool:
-        return (self._entry(key) / "info.json").is_file()
-
-    def store_columns(self, key: str, cols: TraceColumns) -> None:
-        info = {"names": cols.names, "cats": cols.cats, "metadata": cols.metadata, "problem": cols.problem,
-                "warnings": cols.warnings, "exact_times": cols.exact_times}
-        self._write(self._entry(key), lambda tmp: (
-            (tmp / "info.json").write_text(json.dumps(info)),
-            [np.save(tmp / f"{c}.npy", getattr(cols, c), allow_pickle=False) for c in _COLUMNS]))
-
-    def load_part(self, key: str):
-        try:
-            with open(self._entry(key) / "part.pickle", "rb") as fh:
-                return pickle.load(fh)
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError):
-            return None
-
-    def store_part(self, key: str, part) -> None:
-        self._write(self._entry(key), lambda tmp: (tmp / "part.pickle").write_bytes(
-            pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)))
-
-    def _write(self, entry: Path, fill) -> None:
-        """Fill a temporary directory and rename it into place; a cache that cannot be written is skipped."""
-        try:
-            entry.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
-            try:
-                fill(tmp)
-                if entry.exists():
-                    shutil.rmtree(entry, ignore_errors=True)
-                os.rename(tmp, entry)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:
-            pass
-
 
 @dataclass(slots=True)
 class UnitResult:

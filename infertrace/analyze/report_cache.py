@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -24,10 +25,32 @@ REQUEST_LOG_SUFFIX = ".request_log.json"  # requests.LOG_SUFFIX: a log beside th
 
 
 def default_cache_dir() -> Path:
+    """$INFERTRACE_CACHE_DIR, else `analyze` under the project's cache root ($INFERTRACE_CACHE, ~/.cache/infertrace)."""
     if env := os.environ.get("INFERTRACE_CACHE_DIR"):
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "infertrace" / "analyze"
+    from infertrace.cache import cache_dir
+
+    return cache_dir() / "analyze"
+
+
+def own_cache_root(root: Path) -> tuple[Path | None, str | None]:
+    """`root` made (0700 where it is new) and usable, or None and why: a directory that is not ours, or that others
+    may write into, could hold entries we did not write, so it is neither read nor written."""
+    root = Path(root)
+    try:
+        if not root.exists():
+            root.mkdir(parents=True, mode=0o700)
+            os.chmod(root, 0o700)  # mkdir's mode goes through the umask
+        st = os.stat(root)
+    except OSError as exc:
+        return None, f"cache {root} cannot be made ({exc.strerror or type(exc).__name__}); running without it"
+    if not stat.S_ISDIR(st.st_mode):
+        return None, f"cache {root} is not a directory; running without it"
+    if st.st_uid != os.getuid():
+        return None, f"cache {root} belongs to another user; running without it"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return None, f"cache {root} may be written by other users; running without it (chmod go-w to use it)"
+    return root, None
 
 
 def file_key(path: Path) -> str:
