@@ -10,7 +10,7 @@ seconds of this host (CLOCK_MONOTONIC on Linux, shared by every process of the h
 
 from __future__ import annotations
 
-import collections
+import bisect
 import time
 from array import array
 from typing import Any
@@ -19,19 +19,26 @@ from typing import Any
 DEFAULT_MAX_STEP_ROWS = 1_000_000
 PENDING_STAMPS = 4096  # front-end stamps of requests the log has not seen arrive (refused ones), kept at most
 FRONTEND_STAMPS = ("received", "tokenized", "first_output", "sent")
+# Upper bounds of the JSON of a read's parts, for its byte bound: a request without its step rows (its client's id
+# up to 128 characters, ten numbers of up to 20 characters), a step, and a row, one of a request's own or, as the
+# read walks every row of the steps it gives, any of theirs.
+REQUEST_JSON_BYTES = 720
+STEP_JSON_BYTES = 240
+ROW_JSON_BYTES = 32
 
 _KIND_CODE = {"prefill": "P", "decode": "D", "mixed": "M"}
 _KIND_NAME = {v: k for k, v in _KIND_CODE.items()}
 
 
 class _Request:
-    __slots__ = ("seq", "request_id", "arrival", "prompt_tokens", "waiting_ahead", "running", "stamps",
+    __slots__ = ("seq", "key", "request_id", "arrival", "prompt_tokens", "waiting_ahead", "running", "stamps",
                  "preempted", "finished", "finish_step", "finish_reason", "output_tokens", "cached_tokens")
 
-    def __init__(self, seq: int, request_id: str, arrival: float, prompt_tokens: int, waiting_ahead: int,
-                 running: int) -> None:
+    def __init__(self, seq: int, key: str, request_id: str, arrival: float, prompt_tokens: int,
+                 waiting_ahead: int, running: int) -> None:
         self.seq = seq
-        self.request_id = request_id
+        self.key = key  # the engine's id of the request, which its steps' rows carry
+        self.request_id = request_id  # the id its client gave, which a read reports
         self.arrival = arrival
         self.prompt_tokens = prompt_tokens
         self.waiting_ahead = waiting_ahead
@@ -46,50 +53,65 @@ class _Request:
 
 
 class _Step:
-    __slots__ = ("number", "kind", "start", "duration", "ids", "tokens", "prefill", "sampled", "preempted")
+    __slots__ = ("number", "kind", "start", "end", "duration", "ids", "tokens", "prefill", "sampled", "preempted",
+                 "rows_before")
 
     def __init__(self, number: int, kind: str, start: float, duration: float, ids: tuple[str, ...],
-                 tokens: array, prefill: bytes, sampled: bytes, preempted: int) -> None:
+                 tokens: array, prefill: bytes, sampled: bytes, preempted: int, rows_before: int) -> None:
         self.number = number
         self.kind = kind
         self.start = start
+        self.end = start + duration
         self.duration = duration
         self.ids = ids
         self.tokens = tokens
         self.prefill = prefill  # per row: 1 where it computes prompt tokens (or recomputes them after a preemption)
         self.sampled = sampled  # per row: 1 where a token was sampled from it
         self.preempted = preempted
+        self.rows_before = rows_before  # rows of every step logged before this one: rows between two steps
 
 
 class RequestLog:
-    """The last `max_requests` requests and the steps of the last `max_step_rows` request rows."""
+    """The last `max_requests` requests and the steps of the last `max_step_rows` request rows.
+
+    Requests sit in a ring indexed by their sequence number and steps in a list searched by time, so a read costs
+    what it returns however full the log is: a cursor read (`limit=0`) takes constant time, a page its own
+    requests and the steps they span."""
 
     def __init__(self, max_requests: int, max_step_rows: int = DEFAULT_MAX_STEP_ROWS) -> None:
         if max_requests < 1 or max_step_rows < 1:
             raise ValueError("a request log keeps at least one request and one step row")
         self.max_requests = max_requests
         self.max_step_rows = max_step_rows
-        self._requests: collections.deque[_Request] = collections.deque()
-        self._live: dict[str, _Request] = {}  # the latest record of each id still in the ring
-        self._steps: collections.deque[_Step] = collections.deque()
-        self._rows = 0
+        self._ring: list[_Request] = []  # request number `seq` at index seq % max_requests
+        self._live: dict[str, _Request] = {}  # the latest record of each engine id still in the ring
+        self._steps: list[_Step] = []  # completion order, in which start and end times never go back
+        self._head = 0  # steps before this index were dropped (removed from the list in batches)
+        self._rows = 0  # rows of the kept steps
+        self._rows_total = 0  # rows of every step ever logged
         self._dropped_start: float | None = None  # start of the latest step dropped from the ring
         self._count = 0  # requests ever logged: the next one's sequence number
         self._pending: dict[str, dict[str, float]] = {}
 
     # ----- written by the engine, between steps -----
-    def arrived(self, request_id: str, t: float, prompt_tokens: int, waiting_ahead: int, running: int) -> None:
-        rec = _Request(self._count, request_id, t, prompt_tokens, waiting_ahead, running)
-        self._count += 1
+    def arrived(self, request_id: str, t: float, prompt_tokens: int, waiting_ahead: int, running: int,
+                label: str | None = None) -> None:
+        """A request the engine took, under its engine id `request_id`; `label` is the id its client gave (the
+        engine id when None), the one a read reports."""
+        rec = _Request(self._count, request_id, label or request_id, t, prompt_tokens, waiting_ahead, running)
         pending = self._pending.pop(request_id, None)
         if pending:
             rec.stamps.update(pending)
-        self._requests.append(rec)
+        if len(self._ring) < self.max_requests:
+            self._ring.append(rec)
+        else:
+            slot = self._count % self.max_requests
+            old = self._ring[slot]
+            if self._live.get(old.key) is old:
+                del self._live[old.key]
+            self._ring[slot] = rec
+        self._count += 1
         self._live[request_id] = rec
-        if len(self._requests) > self.max_requests:
-            old = self._requests.popleft()
-            if self._live.get(old.request_id) is old:
-                del self._live[old.request_id]
 
     def step(self, number: int, plan: Any, start: float, duration: float, sampled: list) -> None:
         """One completed step: `plan` is the scheduler's StepPlan it ran, `sampled` its rows' tokens (None where
@@ -101,13 +123,19 @@ class RequestLog:
         took = bytes([t is not None for t in sampled])
         if plan.preempted:
             self.preempted([seq.request_id for seq in plan.preempted], number)
-        self._steps.append(_Step(number, _KIND_CODE[plan.kind.value], start, duration, ids, tokens, prefill, took,
-                                 len(plan.preempted)))
+        steps = self._steps
+        steps.append(_Step(number, _KIND_CODE[plan.kind.value], start, duration, ids, tokens, prefill, took,
+                           len(plan.preempted), self._rows_total))
         self._rows += len(ids)
-        while self._rows > self.max_step_rows and len(self._steps) > 1:
-            old = self._steps.popleft()
+        self._rows_total += len(ids)
+        while self._rows > self.max_step_rows and len(steps) - self._head > 1:
+            old = steps[self._head]
+            self._head += 1
             self._rows -= len(old.ids)
             self._dropped_start = old.start
+        if self._head > 1024 and 2 * self._head > len(steps):  # amortized: each step is moved at most once
+            del steps[:self._head]
+            self._head = 0
 
     def preempted(self, request_ids: list[str], number: int) -> None:
         """Requests preempted at step `number` (also called for a step that scheduled nothing, when every running
@@ -143,43 +171,43 @@ class RequestLog:
         return self._count
 
     def read(self, since: int = 0, limit: int | None = None, active_since: float | None = None,
-             now: float | None = None) -> dict[str, Any]:
+             now: float | None = None, max_bytes: int | None = None) -> dict[str, Any]:
         """Requests numbered `since` and later (at most `limit`, oldest first; with `active_since`, only those
-        unfinished then or since), each with the steps it rode, and every step from the first of them on. Times
-        are the server's perf_counter seconds; durations seconds."""
-        chosen = [r for r in self._requests if r.seq >= since
-                  and (active_since is None or r.finished is None or r.finished >= active_since)]
-        if limit is not None:
-            chosen = chosen[:max(0, limit)]
+        unfinished then or since), each with the steps it rode, and every step from the first one's arrival to the
+        last one's end. With `max_bytes` the page stops before the request that would take its JSON past that
+        many bytes (an estimate from above), but holds at least one. `next` is the number after the last request
+        given, or the log's end when none is. Times are the server's perf_counter seconds; durations seconds."""
+        oldest = self._count - len(self._ring)
+        if active_since is not None:
+            chosen = [r for r in self._span(oldest, self._count)
+                      if r.finished is None or r.finished >= active_since][:limit]
+        else:
+            first = max(since, oldest)
+            stop = self._count if limit is None else min(self._count, first + max(0, limit))
+            chosen = self._page(first, stop, max_bytes)
+        lo, hi = self._window(chosen)
         rows: dict[str, list[list]] = {}
-        by_id: dict[str, _Request] = {}
+        by_key: dict[str, _Request] = {}
         for rec in chosen:  # a reused id: the later record owns the steps after its arrival
-            by_id[rec.request_id] = rec
-        first_arrival = min((r.arrival for r in chosen), default=None)
+            by_key[rec.key] = rec
         steps_out = []
-        oldest_step = self._steps[0].number if self._steps else None
-        dropped = self._dropped_start
-        window = []  # the steps from the first chosen arrival on, found from the newest back: a recent `since`
-        for st in reversed(self._steps):  # costs only its own steps, however full the ring
-            if first_arrival is None or st.start + st.duration < first_arrival:
-                break
-            window.append(st)
-        for st in reversed(window):
+        for st in self._steps[lo:hi]:
             prefill_tokens = prefill_rows = 0
-            for request_id, n, prefill, took in zip(st.ids, st.tokens, st.prefill, st.sampled):
+            for key, n, prefill, took in zip(st.ids, st.tokens, st.prefill, st.sampled):
                 if prefill:
                     prefill_tokens += n
                     prefill_rows += 1
-                rec = by_id.get(request_id)
+                rec = by_key.get(key)
                 if rec is not None and st.start >= rec.arrival - 1e-9:
-                    rows.setdefault(request_id, []).append([st.number, n, prefill, took])
+                    rows.setdefault(key, []).append([st.number, n, prefill, took])
             steps_out.append({"step": st.number, "kind": _KIND_NAME[st.kind], "start": st.start,
                               "duration": st.duration, "batch_size": len(st.ids), "num_tokens": sum(st.tokens),
                               "prefill_tokens": prefill_tokens, "prefill_rows": prefill_rows,
                               "preempted": st.preempted})
+        dropped = self._dropped_start
         requests = []
         for rec in chosen:
-            own = rows.get(rec.request_id, []) if by_id.get(rec.request_id) is rec else []
+            own = rows.get(rec.key, []) if by_key.get(rec.key) is rec else []
             requests.append({
                 "request_id": rec.request_id, "seq": rec.seq, **{k: rec.stamps.get(k) for k in FRONTEND_STAMPS},
                 "arrival": rec.arrival, "prompt_tokens": rec.prompt_tokens, "waiting_ahead": rec.waiting_ahead,
@@ -190,6 +218,55 @@ class RequestLog:
                 "steps_complete": dropped is None or dropped < rec.arrival,
                 "steps": own,
             })
-        return {"clock": "perf_counter", "now": time.perf_counter() if now is None else now, "next": self._count,
-                "oldest": self._requests[0].seq if self._requests else self._count, "oldest_step": oldest_step,
-                "requests": requests, "steps": steps_out}
+        return {"clock": "perf_counter", "now": time.perf_counter() if now is None else now,
+                "next": chosen[-1].seq + 1 if chosen else self._count,
+                "oldest": oldest, "oldest_step": self._steps[self._head].number if len(self._steps) > self._head
+                else None, "requests": requests, "steps": steps_out}
+
+    def _span(self, first: int, stop: int) -> list[_Request]:
+        ring, size = self._ring, self.max_requests
+        return [ring[seq % size] for seq in range(first, stop)]
+
+    def _page(self, first: int, stop: int, max_bytes: int | None) -> list[_Request]:
+        """Requests `first` to `stop` (excluded), cut where their JSON would pass `max_bytes`."""
+        if max_bytes is None:
+            return self._span(first, stop)
+        chosen: list[_Request] = []
+        lo = hi = self._head
+        for seq in range(first, stop):
+            rec = self._ring[seq % self.max_requests]
+            rec_lo, rec_hi = self._window([rec])
+            new_lo = rec_lo if not chosen else lo  # arrivals come in sequence order: the first one starts it
+            new_hi = max(hi, rec_hi)
+            size = (REQUEST_JSON_BYTES * (len(chosen) + 1) + STEP_JSON_BYTES * (new_hi - new_lo)
+                    + ROW_JSON_BYTES * self._rows_between(new_lo, new_hi))
+            if chosen and size > max_bytes:
+                break
+            chosen.append(rec)
+            lo, hi = new_lo, new_hi
+        return chosen
+
+    def _window(self, chosen: list[_Request]) -> tuple[int, int]:
+        """The indices of the steps `chosen` may have ridden: from the first one that ended after the first
+        arrival to the last one that began by the latest end (the newest, while one of them is unfinished)."""
+        steps, head = self._steps, self._head
+        if not chosen:
+            return head, head
+        lo = bisect.bisect_left(steps, chosen[0].arrival, lo=head, key=_end)
+        ends = [r.finished for r in chosen]
+        hi = len(steps) if None in ends else bisect.bisect_right(steps, max(ends), lo=lo, key=_start)
+        return lo, max(lo, hi)
+
+    def _rows_between(self, lo: int, hi: int) -> int:
+        if hi <= lo:
+            return 0
+        last = self._steps[hi - 1]
+        return last.rows_before + len(last.ids) - self._steps[lo].rows_before
+
+
+def _start(step: _Step) -> float:
+    return step.start
+
+
+def _end(step: _Step) -> float:
+    return step.end

@@ -80,22 +80,24 @@ def test_profiler_step_ranges_carry_the_log_step_numbers(make_engine, make_promp
     assert sorted(numbers) == [s["step"] for s in engine.request_log.read()["steps"]]
 
 
+class _Plan:  # the scheduler's StepPlan, as much of it as the log reads
+    def __init__(self, request_ids):
+        self.scheduled = [_Row(request_id) for request_id in request_ids]
+        self.preempted = []
+        self.kind = type("K", (), {"value": "decode"})
+
+
+class _Row:
+    def __init__(self, request_id):
+        self.seq = type("S", (), {"request_id": request_id})
+        self.num_new_tokens, self.is_prefill = 1, False
+
+
 def test_the_log_is_bounded_and_reads_from_a_cursor():
-    class Plan:  # the scheduler's StepPlan, as much of it as the log reads
-        def __init__(self, rows):
-            self.scheduled = rows
-            self.preempted = []
-            self.kind = type("K", (), {"value": "decode"})
-
-    class Row:
-        def __init__(self, request_id):
-            self.seq = type("S", (), {"request_id": request_id})
-            self.num_new_tokens, self.is_prefill = 1, False
-
     log = RequestLog(max_requests=3, max_step_rows=4)
     for i in range(5):
         log.arrived(f"q{i}", float(i), 10, 0, 0)
-        log.step(i, Plan([Row(f"q{i}"), Row(f"q{max(0, i - 1)}")]), i + 0.5, 0.1, [7, 7])
+        log.step(i, _Plan([f"q{i}", f"q{max(0, i - 1)}"]), i + 0.5, 0.1, [7, 7])
     out = log.read()
     assert [r["request_id"] for r in out["requests"]] == ["q2", "q3", "q4"]  # the last three requests
     assert [s["step"] for s in out["steps"]] == [3, 4]  # the last four rows
@@ -103,6 +105,81 @@ def test_the_log_is_bounded_and_reads_from_a_cursor():
     assert not out["requests"][0]["steps_complete"] and out["requests"][2]["steps_complete"]
     assert [r["request_id"] for r in log.read(since=4)["requests"]] == ["q4"]
     assert log.read(since=5)["requests"] == []
+    # a page cut by its limit says where the next one starts; an empty page gives the log's end
+    page = log.read(since=2, limit=1)
+    assert [r["seq"] for r in page["requests"]] == [2] and page["next"] == 3
+    assert log.read(limit=0)["next"] == 5 == log.read(since=10**30)["next"]
+
+
+def _finished_log(n: int, steps_each: int, batch: int = 1) -> RequestLog:
+    """`n` requests one after another, each riding `steps_each` steps (with `batch - 1` rows of others)."""
+    log = RequestLog(max_requests=n)
+    number = 0
+    for i in range(n):
+        t = i * 10.0
+        log.arrived(f"r{i}", t, 8, 0, 0)
+        for k in range(steps_each):
+            log.step(number, _Plan([f"r{i}"] + [f"other{j}" for j in range(batch - 1)]), t + k * 0.1 + 0.01, 0.05,
+                     [1] * batch)
+            number += 1
+        log.finished(f"r{i}", t + steps_each * 0.1, "length", steps_each, 0, step=number - 1)
+    return log
+
+
+class _Untouchable:
+    def __getattr__(self, name):
+        raise AssertionError(f"the read touched a request it does not return (.{name})")
+
+
+def test_a_read_touches_only_the_requests_and_steps_it_returns():
+    log = _finished_log(1000, steps_each=3)
+    for seq in range(1000):  # every request but one: a read that scans the log trips on them
+        if seq != 500:
+            log._ring[seq] = _Untouchable()
+    cursor = log.read(limit=0)
+    assert (cursor["requests"], cursor["steps"], cursor["next"]) == ([], [], 1000)
+    page = log.read(since=500, limit=1)
+    [rec] = page["requests"]
+    assert rec["request_id"] == "r500" and page["next"] == 501
+    assert [s["step"] for s in page["steps"]] == [1500, 1501, 1502]  # its own steps, not every later one
+    assert [row[0] for row in rec["steps"]] == [1500, 1501, 1502]
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_pages_are_bounded_in_bytes_and_following_next_reads_every_request_once(batch):
+    log = _finished_log(60, steps_each=20, batch=batch)
+    whole = log.read()
+    max_bytes = 40_000
+    seen, since, pages = [], 0, 0
+    while True:
+        page = log.read(since=since, limit=1000, max_bytes=max_bytes)
+        if not page["requests"]:
+            break
+        pages += 1
+        assert len(json.dumps({"requests": page["requests"], "steps": page["steps"]})) <= max_bytes
+        seen += page["requests"]
+        assert page["next"] == page["requests"][-1]["seq"] + 1
+        since = page["next"]
+    assert pages > 3
+    assert [r["seq"] for r in seen] == list(range(60))
+    assert [r["steps"] for r in seen] == [r["steps"] for r in whole["requests"]]  # each request whole
+    # a bound below one request still gives one a page, so a reader always moves on
+    tiny = log.read(since=7, max_bytes=1)
+    assert [r["seq"] for r in tiny["requests"]] == [7] and tiny["next"] == 8
+
+
+def test_requests_are_logged_under_their_engine_id_and_read_with_their_label():
+    log = RequestLog(max_requests=10)
+    log.arrived("0/same", 1.0, 4, 0, 0, label="same")
+    log.arrived("1/same", 1.5, 4, 0, 0, label="same")
+    log.step(0, _Plan(["0/same", "1/same"]), 2.0, 0.1, [5, None])
+    log.step(1, _Plan(["1/same"]), 2.2, 0.1, [5])
+    log.finished("0/same", 2.15, "length", 1, 0, step=0)
+    log.stamp("1/same", {"sent": 3.0})
+    a, b = log.read()["requests"]
+    assert a["request_id"] == b["request_id"] == "same"
+    assert [row[0] for row in a["steps"]] == [0] and [row[0] for row in b["steps"]] == [0, 1]
+    assert (a["finish_reason"], b["finish_reason"], a["sent"], b["sent"]) == ("length", None, None, 3.0)
 
 
 def test_front_end_stamps_wait_for_their_request_and_stay_bounded():

@@ -62,14 +62,17 @@ async def test_request_ids_are_checked(serve_tiny):
 
 async def test_read_arguments_and_the_log_switched_off(serve_tiny):
     async with serve_tiny() as client:
-        for query in ("since=x", "since=-1", "limit=1.5"):
+        for query in ("since=x", "since=-1", "limit=1.5", f"since={2**64 + 1}", f"limit={2**70}", "since=" + "9" * 5000):
             resp = await client.get(f"/v1/request_log?{query}")
             assert resp.status == 400, query
+            assert (await resp.json())["error"]["param"] == query.split("=")[0]
         for i in range(3):
             await (await client.post("/v1/completions", json={**BODY, "stream": False},
                                      headers={"X-Request-Id": f"c{i}"})).read()
         log = await (await client.get("/v1/request_log?since=1&limit=1")).json()
-        assert [r["request_id"] for r in log["requests"]] == ["c1"] and log["next"] == 3
+        assert [r["request_id"] for r in log["requests"]] == ["c1"] and log["next"] == 2  # where the rest begins
+        log = await (await client.get(f"/v1/request_log?since={2**63 - 1}")).json()
+        assert log["requests"] == [] and log["next"] == 3
     async with serve_tiny({"request_log_size": 0}) as client:
         resp = await client.get("/v1/request_log")
         assert resp.status == 404 and (await resp.json())["error"]["code"] == "request_log_off"
@@ -111,3 +114,43 @@ async def test_a_capture_gets_the_log_of_its_requests_beside_its_trace(serve_tin
     for request_id, rows in table.groupby("request_id"):  # each step it rode in the trace, its tokens in it
         assert dict(zip(rows["step"], rows["tokens"])) == {s[0]: s[1] for s in ridden[request_id]
                                                              if s[0] in set(numbered)}
+
+
+async def test_answers_are_pages_a_reader_follows_to_the_end(serve_tiny, monkeypatch):
+    from infertrace.server.frontend import request_log
+
+    monkeypatch.setattr(request_log, "MAX_PAGE_REQUESTS", 2)
+    async with serve_tiny() as client:
+        for i in range(5):
+            await (await client.post("/v1/completions", json={**BODY, "stream": False},
+                                     headers={"X-Request-Id": f"p{i}"})).read()
+        pages, since = [], 0
+        while True:
+            page = await (await client.get(f"/v1/request_log?since={since}&limit=100000")).json()
+            if not page["requests"]:
+                break
+            pages.append([r["request_id"] for r in page["requests"]])
+            since = page["next"]
+    assert pages == [["p0", "p1"], ["p2", "p3"], ["p4"]]
+
+
+async def test_a_front_end_sends_the_engine_one_log_read_at_a_time(serve_tiny):
+    async with serve_tiny() as client:
+        await (await client.post("/v1/completions", json={**BODY, "stream": False})).read()
+        engine = client.state.engine
+        command, busy, most = engine.command, [0], [0]
+
+        async def counted(name, args=None):
+            if name != "request_log":
+                return await command(name, args)
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+            try:
+                return await command(name, args)
+            finally:
+                busy[0] -= 1
+
+        engine.command = counted
+        answers = await asyncio.gather(*(client.get("/v1/request_log") for _ in range(8)))
+        assert [a.status for a in answers] == [200] * 8
+        assert most[0] == 1

@@ -321,12 +321,29 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _request_log(request: web.Request) -> web.Response:
-    """Each request's life on the server's clock (docs: README, "The request log")."""
+    """Each request's life on the server's clock (docs: README, "The request log"), one page at a time.
+
+    `GET /v1/request_log?since=N&limit=M` answers the requests numbered N and later (`seq`), oldest first, each
+    with the steps it rode, the steps from the first one's arrival to the last one's end, and `next`: the number
+    after the last request given (the log's end when none is; `?limit=0` reads just that cursor). A page holds at
+    most MAX_PAGE_REQUESTS (1,000) requests and stops before the one that would take its JSON past MAX_PAGE_BYTES
+    (1 MiB); it holds at least one, so only a request whose own steps pass that bound makes a larger page. A
+    reader follows `next` until a page is empty.
+
+    The engine builds each answer between two steps, so this front end sends it one read at a time and, after
+    each, waits as long as that read took before it sends the next: however many readers come, they take at most
+    about half of the engine's time from the streams."""
     state = request.app[STATE]
     args = read_args(request.query)
+    loop = asyncio.get_running_loop()
     try:
-        answer = await asyncio.wait_for(state.engine.command("request_log", args), READ_TIMEOUT_S)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(READ_TIMEOUT_S):
+            async with state.log_reads:
+                await asyncio.sleep(state.next_log_read - loop.time())
+                sent = loop.time()
+                answer = await state.engine.command("request_log", args)
+                state.next_log_read = 2 * loop.time() - sent
+    except TimeoutError:
         raise ApiError(503, f"the engine did not answer within {READ_TIMEOUT_S:g}s", code="engine_stuck") from None
     except EngineDeadError as e:
         raise ApiError(503, f"the engine is not running: {e}", code="engine_dead") from None

@@ -55,6 +55,8 @@ class ServerState:
         self.in_flight: set[str] = set()
         self.draining = False
         self.frontend_trace: Any = None  # a FrontendTrace while /start_profile asked for one
+        self.log_reads = asyncio.Lock()  # one request-log read at a time goes to the engine (app._request_log),
+        self.next_log_read = 0.0  # not before this time of the event loop's clock
         if hasattr(engine, "on_trace_stop"):  # the engine process's client: a stop may land on another front end
             engine.on_trace_stop = self._trace_stopped
         self._idle = asyncio.Event()
