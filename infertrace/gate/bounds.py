@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -89,6 +90,8 @@ def _parse_one(kind: Kind, item: str) -> Bound:
     if match is None:
         raise ValueError(f"'{limit_text}' in '{item}' is not a number, a percentage or a number with a unit")
     number, unit = float(match["number"]), match["unit"]
+    if not math.isfinite(number):  # 1e400 reads as inf, which the pattern refuses when spelled out
+        raise ValueError(f"'{item}': the limit {match['number']} is out of range; give a finite number")
     if kind in (Kind.MAX_DROP, Kind.MAX_RISE) and number < 0:
         raise ValueError(f"'{item}': a {kind.value} limit cannot be negative")
     if unit == "%":

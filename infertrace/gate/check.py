@@ -12,6 +12,11 @@ from infertrace.gate.results import ResultError, Run
 from infertrace.gate.stats import bootstrap_interval, change_interval
 
 
+# the bootstrap is pure Python: a million resamples of one bound take a few seconds and tens of MB, and an unbounded
+# count would hold the gate (and its memory) for as long as it was told
+MIN_RESAMPLES, MAX_RESAMPLES = 100, 1_000_000
+
+
 @dataclass(frozen=True)
 class GateConfig:
     confidence: float = 0.95
@@ -21,8 +26,8 @@ class GateConfig:
     def __post_init__(self) -> None:
         if not 0.5 <= self.confidence < 1:
             raise ValueError(f"confidence must be in [0.5, 1), got {self.confidence}")
-        if self.resamples < 100:
-            raise ValueError(f"resamples must be at least 100, got {self.resamples}")
+        if not MIN_RESAMPLES <= self.resamples <= MAX_RESAMPLES:
+            raise ValueError(f"resamples must be from {MIN_RESAMPLES:,} to {MAX_RESAMPLES:,}, got {self.resamples:,}")
 
 
 class Verdict(Enum):

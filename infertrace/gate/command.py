@@ -9,7 +9,7 @@ import click
 from infertrace.console import err_console, fail, out_console
 from infertrace.exits import BAD_INPUT, FAILURE
 from infertrace.gate.bounds import Bound, Kind, higher_is_better, parse_bounds
-from infertrace.gate.check import GateConfig, evaluate
+from infertrace.gate.check import MAX_RESAMPLES, MIN_RESAMPLES, GateConfig, evaluate
 from infertrace.gate.render import failure_markdown, markdown, table
 from infertrace.gate.results import (
     ResultError,
@@ -48,8 +48,8 @@ def _bounds_of(kind: Kind):
               help="Fail when METRIC is above VALUE (no baseline needed).")
 @click.option("--confidence", type=float, default=DEFAULTS.confidence, show_default=True,
               help="Confidence level of the bootstrap interval over repeated runs.")
-@click.option("--resamples", type=int, default=DEFAULTS.resamples, show_default=True,
-              help="Bootstrap resamples.")
+@click.option("--resamples", type=click.IntRange(MIN_RESAMPLES, MAX_RESAMPLES), default=DEFAULTS.resamples,
+              show_default=True, help=f"Bootstrap resamples ({MIN_RESAMPLES:,} to {MAX_RESAMPLES:,}).")
 @click.option("--seed", type=int, default=DEFAULTS.seed, show_default=True,
               help="Seed of the bootstrap, so that the same files always give the same verdict.")
 @click.option("--allow-config-change", is_flag=True,
@@ -134,8 +134,11 @@ def _check_outputs(summary: Path | None, new_baseline: Path | None) -> None:
     """Output paths are tried before any work, so that a verdict never ends with nowhere to go (exit 2)."""
     if summary is not None:
         try:
+            check_writable(summary, "the summary")  # its folder made, as every output's is
             with summary.open("a"):  # appending nothing leaves an existing summary as it was
                 pass
+        except OutputError as exc:
+            fail(str(exc), code=BAD_INPUT)
         except OSError as exc:
             fail(f"cannot write the summary {summary}: {exc.strerror or exc}", code=BAD_INPUT)
     if new_baseline is not None:

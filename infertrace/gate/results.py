@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from dataclasses import dataclass
@@ -85,11 +86,18 @@ class Run:
             except ZeroDivisionError:
                 raise ResultError(f"{self.source}: cannot derive '{name}' (a divisor is 0)") from None
         if name not in self.data:
-            raise ResultError(f"{self.source} has no metric '{name}'")
+            raise ResultError(f"{self.source} has no metric '{name}'{self._closest(name)}")
         value = self.data[name]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ResultError(f"{self.source}: metric '{name}' is {json.dumps(value)}, not a finite number")
         return float(value)
+
+    def _closest(self, name: str) -> str:
+        """` (did you mean 'x'?)` for a mistyped metric, among the run's numeric keys and the derived ones."""
+        numeric = [key for key, value in self.data.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)]
+        close = difflib.get_close_matches(name, [*numeric, *DERIVED_METRICS], n=1)
+        return f" (did you mean '{close[0]}'?)" if close else ""
 
     def identity(self) -> dict[str, Any]:
         """What makes two runs comparable: the model and workload, as flat dotted keys."""
@@ -252,9 +260,7 @@ def _depth(value: Any) -> int:
 
 def _parse_json_text(path: Path, text: str) -> list[Any]:
     try:
-        parsed = json.loads(text)
-    except RecursionError:
-        raise ResultError(f"{path}: JSON nested more than {MAX_DEPTH} levels deep; not a benchmark result") from None
+        parsed = _loads(path, text)
     except json.JSONDecodeError as whole_error:
         lines = [line for line in text.splitlines() if line.strip()]
         if len(lines) < 2:
@@ -264,13 +270,24 @@ def _parse_json_text(path: Path, text: str) -> list[Any]:
             if not line.strip():
                 continue
             try:
-                objects.append(json.loads(line))
-            except RecursionError:
-                raise ResultError(f"{path}: line {number}: JSON nested more than {MAX_DEPTH} levels deep") from None
+                objects.append(_loads(path, line, f"line {number}: "))
             except json.JSONDecodeError as exc:
                 raise ResultError(f"{path}: not valid JSON or JSON lines (line {number}: {exc})") from None
         return objects
     return parsed if isinstance(parsed, list) else [parsed]
+
+
+def _loads(path: Path, text: str, where: str = "") -> Any:
+    """json.loads, with what it raises besides a syntax error (JSONDecodeError) made one line naming the file."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ResultError(f"{path}: {where}JSON nested more than {MAX_DEPTH} levels deep; not a benchmark "
+                          "result") from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as exc:  # an integer past Python's 4,300 digits: no benchmark figure has that many
+        raise ResultError(f"{path}: {where}a number too long to read ({str(exc).split(':')[0]})") from None
 
 
 def _looks_like_result(obj: dict[str, Any]) -> bool:

@@ -39,6 +39,10 @@ def test_commas_and_repeats_give_several_bounds():
         (Kind.MAX_RISE, "p99_ttft_ms=20tok/s", "unit 'tok/s' does not fit p99_ttft_ms, which is in ms"),
         (Kind.MAX_DROP, "request_throughput=3tok/s", "which is in req/s"),
         (Kind.MAX, "failed=1ms", "which has no unit"),
+        (Kind.MAX_DROP, "output_throughput=inf%", "is not a number"),
+        (Kind.MAX_DROP, "output_throughput=1e400%", "1e400 is out of range; give a finite number"),
+        (Kind.MAX_RISE, "p99_ttft_ms=+1e400ms", "out of range"),
+        (Kind.MIN, "output_throughput=-1e999", "out of range"),
     ],
 )
 def test_bad_specs_say_why(kind, spec, message):

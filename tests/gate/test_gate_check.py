@@ -95,6 +95,8 @@ def test_config_is_validated():
         GateConfig(confidence=1.0)
     with pytest.raises(ValueError, match="resamples"):
         GateConfig(resamples=10)
+    with pytest.raises(ValueError, match="resamples must be from 100 to 1,000,000, got 1,000,001"):
+        GateConfig(resamples=1_000_001)
 
 
 @pytest.mark.parametrize(

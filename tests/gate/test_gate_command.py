@@ -215,6 +215,36 @@ def test_an_unwritable_output_exits_2_before_any_work(make_result, tmp_path, opt
     assert result.exit_code == 2 and "cannot write" in result.output
 
 
+def test_summary_into_a_missing_folder_creates_it(make_result, tmp_path):
+    summary = tmp_path / "ci" / "step" / "summary.md"
+    result = run_gate(make_result("cur.json"), "--min", "output_throughput=1", "--summary", summary)
+    assert result.exit_code == 0, result.output
+    assert "output_throughput" in summary.read_text()
+
+
+@pytest.mark.parametrize("resamples", ["99", "1000001", "10000000000"])
+def test_resamples_out_of_bounds_exit_2_before_any_work(make_result, resamples):
+    result = run_gate(make_result("cur.json"), "--min", "output_throughput=1", "--resamples", resamples)
+    assert result.exit_code == 2
+    assert "is not in the range 100<=x<=1000000" in " ".join(result.output.split())
+
+
+def test_a_number_too_long_to_read_is_one_line_naming_the_file(make_result, tmp_path):
+    huge = tmp_path / "huge.json"
+    huge.write_text(make_result("cur.json").read_text().replace('"output_throughput"',
+                                                                  '"output_throughput": ' + "9" * 5000 + ', "x"', 1))
+    result = run_gate(huge, "--min", "output_throughput=1")
+    assert result.exit_code == 2
+    assert _one_error_line(result).startswith(f"error: {huge}: a number too long to read")
+
+
+def test_a_mistyped_metric_gets_the_closest_one(make_result):
+    result = run_gate(make_result("cur.json"), "--min", "output_througput=1")
+    assert result.exit_code == 2
+    [error] = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert error.endswith("has no metric 'output_througput' (did you mean 'output_throughput'?)")
+
+
 def test_update_baseline_refuses_a_figure_that_is_not_finite(make_result, tmp_path):
     current = make_result("cur.json", median_itl_ms=float("nan"))
     base = tmp_path / "base.json"
