@@ -62,7 +62,7 @@ def _otlp_file(tmp_path: Path) -> Path:
 
 
 def test_vllm_spans_join_by_the_x_request_id_inside_vllm_s_request_id(tmp_path):
-    spans = read_vllm_otlp(_otlp_file(tmp_path))
+    spans = read_vllm_otlp(_otlp_file(tmp_path)).records
     assert [s.request_id for s in spans] == ["run-0", "run-1", "run-2"]
     records = _client_records()
     summary = join_peer(records, spans, "vllm")
@@ -91,7 +91,7 @@ def _sglang_log(tmp_path: Path) -> Path:
 
 
 def test_sglang_log_lines_give_the_queue_part(tmp_path):
-    lines = read_sglang_log(_sglang_log(tmp_path))
+    lines = read_sglang_log(_sglang_log(tmp_path)).records
     assert [(x.request_id, x.figures["input_len"]) for x in lines] == [(f"run-{i}", 512) for i in range(3)]
     records = _client_records()
     summary = join_peer(records, lines, "sglang")
@@ -104,8 +104,8 @@ def test_sglang_log_lines_give_the_queue_part(tmp_path):
 
 
 def test_which_peer_a_file_holds(tmp_path):
-    assert read_peer_log(_otlp_file(tmp_path))[0] == "vllm"
-    assert read_peer_log(_sglang_log(tmp_path))[0] == "sglang"
+    assert read_peer_log(_otlp_file(tmp_path)).source == "vllm"
+    assert read_peer_log(_sglang_log(tmp_path)).source == "sglang"
     junk = tmp_path / "junk.log"
     junk.write_text("nothing here\n")
     with pytest.raises(ValueError, match="neither vLLM"):
@@ -132,3 +132,130 @@ def test_the_script_joins_a_requests_file(tmp_path, capsys):
     joined = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert all("ttft_parts" in r for r in joined)
     assert main([str(lines), str(tmp_path / "missing.json")]) == 2
+
+
+# ----- hostile files: linear time, one line of error, no NaN, a bad entry skipped rather than the file -----
+def _attr(key, value):
+    return {"key": key, "value": value}
+
+
+BAD_SPANS = [
+    "a span",
+    {"name": "llm_request", "attributes": 5, "startTimeUnixNano": "1"},
+    {"name": "llm_request", "attributes": [{"value": {"stringValue": "x"}}], "startTimeUnixNano": "1"},
+    {"name": "llm_request", "attributes": [_attr("gen_ai.request.id", {"intValue": "7"})], "startTimeUnixNano": "1"},
+    {"name": "llm_request", "attributes": [_attr("gen_ai.request.id", {"stringValue": "cmpl-run-9-0"})],
+     "startTimeUnixNano": "soon"},
+    {"name": "llm_request", "attributes": [_attr("gen_ai.request.id", {"stringValue": "cmpl-run-9-0"}),
+                                           _attr("gen_ai.latency.time_in_queue", {"doubleValue": "NaN"})],
+     "startTimeUnixNano": "1"},
+    {"name": "llm_request", "attributes": [_attr("gen_ai.request.id", {"stringValue": "cmpl-run-9-0"}),
+                                           _attr("gen_ai.latency.e2e", {"doubleValue": 1e308 * 10})],
+     "startTimeUnixNano": "1"},
+    {"name": "llm_request", "attributes": [_attr("gen_ai.request.id", {"stringValue": "cmpl-run-9-0"})],
+     "startTimeUnixNano": "9" * 5000},
+]
+
+
+def _hostile_otlp(tmp_path: Path) -> Path:
+    path = _otlp_file(tmp_path)
+    extra = [{"resourceSpans": [{"scopeSpans": [{"spans": BAD_SPANS}]}]}, {"resourceSpans": "none"},
+             {"resourceSpans": [{"scopeSpans": [{"spans": [_vllm_span(5, *REQUESTS[0]) | {"attributes": [
+                 *_vllm_span(5, *REQUESTS[0])["attributes"], _attr("gen_ai.usage.prompt_tokens",
+                                                                    {"intValue": "9" * 5000})]}]}]}]}]
+    path.write_text(path.read_text() + "".join(json.dumps(x).replace("Infinity", "1e999") + "\n" for x in extra)
+                    + "[" * 100_000 + "\n")
+    return path
+
+
+def test_a_malformed_span_is_skipped_and_counted_not_the_file(tmp_path):
+    log = read_peer_log(_hostile_otlp(tmp_path))
+    assert log.source == "vllm" and log.skipped == len(BAD_SPANS)
+    assert [r.request_id for r in log.records] == ["run-0", "run-1", "run-2", "run-5"]
+    assert log.records[3].figures.get("gen_ai.usage.prompt_tokens") is None  # 5,000 digits: not a count
+
+
+BAD_SGLANG = [
+    "ReqTimeStats(rid=run-7, input_len=512, cached_input_len=0, output_len=1, attempts=1, type=unified)",
+    "ReqTimeStats(rid=run-7, input_len=512, cached_input_len=0, output_len=1, attempts=1, type=unified): "
+    "queue_duration=nanms, forward_duration=1.0ms, entry_time=1764250000.1",
+    "ReqTimeStats(rid=run-7, input_len=" + "9" * 5000 + ", cached_input_len=0, output_len=1, attempts=1, "
+    "type=unified): queue_duration=1.0ms, forward_duration=1.0ms, entry_time=1764250000.1",
+    "ReqTimeStats(rid=run-7, input_len=512, cached_input_len=0, output_len=1, attempts=1, type=unified): "
+    "queue_duration=1.0ms, forward_duration=1.0ms, entry_time=1e400",
+    "ReqTimeStats(rid=run-7, input_len=512, type=unified): queue_duration=1.0ms",
+]
+
+
+def test_a_malformed_sglang_line_is_skipped_and_counted(tmp_path):
+    path = _sglang_log(tmp_path)
+    path.write_text(path.read_text() + "\n".join(BAD_SGLANG) + "\n")
+    log = read_sglang_log(path)
+    assert len(log.records) == 3 and log.skipped == len(BAD_SGLANG)
+    assert "run-7" in log.first_problem or "without" in log.first_problem
+
+
+def test_a_long_sglang_line_parses_in_linear_time(tmp_path):
+    # a backtracking pattern took 243 s on one 66 KB line of repeated fields; this one has 200 KB
+    path = tmp_path / "long.log"
+    path.write_text("ReqTimeStats(rid=a, input_len=1, cached_input_len=1, output_len=1, " * 2900 + "\n"
+                    + "x ReqTimeStats(rid=" + "a," * 100_000 + "\n")
+    child = ("import sys, time\n"
+             "from infertrace.load.results.peer_logs import read_sglang_log\n"
+             "t = time.perf_counter(); log = read_sglang_log(sys.argv[1])\n"
+             "print(len(log.records), log.skipped, time.perf_counter() - t)\n")
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", child, str(path)], capture_output=True, text=True, timeout=60)
+    records, skipped, seconds = done.stdout.split()
+    assert (records, skipped) == ("0", "2") and float(seconds) < 0.5
+
+
+def _script():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from join_peer_log import main
+
+    return main
+
+
+def test_the_script_gives_no_nan_and_skips_bad_request_lines(tmp_path, capsys):
+    main = _script()
+    lines = tmp_path / "requests.jsonl"
+    good = _client_records()
+    bad = ["not json", "[1, 2]", json.dumps({"phase": "measured", "request_id": ["run-0"], "t0_s": 0.0}),
+           json.dumps({"phase": "measured", "request_id": "run-1", "t0_s": "0"}),
+           json.dumps({"phase": "measured", "request_id": "run-2", "t0_s": 0.5, "ttft_ms": float("nan")}),
+           json.dumps({"phase": "measured", "request_id": "run-2", "t0_s": 1e300, "ttft_ms": 1.0}),
+           "[" * 100_000]
+    lines.write_text("".join(json.dumps(r) + "\n" for r in good) + "\n".join(bad) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main([str(lines), str(_hostile_otlp(tmp_path)), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "NaN" not in printed and "Infinity" not in printed and "NaN" not in out.read_text()
+    summary = json.loads(printed)
+    assert summary["explained"] == 3 and summary["skipped_records"] == 4 and summary["unreadable_request_lines"] == 2
+    assert summary["skipped_peer_entries"] == len(BAD_SPANS) and "malformed vllm entries" in summary["warnings"][0]
+
+
+@pytest.mark.parametrize("where", ["peer-dir", "peer-fifo", "requests-dir", "out-dir", "peer-binary"])
+def test_the_script_says_one_line_for_what_it_cannot_read(tmp_path, capsys, where):
+    import os
+
+    main = _script()
+    lines = tmp_path / "requests.jsonl"
+    lines.write_text("".join(json.dumps(r) + "\n" for r in _client_records()))
+    peer, out = _otlp_file(tmp_path), tmp_path / "out.jsonl"
+    if where == "peer-dir":
+        peer = tmp_path
+    elif where == "peer-fifo":
+        peer = tmp_path / "fifo"
+        os.mkfifo(peer)
+    elif where == "requests-dir":
+        lines = tmp_path
+    elif where == "out-dir":
+        out = tmp_path
+    else:
+        peer.write_bytes(b"\xff\xfe\x00" * 100)
+    assert main([str(lines), str(peer), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1

@@ -22,18 +22,21 @@ sends `rid` too when the server is SGLang.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infertrace import input_files
 from infertrace.load.results.join import ClockOffset, estimate_offset
 
 VLLM_SPAN = "llm_request"
-_VLLM_ID = re.compile(r"^(?:chatcmpl|cmpl)-(.+?)(?:-\d+)?$")
-_SGLANG_LINE = re.compile(
-    r"ReqTimeStats\(rid=(?P<rid>[^,]+),.*?input_len=(?P<input>\d+), cached_input_len=(?P<cached>\d+), "
-    r"output_len=(?P<output>\d+),.*?type=(?P<type>\w+)\): queue_duration=(?P<queue>[\d.]+)ms, "
-    r"forward_duration=(?P<forward>[\d.]+)ms, entry_time=(?P<entry>[\d.]+)")
+MAX_PEER_LOG_BYTES = 2 << 30
+MAX_TIME_S = 1e12  # a bound beyond any clock or duration in seconds: NaN, infinities and overflow stay out
+_VLLM_ID = re.compile(r"^(?:chatcmpl|cmpl)-(.+?)(?:-\d+)?$")  # anchored, one lazy group: linear
+_SGLANG_MARK = "ReqTimeStats("
+_SGLANG_HEAD = ("rid", "input_len", "cached_input_len", "output_len", "type")
+_SGLANG_TAIL = ("queue_duration", "forward_duration", "entry_time")
 
 
 @dataclass(slots=True)
@@ -51,85 +54,228 @@ class PeerRecord:
     figures: dict = field(default_factory=dict)  # the rest, as the peer named them
 
 
-def read_vllm_otlp(path: str | Path) -> list[PeerRecord]:
+@dataclass(slots=True)
+class PeerLog:
+    """What a peer's file held: its requests, and how many spans or lines of its kind were malformed (skipped)."""
+
+    source: str
+    records: list[PeerRecord]
+    skipped: int = 0
+    first_problem: str | None = None
+
+
+class _Malformed(ValueError):
+    """One span or line that cannot be read; the rest of the file still is."""
+
+
+def read_vllm_otlp(path: str | Path) -> PeerLog:
     """vLLM's `llm_request` spans from an OTLP JSON file (one export request a line, or one JSON document)."""
-    out = []
-    for request in _json_documents(Path(path)):
-        for resource in request.get("resourceSpans") or []:
-            for scope in resource.get("scopeSpans") or []:
-                for span in scope.get("spans") or []:
-                    if span.get("name") == VLLM_SPAN:
-                        out.append(_vllm_record(span))
-    return [r for r in out if r is not None]
+    return _vllm_spans(_read(path))
 
 
-def _json_documents(path: Path):
-    text = path.read_text()
+def _vllm_spans(text: str) -> PeerLog:
+    log = PeerLog("vllm", [])
+    for request in _json_documents(text):
+        for span in _spans(request):
+            try:
+                if not isinstance(span, dict):
+                    raise _Malformed("a span is not an object")
+                if span.get("name") == VLLM_SPAN:
+                    log.records.append(_vllm_record(span))
+            except _Malformed as e:
+                _skip(log, str(e))
+    return log
+
+
+def _read(path: str | Path) -> str:
     try:
-        yield json.loads(text)
+        return input_files.read_text(path, MAX_PEER_LOG_BYTES)
+    except input_files.InputFileError as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+
+
+def _skip(log: PeerLog, why: str) -> None:
+    log.skipped += 1
+    log.first_problem = log.first_problem or why
+
+
+def _json_documents(text: str):
+    """The file as one JSON document, else one a line; a line that is not JSON is passed over."""
+    try:
+        yield _loads(text)
         return
     except ValueError:
         pass
     for line in text.splitlines():
         if line.strip():
-            yield json.loads(line)
+            try:
+                yield _loads(line)
+            except ValueError:
+                continue
 
 
-def _vllm_record(span: dict) -> PeerRecord | None:
-    attrs = {a["key"]: _otlp_value(a.get("value") or {}) for a in span.get("attributes") or []}
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _spans(request):
+    """Every span of an OTLP export request, whatever else it holds."""
+    for resource in _list(request, "resourceSpans"):
+        for scope in _list(resource, "scopeSpans"):
+            yield from _list(scope, "spans")
+
+
+def _list(obj, key: str) -> list:
+    value = obj.get(key) if isinstance(obj, dict) else None
+    return value if isinstance(value, list) else []
+
+
+def _vllm_record(span: dict) -> PeerRecord:
+    attrs = {}
+    for a in _list(span, "attributes"):
+        if not isinstance(a, dict) or not isinstance(a.get("key"), str):
+            raise _Malformed("an attribute without a key")
+        attrs[a["key"]] = _otlp_value(a.get("value"))
     raw_id = attrs.get("gen_ai.request.id")
-    if raw_id is None or span.get("startTimeUnixNano") is None:
+    if not isinstance(raw_id, str) or not raw_id:
+        raise _Malformed("a span without gen_ai.request.id")
+    start_ns = span.get("startTimeUnixNano")
+    if not isinstance(start_ns, (str, int)) or isinstance(start_ns, bool) or not str(start_ns).isdigit() \
+            or len(str(start_ns)) > 30:
+        raise _Malformed(f"span {raw_id[:40]!r}: startTimeUnixNano is not a number of nanoseconds")
+    m = _VLLM_ID.match(raw_id)
+
+    def duration(key: str) -> float | None:
+        value = attrs.get(key)
+        if value is None:
+            return None
+        if not _finite(value) or not 0 <= value <= MAX_TIME_S:
+            raise _Malformed(f"span {raw_id[:40]!r}: {key} is not a duration in seconds")
+        return float(value)
+
+    return PeerRecord(m.group(1) if m else raw_id, _seconds(int(start_ns) / 1e9, raw_id),
+                      queue=duration("gen_ai.latency.time_in_queue"),
+                      prefill=duration("gen_ai.latency.time_in_model_prefill"),
+                      ttft=duration("gen_ai.latency.time_to_first_token"), e2e=duration("gen_ai.latency.e2e"),
+                      figures={k: v for k, v in attrs.items() if not isinstance(v, float) or math.isfinite(v)})
+
+
+def _seconds(t: float, rid: str) -> float:
+    if not abs(t) <= MAX_TIME_S:
+        raise _Malformed(f"request {rid[:40]!r}: its start is not a time")
+    return t
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _otlp_value(value):
+    """An OTLP JSON AnyValue: intValue comes as a string (proto3 JSON's int64), doubles may come as "NaN" or
+    "Infinity" strings; None for what is none of these."""
+    if not isinstance(value, dict):
         return None
-    m = _VLLM_ID.match(str(raw_id))
-    return PeerRecord(m.group(1) if m else str(raw_id), int(span["startTimeUnixNano"]) / 1e9,
-                      queue=attrs.get("gen_ai.latency.time_in_queue"),
-                      prefill=attrs.get("gen_ai.latency.time_in_model_prefill"),
-                      ttft=attrs.get("gen_ai.latency.time_to_first_token"), e2e=attrs.get("gen_ai.latency.e2e"),
-                      figures=attrs)
-
-
-def _otlp_value(value: dict):
-    """An OTLP JSON AnyValue: intValue comes as a string (proto3 JSON's int64)."""
-    for key in ("doubleValue", "stringValue", "boolValue"):
+    if "doubleValue" in value:
+        v = value["doubleValue"]
+        try:
+            return float(v) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else None
+        except ValueError:
+            return None
+    for key in ("stringValue", "boolValue"):
         if key in value:
             return value[key]
     if "intValue" in value:
-        return int(value["intValue"])
+        v = value["intValue"]
+        text = str(v) if isinstance(v, (int, str)) and not isinstance(v, bool) else ""
+        return int(text) if text.lstrip("-").isdigit() and len(text) <= 20 else None
     return None
 
 
-def read_sglang_log(path: str | Path) -> list[PeerRecord]:
-    """SGLang's `ReqTimeStats` lines from its server log (other lines are skipped)."""
-    out = []
-    for line in Path(path).read_text(errors="replace").splitlines():
-        if (m := _SGLANG_LINE.search(line)) is not None:
-            out.append(PeerRecord(m["rid"], float(m["entry"]), queue=float(m["queue"]) / 1e3,
-                                  forward=float(m["forward"]) / 1e3,
-                                  figures={"input_len": int(m["input"]), "cached_input_len": int(m["cached"]),
-                                           "output_len": int(m["output"]), "type": m["type"]}))
+def read_sglang_log(path: str | Path) -> PeerLog:
+    """SGLang's `ReqTimeStats` lines from its server log (other lines are passed over; one of its kind that
+    cannot be read is skipped and counted). Read by splitting at fixed marks, in time linear in the line."""
+    return _sglang_lines(_read(path))
+
+
+def _sglang_lines(text: str) -> PeerLog:
+    log = PeerLog("sglang", [])
+    for line in text.splitlines():
+        at = line.find(_SGLANG_MARK)
+        if at < 0:
+            continue
+        try:
+            log.records.append(_sglang_record(line[at + len(_SGLANG_MARK):]))
+        except _Malformed as e:
+            _skip(log, str(e))
+    return log
+
+
+def _sglang_record(rest: str) -> PeerRecord:
+    """`rid=.., input_len=.., ..., type=unified): queue_duration=1.23ms, forward_duration=45.67ms, entry_time=..`"""
+    head, sep, tail = rest.partition("):")
+    if not sep:
+        raise _Malformed("a ReqTimeStats line without its closing '):'")
+    fields = _pairs(head)
+    times = _pairs(tail)
+    missing = [k for k in _SGLANG_HEAD if k not in fields] + [k for k in _SGLANG_TAIL if k not in times]
+    if missing:
+        raise _Malformed(f"a ReqTimeStats line without {', '.join(missing)}")
+    rid = fields["rid"]
+    counts = {k: _count(fields[k], k, rid) for k in ("input_len", "cached_input_len", "output_len")}
+    queue = _number(times["queue_duration"].removesuffix("ms"), "queue_duration", rid) / 1e3
+    forward = _number(times["forward_duration"].removesuffix("ms"), "forward_duration", rid) / 1e3
+    entry = times["entry_time"].split(maxsplit=1)[0] if times["entry_time"].strip() else ""
+    return PeerRecord(rid, _seconds(_number(entry, "entry_time", rid), rid), queue=queue, forward=forward,
+                      figures={**counts, "type": fields["type"]})
+
+
+def _pairs(text: str) -> dict[str, str]:
+    """`a=1, b=2` as {"a": "1", "b": "2"}; the first of a repeated key."""
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        key, eq, value = part.partition("=")
+        if eq:
+            out.setdefault(key.strip(), value.strip())
     return out
 
 
-def read_peer_log(path: str | Path) -> tuple[str, list[PeerRecord]]:
-    """("vllm", spans) or ("sglang", lines), whichever the file holds; ValueError when it holds neither."""
-    path = Path(path)
-    try:
-        spans = read_vllm_otlp(path)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        spans = []
-    if spans:
-        return "vllm", spans
-    lines = read_sglang_log(path)
-    if lines:
-        return "sglang", lines
+def _count(text: str, name: str, rid: str) -> int:
+    if not text.isdigit() or len(text) > 15:
+        raise _Malformed(f"request {rid[:40]!r}: {name}={text[:20]!r} is not a count")
+    return int(text)
+
+
+def _number(text: str, name: str, rid: str) -> float:
+    """A plain decimal (digits and one point), as SGLang writes its times: no NaN, no exponent, no sign."""
+    digits = text.replace(".", "", 1)
+    if not digits.isdigit() or len(text) > 30:
+        raise _Malformed(f"request {rid[:40]!r}: {name}={text[:20]!r} is not a number")
+    return float(text)
+
+
+def read_peer_log(path: str | Path) -> PeerLog:
+    """vLLM's spans or SGLang's lines, whichever the file holds; ValueError when it holds neither (or cannot be
+    read)."""
+    text = _read(path)
+    spans = _vllm_spans(text)
+    if spans.records or spans.skipped:
+        return spans
+    lines = _sglang_lines(text)
+    if lines.records or lines.skipped:
+        return lines
     raise ValueError(f"{path} holds neither vLLM llm_request spans (OTLP JSON) nor SGLang ReqTimeStats lines")
 
 
 def join_peer(records: list[dict], peer: list[PeerRecord], source: str) -> dict:
     """Give each --requests-jsonl record (`request_id`, `t0_s`, `ttft_ms`, `end_s`) whose id the peer timed a
-    `server` view and `ttft_parts` (ms, adding up to `ttft_ms`); returns the join's summary."""
+    `server` view and `ttft_parts` (ms, adding up to `ttft_ms`); returns the join's summary. A record whose
+    fields are not what bench writes is left as it is and counted in `skipped_records`."""
     by_id = {p.request_id: p for p in peer}
-    matched = [(r, by_id[r["request_id"]]) for r in records if r.get("request_id") in by_id]
+    usable = [r for r in records if _client_record_ok(r)]
+    matched = [(r, by_id[r["request_id"]]) for r in usable if r["request_id"] in by_id]
     pairs = []
     for r, p in matched:
         if r.get("ttft_ms") is None:
@@ -139,6 +285,10 @@ def join_peer(records: list[dict], peer: list[PeerRecord], source: str) -> dict:
         elif p.queue is not None and p.forward is not None and r.get("end_s") is not None:
             pairs.append((r["t0_s"], p.start, p.start + p.queue + p.forward, r["end_s"]))
     offset = estimate_offset(pairs)
+    warnings = []
+    if offset is not None and not offset.consistent:  # no offset fits every request: parts would be guesses
+        warnings.append(f"the client's and the server's clocks disagree (their bounds cross by "
+                        f"{2 * offset.error_s * 1e3:.3g} ms over {offset.pairs} requests); no TTFT is split into parts")
     explained = 0
     for r, p in matched:
         r["server"] = {"source": source, "start_ms": None if offset is None else
@@ -146,12 +296,21 @@ def join_peer(records: list[dict], peer: list[PeerRecord], source: str) -> dict:
                        **{k: None if v is None else v * 1e3 for k, v in
                           (("queue_ms", p.queue), ("prefill_ms", p.prefill), ("ttft_ms", p.ttft),
                            ("forward_ms", p.forward), ("e2e_ms", p.e2e))}, "figures": p.figures}
-        parts = _parts(r, p, offset)
+        parts = _parts(r, p, offset) if not warnings else None
         if parts is not None:
             r["ttft_parts"] = parts
             explained += 1
     return {"source": source, "requests": len(records), "matched": len(matched), "explained": explained,
-            **_offset_json(offset)}
+            "skipped_records": len(records) - len(usable), "warnings": warnings, **_offset_json(offset)}
+
+
+def _client_record_ok(r) -> bool:
+    """A --requests-jsonl record with an id and finite times (NaN or a huge number would spread into every
+    figure the offset touches)."""
+    if not isinstance(r, dict) or not isinstance(r.get("request_id"), str) or r.get("t0_s") is None:
+        return False
+    bounds = {"t0_s": MAX_TIME_S, "end_s": MAX_TIME_S, "ttft_ms": MAX_TIME_S * 1e3}
+    return all(r.get(k) is None or (_finite(r[k]) and abs(r[k]) <= bound) for k, bound in bounds.items())
 
 
 def _parts(r: dict, p: PeerRecord, offset: ClockOffset | None) -> dict | None:
