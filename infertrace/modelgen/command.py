@@ -33,6 +33,7 @@ def init(preset: str, out_dir: Path, seed: int, dtype: str | None) -> None:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from infertrace.modelgen import PRESETS, hf_config, init_model, parameter_count
+    from infertrace.modelgen.presets import parameter_label
 
     n_params = parameter_count(hf_config(PRESETS[preset], dtype or PRESETS[preset].dtype))
     with Progress(TextColumn("[bold]writing weights"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
@@ -46,4 +47,4 @@ def init(preset: str, out_dir: Path, seed: int, dtype: str | None) -> None:
             path = init_model(preset, out_dir, seed=seed, dtype=dtype, on_progress=on_progress)
         except (ValueError, OSError) as e:
             fail(str(e), code=BAD_INPUT)
-    out_console.print(f"wrote {preset} ({n_params / 1e9:.3f} B parameters) to {path}")
+    out_console.print(f"wrote {preset} ({parameter_label(n_params)} parameters) to {path}")

@@ -101,3 +101,8 @@ def parameter_count(config: dict) -> int:
             n *= d
         total += n
     return total
+
+
+def parameter_label(count: int) -> str:
+    """A parameter count as model cards write it: `40.1 M`, `4.02 B`."""
+    return f"{count / 1e6:.1f} M" if count < 1e9 else f"{count / 1e9:.2f} B"

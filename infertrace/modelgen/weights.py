@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from pathlib import Path
 from typing import Callable
@@ -47,6 +48,7 @@ def write_weights(
         name = "model.safetensors" if single else f"model-{index:05d}-of-NNNNN.safetensors"
         path = out_dir / name
         save_file(shards[-1], str(path), metadata={"format": "pt"})
+        os.chmod(path, _new_file_mode())  # safetensors leaves 0600 where config.json and the rest get the umask's
         for key in shards[-1]:
             weight_map[key] = name
         files.append(path)
@@ -78,6 +80,13 @@ def write_weights(
             json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2)
         )
     return files
+
+
+def _new_file_mode() -> int:
+    """The permissions open() gives a new file here: 0666 less the umask (read by setting it back at once)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _numel(shape: tuple[int, ...]) -> int:

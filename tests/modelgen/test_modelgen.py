@@ -73,3 +73,33 @@ def test_sharded_writer_keeps_one_shard_in_memory(tmp_path, monkeypatch):
     for f in files:
         loaded.update(load_file(out / f))
     assert set(loaded) == set(index["weight_map"])
+
+
+def test_parameter_label_reads_as_model_cards_write_it():
+    from infertrace.modelgen.presets import parameter_label
+
+    assert parameter_label(40_140_000) == "40.1 M"
+    assert parameter_label(596_049_920) == "596.0 M"
+    assert parameter_label(4_022_468_096) == "4.02 B"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_model_init_writes_every_file_with_the_umasks_mode_and_says_m_parameters(tmp_path, umask):
+    """safetensors wrote the weights 0600 while config.json and the tokenizer got the umask's mode."""
+    import os
+    import stat
+
+    from click.testing import CliRunner
+
+    from infertrace.cli import main
+
+    before = os.umask(umask)
+    try:
+        result = CliRunner().invoke(main, ["model", "init", "--preset", "tiny", "--out", str(tmp_path / "m")])
+    finally:
+        os.umask(before)
+    assert result.exit_code == 0, result.output
+    count = parameter_count(hf_config(PRESETS["tiny"], "float32"))
+    assert f"({count / 1e6:.1f} M parameters)" in result.stdout and " B parameters" not in result.stdout
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "m").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
