@@ -149,12 +149,7 @@ def execute(cfg: BenchConfig) -> int:
     else:
         out_console.print(sweep_table(records, cfg.sweep_param))
     print_warnings(records)
-    if cfg.report and records:
-        from infertrace.load.observe.findings import findings_table
-        from infertrace.load.observe.observer import run_findings
-
-        if findings := run_findings(records[-1]):
-            err_console.print(findings_table(findings))
+    print_findings(records, cfg)
     paths = cfg.output_paths()
     try:
         if cfg.result_json:
@@ -177,6 +172,25 @@ def execute(cfg: BenchConfig) -> int:
         err_console.print("[bold red]error:[/] every measured request failed (reasons under 'failed requests')",
                           highlight=False)
     return code
+
+
+def print_findings(records: list[PointRecord], cfg: BenchConfig) -> None:
+    """The last run's findings under its table: the telemetry's with --report (which reads the profiled window),
+    and the tail's whenever the server's request log was joined, as the result file and the HTML hold them."""
+    if not records:
+        return
+    from infertrace.load.observe.findings import findings_table
+    from infertrace.load.results.tail import tail_findings
+
+    findings = []
+    if cfg.report:
+        from infertrace.load.observe.observer import run_findings
+
+        findings += run_findings(records[-1])
+    if records[-1].request_log is not None:
+        findings += tail_findings(records[-1].results)
+    if findings:
+        err_console.print(findings_table(findings))
 
 
 def print_warnings(records: list[PointRecord]) -> None:

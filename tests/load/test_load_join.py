@@ -123,6 +123,9 @@ def test_the_bundled_engine_in_process_is_joined_on_one_clock(tiny_model_dir, tm
     joined = json.loads(out.read_text())["request_log"]
     assert joined["matched"] == joined["explained"] == 24 and joined["offset_consistent"]
     assert abs(joined["offset_ms"]) <= joined["offset_error_ms"] + 1e-6  # the same process: the same clock
+    # the tail findings are printed under the table, as the result file holds them (no --report needed)
+    saved = [f["what"] for f in json.loads(out.read_text())["findings"] if f["rule"] in ("ttft_tail", "itl_tail")]
+    assert saved and all(" ".join(what.split()[:4]) in " ".join(result.stderr.split()) for what in saved)
     for r in map(json.loads, lines.read_text().splitlines()):
         if r["phase"] == "measured":
             assert sum(r["ttft_parts"].values()) == pytest.approx(r["ttft_ms"], abs=1e-6)
