@@ -23,7 +23,7 @@ from infertrace.load.run.runner import Runner, measured_gc
 from infertrace.load.stats import Stats
 from infertrace.load.workloads.conversation import ConversationLoad
 from infertrace.load.workloads.prompts import PromptLoad
-from infertrace.load.workloads.replay import TraceReplay
+from infertrace.load.workloads.replay import TraceReplay, cache_block_tokens
 
 
 class Interrupted(Exception):
@@ -163,7 +163,10 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
     results = runner.results
     workload = {**(runner.figures() if isinstance(runner, Fleet) else {}), **load.figures(results, target)}
     if salt := getattr(target, "salt_tokens", 0):  # the line --prompt-salt starts every prompt with
-        workload["prompt_salt_tokens"] = salt
+        # a prefix cache finds it only in whole blocks (vLLM's default 16 tokens where the target does not say):
+        # a salt shorter than a block is found by no prompt
+        block, _ = cache_block_tokens(target)
+        workload.update(prompt_salt_tokens=salt, prompt_salt_cached_tokens=salt // block * block)
     if load.reads_prefix_cache:
         workload.update(run_hit_rate(cache_before, await read_prefix_cache(target)))
     resolve_output_tokens(results, tokenizer, check_usage=target.kind == "http")

@@ -379,3 +379,13 @@ def test_events_written_in_one_burst_are_reported_as_coalesced(standin, prompts_
     doc = json.loads(out.read_text())
     [warning] = [w for w in doc["headroom_warnings"] if "coalesced" in w]
     assert "inter-token gaps were 0 ms" in warning and "coalesced" in res.output
+
+
+def test_the_salt_is_counted_as_cached_only_in_whole_blocks(standin, tiny_model_dir, tmp_path):
+    out = tmp_path / "r.json"
+    res = invoke("--base-url", standin.url, "--tokenizer", tiny_model_dir, "--input-len", 24, "--output-len", 2,
+                 "--num-prompts", 4, "--warmup", 0, "--prompt-salt", "random", "--result-json", out)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    salt = doc["prompt_salt_tokens"]
+    assert 0 < salt < 16 and doc["prompt_salt_cached_tokens"] == 0  # "run " and 12 hex digits: under a block

@@ -201,3 +201,16 @@ def test_a_byte_order_mark_is_not_part_of_the_format(tmp_path):
     azure.write_text("\ufeffTIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n",
                      encoding="utf-8")
     assert read_trace(azure).format == "azure"
+
+
+def test_a_salt_shorter_than_a_cache_block_is_no_servable_reuse(tmp_path):
+    # --prompt-salt's line before every prompt: 10 tokens fill no 16-token block, so they add no reuse (the trace's
+    # blocks shift by 10 tokens, which here still leaves the same whole blocks); 20 tokens fill one block that every
+    # prompt after the first finds
+    path = write_jsonl(tmp_path / "t.jsonl", [mooncake(0, 1024, 10, [7, 8]), mooncake(1, 600, 3, [7, 9]),
+                                             mooncake(2, 512, 1, [7])])
+    trace = read_trace(path)
+    assert trace.servable_prefix_reuse(16, 10) == pytest.approx((512 + 512) / (1024 + 600 + 512 + 3 * 10))
+    assert trace.servable_prefix_reuse(16, 20) == pytest.approx((528 + 528) / (1024 + 600 + 512 + 3 * 20))
+    no_hashes = write_jsonl(tmp_path / "u.jsonl", [mooncake(0, 64, 1, [1]), mooncake(1, 64, 1, [2])])
+    assert read_trace(no_hashes).servable_prefix_reuse(16, 10) == 0.0

@@ -56,15 +56,18 @@ class Trace:
         total = sum(req.input_len for req in self.requests)
         return sum(covered for _, covered in self._seen_prefixes()) / total if total else None
 
-    def servable_prefix_reuse(self, cache_block_tokens: int) -> float | None:
+    def servable_prefix_reuse(self, cache_block_tokens: int, salt_tokens: int = 0) -> float | None:
         """The implied reuse a paged prefix cache of `cache_block_tokens`-token blocks can serve: of each prompt's
-        leading tokens in blocks seen before, the whole cache blocks that end before its last token (the last
-        token is always computed: its logits give the first output token). None without block hashes."""
+        leading tokens seen before (the --prompt-salt line every prompt starts with, after the first prompt, and
+        the trace's blocks seen in an earlier request), the whole cache blocks that end before its last token (the
+        last token is always computed: its logits give the first output token). A salt shorter than a cache block
+        fills none, so it is no reuse. None without block hashes."""
         if self.block_tokens is None:
             return None
-        total = sum(req.input_len for req in self.requests)
-        served = sum(min(covered, req.input_len - 1) // cache_block_tokens * cache_block_tokens
-                     for req, covered in self._seen_prefixes())
+        total = sum(salt_tokens + req.input_len for req in self.requests)
+        served = sum(min((salt_tokens if i else 0) + covered, salt_tokens + req.input_len - 1)
+                     // cache_block_tokens * cache_block_tokens
+                     for i, (req, covered) in enumerate(self._seen_prefixes()))
         return served / total if total else None
 
     def _seen_prefixes(self) -> Iterator[tuple[TraceRequest, int]]:
@@ -397,6 +400,6 @@ class TraceReplay:
                       "span_s": t.requests[-1].offset_s if t.requests else 0.0, "block_tokens": t.block_tokens,
                       "time_scale": self.cfg.time_scale, "token_scale": self.cfg.token_scale, "notes": t.notes},
             "trace_implied_prefix_reuse": t.implied_prefix_reuse(),
-            "trace_servable_prefix_reuse": t.servable_prefix_reuse(block),
+            "trace_servable_prefix_reuse": t.servable_prefix_reuse(block, getattr(target, "salt_tokens", 0)),
             "cache_block_tokens": block, "cache_block_tokens_source": block_source,
         }
