@@ -389,3 +389,18 @@ def test_the_salt_is_counted_as_cached_only_in_whole_blocks(standin, tiny_model_
     doc = json.loads(out.read_text())
     salt = doc["prompt_salt_tokens"]
     assert 0 < salt < 16 and doc["prompt_salt_cached_tokens"] == 0  # "run " and 12 hex digits: under a block
+
+
+def test_a_missing_tokenizer_folder_is_said_so(standin, tmp_path):
+    res = invoke("--base-url", standin.url, "--tokenizer", tmp_path / "no-such-model", "--num-prompts", 1)
+    assert res.exit_code == 2
+    assert "no-such-model: no such folder" in res.stderr and "Repo id" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_https_against_plain_http_says_to_try_http(standin):
+    url = standin.url.replace("http://", "https://")
+    res = invoke("--base-url", url, "--num-prompts", 1)
+    assert res.exit_code == 2
+    assert f"the server speaks plain HTTP, not HTTPS: try --base-url {standin.url}" in res.stderr
+    assert "WRONG_VERSION_NUMBER" not in res.stderr

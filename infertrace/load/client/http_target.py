@@ -111,8 +111,7 @@ class AiohttpTransport:
                                              timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 data = await _read_capped(resp, max_bytes)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-            reason = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__)
-            raise TargetError(f"cannot reach {self.base_url}: {reason}") from None
+            raise TargetError(f"cannot reach {self.base_url}: {self._reason(e)}") from None
         if data is None:
             raise TargetError(f"{method} {path} answered more than {_size(max_bytes)}; not read")
         raw = data.decode("utf-8", errors="replace")  # JSON is UTF-8 (RFC 8259)
@@ -120,6 +119,15 @@ class AiohttpTransport:
             return resp.status, json.loads(raw), len(data)
         except ValueError:
             return resp.status, raw, len(data)
+
+    def _reason(self, e: BaseException) -> str:
+        if isinstance(e, asyncio.TimeoutError):
+            return "timed out"
+        text = str(e) or type(e).__name__
+        if self.base_url.startswith("https://") and "WRONG_VERSION_NUMBER" in text:  # a TLS hello answered in HTTP
+            plain = "http://" + self.base_url.removeprefix("https://")
+            return f"the server speaks plain HTTP, not HTTPS: try --base-url {plain}"
+        return text
 
     @asynccontextmanager
     async def stream(self, path: str, body: dict, headers: dict | None = None):

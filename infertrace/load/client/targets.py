@@ -17,6 +17,11 @@ def resolve_model_dir(model: str | None) -> Path | None:
 
 
 def load_tokenizer(path: str | Path):
+    """The tokenizer in a local folder (nothing is downloaded: a name that is no folder is an error)."""
+    if not Path(path).is_dir():
+        why = "no such folder" if not Path(path).exists() else "not a folder"
+        raise DatasetError(f"cannot load a tokenizer from {path}: {why} (--tokenizer takes the local folder of a "
+                           "model or its tokenizer)")
     from transformers import AutoTokenizer
 
     try:
