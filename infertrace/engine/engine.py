@@ -185,7 +185,9 @@ class Engine:
         return self.block_manager.num_used_blocks
 
     # ----- requests -----
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    label: str | None = None) -> None:
+        """`label`: the id the request log reports (its client's), where it differs from the engine's."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -206,7 +208,7 @@ class Engine:
         self._requests[request_id] = seq
         if self.request_log is not None:
             self.request_log.arrived(request_id, time.perf_counter(), len(token_ids), len(self.scheduler.waiting),
-                                     len(self.scheduler.running))
+                                     len(self.scheduler.running), label)
         self.scheduler.add(seq)
         self.counters["requests_added"] += 1
         self.counters["prompt_tokens"] += len(token_ids)
