@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +21,7 @@ from infertrace.engine.outputs import EngineDeadError, OutputStream, RequestOutp
 from infertrace.engine.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
+log = logging.getLogger("infertrace.engine")
 
 
 class AsyncEngine:
@@ -136,9 +138,10 @@ class AsyncEngine:
                     self._wake.wait()
                     self._wake.clear()
             except BaseException as exc:  # the loop must never die silently: every waiter hears of it
+                log.exception("the engine loop failed")  # once, here: its waiters each get a one-line error
                 self._error = exc
                 for stream in self._streams.values():
-                    self._post(stream.put, exc)
+                    self._post(stream.put, EngineDeadError(f"the engine loop stopped: {exc!r}"))
                 self._streams.clear()
                 self._fail_pending(exc)
                 return

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from infertrace.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from infertrace.engine.outputs import EngineDeadError
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=7, ignore_eos=True)
@@ -176,4 +177,27 @@ async def test_a_step_reaches_the_event_loop_in_one_handoff(aengine, make_prompt
     # every output went through a handoff; decode steps with all four running hand four outputs over at once
     assert sum(handoffs) == sum(len(outs) for outs in streams) and len(handoffs) <= steps
     assert max(handoffs) == 4
+    await aengine.shutdown()
+
+
+async def test_a_failed_loop_gives_each_stream_an_engine_dead_error_of_its_own(aengine, caplog):
+    """Each waiting stream gets its own EngineDeadError naming the failure (one instance raised in every stream
+    gathered each raise's frames into one ever-longer traceback), and the failure is logged once."""
+    import logging
+
+    engine = aengine.engine
+    real_step = engine.step
+
+    def failing_step():
+        if engine.counters["steps"] >= 2:
+            raise RuntimeError("simulated device failure")
+        return real_step()
+
+    engine.step = failing_step
+    with caplog.at_level(logging.ERROR, logger="infertrace.engine"):
+        results = await asyncio.gather(*(collect(aengine, f"f{i}", [1, 2, 3], GREEDY) for i in range(3)),
+                                       return_exceptions=True)
+    assert all(isinstance(e, EngineDeadError) and "simulated device failure" in str(e) for e in results)
+    assert len({id(e) for e in results}) == 3
+    assert [r.getMessage() for r in caplog.records] == ["the engine loop failed"]
     await aengine.shutdown()

@@ -133,6 +133,32 @@ async def test_an_engine_process_that_dies_fails_in_flight_requests_and_health(s
         assert after.status >= 500
 
 
+async def test_an_engine_death_is_one_log_line_and_a_503_with_its_reason(serve_tiny, caplog):
+    """Four streams in flight when the engine process dies: the log says so once, with no traceback (one
+    exception raised in every stream used to gather each raise's frames: 16, 29, 42, 57 lines), each stream ends
+    with the reason in-band, and a request after it is a 503 that names the reason."""
+    import logging
+
+    async with serve_tiny(engine_process=True) as client:
+        body = {"prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        streams = [await client.post("/v1/completions", json=body) for _ in range(4)]
+        for resp in streams:
+            await resp.content.readline()
+        with caplog.at_level(logging.INFO, logger="infertrace"):
+            os.kill(client.engine_proc.pid, signal.SIGKILL)
+            texts = [await asyncio.wait_for(resp.text(), 10) for resp in streams]
+            after = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            error = (await after.json())["error"]
+    for text in texts:
+        assert "the engine process is gone (the engine process was killed by SIGKILL)" in text
+    assert after.status == 503 and error["code"] == "engine_dead"
+    assert "the engine process is gone (the engine process was killed by SIGKILL)" in error["message"]
+    records = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.getMessage() for r in records] == ["the engine process is gone (the engine process was killed by "
+                                                 "SIGKILL)"]
+    assert all(r.exc_info is None for r in records)
+
+
 def test_frame_reader_splits_frames_across_chunks():
     from infertrace.server.engine_link.messages import FrameReader, FromEngine, decode_from_engine, frame
 
@@ -484,8 +510,9 @@ class _ScriptedEngine:
         import threading
 
         self.tokens, self.text, self.step_s = tokens, "x" * text_bytes, step_s
-        self.running: dict[str, int] = {}
-        self.aborted: list[str] = []
+        self.running: dict[str, int] = {}  # by engine id
+        self.labels: dict[str, str] = {}  # engine id -> its client's id
+        self.aborted: list[str] = []  # client ids
         self.counters = {"steps": 0}
         self.last_step = None
         self.lock = threading.Lock()
@@ -499,15 +526,22 @@ class _ScriptedEngine:
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
-    def add_request(self, request_id, prompt, params) -> None:
+    def add_request(self, request_id, prompt, params, label=None) -> None:
         with self.lock:
+            if request_id in self.running:
+                raise ValueError(f"request id {request_id!r} is already in use")
             self.running[request_id] = 0
+            self.labels[request_id] = label or request_id
 
     def abort(self, request_id):
         with self.lock:
             if self.running.pop(request_id, None) is not None:
-                self.aborted.append(request_id)
+                self.aborted.append(self.labels[request_id])
         return None
+
+    def running_ids(self) -> list[str]:
+        with self.lock:
+            return sorted(self.labels[i] for i in self.running)
 
     def step(self) -> list:
         from types import SimpleNamespace
@@ -518,7 +552,7 @@ class _ScriptedEngine:
             self.counters["steps"] += 1
             for request_id in list(self.running):
                 self.running[request_id] += 1
-                done = not request_id.startswith("stuck") and self.running[request_id] >= self.tokens
+                done = not self.labels[request_id].startswith("stuck") and self.running[request_id] >= self.tokens
                 if done:
                     del self.running[request_id]
                 outputs.append(SimpleNamespace(request_id=request_id, new_token_ids=[7], new_text=self.text,
@@ -602,7 +636,7 @@ def test_a_front_end_that_stops_reading_does_not_stall_the_engine_or_the_others(
         deltas = [d for m in got for d in m.outputs]
         assert [d.finished for d in deltas] == [False] * 299 + [True], f"{len(deltas)} outputs in {elapsed:.1f}s"
         assert elapsed < 10  # 300 steps of 1 ms: the stalled front end adds no waiting of its own
-        assert sorted(engine.running) == [f"stuck-{i}" for i in range(4)]  # below the bound: kept running
+        assert engine.running_ids() == [f"stuck-{i}" for i in range(4)]  # below the bound: kept running
         assert engine.aborted == []
     finally:
         fast.close(), stuck.close()
@@ -811,3 +845,70 @@ async def test_a_front_end_that_stops_reading_leaves_the_engine_process_serving_
         thread.join(5)
         await _reap(proc)
     assert after < 2 * before + 1.0, (before, after)
+
+
+def test_a_front_end_touches_only_its_own_requests_whatever_their_ids():
+    """Two front ends' clients pick the same X-Request-Id: both requests run, and one front end's abort of that id
+    (its client gone) leaves the other front end's request running to its end."""
+    from infertrace.server.engine_link.messages import ToEngine, frame
+
+    engine = _ScriptedEngine(tokens=100, text_bytes=8)
+    loop, thread, (victim, other) = _engine_loop(engine, 2)
+    try:
+        victim.sendall(frame(ToEngine("add", request_id="same", prompt=[1])))
+        other.sendall(frame(ToEngine("add", request_id="same", prompt=[1])))
+        other.sendall(frame(ToEngine("abort", request_id="same")))
+        got = _messages(victim, _finished("same"), deadline_s=20)
+        deltas = [d for m in got for d in m.outputs]
+        assert [d.finished for d in deltas] == [False] * 99 + [True] and deltas[-1].finish_reason == "length"
+        assert {d.request_id for d in deltas} == {"same"}  # each front end hears its own id back
+        assert engine.aborted == ["same"] and engine.running == {}  # the other one's, once
+    finally:
+        victim.close(), other.close()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+async def test_a_refused_request_sends_no_abort_for_its_id():
+    """The engine refuses a request (a duplicate id, a bad prompt): its generator closing must not send `abort`
+    for that id, which would name whatever else the engine runs under it."""
+    import socket
+
+    from infertrace.server.engine_link.client import ProcessEngine
+    from infertrace.server.engine_link.messages import FrameReader, FromEngine, decode_to_engine, frame
+
+    ours, theirs = socket.socketpair()
+    theirs.setblocking(False)
+    loop = asyncio.get_running_loop()
+    reader, seen = FrameReader(), []
+
+    async def engine_side() -> None:
+        await loop.sock_sendall(theirs, frame(FromEngine("ready", value={})))
+        while True:
+            data = await loop.sock_recv(theirs, 1 << 16)
+            if not data:
+                return
+            for body in reader.feed(data):
+                msg = decode_to_engine(body)
+                seen.append(msg.kind)
+                if msg.kind == "add":
+                    await loop.sock_sendall(theirs, frame(FromEngine("refused", request_id=msg.request_id,
+                                                                     error={"message": "already in use"})))
+
+    task = asyncio.ensure_future(engine_side())
+    engine = ProcessEngine(ours)
+    try:
+        await asyncio.wait_for(engine.connect(), 10)
+        with pytest.raises(ValueError, match="already in use"):
+            async for _ in engine.generate("dup", [1], SamplingParams(max_tokens=2)):
+                pass
+        engine.count({"marker": 1})  # sent after anything the generator's end sent
+        for _ in range(500):
+            if "count" in seen:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await engine.close()
+        await asyncio.wait_for(task, 10)
+        theirs.close()
+    assert "add" in seen and "count" in seen and "abort" not in seen

@@ -62,7 +62,8 @@ async def test_request_ids_are_checked(serve_tiny):
 
 async def test_read_arguments_and_the_log_switched_off(serve_tiny):
     async with serve_tiny() as client:
-        for query in ("since=x", "since=-1", "limit=1.5", f"since={2**64 + 1}", f"limit={2**70}", "since=" + "9" * 5000):
+        for query in ("since=x", "since=-1", "limit=1.5", f"since={2**64 + 1}", f"limit={2**70}",
+                      "since=" + "9" * 5000):
             resp = await client.get(f"/v1/request_log?{query}")
             assert resp.status == 400, query
             assert (await resp.json())["error"]["param"] == query.split("=")[0]

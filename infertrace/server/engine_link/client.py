@@ -145,8 +145,13 @@ class ProcessEngine:
 
     def _send(self, message: ToEngine) -> None:
         if self.error is not None:
-            raise self.error
+            raise self._dead()
         self._transport.write(frame(message))
+
+    def _dead(self) -> EngineDeadError:
+        """The engine's death for one more waiter: an exception of its own, since one instance raised in many tasks
+        gathers every raise's frames into its traceback."""
+        return EngineDeadError(str(self.error))
 
     def _receive(self, msg: FromEngine) -> None:
         kind = msg.kind
@@ -169,6 +174,7 @@ class ProcessEngine:
         elif kind == "refused":
             stream = self._streams.get(msg.request_id)
             if stream is not None:
+                stream.finished = True  # never taken, so there is nothing to abort when its generator closes
                 stream.put(ValueError((msg.error or {}).get("message", "the engine refused the request")))
         elif kind == "trace_stop":
             if self.on_trace_stop is not None:
@@ -189,12 +195,12 @@ class ProcessEngine:
         self.error = EngineDeadError(reason)
         log.error("%s", reason)
         for stream in self._streams.values():
-            stream.put(self.error)
+            stream.put(self._dead())
         for future in self._calls.values():
             if not future.done():
-                future.set_exception(self.error)
+                future.set_exception(self._dead())
         if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(self.error)
+            self._ready.set_exception(self._dead())
         for callback in self._death_callbacks:
             callback()
         if self._transport is not None:

@@ -137,14 +137,15 @@ def engine_main(spec: EngineSpec, socks: list[socket.socket]) -> None:
 
 
 class _Peer:
-    """One front end: its socket, what it has sent so far, the requests it owns, and the frames it has not taken
-    yet (the first `sent` bytes of the first frame already went out)."""
+    """One front end: its socket, what it has sent so far, the requests it owns (by engine id), and the frames it
+    has not taken yet (the first `sent` bytes of the first frame already went out)."""
 
-    __slots__ = ("backlog", "backlog_bytes", "dropped", "heard", "leave_by", "pid", "progress", "reader", "requests",
-                 "sent", "sock", "writing")
+    __slots__ = ("backlog", "backlog_bytes", "dropped", "heard", "index", "leave_by", "pid", "progress", "reader",
+                 "requests", "sent", "sock", "writing")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, index: int = 0) -> None:
         self.sock = sock
+        self.index = index
         self.reader = FrameReader()
         self.requests: set[str] = set()
         self.backlog: collections.deque[bytes] = collections.deque()
@@ -156,6 +157,12 @@ class _Peer:
         self.pid: int | None = None  # the front end's process, from its "hello"
         self.progress = time.monotonic()  # when the socket last took bytes, or the backlog last began
         self.heard = time.monotonic()  # when the front end last sent anything
+
+    def engine_id(self, request_id: str) -> str:
+        """The engine's id of this front end's request `request_id` (its client's id, unique among the front end's
+        requests in flight, but not among every front end's): a front end names, and so touches, only its own
+        requests. "/" is not among a client id's characters, so no two pairs give one engine id."""
+        return f"{self.index}/{request_id}"
 
     def flush(self) -> None:
         """Send what the socket takes now, without blocking. OSError when the front end is gone."""
@@ -192,10 +199,10 @@ class EngineLoop:
         self.max_stall_s = max_stall_s
         self.farewell_s = farewell_s
         self.max_silence_s = max_silence_s
-        self.peers = {sock: _Peer(sock) for sock in socks}
+        self.peers = {sock: _Peer(sock, index) for index, sock in enumerate(socks)}
         self.leaving: dict[socket.socket, _Peer] = {}  # dropped, not yet told why
         self.trace_owner: _Peer | None = None  # the front end tracing itself in the running capture
-        self.owner: dict[str, _Peer] = {}
+        self.owner: dict[str, tuple[_Peer, str]] = {}  # engine id -> the front end and its id of the request
         self.selector = selectors.DefaultSelector()
         for sock, peer in self.peers.items():
             sock.setblocking(False)
@@ -312,15 +319,18 @@ class EngineLoop:
     def _handle(self, peer: _Peer, msg: ToEngine) -> None:
         kind = msg.kind
         if kind == "add":
+            engine_id = peer.engine_id(msg.request_id)
             try:
-                self.engine.add_request(msg.request_id, msg.prompt, msg.params)
+                self.engine.add_request(engine_id, msg.prompt, msg.params, label=msg.request_id)
             except ValueError as e:
                 self._send(peer, FromEngine("refused", request_id=msg.request_id, error={"message": str(e)}))
                 return
-            peer.requests.add(msg.request_id)
-            self.owner[msg.request_id] = peer
+            peer.requests.add(engine_id)
+            self.owner[engine_id] = (peer, msg.request_id)
         elif kind == "abort":
-            self._abort(msg.request_id)
+            engine_id = peer.engine_id(msg.request_id)
+            if engine_id in peer.requests:
+                self._abort(engine_id)
             if msg.call_id:
                 self._send(peer, FromEngine("reply", call_id=msg.call_id))
         elif kind == "count":
@@ -332,7 +342,7 @@ class EngineLoop:
             peer.heard = time.monotonic()
         elif kind == "stamp":
             if self.engine.request_log is not None:
-                self.engine.request_log.stamp(msg.request_id, msg.args)
+                self.engine.request_log.stamp(peer.engine_id(msg.request_id), msg.args)
         elif kind == "call":
             self._send(peer, self._profiled_call(peer, msg) if msg.name in PROFILE_CALLS else self._call(msg))
         else:
@@ -373,16 +383,16 @@ class EngineLoop:
                                                                     "message": f"{type(e).__name__}: {e}"})
         return FromEngine("reply", call_id=msg.call_id, value=value)
 
-    def _abort(self, request_id: str) -> None:
-        final = self.engine.abort(request_id)
+    def _abort(self, engine_id: str) -> None:
+        final = self.engine.abort(engine_id)
         if final is not None:
             self._deliver([final])
 
     def _abort_all(self, peer: _Peer) -> None:
         """Abort what `peer` still has running; nobody will read those outputs."""
-        for request_id in list(peer.requests):
-            self.owner.pop(request_id, None)
-            self.engine.abort(request_id)
+        for engine_id in list(peer.requests):
+            self.owner.pop(engine_id, None)
+            self.engine.abort(engine_id)
         peer.requests.clear()
 
     def _close(self, peer: _Peer) -> None:
@@ -428,17 +438,17 @@ class EngineLoop:
     def _deliver(self, outputs: list) -> None:
         """One message per front end with its requests' outputs, and the batch's size for admission control."""
         by_peer: dict[_Peer, list[Delta]] = {}
+        owner = self.owner
         for out in outputs:
+            found = owner.pop(out.request_id, None) if out.finished else owner.get(out.request_id)
+            if found is None:
+                continue
+            peer, request_id = found
             if out.finished:
-                peer = self.owner.pop(out.request_id, None)
-                if peer is not None:
-                    peer.requests.discard(out.request_id)
-            else:
-                peer = self.owner.get(out.request_id)
-            if peer is not None:
-                by_peer.setdefault(peer, []).append(Delta(
-                    out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
-                    out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens))
+                peer.requests.discard(out.request_id)
+            by_peer.setdefault(peer, []).append(Delta(
+                request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
+                out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens))
         if not by_peer:
             return
         stats = {"running": self.engine.num_running, "waiting": self.engine.num_waiting}

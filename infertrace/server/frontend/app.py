@@ -103,6 +103,9 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except ApiError as e:
         return web.json_response(e.body(), status=e.status, headers=e.headers)
+    except EngineDeadError as e:  # logged once where the engine's death was noticed, not once per request
+        error = ApiError(503, f"the engine is not running: {e}", code="engine_dead")
+        return web.json_response(error.body(), status=503)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -216,7 +219,8 @@ async def _write_events(response: web.StreamResponse, builder: ResponseBuilder, 
     except ConnectionResetError:
         raise
     except Exception as e:  # the engine failed mid-stream: say so in-band, then end the stream
-        log.exception("generation failed for %s", builder.request_id)
+        if not isinstance(e, EngineDeadError):  # a death is logged once, where it was noticed
+            log.exception("generation failed for %s", builder.request_id)
         await response.write(sse(builder.error_chunk(f"{type(e).__name__}: {e}")))
         await response.write(SSE_DONE)
         return "error"
