@@ -16,13 +16,29 @@ from infertrace.console import err_console, fail, out_console
 from infertrace.exits import BAD_INPUT as EXIT_BAD_INPUT
 from infertrace.exits import FAILURE as EXIT_ALL_FAILED
 from infertrace.exits import INTERRUPTED as EXIT_INTERRUPTED
+from infertrace.exits import OK as EXIT_OK
 from infertrace.load.options import bench_config, bench_options
 
 if TYPE_CHECKING:
     from infertrace.load.config import BenchConfig
     from infertrace.load.results.point import PointRecord
 
-@click.command("bench")
+EPILOG = """\b
+Examples:
+  infertrace bench --model qwen3-0.6b --num-prompts 64 --concurrency 8
+  infertrace bench --base-url http://localhost:8000 --tokenizer ./Qwen3-0.6B --request-rate 4 --result-json r.json
+  infertrace bench --base-url http://localhost:8000 --dataset trace --dataset-path mooncake.jsonl --report run.html
+
+\b
+Exit codes:
+  {ok}    the run finished (some requests may have failed: see the table)
+  {failure}    every measured request failed, or a load worker was lost
+  {bad}    a bad option or input, an unreachable server, an output that cannot be written
+  {interrupted}  Ctrl-C: what was measured is saved
+""".format(ok=EXIT_OK, failure=EXIT_ALL_FAILED, bad=EXIT_BAD_INPUT, interrupted=EXIT_INTERRUPTED)
+
+
+@click.command("bench", epilog=EPILOG)
 @bench_options
 def bench(**options) -> None:
     """Load-test an OpenAI-compatible server or the bundled engine.

@@ -23,6 +23,7 @@ from infertrace.load.config import (
     parse_sweep,
 )
 from infertrace.load.run.worker import resolve_workers
+from infertrace.modelgen.presets import PRESETS
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(BenchConfig)}
 # the bundled engine's settings, as `serve` has them, where bench runs it in-process (a flag bench has itself, such
@@ -68,8 +69,8 @@ _OPTIONS = (  # in the order --help lists them
                   help=f"Which API to stream from: /v1/completions or /v1/chat/completions. {_d('endpoint')}"),
     click.option("--model", metavar="NAME|DIR", help="Server: the model name to send (default: the first one the "
                   "server lists), or its local directory, which then also gives the tokenizer. Embedded: a model "
-                  "directory (default: a built-in tiny model, made on first use under $INFERTRACE_CACHE or "
-                  "~/.cache/infertrace)."),
+                  f"directory or a preset ({', '.join(PRESETS)}; default: tiny), made on first use under "
+                  "$INFERTRACE_CACHE or ~/.cache/infertrace."),
     click.option("--served-model-name", metavar="NAME", help="Server: the model name to send when it differs "
                   "from --model."),
     click.option("--tokenizer", metavar="DIR", help="A local tokenizer directory, for prompts of exact token "

@@ -404,3 +404,21 @@ def test_https_against_plain_http_says_to_try_http(standin):
     assert res.exit_code == 2
     assert f"the server speaks plain HTTP, not HTTPS: try --base-url {standin.url}" in res.stderr
     assert "WRONG_VERSION_NUMBER" not in res.stderr
+
+
+def test_help_gives_examples_that_parse_and_the_exit_codes():
+    import shlex
+
+    from infertrace.load.options import bench_config
+
+    res = invoke("--help")
+    assert res.exit_code == 0
+    assert "a preset (tiny, qwen3-0.6b" in " ".join(res.stdout.split())
+    examples = [line.strip() for line in res.stdout.splitlines() if line.strip().startswith("infertrace bench ")]
+    assert len(examples) == 3
+    for line in examples:
+        ctx = bench.make_context("bench", shlex.split(line)[2:])
+        bench_config(ctx.params)  # each example is a valid run
+    codes = " ".join(res.stdout.split("Exit codes:")[1].split())
+    for code in ("0 the run finished", "1 every measured request failed", "2 a bad option", "130 Ctrl-C"):
+        assert code in codes
