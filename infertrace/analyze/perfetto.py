@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from infertrace import output
 from infertrace.analyze.report import Report
 
 RANK_PID = 10**8  # a rank's processes keep their pid, offset by rank * RANK_PID
@@ -35,21 +39,42 @@ def _us(ns: int) -> str:
 
 
 def write_perfetto(report: Report, path: Path, cache_root: Path | None = None) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as out:
-        out.write('{"displayTimeUnit": "ns", "traceEvents": [\n')
+    """Write the trace to `path` whole or not at all, as output.write_text writes (a regular file only, a FIFO or
+    directory refused; a failed write leaves the file there was), but streamed: the events of every rank are
+    never held as one text."""
+
+    def pieces():
+        yield '{"displayTimeUnit": "ns", "traceEvents": [\n'
         first = True
         for piece in _all_pieces(report, cache_root):
             if piece:
-                out.write(("" if first else ",\n") + piece)
+                yield ("" if first else ",\n") + piece
                 first = False
-        out.write("\n]}\n")
-    return path
+        yield "\n]}\n"
+
+    _write_streamed(Path(path), pieces())
+    return Path(path)
+
+
+def _write_streamed(path: Path, pieces) -> None:
+    target = output.check_writable(path)  # a symlink's file; refuses what is not a regular file
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the permissions a new file gets
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            for piece in pieces:
+                out.write(piece)
+        if target.exists():
+            os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))  # an overwritten file keeps its permissions
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _all_pieces(report: Report, cache_root):
-    from infertrace.analyze.fleet import ColumnCache, read_unit
+    from infertrace.analyze.column_cache import ColumnCache
+    from infertrace.analyze.fleet import read_unit
 
     cache = ColumnCache(Path(cache_root)) if cache_root is not None else None
     for rank, files in sorted(report.files.items()):

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import stat
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -32,15 +36,28 @@ def write_json(report: Report, path: Path) -> Path:
 
 
 def write_csv(report: Report, directory: Path) -> list[Path]:
-    """`ranks.csv` and one `<table>.csv` per table that ran."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, table in [("ranks", report.ranks), *report.tables.items()]:
-        path = directory / f"{name}.csv"
-        table.to_csv(path, index=False)
-        written.append(path)
-    return written
+    """`ranks.csv` and one `<table>.csv` per table that ran, written whole or not at all: every table is first
+    written into a temporary folder beside `directory`, then moved in, and the tables of an earlier report that this
+    one has not are removed, so the folder never holds two reports' tables. Other files there are left alone."""
+    directory = output.check_writable_dir(directory, "--csv")
+    tables = [("ranks", report.ranks), *report.tables.items()]
+    targets = [output.check_writable(directory / f"{name}.csv", "--csv") for name, _ in tables]  # regular files
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory))
+    try:
+        for name, table in tables:
+            output.write_text(staging / f"{name}.csv", table.to_csv(index=False))
+        for (name, _), target in zip(tables, targets):
+            if target.exists():  # the replaced file keeps its permissions, as output.write_text does
+                os.chmod(staging / f"{name}.csv", stat.S_IMODE(target.stat().st_mode))
+            os.replace(staging / f"{name}.csv", target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    new = {f"{name}.csv" for name, _ in tables}
+    for stale in ("ranks", *TABLES):
+        old = directory / f"{stale}.csv"
+        if f"{stale}.csv" not in new and (old.is_symlink() or old.is_file()):
+            old.unlink()
+    return [directory / f"{name}.csv" for name, _ in tables]
 
 
 def is_report_file(path: Path) -> bool:
