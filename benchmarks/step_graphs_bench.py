@@ -4,10 +4,7 @@ start-up time and graph memory, and the batch-8 qwen3-4b decode step with progra
 with its GPU time by kernel. Prints one table.
 
     python benchmarks/step_graphs_bench.py --models-dir /tmp/models [--only prefill,nano,nanoprof,nanoorder,startup,
-        decode,early,nanoearly,increments,variants,wholerun,between,gemm_tokens]
-
-`early`: the batch-8 qwen3-4b decode with decode attention reading its step inputs before it waits on the kernel
-before, and after, alternating; `nanoearly`: the same over the nano-vllm workload (8-bit cache).
+        decode,increments,variants,wholerun,between,gemm_tokens]
 
 `increments`: the batch-8 qwen3-4b decode graph by what each kernel adds to the step's time, with the bytes each
 GEMM and the attention read against the copy bandwidth.
@@ -264,8 +261,7 @@ def decode_increments(root: Path, batch: int = 8, replays: int = 5) -> None:
 
 
 DECODE_VARIANTS = {  # name -> the kernels' switches it sets (the others at the engine's defaults)
-    "base": {"early_weights": False},  # residual add + RMSNorm reads its weight after its wait
-    "normw": {},  # the engine's defaults: the norm's weight before its wait
+    "normw": {},  # the engine's defaults
     "gemmearly": {"gemm_early": True},  # the skinny GEMMs copy their first weights before their wait (Gluon)
     # decode attention split at most 1, 2, 4 or 16 ways instead of 8 (TritonAttention.MAX_SPLITS); its tiles of 32
     # keys instead of 64 (BLOCK_N of 16-bit decode)
@@ -285,14 +281,13 @@ PROJECTIONS = {"q": (6144, 2560), "g": (19456, 2560), "o": (2560, 4096), "d": (2
 
 
 def _set_variant(name: str) -> None:
-    from infertrace.engine.kernels import fused, launch, skinny_gemm
+    from infertrace.engine.kernels import fused, skinny_gemm
 
     skinny_gemm.TUNED.clear()
     fused.QKV_TUNED.clear()
     fused.GATE_UP_TUNED.clear()
-    switches = {"early_weights": True, "gemm_early": False, "max_splits": DEFAULT_MAX_SPLITS,
+    switches = {"gemm_early": False, "max_splits": DEFAULT_MAX_SPLITS,
                 "decode_block_n": None} | DECODE_VARIANTS.get(name, {})
-    launch.set_early_weights(switches["early_weights"])
     TritonAttention.MAX_SPLITS = switches["max_splits"]
     block_n = switches["decode_block_n"]
     paged_attention._default_tiling = DEFAULT_TILING if block_n is None else (
@@ -332,7 +327,7 @@ def decode_variants(root: Path, names: list[str], contexts=(385, 640), rounds: i
         from tp_bench import shard_preset
 
         name = shard_preset(name, int(shard))
-    _set_variant("base")
+    _set_variant("normw")
     # the split workspace is sized once, by the engine's first decode step: for the most splits a variant takes
     TritonAttention.MAX_SPLITS = max(DECODE_VARIANTS.get(n, {}).get("max_splits", DEFAULT_MAX_SPLITS) for n in names)
     llm = LLM(model_dir(root, name, device="cuda"), prefill_cuda_graphs=False)
@@ -483,7 +478,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(DECODE_VARIANTS), help="for --only variants")
     ap.add_argument("--variants-preset", default="qwen3-4b",
                     help="for --only variants: a preset, or PRESET/tpN for one rank's layers at TP=N")
-    ap.add_argument("--wholerun", default="base,normw", help="for --only wholerun")
+    ap.add_argument("--wholerun", default="normw,gemmearly", help="for --only wholerun")
     args = ap.parse_args()
     only = set(args.only.split(","))
     bw = copy_bandwidth()
@@ -500,26 +495,11 @@ def main() -> None:
         for _ in range(3):
             for ordered in (True, False):
                 bench_nano(args.models_dir, hf=False, kv_cache_dtype="fp8", decode_longest_first=ordered)
-    if "nanoearly" in only:
-        from infertrace.engine.kernels import launch
-
-        for on in (True, False, True, False):
-            launch.set_early_inputs(on)
-            bench_nano(args.models_dir, hf=False, kv_cache_dtype="fp8", note=f" attention_early_inputs={on}")
-        launch.set_early_inputs(True)
     if "nanoprof" in only:
         nano_breakdown(args.models_dir, kv_cache_dtype="fp8")
     if "startup" in only:
         for preset in ("qwen3-0.6b", "qwen3-4b"):
             bench_startup(args.models_dir, preset)
-    if "early" in only:
-        # decode attention reading its step inputs before its wait, and after it, alternating
-        from infertrace.engine.kernels import launch
-
-        for on in (True, False, True, False):
-            launch.set_early_inputs(on)
-            bench_decode(args.models_dir, bw, repeats=3, note=f" attention_early_inputs={on}")
-        launch.set_early_inputs(True)
     if "variants" in only:
         decode_variants(args.models_dir, args.variants.split(","), preset=args.variants_preset)
     if "wholerun" in only:

@@ -27,7 +27,8 @@ AR_KERNELS = ("all_reduce", "allreduce", "AllReduce")  # one_shot_all_reduce*, t
 
 
 def run_one(model_dir: str, tp: int, all_reduce: str, batch: int, input_len: int, output_len: int,
-            profile_dir: str | None, overrides: dict, host_profile: int = 0, timeline: bool = False) -> dict:
+            profile_dir: str | None, overrides: dict, host_profile: int = 0, timeline: bool = False,
+            rules: dict | None = None) -> dict:
     """One configuration in this process: warm up, time one batch, optionally capture a short profile."""
     import random
 
@@ -50,7 +51,7 @@ def run_one(model_dir: str, tp: int, all_reduce: str, batch: int, input_len: int
         assert all(len(o.token_ids) == output_len for o in outs)
     elapsed = min(runs)
     result = {"tp": tp, "all_reduce": path["all_reduce"], "all_reduce_fusion": path["all_reduce_fusion"],
-              "overrides": overrides, "all_reduce_note": path["all_reduce_note"],
+              "overrides": overrides | (rules or {}), "all_reduce_note": path["all_reduce_note"],
               "tok_s": batch * output_len / elapsed, "elapsed_s": elapsed, "runs_s": runs,
               "async_scheduling": path["async_scheduling"], "skinny_gemm": path["skinny_gemm"],
               "prefill_cuda_graphs_captured": path["prefill_cuda_graphs_captured"]}
@@ -242,7 +243,8 @@ def main() -> None:
                     help="also print rank 0's N costliest Python functions per decode step (cProfile)")
     ap.add_argument("--timeline", action="store_true",
                     help="also time the host path between the ranks per decode step (OtherRanks.record_timeline)")
-    ap.add_argument("--variants", default="", help="more TP>1 runs, ';'-separated, each tp:all_reduce:key=value,...")
+    ap.add_argument("--variants", default="", help="more TP>1 runs, ';'-separated, each tp:all_reduce:key=value,... "
+                    "(an engine setting, or a rule of kernels/tuning.py RULES)")
     ap.add_argument("--out", default=None, help="JSON file for every figure")
     ap.add_argument("--config-timeout", type=float, default=900.0, help="seconds one configuration may take")
     ap.add_argument("--shard-of", type=int, default=None, metavar="N",
@@ -257,10 +259,15 @@ def main() -> None:
         from infertrace.config_fields import parse_overrides
         from infertrace.engine.config import EngineConfig
 
+        from infertrace.engine.kernels import tuning
+
         text = dict(kv.split("=", 1) for kv in rest[0].split(",")) if rest and rest[0] else {}
-        overrides = parse_overrides(EngineConfig, text, "engine")  # typed as the fields are ("16" -> 16.0)
+        rules = {k: v for k, v in text.items() if k in tuning.RULES}  # the kernels' rules, not settings
+        if rules:
+            os.environ[tuning.ENV] = tuning.with_rules(rules)
+        overrides = parse_overrides(EngineConfig, {k: v for k, v in text.items() if k not in rules}, "engine")
         res = run_one(args.model, int(tp), ar, args.batch, args.input_len, args.output_len, args.profile_dir,
-                      overrides, args.host_profile, args.timeline)
+                      overrides, args.host_profile, args.timeline, rules)
         print("RESULT " + json.dumps(res), flush=True)
         return
 

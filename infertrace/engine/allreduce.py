@@ -44,7 +44,7 @@ class PeerMemoryAllReduce:
     name = "custom"
 
     def __init__(self, device: torch.device, dtype: torch.dtype, world_size: int, max_bytes: int = CUSTOM_MAX_BYTES,
-                 fusion: str = "off", hidden_size: int = 0, spread: int = 1, pull: str = "auto",
+                 fusion: str = "off", hidden_size: int = 0, spread: int = 4, pull: str = "each",
                  payload: str = "float32", gather_cols: int = 0, push: str = "off"):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
@@ -55,10 +55,10 @@ class PeerMemoryAllReduce:
         self.max_numel = max_bytes // dtype.itemsize
         self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)  # a collective: every rank exchanges its buffer's handle
-        self.fusion = fusion  # EngineConfig.all_reduce_fusion
-        self.spread = spread  # EngineConfig.all_reduce_spread
-        self.pull = pull  # EngineConfig.all_reduce_pull; with the norm fusion, what it resolves to: each or all
-        self.payload = "float32"  # EngineConfig.all_reduce_payload, as the norm fusion pushes the parts
+        self.fusion = fusion  # fusion_rule's
+        self.spread = spread  # kernels.allreduce_norm.spread_rule's
+        self.pull = pull  # pull_rule's; with the norm fusion, what the kernel does: each or all
+        self.payload = "float32"  # payload_rule's, as the norm fusion pushes the parts
         # "planes": a second buffer, float32, which the row-parallel skinny GEMMs write their partial sums into
         self.planes = None
         if fusion == "planes":
@@ -73,7 +73,7 @@ class PeerMemoryAllReduce:
             self.norm = PushBuffers(device, world_size, hidden_size, self.group_name, pushed)
             self.pull = "all" if self.norm.pulls_all(pull) else "each"
             self.payload = "model" if self.norm.half else "float32"
-        # EngineConfig.all_reduce_push: with the norm fusion, the row-parallel projections' GEMMs push their parts
+        # push_rule's: with the norm fusion, the row-parallel projections' GEMMs push their parts
         self.push = "on" if fusion == "norm" and push == "on" else "off"
         # with the norm fusion and a 16-bit model: the decode steps' logits, [rows, gather_cols] a rank, gathered
         # through peer memory too (kernels/allgather.py); None: torch.distributed's all-gather
@@ -153,17 +153,22 @@ def custom_unavailable(device: torch.device, dtype: torch.dtype, world_size: int
     return None
 
 
-def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_size: int, fusion: str = "off",
-                    hidden_size: int = 0, spread: int = 1, pull: str = "auto", payload: str = "float32",
-                    gather_cols: int = 0, push: str = "off"):
+def fusion_rule(ranks: int) -> str:
+    """What the custom all-reduce takes from a decode step's row-parallel projections with the skinny GEMMs: the
+    all-reduce + norm kernel ("norm") on two and four ranks, where it measured the fastest; the float32 partial sums
+    in the peer-memory buffer ("planes") on other counts, where that kernel has not run on GPUs."""
+    return "norm" if ranks in (2, 4) else "planes"
+
+
+def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_size: int, skinny: bool = False,
+                    hidden_size: int = 0, gather_cols: int = 0, overrides: dict | None = None):
     """The all-reduce every rank uses; a collective (the ranks agree on the choice): call it on every rank, after
-    the process group is up and before any CUDA graph is captured. `fusion` (EngineConfig.all_reduce_fusion): what
-    the custom one also takes from the row-parallel projections of decode steps ("planes": `planes_out` and
-    `reduce_planes`; "norm": `add_rmsnorm` over rows of `hidden_size`, each row's push spread over `spread`
-    programs, its parts pulled as `pull` says and pushed in float32 or, `payload` "model", in a 16-bit model's
-    dtype; with "norm", a 16-bit model's logits of `gather_cols` a rank are all-gathered through peer memory too,
-    and `push` "on" has the row-parallel projections' GEMMs push their parts into the kernel's slots themselves).
-    Returns (implementation, why custom was not chosen or None)."""
+    the process group is up and before any CUDA graph is captured. With `skinny` (the decode projections are the
+    skinny GEMMs) the custom one also takes their partial sums, as `fusion_rule` says ("planes": `planes_out` and
+    `reduce_planes`; "norm": `add_rmsnorm` over rows of `hidden_size`, tuned by the rules of
+    kernels/allreduce_norm.py, and a 16-bit model's logits of `gather_cols` a rank all-gathered through peer memory
+    too). `overrides`: rules' values set instead (kernels/tuning.py). Returns (implementation, why custom was not
+    chosen or None)."""
     import torch.distributed as dist
 
     if mode not in ALL_REDUCE_MODES:
@@ -189,5 +194,21 @@ def make_all_reduce(mode: str, device: torch.device, dtype: torch.dtype, world_s
             pass
     # no enable_symm_mem_for_group (deprecated): it caches the group's store by name, and an engine started after
     # another in the same process gets a new group of the same name
-    return PeerMemoryAllReduce(device, dtype, world_size, fusion=fusion, hidden_size=hidden_size, spread=spread,
-                              pull=pull, payload=payload, gather_cols=gather_cols, push=push), None
+    return PeerMemoryAllReduce(device, dtype, world_size, hidden_size=hidden_size, gather_cols=gather_cols,
+                               **resolve_rules(world_size, skinny, overrides or {})), None
+
+
+def resolve_rules(ranks: int, skinny: bool, overrides: dict) -> dict:
+    """The custom all-reduce's tuning on `ranks` ranks, as PeerMemoryAllReduce's arguments: each rule's pick, or
+    its value in `overrides`. No fusion without the skinny GEMMs, whose partial sums the fusions take."""
+    from infertrace.engine.kernels import allreduce_norm
+
+    picked = {"all_reduce_fusion": fusion_rule(ranks),
+              "all_reduce_spread": allreduce_norm.spread_rule(ranks),
+              "all_reduce_pull": allreduce_norm.pull_rule(ranks),
+              "all_reduce_payload": allreduce_norm.payload_rule(ranks),
+              "all_reduce_push": allreduce_norm.push_rule(ranks)}
+    picked |= {name: value for name, value in overrides.items() if name in picked}
+    if not skinny:
+        picked["all_reduce_fusion"] = "off"
+    return {name.removeprefix("all_reduce_"): value for name, value in picked.items()}

@@ -1,4 +1,6 @@
-"""Every knob and ablation switch of the bundled engine, declared once and validated once."""
+"""Every choice a user of the bundled engine makes (a feature, a size, an ablation phase), declared once and validated
+once. Tuning that follows from the rank count, the shapes or the device is not here: it is a rule beside the kernel it
+tunes, which an experiment overrides through $INFERTRACE_KERNEL_TUNING (engine/kernels/tuning.py)."""
 
 from __future__ import annotations
 
@@ -11,21 +13,14 @@ from infertrace.config_fields import FlagSet, check_types, parse_overrides, sett
 ATTENTION_MODES = ("batched", "looped")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 OFFLOAD_MODES = ("off", "prefix", "long", "prefix+long")
-SCHEDULING_POLICIES = ("fcfs",)
 ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 ALL_REDUCE_MODES = ("auto", "nccl", "custom")
-ALL_REDUCE_FUSIONS = ("auto", "planes", "norm", "off")
-ALL_REDUCE_PULLS = ("auto", "each", "all")
-ALL_REDUCE_PAYLOADS = ("float32", "model")
-ALL_REDUCE_PUSH = ("auto", "off", "on")
-GEMM_EARLY_WEIGHTS = ("auto", "on", "off")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # token counts of prefill and mixed steps: 16 apart up to 1,024 tokens (vLLM's spacing of its capture sizes above
 # 256), so a prompt chunk with the decodes of a mixed step beside it pads by at most 15 tokens (cuBLAS's GEMM time is
-# jagged in the token count: qwen3-0.6b's layer took 34.8 us at 528 tokens and 46.2 at 576 on an H100,
-# docs/benchmarks.md); then about an eighth apart, so a step pads by at most about 12%; sizes above
+# jagged in the token count); then about an eighth apart, so a step pads by at most about 12%; sizes above
 # max_num_batched_tokens are never captured
 DEFAULT_CUDA_GRAPH_TOKEN_SIZES = (
     *range(16, 1025, 16), 1152, 1280, 1536, 1792, 2048, 2304, 2560, 3072, 3584, 4096, 4608, 5120, 6144, 7168, 8192,
@@ -55,7 +50,6 @@ class EngineConfig:
     long_prefill_token_threshold: int = setting(0, "Most prefill tokens of one request per step; 0: no limit.")
     prefix_caching: bool = setting(True, "Reuse KV blocks of shared prompt prefixes.",
                                    aliases=("enable-prefix-caching",))
-    scheduling_policy: str = setting("fcfs", "Scheduling policy.")
     # plan and queue step N+1 while step N runs on the device, feeding N's sampled tokens to N+1 on the device;
     # "auto": on for CUDA (the host's share of a decode step then hides behind the GPU's), off on CPU
     async_scheduling: str = setting(
@@ -83,10 +77,9 @@ class EngineConfig:
     skinny_gemm: bool = setting(
         True, "Projections of small decode steps as weight-streaming Triton GEMMs (CUDA, 16-bit, fused norm).")
     # with skinny_gemm: the qkv projection with the q/k norm, RoPE and K/V write, and the gate/up projection with
-    # SiLU-and-multiply, one kernel each, at the shapes measured to gain (kernels/fused.py; qwen3-4b's today); and
-    # where the decode GEMMs are the early kernel (gemm_early_weights, with tensor parallelism) the gate/up
-    # projection's does SiLU-and-multiply in its epilogue: qwen3-14b's decode graph on four H200s 2.952 -> 2.916 ms,
-    # on two 4.555 -> 4.510 (docs/benchmarks.md)
+    # SiLU-and-multiply, one kernel each, at the shapes measured to gain (kernels/fused.py); and where the decode GEMMs
+    # are the early kernel (kernels/skinny_gemm.py early_rule: with tensor parallelism) the gate/up projection's does
+    # SiLU-and-multiply in its epilogue
     fused_projections: bool = setting(
         True, "With --skinny-gemm: the qkv projection with its q/k norm and RoPE, and the gate/up projection with "
               "SiLU, as one kernel each where measured faster (qwen3-4b's shapes; gate/up at every shape with "
@@ -96,12 +89,6 @@ class EngineConfig:
     pdl: bool = setting(
         True, "Programmatic dependent launch of the Triton kernels (Hopper and later): each starts while the one "
               "before drains.")
-    # with skinny_gemm and pdl: the decode GEMMs as a Gluon kernel that copies its first tiles of weights into
-    # shared memory before its wait, while the kernel before still runs (kernels/skinny_gemm.py); "auto": on with
-    # more than one rank, where the all-reduce before a projection leaves the GPU's memory idle for microseconds
-    gemm_early_weights: str = setting(
-        "auto", "Decode GEMMs copy their first weights before waiting on the kernel before them: on, off, or auto "
-                "(on with tensor parallelism).")
     # decode attention (Triton backend) launches its sequences' programs longest context first: over mixed context
     # lengths a long context launched last otherwise runs on alone while the rest of the GPU idles
     decode_longest_first: bool = setting(
@@ -130,52 +117,6 @@ class EngineConfig:
     all_reduce: str = setting(
         "auto", "Tensor-parallel all-reduce: auto, nccl, or custom (peer-memory one-shot for small messages, NCCL "
                 "above 8 MiB).")
-    # with the custom all-reduce and the skinny GEMMs, what a row-parallel projection of a decode step hands the
-    # all-reduce: "planes": its float32 split-K partial sums, written straight into the peer-memory buffer, added up
-    # across ranks in float32 by PyTorch's one-shot kernel and then by the residual add + RMSNorm (no separate sum and
-    # cast); "norm": the same sums, all-reduced and fed to the residual add + RMSNorm in one kernel of ours
-    # (kernels/allreduce_norm.py: each rank pushes its part into every rank's buffer, and a rank reads its own as
-    # the parts land, with no barrier; vLLM and FlashInfer's all-reduce + RMSNorm fusion); "off": the sums are added
-    # and rounded by two more kernels, then all-reduced in the model's dtype; "auto": norm on two and four ranks,
-    # planes on other counts (model_runner.resolve_fusion says why)
-    all_reduce_fusion: str = setting(
-        "auto", "With the custom all-reduce and skinny GEMMs: planes (partial sums all-reduced in float32 in the "
-                "peer-memory buffer), norm (all-reduce, residual add and RMSNorm as one kernel), off, or auto (norm "
-                "on two and four ranks, planes on other counts).")
-    # with all_reduce_fusion=norm: a row of the kernel is cut into slices of hidden / N columns, rounded up to a power
-    # of two, one program each (each pushes its slice to every rank; the last pulls the row and runs the norm):
-    # hidden 5120 runs 1, 2, 3 and 5 programs a row for N = 1, 2, 4, 8. Two H200s, hidden 5120, 8 rows: 6.78 us a call
-    # at N=1, 5.30 at 2, 4.99 at 4 or 8; qwen3-14b TP=2 1,560 -> 1,619 tok/s at 4. Four H200s, qwen3-14b's decode
-    # graph at 8 against 4: 3.465 against 3.481 ms, and 2.957 against 2.973 with all_reduce_push. 0: 8 on four or
-    # more ranks, 4 on fewer
-    all_reduce_spread: int = setting(
-        0, "With the norm fusion: a row's push cut into slices of hidden/N columns (rounded up to a power of two), "
-           "one program each; N is 1, 2, 4 or 8, or 0 for 8 with four or more ranks and 4 with fewer.")
-    # with all_reduce_fusion=norm: how a row's last program waits for the ranks' parts: "each" one rank after another,
-    # "all" every rank's part read at once and again while any is missing (a power-of-two number of ranks, up to 32K
-    # values: four ranks of hidden 8,192; others take "each"); "auto": all on four or more ranks. qwen3-14b's decode
-    # graph on four H200s 3.290 -> 3.267 ms with all; on two 4.762 -> 4.788 ms
-    all_reduce_pull: str = setting(
-        "auto", "With the norm fusion: each (wait for the ranks' parts one after another), all (read every rank's "
-                "part at once, again while any is missing; where the block fits) or auto (all on four or more ranks).")
-    # with all_reduce_fusion=norm: the dtype each rank's part of a row is pushed in: "model" (each rank's part rounded
-    # to the model's 16-bit dtype first, half the bytes over NVLink and to poll, as vLLM's all-reduce adds bf16
-    # parts; float32 models push float32) or "float32" (the rank's sum as its GEMM left it: the total rounded once,
-    # as on one GPU). qwen3-14b TP=2 on two H200s: decode graph 4.674 ms with float32, 4.627 with model; qwen3-4b's
-    # first decode step 3.52% and 3.73% of the largest logit from TP=1 bf16 (bf16 itself 3.68% from float32)
-    all_reduce_payload: str = setting(
-        "model", "With the norm fusion: model (each rank's partial sums rounded to the model's 16-bit dtype before "
-                 "they are pushed: half the bytes) or float32 (pushed unrounded).")
-    # with all_reduce_fusion=norm: "on" has the output and down projections' GEMMs of a decode step (unsplit, Triton's
-    # kernel) push this rank's part into every rank's slot of the all-reduce + norm kernel from their epilogue, so
-    # that kernel only pulls (no read of the planes, no push after the GEMM has ended); the same values as "off".
-    # qwen3-14b's decode graph on four H200s 3.012 -> 2.967-2.973 ms with "on"; on two 4.618 -> 4.774 ms (the down
-    # projection's split-K tiling and the early kernel given up), so "auto" is "on" on four or more ranks. SiLU-and-
-    # multiply in the down projection's pushing GEMM as it reads the gate/up output (one kernel less a layer, the same
-    # bits) was tried there: 2.957 -> 6.019 ms (docs/benchmarks.md), and taken out
-    all_reduce_push: str = setting(
-        "auto", "With the norm fusion: on (the row-parallel projections' GEMMs push their parts to the ranks "
-                "themselves; the all-reduce + norm kernel only pulls), off, or auto (on with four or more ranks).")
     # numerics and placement
     dtype: str = setting("auto", "Weight and activation dtype; auto: the checkpoint's (float16 becomes float32 on "
                                  "CPU).")
@@ -212,7 +153,6 @@ class EngineConfig:
             raise ValueError(f"request_log_size must be >= 0, got {self.request_log_size}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
-        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _check_choice("async_scheduling", self.async_scheduling, ASYNC_SCHEDULING)
         _check_choice("attention", self.attention, ATTENTION_MODES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -220,13 +160,6 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("all_reduce", self.all_reduce, ALL_REDUCE_MODES)
-        _check_choice("all_reduce_fusion", self.all_reduce_fusion, ALL_REDUCE_FUSIONS)
-        _check_choice("all_reduce_pull", self.all_reduce_pull, ALL_REDUCE_PULLS)
-        _check_choice("all_reduce_payload", self.all_reduce_payload, ALL_REDUCE_PAYLOADS)
-        _check_choice("all_reduce_push", self.all_reduce_push, ALL_REDUCE_PUSH)
-        _check_choice("gemm_early_weights", self.gemm_early_weights, GEMM_EARLY_WEIGHTS)
-        if self.all_reduce_spread not in (0, 1, 2, 4, 8):
-            raise ValueError(f"all_reduce_spread must be 0, 1, 2, 4 or 8, got {self.all_reduce_spread}")
         if self.kv_cache_dtype != "auto" and self.offload != "off":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with offload={self.offload!r}")
         for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):

@@ -313,26 +313,15 @@ class Engine:
         return True
 
     def decode_path(self) -> dict:
-        """What the engine chose at start-up for its steps, for a run's provenance."""
+        """What the engine chose at start-up for its steps, for a run's provenance: the runner's DecodePath, with the
+        CUDA graphs it captured and whether steps are scheduled ahead."""
         runner = self.runner
-        return {"attention_backend": f"{runner.attention.name} ({runner.attention.mode})",
+        return {**runner.decode_path.as_dict(),
                 "cuda_graphs_captured": runner.graphs is not None,
                 "prefill_cuda_graphs_captured": runner.token_graphs is not None,
                 "cuda_graph_capture_s": round(runner.graph_capture_s, 3),
                 "cuda_graph_memory_bytes": runner.graph_memory_bytes,
-                "fused_norm": runner.model.fused_norm, "skinny_gemm": runner.model.skinny_gemm,
-                "fused_projections": runner.model.fused_projections,
-                "async_scheduling": self._async, "pdl": runner.pdl, "gemm_early_weights": runner.gemm_early_weights,
-                "all_reduce": runner.all_reduce_name, "all_reduce_note": runner.all_reduce_note,
-                "all_reduce_fusion": getattr(runner.tp.reduce, "fusion", "off"),
-                "all_reduce_spread": getattr(runner.tp.reduce, "spread", 1),
-                "all_reduce_pull": getattr(runner.tp.reduce, "pull", "auto"),
-                "all_reduce_payload": getattr(runner.tp.reduce, "payload", "float32"),
-                "all_reduce_push": getattr(runner.tp.reduce, "push", "off"),
-                # how a decode step's vocabulary-parallel logits reach every rank
-                "logits_gather": "none" if runner.tp.size == 1 else (
-                    "peer memory" if getattr(runner.tp.reduce, "gather", None) is not None else "torch.distributed"),
-                "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch.")}
+                "async_scheduling": self._async}
 
     def _launch_overlapped(self, prev: _Step) -> _Step | None:
         """Plan and queue the step after `prev` before `prev`'s tokens are on the host, or None when the next step

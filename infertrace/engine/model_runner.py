@@ -19,6 +19,8 @@ import torch
 from infertrace.engine.annotate import annotate, step_range_name
 from infertrace.engine.attention import AttentionMetadata, make_attention_backend
 from infertrace.engine.config import EngineConfig
+from infertrace.engine.decode_path import DecodePath
+from infertrace.engine.kernels import tuning
 from infertrace.engine.kernels.tiles import attention_tile_array, decode_order
 from infertrace.engine.models.loader import load_weights
 from infertrace.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
@@ -48,32 +50,6 @@ def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dty
     if dtype == torch.float16 and device.type == "cpu":
         return _CPU_FLOAT16_FALLBACK
     return dtype
-
-
-def resolve_fusion(fusion: str, ranks: int) -> str:
-    """EngineConfig.all_reduce_fusion with "auto" resolved: the all-reduce + norm kernel on two and four ranks, where it
-    was measured the fastest (decode at batch 8: qwen3-4b on two H100s 3,081 tok/s against planes' 2,536, TP=1
-    2,199; qwen3-14b on two H200s 1,560 against 1,490, TP=1 992; qwen3-14b on four H100s 1,874 against 1,812, TP=1
-    743), planes on any other count (where the kernel has not run on GPUs)."""
-    if fusion != "auto":
-        return fusion
-    return "norm" if ranks in (2, 4) else "planes"
-
-
-def resolve_push(push: str, ranks: int) -> str:
-    """EngineConfig.all_reduce_push with "auto" resolved: on with four or more ranks, where it was measured faster
-    (qwen3-14b's decode graph on four H200s 3.012 -> 2.967-2.973 ms), off with fewer (4.618 -> 4.774 ms on two)."""
-    if push != "auto":
-        return push
-    return "on" if ranks >= 4 else "off"
-
-
-def resolve_spread(spread: int, ranks: int) -> int:
-    """EngineConfig.all_reduce_spread with 0 resolved: 8 with four or more ranks (four H200s, qwen3-14b: 3.481 ->
-    3.465 ms, and 2.973 -> 2.957 with all_reduce_push), 4 with fewer (two H200s: 4.99 us a call at 4 or 8)."""
-    if spread:
-        return spread
-    return 8 if ranks >= 4 else 4
 
 
 @dataclass(slots=True)
@@ -159,6 +135,20 @@ class LaunchedStep:
         return [next(it) if sampled else None for sampled in self.samples]
 
 
+def _all_reduce_path(reduce, note: str | None) -> dict:
+    """DecodePath's all-reduce fields: what `make_all_reduce` made (None with one rank)."""
+    from infertrace.engine.allreduce import PeerMemoryAllReduce
+
+    if reduce is None:
+        return {}
+    if not isinstance(reduce, PeerMemoryAllReduce):
+        return {"all_reduce": reduce.name, "all_reduce_note": note, "logits_gather": "torch.distributed"}
+    return {"all_reduce": reduce.name, "all_reduce_note": note, "all_reduce_fusion": reduce.fusion,
+            "all_reduce_spread": reduce.spread, "all_reduce_pull": reduce.pull, "all_reduce_payload": reduce.payload,
+            "all_reduce_push": reduce.push,
+            "logits_gather": "torch.distributed" if reduce.gather is None else "peer memory"}
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, hf_config: dict, tp: TensorParallel = SINGLE,
                  other_ranks: OtherRanks | None = None):
@@ -169,35 +159,43 @@ class ModelRunner:
             self.device = torch.device("cuda", tp.rank)
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
-        self.all_reduce_name = "none"
-        self.all_reduce_note: str | None = None  # why all_reduce=auto did not take the custom one
+        self.spec = Qwen3Spec.from_hf_config(hf_config)
+        on_cuda = self.device.type == "cuda"
+        fused = config.fused_norm and on_cuda
+        skinny = (fused and config.skinny_gemm and self.dtype in (torch.bfloat16, torch.float16)
+                  and not self.spec.attention_bias)
+        tuned = tuning.rules()  # an experiment's values for the rules beside the kernels, read once here
+        reduce = None
+        all_reduce_note = None
         if tp.size > 1:  # the ranks agree on it (a collective), before any graph is captured
             from infertrace.engine.allreduce import make_all_reduce
 
-            # the fusions take the skinny GEMMs' partial sums: none where those do not run (see setup below)
-            skinny = config.skinny_gemm and config.fused_norm and self.dtype in (torch.bfloat16, torch.float16)
-            reduce, self.all_reduce_note = make_all_reduce(config.all_reduce, self.device, self.dtype, tp.size,
-                                                           fusion=resolve_fusion(config.all_reduce_fusion, tp.size)
-                                                           if skinny else "off",
-                                                           hidden_size=hf_config["hidden_size"],
-                                                           spread=resolve_spread(config.all_reduce_spread,
-                                                                                 tp.size),
-                                                           pull=config.all_reduce_pull,
-                                                           payload=config.all_reduce_payload,
-                                                           gather_cols=-(-hf_config["vocab_size"] // tp.size),
-                                                           push=resolve_push(config.all_reduce_push, tp.size))
+            reduce, all_reduce_note = make_all_reduce(config.all_reduce, self.device, self.dtype, tp.size,
+                                                      skinny=skinny, hidden_size=hf_config["hidden_size"],
+                                                      gather_cols=-(-hf_config["vocab_size"] // tp.size),
+                                                      overrides=tuned)
             tp = dataclasses.replace(tp, reduce=reduce)
-            self.all_reduce_name = reduce.name
         self.tp = tp
         self.share_tokens = False  # set by the engine: async scheduling with more ranks (see StepInputs)
         self._shared_tokens: torch.Tensor | None = None  # the other ranks' copy of the last step's sampled tokens
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype.startswith("fp8") else self.dtype
-        self.spec = Qwen3Spec.from_hf_config(hf_config)
         self.num_kv_heads = self.spec.num_key_value_heads // tp.size  # this rank's
         self.block_size = config.block_size
         self.attention = make_attention_backend(config, self.device, self.dtype)
         # decode attention launched longest context first (the Triton kernel's `seq_order`)
         self._ordered_decode = config.decode_longest_first and self.attention.name == "triton"
+
+        pdl = early = False
+        if on_cuda:  # both switches are process-wide; a CUDA graph keeps the kernels as they were at its capture
+            from infertrace.engine.kernels import launch, skinny_gemm
+
+            pdl = launch.set_enabled(config.pdl)
+            wanted = {"on": True, "off": False}.get(tuned.get("gemm_early_weights"), skinny_gemm.early_rule(tp.size))
+            early = skinny_gemm.set_early(wanted and skinny and pdl)
+        self.decode_path = DecodePath(
+            attention_backend=f"{self.attention.name} ({self.attention.mode})", fused_norm=fused, skinny_gemm=skinny,
+            fused_projections=skinny and config.fused_projections, pdl=pdl, gemm_early_weights=early,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), **_all_reduce_path(reduce, all_reduce_note))
 
         with torch.device("meta"):
             model = Qwen3ForCausalLM(self.spec, self.dtype, tp)
@@ -205,22 +203,7 @@ class ModelRunner:
         load_weights(model, model_dir)
         model.eval()
         max_positions = min(self.spec.max_position_embeddings, config.max_model_len or self.spec.max_position_embeddings)
-        on_cuda = self.device.type == "cuda"
-        fused = config.fused_norm and on_cuda
-        self.pdl = False
-        self.gemm_early_weights = False
-        if on_cuda:
-            from infertrace.engine.kernels import launch
-
-            self.pdl = launch.set_enabled(config.pdl)
-            if fused:  # set on every engine with the Triton kernels (the switch is process-wide, like PDL's)
-                from infertrace.engine.kernels import skinny_gemm
-
-                early = config.gemm_early_weights == "on" or (config.gemm_early_weights == "auto" and tp.size > 1)
-                self.gemm_early_weights = skinny_gemm.set_early(early and config.skinny_gemm and self.pdl)
-        model.setup(self.attention, max_positions, self.device, fused_norm=fused,
-                    skinny_gemm=fused and config.skinny_gemm and self.dtype in (torch.bfloat16, torch.float16),
-                    fused_projections=config.fused_projections)
+        model.setup(self.attention, max_positions, self.device, self.decode_path)
         self.model = model
         self.max_positions = max_positions
         self.peak_activation_bytes = self._measure_peak_activation() if on_cuda and config.kv_cache_tokens is None else 0

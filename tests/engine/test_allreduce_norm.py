@@ -113,7 +113,7 @@ def test_every_part_is_read_at_once_where_the_block_fits():
     def pulls_all(world, pull, hidden=5120):
         return an.PushBuffers.pulls_all(SimpleNamespace(world_size=world, hidden_size=hidden), pull)
 
-    assert [pulls_all(w, "auto") for w in (2, 4)] == [False, True]  # two ranks measured slower reading at once
+    assert [pulls_all(w, an.pull_rule(w)) for w in (2, 4)] == [False, True]  # two ranks measured slower at once
     assert pulls_all(2, "all") and not pulls_all(4, "each")
     assert not pulls_all(8, "all")  # 8 x 8192 values (a row of 5120 in a power-of-two block): more than it holds
     assert pulls_all(8, "all", 2560) and not pulls_all(6, "all", 2560)  # the ranks a power of two

@@ -31,6 +31,26 @@ def test_overrides_by_name_and_from_strings():
     assert EngineConfig.from_overrides({"max_num_seqs": 4}, base=base).block_size == 8
 
 
+TUNING_RULES = ("all_reduce_fusion", "all_reduce_spread", "all_reduce_pull", "all_reduce_payload", "all_reduce_push",
+                "gemm_early_weights")
+
+
+def test_serve_lists_only_choices_a_user_makes_not_the_kernels_tuning_rules():
+    from click.testing import CliRunner
+
+    from infertrace.engine.kernels import tuning
+    from infertrace.server.command import serve
+
+    help_text = CliRunner().invoke(serve, ["--help"], terminal_width=200).output
+    assert "--max-num-seqs" in help_text and "--all-reduce " in help_text  # a choice: NCCL or peer memory
+    for name in (*TUNING_RULES, "scheduling_policy"):
+        assert f"--{name.replace('_', '-')}" not in help_text, name
+    assert set(TUNING_RULES) == set(tuning.RULES)  # each is a rule an experiment overrides instead
+    for name in TUNING_RULES:
+        with pytest.raises(ValueError, match=f"unknown engine config field.*{name}"):
+            EngineConfig.from_overrides({name: "on"})
+
+
 def test_unknown_field_is_named():
     with pytest.raises(ValueError, match="unknown engine config field.*attn_mode"):
         EngineConfig.from_overrides({"attn_mode": "looped"})
@@ -47,7 +67,6 @@ def test_unknown_field_is_named():
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
-        ({"scheduling_policy": "priority"}, "scheduling_policy"),
         ({"device": "tpu"}, "device must be"),
         ({"dtype": "int8"}, "dtype must be one of"),
         ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of auto, fp8, fp8_e4m3"),

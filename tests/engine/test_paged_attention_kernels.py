@@ -231,6 +231,5 @@ def test_float8_cache_reads_as_its_widened_values(dtype):
             err = (out8.double() - ref).norm() / ref.norm()
             assert err < 1e-2, err
             # the widening by the conversion instruction (the default here) gives the cast's float16 values
-            for widen in ("cast", "asm_kv"):
-                other = paged_attention(q, k8, v8, *args, num_splits=splits, widen=widen)
-                assert (other.float() - out8.float()).abs().max() <= 1e-3 * out8.float().abs().max(), widen
+            other = paged_attention(q, k8, v8, *args, num_splits=splits, widen="cast")
+            assert (other.float() - out8.float()).abs().max() <= 1e-3 * out8.float().abs().max()

@@ -369,25 +369,6 @@ def test_a_row_parallel_decode_projection_writes_its_planes_where_the_all_reduce
     torch.testing.assert_close(local.sum(0), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
 
 
-def test_the_automatic_all_reduce_fusion_is_the_norm_kernel_on_two_and_four_ranks_and_planes_elsewhere():
-    from infertrace.engine.model_runner import resolve_fusion
-
-    assert EngineConfig().all_reduce_fusion == "auto"
-    assert [resolve_fusion("auto", n) for n in (2, 3, 4, 8)] == ["norm", "planes", "norm", "planes"]
-    assert [resolve_fusion(f, 2) for f in ("planes", "norm", "off")] == ["planes", "norm", "off"]
-    with pytest.raises(ValueError, match="all_reduce_fusion"):
-        EngineConfig(all_reduce_fusion="fast")
-    with pytest.raises(ValueError, match="all_reduce_spread"):
-        EngineConfig(all_reduce_spread=3)
-    with pytest.raises(ValueError, match="all_reduce_pull"):
-        EngineConfig(all_reduce_pull="some")
-    assert EngineConfig().all_reduce_payload == "model"  # rounded to bf16 before the push, as vLLM's
-    with pytest.raises(ValueError, match="all_reduce_payload"):
-        EngineConfig(all_reduce_payload="bfloat16")  # "model": the model's own 16-bit dtype
-    with pytest.raises(ValueError, match="gemm_early_weights"):
-        EngineConfig(gemm_early_weights="yes")
-
-
 def test_tp_bench_counts_each_kernel_s_own_time_as_analyze_does():
     """benchmarks/tp_bench.py's all-reduce share: under programmatic dependent launch a kernel starts before the one
     ahead of it on its stream ends, and only its time past that end is its own, as `analyze`'s exclusive_ns counts."""

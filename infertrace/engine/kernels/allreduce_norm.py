@@ -191,11 +191,10 @@ class PushBuffers:
         dist.barrier()  # every rank's slots are empty before any rank pushes
 
     def pulls_all(self, pull: str) -> bool:
-        """Whether the kernel reads every rank's part at once: as `pull` asks, where the block fits (a power-of-two
-        number of ranks, at most PULL_ALL_MAX values)."""
+        """Whether the kernel reads every rank's part at once: `pull` "all" (`pull_rule`), where the block fits (a
+        power-of-two number of ranks, at most PULL_ALL_MAX values); otherwise it reads them one after another."""
         world, block = self.world_size, triton.next_power_of_2(self.hidden_size)
-        wanted = pull == "all" or (pull == "auto" and world >= 4)
-        return wanted and world & (world - 1) == 0 and world * block <= PULL_ALL_MAX
+        return pull == "all" and world & (world - 1) == 0 and world * block <= PULL_ALL_MAX
 
     def begin_forward(self) -> None:
         self.epoch.add_(1)
@@ -206,13 +205,12 @@ class PushBuffers:
         return (self.addresses, self.epoch, call, calls_per_forward, self.rank, self.world_size, MAX_ROWS, self.half)
 
     def add_rmsnorm(self, planes: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                    call: int, calls_per_forward: int, spread: int = 1, pull: str = "auto") -> torch.Tensor:
-        """`spread` (EngineConfig.all_reduce_spread: in the engine 4 on two ranks, 8 on four or more): a row is cut
-        into slices of cols / spread columns rounded up to a power of two, one program each (cols 5120 and spread 4:
-        three programs of 2048, 2048 and 1024 columns); each pushes its slice to every rank, and the last pulls the
-        whole row and runs the norm. `pull` (EngineConfig.all_reduce_pull): "each" waits for the ranks' parts one
-        after another, "all" reads every rank's part at once and again while any is missing (up to 32K values: four
-        ranks of hidden 8,192), "auto" all on four or more ranks."""
+                    call: int, calls_per_forward: int, spread: int = 1, pull: str = "each") -> torch.Tensor:
+        """`spread` (`spread_rule`'s in the engine): a row is cut into slices of cols / spread columns rounded up to
+        a power of two, one program each (cols 5120 and spread 4: three programs of 2048, 2048 and 1024 columns);
+        each pushes its slice to every rank, and the last pulls the whole row and runs the norm. `pull`
+        (`pull_rule`'s): "each" waits for the ranks' parts one after another, "all" reads every rank's part at once
+        and again while any is missing (up to 32K values: four ranks of hidden 8,192)."""
         pushed = planes is None  # the GEMM before pushed this rank's part (push_target): nothing to read here
         if pushed:
             planes = residual[None]  # never read
@@ -233,3 +231,32 @@ class PushBuffers:
                 num_warps=8 if cols > 2048 else 4, launch_pdl=launch.enabled(),
             )
         return out
+
+
+# The rules that tune this kernel by rank count, which an experiment overrides through kernels/tuning.py. Their
+# figures are in docs/benchmarks-history.md.
+
+
+def spread_rule(ranks: int) -> int:
+    """The programs a row's push is spread over: 8 on four or more ranks, 4 on fewer (fewer programs a row measured
+    slower on two ranks, more no faster there)."""
+    return 8 if ranks >= 4 else 4
+
+
+def pull_rule(ranks: int) -> str:
+    """How a row's last program waits for the ranks' parts: every part read at once ("all") on four or more ranks,
+    where it measured faster; one rank after another ("each") on fewer, where "all" measured slower."""
+    return "all" if ranks >= 4 else "each"
+
+
+def payload_rule(ranks: int) -> str:
+    """The dtype each rank's part is pushed in: the model's ("model"; a 16-bit model's halves the bytes over NVLink
+    and to poll, as vLLM's all-reduce adds bfloat16 parts; a float32 model's stays float32), on any rank count."""
+    return "model"
+
+
+def push_rule(ranks: int) -> str:
+    """Whether the output and down projections' GEMMs push their parts into every rank's slot themselves ("on"):
+    on four or more ranks, where it measured faster; on fewer the down projection's split-K tiling it gives up
+    costs more than it saves."""
+    return "on" if ranks >= 4 else "off"

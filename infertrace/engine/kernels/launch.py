@@ -10,7 +10,7 @@ there; the GEMMs and SiLU-and-multiply wait first. About a microsecond a kernel,
 small kernels of a decode step. (Asking L2 for a GEMM's first weights, or decode attention's first K/V lines, before
 the wait measured slower or no faster on an H100, so the kernels do not. With more than one rank the decode GEMMs
 take a Gluon kernel that copies its first tiles of weights into shared memory before its wait, while the all-reduce
-before it waits on the other ranks: `skinny_gemm(..., early=True)`, EngineConfig.gemm_early_weights.)
+before it waits on the other ranks: `skinny_gemm(..., early=True)`, `skinny_gemm.early_rule`.)
 
 A kernel must not end before the kernel before it: the next kernel's wait is a wait on this one, and the engine does
 not rely on it reaching further back. So in every kernel some program waits whatever the step's inputs are (decode
@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 _enabled = False
-_early_inputs = True
 
 
 def set_enabled(on: bool) -> bool:
@@ -38,28 +37,3 @@ def set_enabled(on: bool) -> bool:
 
 def enabled() -> bool:
     return _enabled
-
-
-def set_early_inputs(on: bool) -> None:
-    """Whether decode attention reads its step inputs before its wait (the default; `step_graphs_bench --only early`
-    compares)."""
-    global _early_inputs
-    _early_inputs = bool(on)
-
-
-def early_inputs() -> bool:
-    return _early_inputs
-
-
-_early_weights = True
-
-
-def set_early_weights(on: bool) -> None:
-    """Whether residual add + RMSNorm reads its weight before its wait (the default; `step_graphs_bench --only
-    variants,wholerun` compares)."""
-    global _early_weights
-    _early_weights = bool(on)
-
-
-def early_weights() -> bool:
-    return _early_weights

@@ -17,14 +17,12 @@ from infertrace.engine.kernels.skinny_gemm import load_planes
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, plane_stride, eps,
-                        HAS_RESIDUAL: tl.constexpr, PLANES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                        EARLY_WEIGHT: tl.constexpr):
+                        HAS_RESIDUAL: tl.constexpr, PLANES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty
-    if EARLY_WEIGHT:  # a constant: read while the kernel before drains
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # a constant: read while the kernel before drains
     if PDL:  # the kernel before has finished and its writes are visible past this point
         gdc_wait()
         gdc_launch_dependents()
@@ -36,8 +34,6 @@ def _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, plane_
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / n_cols
     normed = (xf * tl.math.rsqrt(var + eps)).to(dtype)
-    if not EARLY_WEIGHT:
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
              mask=mask)
 
@@ -56,8 +52,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     _add_rmsnorm_kernel[(n_rows,)](x, residual if residual is not None else x, weight, out, n_cols,
                                    n_rows * n_cols, eps, HAS_RESIDUAL=residual is not None, PLANES=planes,
                                    BLOCK=triton.next_power_of_2(n_cols),
-                                   PDL=launch.enabled(), EARLY_WEIGHT=launch.early_weights(),
-                                   num_warps=4 if n_cols <= 2048 else 8,
+                                   PDL=launch.enabled(), num_warps=4 if n_cols <= 2048 else 8,
                                    launch_pdl=launch.enabled())
     return out
 

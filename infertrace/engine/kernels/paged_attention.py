@@ -122,7 +122,7 @@ def _paged_attention_kernel(
         block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
         kv_off = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-        k = _widen_f16(k) if WIDEN == 2 else k.to(q.dtype)
+        k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -132,7 +132,7 @@ def _paged_attention_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-        v = _widen_f16(v) if WIDEN >= 1 else v.to(q.dtype)
+        v = _widen_f16(v) if WIDEN == 1 else v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -198,7 +198,7 @@ def _capability(device_index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-WIDEN_MODES = {"cast": 0, "asm_v": 1, "asm_kv": 2}  # how an 8-bit cache is widened to float16 for the dots
+WIDEN_MODES = {"cast": 0, "asm_v": 1}  # how an 8-bit cache is widened to float16 for the dots
 
 
 def _default_tiling(eight_bit_decode: bool, widen: str, prefill_sm90: bool = False) -> tuple[int, int, int]:
@@ -251,7 +251,7 @@ def paged_attention(
     An 8-bit (float8 e4m3) cache is widened where it is read. Under a 16-bit q the dots then run in float16 (the
     cache's values are exact in it, q and the probabilities are rounded to it; sums stay float32). `widen` says how:
     "asm_v" (the default where the GPU has the instruction) widens V by the conversion instruction and K by a cast,
-    "asm_kv" both by the instruction, "cast" both by casts (`_widen_f16` says why it matters).
+    "cast" both by casts (`_widen_f16` says why it matters).
     """
     total, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -298,7 +298,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LIST=tiles is not None,
         ORDERED=seq_order is not None, PDL=launch.enabled(), F16_DOTS=f16_dots, WIDEN=WIDEN_MODES[widen],
-        EARLY=launch.enabled() and launch.early_inputs() and max_q_len == 1 and tiles is None,
+        EARLY=launch.enabled() and max_q_len == 1 and tiles is None,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=launch.enabled(),
     )
     if num_splits > 1:

@@ -12,7 +12,7 @@ A second kernel computes the same product in Gluon (`early`): its pipeline writt
 weights are copied into shared memory before it waits on the kernel before it (programmatic dependent launch).
 Behind a kernel that keeps the GPU's memory idle for microseconds (the all-reduce waiting on the other ranks) it is
 1-3 us faster a projection; with nothing to hide behind, up to 0.5 us slower, so the engine takes it with more than
-one rank (EngineConfig.gemm_early_weights).
+one rank (`early_rule`).
 """
 
 from __future__ import annotations
@@ -296,7 +296,14 @@ def _early_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
         x.data_ptr() % 16 or weight.data_ptr() % 16)
 
 
-_early = False  # the process's choice (EngineConfig.gemm_early_weights, set by the model runner)
+_early = False  # the process's choice (`early_rule`'s, set by the model runner)
+
+
+def early_rule(ranks: int) -> bool:
+    """Whether the decode GEMMs take the early kernel: with more than one rank, where the all-reduce before each
+    row-parallel projection leaves the GPU's memory idle while it waits on the other ranks (overridden by
+    kernels/tuning.py's "gemm_early_weights")."""
+    return ranks > 1
 
 
 def set_early(on: bool) -> bool:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infertrace.engine.attention import AttentionMetadata, TorchAttention
+from infertrace.engine.decode_path import DecodePath
 from infertrace.engine.parallel import (
     SINGLE,
     MergedColumnParallelLinear,
@@ -149,11 +150,11 @@ def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool 
                         push: tuple[int, int] | None = None) -> torch.Tensor | None:
     """x @ W.T of a row-parallel projection of a decode step by the skinny GEMM, added up over the ranks, for the
     residual add + RMSNorm after it, which adds float32 planes [split, T, N] as it reads them. One rank: the GEMM's
-    own split-K planes. More ranks, where the all-reduce takes planes (`all_reduce_fusion="planes"`): the GEMM writes
+    own split-K planes. More ranks, where the all-reduce takes planes (its fusion "planes"): the GEMM writes
     them into its peer-memory buffer and they are all-reduced there, in float32. Otherwise they are added up, rounded
     to the model's dtype and all-reduced as one [T, N] tensor. `reduce=False` (more ranks, "norm" fusion): this
     rank's float32 planes, for the all-reduce + norm kernel after it. `push` = (call, calls per forward), with
-    `all_reduce_push`: the GEMM, unsplit, pushes this rank's part of that call into every rank's all-reduce buffer
+    the all-reduce's push: the GEMM, unsplit, pushes this rank's part of that call into every rank's all-reduce buffer
     itself and returns None; the all-reduce + norm kernel after it only pulls."""
     tp = layer.tp
     if push is not None:
@@ -318,27 +319,35 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = None if spec.tie_word_embeddings else ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype, tp)
         self.rope: RotaryEmbedding | None = None
         self.attn: TorchAttention | None = None
-        self.fused_norm = False
-        self.skinny_gemm = False
-        self.fused_projections = False
+        self.path: DecodePath | None = None
 
-    def setup(self, attn: TorchAttention, max_positions: int, device: torch.device, fused_norm: bool = False,
-              skinny_gemm: bool = False, fused_projections: bool = False) -> None:
+    def setup(self, attn: TorchAttention, max_positions: int, device: torch.device, path: DecodePath) -> None:
         """Attach the attention backend and build the RoPE tables (after the weights are on `device`).
 
-        `fused_norm` (CUDA only) runs residual add + RMSNorm, q/k RMSNorm + RoPE (with the K/V cache write when the
-        backend allows) and SiLU-and-multiply as one Triton kernel each. `skinny_gemm` (CUDA, 16-bit weights, with
-        `fused_norm`) runs the projections of steps of at most 16 tokens as weight-streaming Triton GEMMs; with
-        tensor parallelism the row-parallel ones' split-K partial sums are added up and all-reduced before the
-        residual add reads them (with one rank the residual add reads the partial sums itself). `fused_projections` (with
-        `skinny_gemm`) runs the qkv projection with the q/k norm, RoPE and K/V write, and the gate/up projection
-        with SiLU-and-multiply, as one kernel each at the shapes measured to gain from it (the rest keep two).
+        `path.fused_norm` (CUDA only) runs residual add + RMSNorm, q/k RMSNorm + RoPE (with the K/V cache write when
+        the backend allows) and SiLU-and-multiply as one Triton kernel each. `path.skinny_gemm` (CUDA, 16-bit
+        weights, with `fused_norm`) runs the projections of steps of at most 16 tokens as weight-streaming Triton
+        GEMMs; with tensor parallelism the row-parallel ones' split-K partial sums are added up and all-reduced
+        before the residual add reads them (with one rank the residual add reads the partial sums itself), or go to
+        the all-reduce + norm kernel (`path.norm_fusion`). `path.fused_projections` runs the qkv projection with the
+        q/k norm, RoPE and K/V write, and the gate/up projection with SiLU-and-multiply, as one kernel each at the
+        shapes measured to gain from it (the rest keep two).
         """
         self.attn = attn
         self.rope = RotaryEmbedding(self.spec.head_dim, self.spec.rope_theta, max_positions, device)
-        self.fused_norm = fused_norm
-        self.skinny_gemm = skinny_gemm and fused_norm and not self.spec.attention_bias
-        self.fused_projections = fused_projections and self.skinny_gemm
+        self.path = path
+
+    @property
+    def fused_norm(self) -> bool:
+        return self.path is not None and self.path.fused_norm
+
+    @property
+    def skinny_gemm(self) -> bool:
+        return self.path is not None and self.path.skinny_gemm
+
+    @property
+    def fused_projections(self) -> bool:
+        return self.path is not None and self.path.fused_projections
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
@@ -365,7 +374,7 @@ class Qwen3ForCausalLM(nn.Module):
         skinny = self.skinny_gemm and input_ids.shape[0] <= SKINNY_MAX_ROWS
         one_kernel = skinny and self.fused_projections
         # "norm" all-reduce fusion: each projection's partial sums go to the all-reduce + residual add + RMSNorm
-        reducer = self.tp.reduce if skinny and getattr(self.tp.reduce, "fusion", "off") == "norm" else None
+        reducer = self.tp.reduce if skinny and self.path.norm_fusion else None
         embed = self.model.embed_tokens
         if self.tp.size == 1:  # the lookup and the first norm in one kernel
             h, residual = embed_rmsnorm(input_ids, embed.weight, first.weight, first.eps)
@@ -386,8 +395,8 @@ class Qwen3ForCausalLM(nn.Module):
             def reduce_norm(x, call, norm):
                 return reducer.add_rmsnorm(x, residual, norm.weight, norm.eps, call + 1, calls)
         local = reducer is None
-        # all_reduce_push: the o and down projections' GEMMs push their parts themselves (a is None then)
-        pushing = reducer is not None and reducer.push == "on"
+        # the o and down projections' GEMMs push their parts themselves (a is None then)
+        pushing = reducer is not None and self.path.all_reduce_push == "on"
 
         def push(call):
             return (call + 1, calls) if pushing else None
