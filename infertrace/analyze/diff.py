@@ -16,9 +16,9 @@ def diff_reports(a: Report, b: Report) -> dict[str, pd.DataFrame]:
     pa, pb = a.tables.get("phases"), b.tables.get("phases")
     if _present(pa) or _present(pb):
         cols = ["steps", "step_mean (ms)", "step_p50 (ms)", "step_p99 (ms)", "gpu_busy_share", "host_wait_share",
-                "kernels_per_step", "verdict"]
+                "kernels_per_step", "cpu_ops_per_step", "verdict"]
         merged = _join(pa, pb, ["type"], cols)
-        for col in ("step_mean (ms)", "step_p99 (ms)", "kernels_per_step"):
+        for col in ("step_mean (ms)", "step_p99 (ms)", "kernels_per_step", "cpu_ops_per_step"):
             merged[f"{col} change"] = _change(merged[f"{col} A"], merged[f"{col} B"])
         out["phases"] = merged
     ca, cb = a.tables.get("categories"), b.tables.get("categories")

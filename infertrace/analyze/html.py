@@ -159,6 +159,8 @@ def _temporal_chart(df: pd.DataFrame) -> str:
 
 
 def _phases_chart(df: pd.DataFrame) -> str:
+    if "gpu_busy_share" not in df.columns:
+        return ""  # a CPU-only capture: no GPU time to share out
     rows = []
     for r in df.to_dict("records"):
         busy, host = 100 * r["gpu_busy_share"], 100 * r["host_wait_share"]

@@ -380,9 +380,10 @@ def cpu_operators(ops: pd.DataFrame, top: int = CPU_TOP) -> pd.DataFrame:
 
 
 def cpu_in_steps(ops: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
-    """Self nanoseconds per step type and operator, of the operators that start inside a step on its thread."""
+    """Self nanoseconds and calls per step type and operator, of the operators that start inside a step on its
+    thread."""
     if ops.empty or steps.empty:
-        return pd.DataFrame(columns=["type", "name", "self_ns"])
+        return pd.DataFrame(columns=["type", "name", "self_ns", "calls"])
     ranges = pd.DataFrame({"ts_ns": steps["ts_ns"].to_numpy(), "pid": steps["pid"].to_numpy(),
                            "tid": steps["tid"].to_numpy(), "end_ns": steps["end_ns"].to_numpy(),
                            "type": steps["type"].to_numpy()}).sort_values("ts_ns", kind="stable")
@@ -391,7 +392,25 @@ def cpu_in_steps(ops: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     inside = matched["end_ns"].notna().to_numpy().copy()
     inside[inside] = matched["ts_ns"].to_numpy()[inside] < matched["end_ns"].to_numpy()[inside].astype(np.int64)
     inside &= matched["name"].to_numpy() != matched["type"].to_numpy()
-    return matched[inside].groupby(["type", "name"], sort=False)["self_ns"].sum().reset_index()
+    return matched[inside].groupby(["type", "name"], sort=False).agg(
+        self_ns=("self_ns", "sum"), calls=("self_ns", "size")).reset_index()
+
+
+GPU_PHASE_COLUMNS = ("gpu_busy_share", "host_wait_share", "kernels_per_step")  # meaningless without GPU work
+
+
+def cpu_phase_summary(phases: pd.DataFrame, parts: list[pd.DataFrame]) -> pd.DataFrame:
+    """A CPU-only capture's step types: CPU operators per step (from `cpu_in_steps` of every rank) in place of the
+    GPU figures, which are all zero there."""
+    calls: dict[str, int] = {}
+    for part in parts:
+        if not part.empty:
+            for kind, n in part.groupby("type", sort=False)["calls"].sum().items():
+                calls[kind] = calls.get(kind, 0) + int(n)
+    out = phases.drop(columns=[c for c in GPU_PHASE_COLUMNS if c in phases.columns])
+    per_step = [calls.get(kind, 0) / n if n else float("nan") for kind, n in zip(out["type"], out["steps"])]
+    out.insert(out.columns.get_loc("verdict"), "cpu_ops_per_step", per_step)
+    return out
 
 
 def cpu_steps_table(parts: list[pd.DataFrame], steps: pd.DataFrame, top: int = 10) -> pd.DataFrame:

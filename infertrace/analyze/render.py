@@ -49,7 +49,7 @@ LABELS = {
     "phases": {
         "type": "step type", "step_mean (ms)": "step mean (ms)", "step_p50 (ms)": "step p50 (ms)",
         "step_p99 (ms)": "step p99 (ms)", "spacing_p50 (ms)": "spacing p50 (ms)", "gpu_busy_share": "GPU busy",
-        "host_wait_share": "host wait", "kernels_per_step": "kernels/step",
+        "host_wait_share": "host wait", "kernels_per_step": "kernels/step", "cpu_ops_per_step": "CPU ops/step",
     },
 }
 
@@ -212,23 +212,26 @@ def _categories(rows: Rows) -> Table:
 def _phases(rows: Rows) -> Table:
     # spacing only where some step type has two steps with GPU work (a single-step capture has none)
     spacing = any(not _missing(r.get("spacing_p50 (ms)")) for r in rows)
+    gpu = any("gpu_busy_share" in r for r in rows)  # a CPU-only capture has CPU operators per step instead
     caption = "step time: from the step's start to its end or its last kernel's end, whichever is later; "
     if spacing:
         caption += ("spacing: from the previous step's last kernel to this one's, the rate steps complete at (also "
                     "when a step is queued before the one ahead ends); ")
-    caption += "CPU-bound: the GPU waited for launches at least as long as it worked"
+    caption += ("CPU-bound: the GPU waited for launches at least as long as it worked" if gpu
+                else "CPU ops: the CPU operators that start inside the step")
     label = LABELS["phases"]
+    figures = ["gpu_busy_share", "host_wait_share", "kernels_per_step"] if gpu else ["cpu_ops_per_step"]
     table = _new(TITLES["phases"], label["type"], "steps", "bs", "toks", label["step_mean (ms)"],
                  label["step_p50 (ms)"], label["step_p99 (ms)"], *([label["spacing_p50 (ms)"]] if spacing else []),
-                 label["gpu_busy_share"], label["host_wait_share"], label["kernels_per_step"], "verdict", text=1,
-                 caption=caption)
+                 *[label[f] for f in figures], "verdict", text=1, caption=caption)
     for r in rows:
         verdict = r["verdict"] or ""
         style = {"CPU-bound": "bold yellow", "GPU-bound": "green"}.get(verdict, "")
+        cells = ([_pct(r["gpu_busy_share"]), _pct(r["host_wait_share"]), _num(r["kernels_per_step"], 1)] if gpu
+                 else [_num(r.get("cpu_ops_per_step"), 1)])
         table.add_row(r["type"], _count(r["steps"]), _num(r["bs"], 1), _num(r["toks"], 0),
                       _num(r["step_mean (ms)"]), _num(r["step_p50 (ms)"]), _num(r["step_p99 (ms)"]),
-                      *([_num(r["spacing_p50 (ms)"])] if spacing else []), _pct(r["gpu_busy_share"]),
-                      _pct(r["host_wait_share"]), _num(r["kernels_per_step"], 1), Text(verdict, style=style))
+                      *([_num(r["spacing_p50 (ms)"])] if spacing else []), *cells, Text(verdict, style=style))
     return table
 
 
@@ -349,15 +352,23 @@ def render_diff(frames: dict[str, pd.DataFrame], a: str, b: str, fit: bool = Tru
     tables = {name: table_records(frame) for name, frame in frames.items()}
     parts: list[RenderableType] = [Text(f"A: {a}\nB: {b}", style="bold")]
     if (df := tables.get("phases")) is not None:
+        # GPU figures where either capture has them; CPU operators per step where either is CPU-only
+        gpu = any(not _missing(r[f"{c} {side}"]) for r in df for c in ("gpu_busy_share", "kernels_per_step")
+                  for side in "AB")
+        cpu = any(not _missing(r[f"cpu_ops_per_step {side}"]) for r in df for side in "AB")
         table = _new("Step types: A -> B", "step type", "steps", "mean (ms)", "change", "p99 (ms)", "change",
-                     "GPU busy", "host wait", "kernels/step", "verdict")
+                     *(["GPU busy", "host wait", "kernels/step"] if gpu else []),
+                     *(["CPU ops/step", "change"] if cpu else []), "verdict")
         for r in df:
+            gpu_cells = [f"{_pct(r['gpu_busy_share A'])} -> {_pct(r['gpu_busy_share B'])}",
+                         f"{_pct(r['host_wait_share A'])} -> {_pct(r['host_wait_share B'])}",
+                         _pair(r["kernels_per_step A"], r["kernels_per_step B"], 1)]
+            cpu_cells = [_pair(r["cpu_ops_per_step A"], r["cpu_ops_per_step B"], 1),
+                         _change(r["cpu_ops_per_step change"])]
             table.add_row(r["type"], _pair(r["steps A"], r["steps B"], 0),
                           _pair(r["step_mean (ms) A"], r["step_mean (ms) B"]), _change(r["step_mean (ms) change"]),
                           _pair(r["step_p99 (ms) A"], r["step_p99 (ms) B"]), _change(r["step_p99 (ms) change"]),
-                          f"{_pct(r['gpu_busy_share A'])} -> {_pct(r['gpu_busy_share B'])}",
-                          f"{_pct(r['host_wait_share A'])} -> {_pct(r['host_wait_share B'])}",
-                          _pair(r["kernels_per_step A"], r["kernels_per_step B"], 1),
+                          *(gpu_cells if gpu else []), *(cpu_cells if cpu else []),
                           f"{r['verdict A'] or '–'} -> {r['verdict B'] or '–'}")
         parts.append(table)
     if (df := tables.get("categories")) is not None:

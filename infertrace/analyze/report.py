@@ -229,8 +229,10 @@ def combine(source: str, parts: dict[int, RankPart], config: AnalyzeConfig | Non
         run("phase_categories", lambda: phases.phase_categories(steps))
     else:
         report.skipped["phase_categories"] = NO_GPU
-        run("cpu_steps", lambda: phases.cpu_steps_table(
-            [p.tables["cpu_in_steps"] for _, p in ordered if "cpu_in_steps" in p.tables], steps))
+        in_steps = [p.tables["cpu_in_steps"] for _, p in ordered if "cpu_in_steps" in p.tables]
+        run("cpu_steps", lambda: phases.cpu_steps_table(in_steps, steps))
+        if "phases" in report.tables:
+            run("phases", lambda: phases.cpu_phase_summary(report.tables["phases"], in_steps))
     return report
 
 

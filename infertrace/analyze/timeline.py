@@ -29,18 +29,21 @@ def phases_data(steps: pd.DataFrame) -> dict:
 
 def phases_figure(data: dict) -> go.Figure:
     """Each engine step over the capture, by type (top), and the shares of its time the GPU was busy or waited
-    for the host (bottom)."""
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
-                        subplot_titles=["step time (ms) by step type", "GPU busy and host wait per step (ms)"])
+    for the host (bottom), where a GPU worked at all: a CPU-only capture has only the top chart."""
+    gpu = any(v for v in data["busy_ms"] + data["host_wait_ms"])
+    titles = ["step time (ms) by step type"] + (["GPU busy and host wait per step (ms)"] if gpu else [])
+    fig = make_subplots(rows=len(titles), cols=1, shared_xaxes=True, vertical_spacing=0.08, subplot_titles=titles)
     kinds = sorted(set(data["type"]))
     for kind in kinds:
         pick = [i for i, k in enumerate(data["type"]) if k == kind]
         fig.add_trace(go.Scatter(x=[data["start_ms"][i] for i in pick], y=[data["step_ms"][i] for i in pick],
                                  mode="markers", name=kind, marker=dict(size=5)), row=1, col=1)
-    fig.add_trace(go.Bar(x=data["start_ms"], y=data["busy_ms"], name="GPU busy", marker_color="#59a14f"),
-                  row=2, col=1)
-    fig.add_trace(go.Bar(x=data["start_ms"], y=data["host_wait_ms"], name="host wait", marker_color="#e15759"),
-                  row=2, col=1)
-    fig.update_layout(barmode="stack", height=520, template="plotly_white", margin=dict(l=60, r=30, t=50, b=40))
-    fig.update_xaxes(title_text="ms after the first step", row=2, col=1)
+    if gpu:
+        fig.add_trace(go.Bar(x=data["start_ms"], y=data["busy_ms"], name="GPU busy", marker_color="#59a14f"),
+                      row=2, col=1)
+        fig.add_trace(go.Bar(x=data["start_ms"], y=data["host_wait_ms"], name="host wait", marker_color="#e15759"),
+                      row=2, col=1)
+    fig.update_layout(barmode="stack", height=520 if gpu else 300, template="plotly_white",
+                      margin=dict(l=60, r=30, t=50, b=40))
+    fig.update_xaxes(title_text="ms after the first step", row=len(titles), col=1)
     return fig
