@@ -216,10 +216,26 @@ def print_warnings(records: list[PointRecord]) -> None:
 
     lines = [w for record in records for w in record.headroom_warnings + record.prefix_cache["prefix_cache_warnings"]
              + record.request_log_warnings]
+    lines = once_per_kind(lines, len(records))
     lines += token_count_warnings(sum_token_checks([r.token_checks for r in records]),
                                   any(r.metrics.output_token_sources.get("chunks") for r in records))
     for warning in lines:
         err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+
+
+def once_per_kind(lines: list[str], runs: int) -> list[str]:
+    """Each warning once: runs of a sweep or a search that say the same thing with other figures give its first
+    wording and how many runs said it."""
+    import re
+
+    first: dict[str, str] = {}
+    count: dict[str, int] = {}
+    for line in lines:
+        kind = re.sub(r"\d[\d,.]*", "#", line)
+        first.setdefault(kind, line)
+        count[kind] = count.get(kind, 0) + 1
+    return [line + (f" (in {count[kind]} of {runs} runs; the first shown)" if count[kind] > 1 else "")
+            for kind, line in first.items()]
 
 
 def write_run_report(path: str, record: PointRecord):

@@ -177,7 +177,13 @@ def test_cli_find_max_runs_each_point_through_bench_and_writes_table_json_and_pl
         "--warmup", 0, "--find-max", "concurrency", "--slo", "p99_ttft_ms=60000,median_e2el_ms=60000,ttft_ms=60000",
         "--find-max-limit", 4, "--result-json", out)], catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    assert "max concurrency 4" in res.stdout and "search ended: limit" in res.stdout
+    shown = " ".join(res.stdout.split())
+    assert "max concurrency 4" in shown and "search ended: limit" in shown
+    # the bounds as --slo takes them, not a Python dict; a warning every run gives is printed once
+    assert "--find-max concurrency p99_ttft_ms<=60000, median_e2el_ms<=60000:" in shown
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    kinds = [w.split(":")[1] for w in warnings]
+    assert len(kinds) == len(set(kinds)), warnings
     doc = json.loads(out.read_text())
     fm = doc["find_max"]
     assert (fm["param"], fm["max_load"], fm["first_failing_load"], fm["stopped"]) == ("concurrency", 4, None, "limit")

@@ -422,3 +422,12 @@ def test_help_gives_examples_that_parse_and_the_exit_codes():
     codes = " ".join(res.stdout.split("Exit codes:")[1].split())
     for code in ("0 the run finished", "1 every measured request failed", "2 a bad option", "130 Ctrl-C"):
         assert code in codes
+
+
+def test_one_request_is_singular_and_the_goodput_label_shows_the_slo_as_given(standin, prompts_jsonl):
+    res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl, "--num-prompts", 1,
+                 "--warmup", 0, "--slo", "ttft_ms=10000,e2el_ms=20000")
+    assert res.exit_code == 0, res.output
+    shown = " ".join((res.stdout + res.stderr).split())
+    assert "1 requests" not in shown and "measure: 1 request" in shown and "of 1 request)" in shown
+    assert "goodput (req/s) ttft_ms<=10000, e2el_ms<=20000" in shown and "{" not in res.stdout

@@ -106,3 +106,19 @@ def test_energy_per_output_token_in_the_table_and_the_result():
     assert doc["energy_method"] == "NVML energy counter"
     remote = _record(record.results, BenchConfig(base_url="http://10.0.0.9:8000"), observed)
     assert remote.energy is None and point_result(remote)["energy_per_output_token_j"] is None
+
+
+def test_a_concurrency_sweep_plot_has_whole_ticks_only():
+    import dataclasses
+
+    from infertrace.load.results.plot import sweep_figure
+
+    results = [RequestResult(i, 0.1 * i, 0.1 * i, 0.1 * i + 0.5, ttft=0.05, itl=[0.01, 0.01],
+                             output_tokens=3) for i in range(4)]
+    base = BenchConfig(base_url="http://127.0.0.1:8000")
+    records = [_record(results, dataclasses.replace(base, concurrency=c)) for c in (1, 2, 3)]
+    fig = sweep_figure(records, "concurrency")
+    fig.canvas.draw()
+    for ax in fig.axes:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks

@@ -178,10 +178,13 @@ def latency_figure(data: dict) -> go.Figure:
             step = max(1, values.size // 2000)  # thousands of ITL gaps: a readable curve, a small file
             fig.add_trace(go.Scatter(x=values[::step], y=cdf[::step], name=label, line_color=color[key],
                                      showlegend=False), row=2, col=col)
-            for q in (50, 99):
+            # p50's label to the left of its line and p99's to the right: however close the two lines, the
+            # labels never overlap
+            for q, side in ((50, "top left"), (99, "top right")):
                 v = float(np.percentile(values, q))
                 fig.add_vline(x=v, line_dash="dot", line_color="#555", row=2, col=col,
-                              annotation_text=f"p{q} {v:.1f}", annotation_font_size=10)
+                              annotation_text=f"p{q} {v:.1f}", annotation_font_size=10,
+                              annotation_position=side)
         fig.update_yaxes(title_text="requests" if key != "itl_ms" else "gaps", row=1, col=col)
         fig.update_yaxes(title_text="share", range=[0, 1.02], row=2, col=col)
     fig.update_layout(height=560, margin=dict(l=60, r=30, t=50, b=40), template="plotly_white")

@@ -7,7 +7,15 @@ from pathlib import Path
 from infertrace.load.results.point import PointRecord
 
 
+INTEGER_PARAMS = ("concurrency",)  # loads counted in whole streams: their axis has whole ticks only
+
+
 def plot_sweep(records: list[PointRecord], param: str, path: str | Path) -> Path:
+    return save_figure(sweep_figure(records, param), path)
+
+
+def sweep_figure(records: list[PointRecord], param: str):
+    """Throughput, TTFT and TPOT/ITL against the swept load, one panel each."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -30,9 +38,17 @@ def plot_sweep(records: list[PointRecord], param: str, path: str | Path) -> Path
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.set_title(title)
         ax.set_xlabel(label)
+        _whole_ticks(ax, param)
         ax.grid(alpha=0.3)
         ax.legend()
-    return save_figure(fig, path)
+    return fig
+
+
+def _whole_ticks(ax, param: str) -> None:
+    if param in INTEGER_PARAMS:
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def save_figure(fig, path: str | Path) -> Path:
@@ -72,6 +88,7 @@ def plot_capacity(cap, path: str | Path) -> Path:
             ax.axvline(cap.max_load, color="tab:green", alpha=0.4, label=f"max {cap.max_load:g}")
         ax.set_title(key)
         ax.set_xlabel(cap.param.replace("_", "-"))
+        _whole_ticks(ax, cap.param)
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
         ax.legend()

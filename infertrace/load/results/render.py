@@ -82,7 +82,7 @@ class PlainProgress:
     def on_phase(self, name: str, total: int | None, seconds: float | None) -> None:
         self._name, self._total, self._done, self._failed = name, total, 0, 0
         self._started = self._last = self.clock()
-        size = f"{total} requests" if total is not None else f"{seconds:g} s" if seconds else "until stopped"
+        size = plural(total, "request") if total is not None else f"{seconds:g} s" if seconds else "until stopped"
         self._line(f"{name}: {size}")
 
     def on_result(self, r: RequestResult) -> None:
@@ -98,6 +98,15 @@ class PlainProgress:
         self._line(message)
 
 
+def slo_text(slo: dict[str, float]) -> str:
+    """`{"ttft_ms": 500, "tpot_ms": 50}` -> "ttft_ms<=500, tpot_ms<=50", as --slo takes it."""
+    return ", ".join(f"{key}<={limit:g}" for key, limit in slo.items())
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 def progress_for(console: Console) -> LiveProgress | PlainProgress:
     """The live bar on a terminal, plain lines elsewhere."""
     return LiveProgress(console) if console.is_terminal else PlainProgress(console)
@@ -111,7 +120,7 @@ def token_sources(sources: dict[str, int], requests: int) -> str:
     if not sources:
         return "no successful request"
     parts = ", ".join(f"{SOURCE_WORDS.get(k, k)} in {v}" for k, v in sources.items())
-    return f"from {parts} of {requests} requests"
+    return f"from {parts} of {plural(requests, 'request')}"
 
 
 def _steady(record: PointRecord) -> str:
@@ -133,7 +142,7 @@ def workload_rows(w: dict | None) -> list[tuple[str, str]]:
     rows = []
     if "trace" in w:
         t = w["trace"]
-        rows.append(("trace", f"{t['format']}, {t['requests']} requests over {t['span_s']:.2f} s "
+        rows.append(("trace", f"{t['format']}, {plural(t['requests'], 'request')} over {t['span_s']:.2f} s "
                               f"(time x{t['time_scale']:g}, tokens x{t['token_scale']:g})"))
         rows.append(("prefix reuse implied by the trace", _share(w["trace_implied_prefix_reuse"])))
         rows.append((f"  of it servable in {w['cache_block_tokens']}-token blocks",
@@ -178,7 +187,7 @@ def summary_table(record: PointRecord) -> Table:
         ("total token throughput (tok/s)", _num(m.total_token_throughput)),
     ]
     if m.goodput is not None:
-        rows.append((f"goodput (req/s) {cfg.slo}", _num(m.goodput)))
+        rows.append((f"goodput (req/s) {slo_text(cfg.request_slo)}", _num(m.goodput)))
     rows += workload_rows(record.workload)
     rows += prefix_cache_rows(record.prefix_cache)
     if record.energy is not None:
@@ -247,7 +256,7 @@ def capacity_table(cap) -> Table:
     name = cap.param.replace("_", "-")
     best = "none (the first load already missed a bound)" if cap.max_load is None else f"{cap.max_load:g}"
     above = "" if cap.first_failing_load is None else f", {cap.first_failing_load:g} fails"
-    t = Table(title=f"infertrace bench --find-max {name} {cap.slo}: max {name} {best}{above} (search ended: "
+    t = Table(title=f"infertrace bench --find-max {name} {slo_text(cap.slo)}: max {name} {best}{above} (search ended: "
                     f"{cap.stopped})", title_justify="left")
     for col in (name, "verdict", "decided by", "runs", *(f"{k} [95% CI]" for k in cap.slo), "req/s", "out tok/s"):
         t.add_column(col, justify="right")

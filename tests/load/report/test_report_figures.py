@@ -80,6 +80,17 @@ def test_latency_data_and_figure(run):
     assert all(len(t.x) <= 4000 for t in fig.data if t.type == "scatter")
 
 
+def test_the_cdf_s_p50_and_p99_labels_never_overlap():
+    # p50 and p99 a hair apart (and equal): each label stands on its own side of its line
+    fig = latency_figure({"ttft_ms": [10.0, 10.1, 10.2, 10.3], "tpot_ms": [2.0] * 5, "itl_ms": [1.0],
+                          "e2el_ms": [5.0, 5.01]})
+    labels = [a for a in fig.layout.annotations if a.text[:3] in ("p50", "p99")]
+    assert len(labels) == 8
+    for p50, p99 in zip(labels[::2], labels[1::2]):
+        assert p50.text.startswith("p50") and p99.text.startswith("p99") and p50.x <= p99.x
+        assert (p50.xanchor, p99.xanchor) == ("right", "left")
+
+
 def test_phases_from_the_per_step_table():
     steps = pd.DataFrame({"type": ["PREFILL", "DECODE", "DECODE"], "ts_ns": np.array([1_000_000, 3_000_000,
                                                                                          5_000_000]),
