@@ -344,7 +344,7 @@ def test_progress_is_printed_as_plain_lines_when_stderr_is_not_a_terminal(standi
     res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
                  "--num-prompts", 4, "--warmup", 1, "--concurrency", 2)
     assert res.exit_code == 0, res.output
-    assert "warmup: 1 requests" in res.output and "warmup: 1/1 done, 0 failed" in res.output
+    assert "warmup: 1 request\n" in res.output and "warmup: 1/1 done, 0 failed" in res.output
     assert "measure: 4 requests" in res.output and "measure: 4/4 done, 0 failed" in res.output
 
 
