@@ -15,7 +15,6 @@ such large times have their `ts` digits read from the text itself.
 from __future__ import annotations
 
 import gc
-import gzip
 import hashlib
 import json
 import math
@@ -590,13 +589,40 @@ def _blocks(path: Path):
         return
     limit = GZIP_RATIO_LIMIT * size + GZIP_SLACK
     read = 0
-    with gzip.open(path, "rb") as fh:
-        while block := fh.read(BLOCK):
-            read += len(block)
-            if read > limit:
-                raise _GzipBomb(f"decompresses to more than {GZIP_RATIO_LIMIT}x its size (a gzip bomb?); "
-                                f"the rest after {_mb(read - len(block))} was not read")
-            yield block
+    for block in _gunzip(path):
+        read += len(block)
+        if read > limit:
+            raise _GzipBomb(f"decompresses to more than {GZIP_RATIO_LIMIT}x its size (a gzip bomb?); "
+                            f"the rest after {_mb(read - len(block))} was not read")
+        yield block
+
+
+def _gunzip(path: Path):
+    """A gzip file's bytes, at most BLOCK at a time, every member in turn. Unlike gzip.GzipFile.read, which drops
+    what it decompressed in a call that meets the end of a cut file, every byte before the cut is given before
+    EOFError: a truncated trace keeps all of its complete events."""
+    with open(path, "rb", buffering=0) as fh:
+        inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        pending = b""
+        while True:
+            if not pending:
+                pending = fh.read(BLOCK // 4)
+                if not pending:
+                    break
+            block = inflate.decompress(pending, BLOCK)
+            pending = inflate.unconsumed_tail
+            if block:
+                yield block
+            if inflate.eof:  # a member ended: another may follow (gzip files can be concatenated), after padding
+                pending = (inflate.unused_data + pending).lstrip(b"\x00")
+                while not pending:
+                    more = fh.read(BLOCK // 4)
+                    if not more:
+                        return
+                    pending = more.lstrip(b"\x00")
+                inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        if not inflate.eof:
+            raise EOFError("the compressed stream ends early")
 
 
 def _read_blocks(fh, limit: int | None = None, size: int | None = None):

@@ -213,6 +213,8 @@ def combine(source: str, parts: dict[int, RankPart], config: AnalyzeConfig | Non
 
     run("phases", lambda: phases.phase_summary(steps, has_gpu))
     per_rank = {rank: p.tables["step_communication"] for rank, p in ordered if "step_communication" in p.tables}
+    if len(parts) >= 2 and (note := _unmatched_steps(steps, sorted(parts))) is not None:
+        report.notes.append(note)
     if len(per_rank) >= 2 and "rank_communication" not in report.skipped:
         try:
             report.tables.update(ranks.tables_of(per_rank))
@@ -234,6 +236,22 @@ def combine(source: str, parts: dict[int, RankPart], config: AnalyzeConfig | Non
         if "phases" in report.tables:
             run("phases", lambda: phases.cpu_phase_summary(report.tables["phases"], in_steps))
     return report
+
+
+def _unmatched_steps(steps: pd.DataFrame, ranks: list[int]) -> str | None:
+    """A note where the ranks have different numbers of steps: the cross-rank tables match steps by order, so they
+    compare only the steps every rank has, and a rank without steps is not in them."""
+    counts = steps.groupby("rank").size().reindex(ranks, fill_value=0)
+    if counts.nunique() <= 1:
+        return None
+    n = int(counts.min())
+    listed = ", ".join(f"rank {r}: {int(c):,}" for r, c in counts.items())
+    text = f"the ranks have different numbers of steps ({listed}): "
+    if n == 0:
+        none = ", ".join(str(r) for r, c in counts.items() if c == 0)
+        return text + f"rank {none} has none and is left out of the cross-rank tables (step skew, critical path)"
+    return text + (f"the cross-rank tables (step skew, critical path) compare the first {n:,} steps of each rank; "
+                   "the later steps are left out of them")
 
 
 def _concat_into(report: Report, name: str, ordered: list[tuple[int, RankPart]]) -> None:

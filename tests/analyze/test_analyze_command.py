@@ -320,3 +320,30 @@ def test_pandas_is_imported_without_pyarrow_which_stays_importable(engine_trace,
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["True False", "stand-in pyarrow"]
     assert marker.read_text() == "imported\n"  # once: by the script after the analysis, never by pandas
+
+
+def test_a_small_truncated_gzip_keeps_its_complete_events(tmp_path, make_trace, make_events):
+    # under a megabyte decompressed: the whole readable part comes in the read that meets the cut
+    path = make_trace(tmp_path / "t" / "rank0.pt.trace.json.gz",
+                      make_events([("cpu_op", f"aten::op{i % 7}", 10 * i, 5, 1, {}) for i in range(2000)]))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 6 // 10])
+    result = invoke(path.parent, "--no-cache")
+    assert result.exit_code == 0, result.output
+    (line,) = warnings_of(result)
+    kept = int(line.split("kept the ")[1].split(" complete")[0].replace(",", ""))
+    assert line.startswith("warning: rank0.pt.trace.json.gz: the compressed stream ends early (truncated file)")
+    assert 1000 < kept < 2000
+
+
+def test_concatenated_and_padded_gzip_members_are_read_whole(tmp_path, make_events):
+    import gzip as gz
+
+    events = make_events([("cpu_op", "aten::mm", 10 * i, 5, 1, {}) for i in range(300)])
+    text = json.dumps({"schemaVersion": 1, "traceEvents": events}).encode()
+    path = tmp_path / "t" / "rank0.pt.trace.json.gz"
+    path.parent.mkdir()
+    path.write_bytes(gz.compress(text[:5000]) + b"\0" * 8 + gz.compress(text[5000:]))
+    result = invoke(path.parent, "--no-cache", "--json", tmp_path / "r.json")
+    assert result.exit_code == 0 and warnings_of(result) == []
+    assert json.loads((tmp_path / "r.json").read_text())["ranks"][0]["events"] == 300

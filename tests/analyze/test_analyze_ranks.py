@@ -196,3 +196,26 @@ def test_intersection_of_unions_equals_walking_them():
         b = union(starts_b, starts_b + rng.integers(0, 20, m))
         got, want = _intersection(a, b), _walked_intersection(a, b)
         assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+
+
+@pytest.mark.parametrize("steps_of_rank1, words", [
+    (2, "the ranks have different numbers of steps (rank 0: 3, rank 1: 2): the cross-rank tables (step skew, "
+        "critical path) compare the first 2 steps of each rank; the later steps are left out of them"),
+    (0, "the ranks have different numbers of steps (rank 0: 3, rank 1: 0): rank 1 has none and is left out of "
+        "the cross-rank tables (step skew, critical path)"),
+])
+def test_ranks_with_different_step_counts_are_noted(tmp_path, steps_of_rank1, words):
+    from infertrace.analyze import analyze_path
+
+    from .conftest import kineto_events, write_kineto
+
+    for rank, count in ((0, 3), (1, steps_of_rank1)):
+        spec = [("cpu_op", "aten::mm", 0, 5, 1, {})]
+        for k in range(count):
+            spec += [("user_annotation", "step[DECODE bs=1]", 100 * k + 10, 50, 1, {}),
+                     ("cpu_op", "c10d::allreduce_", 100 * k + 20, 10, 1, {})]
+        write_kineto(tmp_path / f"rank{rank}.pt.trace.json", kineto_events(spec), rank=rank)
+    report = analyze_path(tmp_path)
+    assert words in report.notes
+    if steps_of_rank1:
+        assert report.tables["step_skew"]["steps"].tolist() == [2]
