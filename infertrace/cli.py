@@ -3,13 +3,13 @@ when it runs (or when `--help` lists them), so that `infertrace analyze` does no
 
 from __future__ import annotations
 
-import difflib
 import importlib
 
 import click
 
 from infertrace import __version__
-from infertrace.exits import BAD_INPUT, INTERRUPTED
+from infertrace.console import SuggestingGroup, UsageLine
+from infertrace.exits import INTERRUPTED
 
 # name -> where the command is defined: every command lives at <package>/command.py
 COMMANDS = {
@@ -21,33 +21,6 @@ COMMANDS = {
     "gate": "infertrace.gate.command:gate",
     "model": "infertrace.modelgen.command:model",
 }
-
-
-class UsageLine(click.ClickException):
-    """A usage error as one line on stderr, `infertrace gate: error: <what> (see --help)`, where click prints the
-    usage, a hint and the error on three or four."""
-
-    exit_code = BAD_INPUT
-
-    def __init__(self, error: click.UsageError) -> None:
-        super().__init__(" ".join(error.format_message().split()))
-        self.command_path = error.ctx.command_path if error.ctx is not None else "infertrace"
-
-    def show(self, file=None) -> None:
-        click.echo(f"{self.command_path}: error: {self.message} (see --help)", file=file, err=file is None)
-
-
-class SuggestingGroup(click.Group):
-    """A group that answers a mistyped subcommand with the closest one it has."""
-
-    def resolve_command(self, ctx: click.Context, args: list[str]):
-        name = args[0] if args else ""
-        names = self.list_commands(ctx)
-        if name and not name.startswith("-") and name not in names and not ctx.resilient_parsing:
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"commands: {', '.join(names)}"
-            ctx.fail(f"no command {name!r}; {hint}")
-        return super().resolve_command(ctx, args)
 
 
 class LazyGroup(SuggestingGroup):

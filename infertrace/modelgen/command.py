@@ -6,8 +6,7 @@ from pathlib import Path
 
 import click
 
-from infertrace.cli import SuggestingGroup
-from infertrace.console import err_console, fail, out_console
+from infertrace.console import SuggestingGroup, err_console, fail, out_console
 from infertrace.exits import BAD_INPUT
 
 PRESET_NAMES = ("tiny", "qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
