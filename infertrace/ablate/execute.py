@@ -11,7 +11,9 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infertrace.ablate.recipe import Recipe, RecipeError, load_recipe
+from rich.markup import escape
+
+from infertrace.ablate.recipe import PlannedPhase, Recipe, RecipeError, load_recipe
 from infertrace.console import err_console, fail, out_console
 from infertrace.exits import BAD_INPUT
 from infertrace.exits import FAILURE as EXIT_PHASE_FAILED
@@ -61,10 +63,38 @@ def check_recipe(options: AblateOptions) -> int:
         if recipe.model is not None:
             check_model_dir(recipe)
         check_dataset(recipe)
+        planned = plan_here(recipe)
     except RecipeError as exc:
         fail(str(exc), BAD_INPUT)
-    out_console.print(f"{recipe.path}: usable, {len(planned)} phase(s)", highlight=False)
+    skipped = sum(p.not_applicable is not None for p in planned)
+    out_console.print(f"{recipe.path}: usable, {len(planned)} phase(s)"
+                      + (f", {skipped} of them not applicable here (not run)" if skipped else ""), highlight=False)
     return 0
+
+
+def plan_here(recipe: Recipe) -> list[PlannedPhase]:
+    """The recipe's phases as this machine can run them, a note on stderr for each that it cannot. RecipeError when
+    no phase can run here, or when one's weights and KV cache alone take more memory than the machine has (a run
+    would be killed for memory, losing every phase)."""
+    from infertrace.ablate.device import Machine, mark_not_applicable, model_shapes, too_big
+
+    machine = Machine.here()
+    planned = mark_not_applicable(recipe.plan(), machine)
+    skipped = [p for p in planned if p.not_applicable is not None]
+    if skipped and all(p.not_applicable is not None or p.error is not None for p in planned):
+        first = skipped[0]
+        more = f" (and {len(skipped) - 1} more phase(s))" if len(skipped) > 1 else ""
+        raise RecipeError(f"{recipe.path}: no phase can run on this machine: phase {first.index + 1} "
+                          f"{first.name!r} is not applicable {first.not_applicable}{more}")
+    big = too_big([p for p in planned if p.not_applicable is None], model_shapes(recipe), machine)
+    if big is not None:
+        phase, need = big
+        raise RecipeError(f"{recipe.path}: phase {phase.index + 1} {phase.name!r} {need.describe()}; give it a "
+                          "smaller model or KV cache (kv_cache_tokens, cpu_kv_cache_gb)")
+    for phase in skipped:
+        err_console.print(f"[yellow]note:[/] phase {phase.index + 1} {escape(repr(phase.name))} will not run, not "
+                          f"applicable {escape(phase.not_applicable)}", highlight=False, soft_wrap=True)
+    return planned
 
 
 def execute(options: AblateOptions) -> int:
@@ -74,7 +104,10 @@ def execute(options: AblateOptions) -> int:
     from infertrace.ablate.waterfall import waterfall
 
     recipe = prepare(options)
-    planned = recipe.plan()
+    try:
+        planned = plan_here(recipe)
+    except RecipeError as exc:
+        fail(str(exc), BAD_INPUT)
     for phase in planned:
         if phase.error:
             err_console.print(f"[yellow]warning:[/] phase {phase.index + 1} {phase.name!r} will fail: {phase.error}",
@@ -107,7 +140,7 @@ def execute(options: AblateOptions) -> int:
 
     crashed = None
     try:
-        asyncio.run(_run(recipe, model_dir, len(planned), trace_root, on_phase_done))
+        asyncio.run(_run(recipe, planned, model_dir, trace_root, on_phase_done))
     except KeyboardInterrupt:  # a second Ctrl-C: the phases done so far still count
         err_console.print("[yellow]interrupted[/]")
     except Exception as exc:  # noqa: BLE001 - whatever broke, the phases already measured are shown and kept
@@ -136,7 +169,8 @@ def execute(options: AblateOptions) -> int:
     return EXIT_PHASE_FAILED if any(r.status is PhaseStatus.FAILED for r in results) else 0
 
 
-async def _run(recipe: Recipe, model_dir: Path, total: int, trace_root: Path | None, on_phase_done) -> None:
+async def _run(recipe: Recipe, planned: list[PlannedPhase], model_dir: Path, trace_root: Path | None,
+               on_phase_done) -> None:
     from infertrace.ablate.render import PhaseProgress
     from infertrace.ablate.run import AblationHooks, run_ablation
     from infertrace.load.benchmark import Hooks, Interrupter
@@ -147,14 +181,14 @@ async def _run(recipe: Recipe, model_dir: Path, total: int, trace_root: Path | N
         err_console.print("[yellow]interrupted: finishing the phase's figures and saving what ran (Ctrl-C again "
                           "to stop now)[/]")
 
-    with interrupter.on_sigint(announce), PhaseProgress(err_console, total) as progress:
+    with interrupter.on_sigint(announce), PhaseProgress(err_console, len(planned)) as progress:
         def done(result) -> None:
             progress.on_phase_done(result)
             on_phase_done(result)
 
         hooks = AblationHooks(progress.on_phase_start, done,
                               Hooks(progress.on_stage, progress.on_result, progress.on_info))
-        await run_ablation(recipe, model_dir, interrupter, hooks, trace_root)
+        await run_ablation(recipe, model_dir, interrupter, hooks, trace_root, planned)
 
 
 def _check_writable(path: Path) -> None:

@@ -65,6 +65,8 @@ class PlannedPhase:
     overrides: dict[str, Any]  # this phase's own
     config: dict[str, Any]  # what the engine gets
     error: str | None  # why these overrides make no valid engine config (the phase then fails in its row)
+    # why this phase cannot be measured on this machine (ablate/device.py): it is then not run
+    not_applicable: str | None = None
 
 
 @dataclass(slots=True)

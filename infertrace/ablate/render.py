@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -15,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from infertrace.ablate.recipe import PlannedPhase
-from infertrace.ablate.run import PhaseResult
+from infertrace.ablate.run import PhaseResult, PhaseStatus
 from infertrace.ablate.waterfall import WaterfallRow
 from infertrace.load.records import RequestResult
 
@@ -52,9 +53,9 @@ class PhaseProgress:
             self._stage = None
         tput = result.output_throughput
         figure = f"{tput:.1f} tok/s" if tput is not None else ""
-        reason = f": {result.error}" if result.error else ""
-        self.progress.console.print(f"[dim]phase {result.index + 1} {result.name!r}: {result.status.value}"
-                                    f"{', ' + figure if figure else ''}{reason}[/]", highlight=False)
+        status = escape(status_text(result.status.value, result.error))
+        self.progress.console.print(f"[dim]phase {result.index + 1} {escape(repr(result.name))}: {status}"
+                                    f"{', ' + figure if figure else ''}[/]", highlight=False)
 
     def on_stage(self, name: str, total: int | None, seconds: float | None) -> None:
         if self._stage is not None:
@@ -95,13 +96,19 @@ def _kernels(row: WaterfallRow) -> Text:
     return Text("-")
 
 
+def status_text(status: str, reason: str | None) -> str:
+    """`failed: why`; a phase not applicable reads `not applicable on cpu: why` (its reason names the device)."""
+    if not reason:
+        return status
+    return f"{status} {reason}" if status == PhaseStatus.NOT_APPLICABLE.value else f"{status}: {reason}"
+
+
 def _phase(row: WaterfallRow) -> Text:
     """The phase's name; under it, when it did not simply run, its status and the reason."""
     cell = Text(row.phase)
     if row.status != "ok":
-        cell.append(f"\n{row.status}", style="bold red" if row.status == "failed" else "yellow")
-        if row.detail:
-            cell.append(f": {row.detail}", style="red" if row.status == "failed" else "yellow")
+        failed = row.status == "failed"
+        cell.append(f"\n{status_text(row.status, row.detail)}", style="red" if failed else "yellow")
     elif row.detail:
         cell.append(f"\n{row.detail}", style="yellow")
     return cell

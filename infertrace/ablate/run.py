@@ -38,6 +38,7 @@ class PhaseStatus(str, Enum):
     FAILED = "failed"
     INTERRUPTED = "interrupted"  # cut short by Ctrl-C: its figures cover the requests that finished
     NOT_RUN = "not run"  # the run was interrupted before this phase started
+    NOT_APPLICABLE = "not applicable"  # it cannot be measured on this machine (its error says why): not run
 
 
 @dataclass(slots=True)
@@ -73,12 +74,16 @@ class AblationHooks:
 
 
 async def run_ablation(recipe: Recipe, model_dir: Path, interrupter: Interrupter, hooks: AblationHooks,
-                       trace_root: Path | None = None) -> list[PhaseResult]:
-    """Every phase in order; once interrupted, the phases left are recorded as not run."""
+                       trace_root: Path | None = None, planned: list[PlannedPhase] | None = None) -> list[PhaseResult]:
+    """Every phase in order (`planned`, default the recipe's plan); once interrupted, the phases left are recorded
+    as not run, and a phase not applicable on this machine is recorded without running."""
     cfg = recipe.bench_config()
     results = []
-    for phase in recipe.plan():
-        if interrupter.requested:
+    for phase in planned if planned is not None else recipe.plan():
+        if phase.not_applicable is not None:
+            result = PhaseResult(phase.index, phase.name, phase.overrides, phase.config, PhaseStatus.NOT_APPLICABLE,
+                                 error=phase.not_applicable)
+        elif interrupter.requested:
             result = PhaseResult(phase.index, phase.name, phase.overrides, phase.config, PhaseStatus.NOT_RUN,
                                  error="the run was interrupted before this phase")
         else:

@@ -18,3 +18,14 @@ def write_recipe(tmp_path):
         return path
 
     return write
+
+
+@pytest.fixture(autouse=True)
+def cpu_machine(monkeypatch):
+    """Every ablation test sees a CPU machine with 64 GiB free, whatever runs it, so that what a phase can do here
+    (ablate/device.py) is the same on a GPU runner; tests of other machines build their own Machine."""
+    from infertrace.ablate import device
+
+    machine = device.Machine(0, host_bytes=64 * device.GiB)
+    monkeypatch.setattr(device.Machine, "here", classmethod(lambda cls: machine))
+    return machine
