@@ -155,6 +155,7 @@ def _serve_in_process(settings: ServerSettings, config) -> None:
     import asyncio
 
     from infertrace.engine import Engine
+    from infertrace.engine.threads import cpu_threads
     from infertrace.server.engine_link.runner import run_in_process
 
     _say(f"loading {settings.model_dir} ...")
@@ -162,6 +163,8 @@ def _serve_in_process(settings: ServerSettings, config) -> None:
         engine = Engine(settings.model_dir, config)
     except (ValueError, OSError) as e:
         fail(f"cannot load the model: {e}", FAILURE)
+    if engine.runner.device.type == "cpu":
+        cpu_threads()
 
     def listening(url: str) -> None:
         _say(f"serving {settings.served_model_name!r} on {url} (max context {engine.max_model_len}, "

@@ -83,7 +83,8 @@ async def test_a_disconnect_aborts_the_request_and_frees_its_kv(serve_tiny, wait
         assert after["infertrace:num_requests_in_flight"] == 0
 
 
-async def test_metrics_and_server_info_report_the_engine_process(serve_tiny, metrics_of):
+async def test_metrics_and_server_info_report_the_engine_process(serve_tiny, metrics_of, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     async with serve_tiny(engine_process=True) as client:
         ok = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "ignore_eos": True})
         assert ok.status == 200
@@ -92,6 +93,7 @@ async def test_metrics_and_server_info_report_the_engine_process(serve_tiny, met
     assert info["engine_pid"] == client.engine_proc.pid
     assert info["frontend"] == {"pid": os.getpid(), "index": 0, "count": 1, "engine_in_process": False}
     assert info["engine_config"]["kv_cache_tokens"] == 16384 and info["versions"]["torch"]
+    assert info["torch_threads"] == max(1, (os.cpu_count() or 1) - 1)  # the engine's CPU thread rule, as bench's
     assert metrics["infertrace:kv_blocks_total"] == 16384 // 16
     assert metrics["infertrace:generation_tokens_total"] == 5
     assert metrics['infertrace:request_success_total{finished_reason="length"}'] == 1

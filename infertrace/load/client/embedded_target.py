@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from infertrace.engine.threads import cpu_threads
 from infertrace.load.client.timing import TargetError
 from infertrace.load.records import RequestSpec, StreamEvent
 from infertrace.modelgen.cached import preset_model_dir
@@ -19,20 +19,6 @@ TINY_PRESET = "tiny"
 def default_model_dir(on_build: Callable[[Path], None] | None = None, preset: str = TINY_PRESET) -> Path:
     """A preset's model in the cache (the built-in tiny model by default), written on first use."""
     return preset_model_dir(preset, on_build)
-
-
-def cpu_threads() -> int:
-    """Torch's intra-op threads for the engine on the CPU: one core fewer than the host has (at least one), so the
-    event loop and the engine's own Python thread keep a core. With every core in a GEMM, a thread descheduled by
-    them (or by any other process) holds the others spinning at OpenMP's barrier. On a shared 2-core host (load
-    average about 7), `bench --concurrency 8 --num-prompts 16` took 22.9-36.3 s (median of 4: 34.2) and 9.1-11.5 s
-    of CPU with two threads, 23.0-27.7 s (median 24.4) and 8.7-9.3 s with one. An OMP_NUM_THREADS the user set is
-    kept."""
-    import torch
-
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
-    return torch.get_num_threads()
 
 
 class EmbeddedTarget:

@@ -116,13 +116,16 @@ def engine_main(spec: EngineSpec, socks: list[socket.socket]) -> None:
         from infertrace.engine.config import EngineConfig
         from infertrace.engine.engine import Engine
         from infertrace.engine.heap import freeze_startup_heap
+        from infertrace.engine.threads import cpu_threads
         from infertrace.server.engine_link.services import EngineServices
 
         engine = Engine(spec.model_dir, EngineConfig(**spec.config))
+        threads = cpu_threads() if engine.runner.device.type == "cpu" else None
         if engine.other_ranks is not None:  # a rank that dies while the loop waits for requests ends the loop too
             engine.other_ranks.raise_in_main_thread_on_failure()
         services = EngineServices(engine, Path(spec.profile_dir) if spec.profile_dir else None, spec.config)
         info = services.info()
+        info["torch_threads"] = threads
         info["gc_frozen_objects"] = freeze_startup_heap()
         services.metrics.forget_gc()  # /metrics counts the collections of serving, not the start-up one just made
     except BaseException as e:

@@ -199,6 +199,7 @@ class ServerState:
                 "sampling_defaults": self.sampling_defaults, "server": settings, "versions": versions,
                 "device": info.get("device"), "platform": platform.platform(),
                 "engine_pid": info.get("engine_pid"), "gc_frozen_objects": info.get("gc_frozen_objects"),
+                "torch_threads": info.get("torch_threads"),
                 "frontend": {"pid": os.getpid(), **self.frontend},
                 **(info.get("decode_path") or {})}
 
