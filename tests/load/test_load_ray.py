@@ -19,6 +19,40 @@ def cluster():
     ray.shutdown()
 
 
+def test_an_address_with_no_cluster_is_one_line_in_seconds(standin, prompts_jsonl, monkeypatch):
+    import socket
+    import time
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh process, whatever ran before
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    res = CliRunner().invoke(main, ["bench", "--base-url", standin.url, "--dataset", "jsonl", "--dataset-path",
+                                    str(prompts_jsonl), "--num-prompts", "2", "--warmup", "0",
+                                    "--ray", f"127.0.0.1:{port}"])
+    assert res.exit_code == 2 and time.monotonic() - started < 30
+    lines = res.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: --ray 127.0.0.1:{port}: cannot reach a Ray cluster there"), res.stderr
+    assert standin.count == 0
+
+
+def test_a_ray_client_address_without_ray_client_says_so(monkeypatch, standin, prompts_jsonl):
+    import sys
+
+    from infertrace.load.client.timing import TargetError
+    from infertrace.load.run.ray_launcher import connect
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setitem(sys.modules, "ray.util.client.worker", None)  # a Ray without its client half
+    with pytest.raises(TargetError, match=r"ray://h:10001: a ray:// address connects through Ray Client") as e:
+        connect("ray://h:10001")
+    assert "pip install 'ray[client]'" in str(e.value) and "needs Ray:" not in str(e.value)
+    res = CliRunner().invoke(main, ["bench", "--base-url", standin.url, "--dataset", "jsonl", "--dataset-path",
+                                    str(prompts_jsonl), "--num-prompts", "2", "--warmup", "0", "--ray", "ray://h:1"])
+    assert res.exit_code == 2 and "pip install 'ray[client]'" in res.stderr  # brackets shown as given
+
+
 def test_two_actors_send_one_schedule_and_their_records_merge(cluster, standin, tmp_path):
     standin.token_delay = 0.005
     out, reqs = tmp_path / "r.json", tmp_path / "r.jsonl"

@@ -9,31 +9,65 @@ that each actor times its own requests, and no two hosts' clocks are compared.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import msgspec
 
+from infertrace.load.client.timing import TargetError
 from infertrace.load.run.worker import Batch, Slice, run_slice
 
 CLOCK_PROBES = 5
 POLL_S = 0.2
 
 
+CONNECT_TIMEOUT_S = 5.0  # a cluster's GCS port that does not accept in this long is not there (Ray itself waits
+# minutes, silently)
+
+
 def _ray():
     try:
         import ray
     except ImportError:
-        raise RuntimeError("--ray needs Ray: pip install -e '.[distributed]'") from None
+        raise TargetError("--ray needs Ray: pip install -e '.[distributed]'") from None
     return ray
 
 
 def connect(address: str):
     """The Ray module, joined to the cluster at `address` (`auto`: the one `ray start` made); a process that
-    already called ray.init keeps its cluster."""
+    already called ray.init keeps its cluster. TargetError, in a few seconds, when the cluster cannot be joined."""
     ray = _ray()
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        return ray
+    if address.startswith("ray://"):
+        try:
+            import ray.util.client.worker  # noqa: F401 - Ray Client's half, which needs grpcio
+        except ImportError:
+            raise TargetError(f"--ray {address}: a ray:// address connects through Ray Client, which this Ray lacks "
+                              "(pip install 'ray[client]'); or run bench on a node of the cluster with --ray auto or "
+                              "--ray HOST:6379") from None
+    else:
+        check_reachable(address)
+    try:
         ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise TargetError(f"--ray {address}: cannot join the Ray cluster: {first}") from None
     return ray
+
+
+def check_reachable(address: str) -> None:
+    """For a HOST:PORT address: TargetError unless something accepts a connection there within
+    CONNECT_TIMEOUT_S."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # `auto`, `local`: Ray finds its own
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise TargetError(f"--ray {address}: cannot reach a Ray cluster there ({why} within "
+                          f"{CONNECT_TIMEOUT_S:g} s); start one with `ray start --head` or pass --ray auto") from None
 
 
 def node_ids(address: str) -> list[str]:
