@@ -61,27 +61,32 @@ def mark_not_applicable(planned: list, machine: Machine) -> list:
 def not_applicable(planned: list, machine: Machine) -> list[str | None]:
     """For each planned phase, why it cannot be measured on `machine` (None: it can, or it fails anyway with its
     own error). A phase is not applicable when its engine asks for what the machine cannot do, or when, with the
-    settings that take no effect here set aside, it runs the same engine as the last phase measured before it."""
+    settings and kernel rules that take no effect here set aside, it runs the same engine as the last phase
+    measured before it."""
     from infertrace.engine.config import EngineConfig
 
     reasons: list[str | None] = []
-    measured: tuple[dict, dict] | None = None  # (config as written, config as it takes effect) of the last one
+    measured = None  # what the last phase measured runs, as it takes effect here
+    before: tuple[dict, dict] = ({}, {})  # (config, tuning) of the phase before, to name what a phase changed
     for phase in planned:
         if phase.error is not None:
             reasons.append(None)
             continue
         config = dataclasses.asdict(EngineConfig.from_overrides(phase.config))
         device = machine.device(config)
+        changed = [k for k in config if before[0] and config[k] != before[0].get(k)]
+        changed += [k for k in {**before[1], **phase.tuning} if phase.tuning.get(k) != before[1].get(k)]
+        before = (config, phase.tuning)
         cannot = unsupported(config, machine)
         if cannot:
             reasons.append(f"on {device}: {cannot[0]}")
             continue
-        effective = _in_effect(config, device, machine)
-        if measured is not None and effective == measured[1] and config != measured[0]:
-            reasons.append(f"on {device}: {_no_effect(phase.overrides, config, device, machine)}")
+        effective = _in_effect(config, phase.tuning, device, machine)
+        if measured is not None and effective == measured and changed:
+            reasons.append(f"on {device}: {_no_effect(changed, config, phase.tuning, device, machine)}")
             continue
         reasons.append(None)
-        measured = (config, effective)
+        measured = effective
     return reasons
 
 
@@ -111,37 +116,41 @@ def unsupported(config: dict, machine: Machine) -> list[str]:
 
 
 def _ignored(config: dict, device: str, machine: Machine) -> dict[str, str]:
-    """The settings of `config` that take no effect on `device`, each with why."""
+    """The settings and kernel rules (engine/kernels/tuning.py, named as the settings they were) that take no
+    effect on `device` under `config`, each with why."""
     ignored = {}
     if device == "cpu":
         ignored |= dict.fromkeys(CUDA_ONLY, "takes effect on CUDA GPUs only")
         ignored |= dict.fromkeys(ALL_REDUCE, "takes effect on CUDA GPUs only (ranks on a CPU use gloo)")
     else:
         if machine.capability is not None and machine.capability < HOPPER:
-            ignored["pdl"] = "takes effect on Hopper and later GPUs only"
+            ignored |= dict.fromkeys(("pdl", "gemm_early_weights"), "takes effect on Hopper and later GPUs only")
         if config["tensor_parallel_size"] == 1:
             ignored |= dict.fromkeys(ALL_REDUCE, "takes effect with more than one rank only")
     return ignored
 
 
-def _in_effect(config: dict, device: str, machine: Machine) -> dict:
-    """The config as the engine on `device` acts on it: ignored settings left out, "auto" choices resolved."""
-    effective = {k: v for k, v in config.items() if k not in _ignored(config, device, machine)}
+def _in_effect(config: dict, tuning: dict, device: str, machine: Machine) -> dict:
+    """The config and rules as the engine on `device` acts on them: ignored ones left out, "auto" resolved."""
+    ignored = _ignored(config, device, machine)
+    effective = {k: v for k, v in config.items() if k not in ignored}
     if effective.get("async_scheduling") == "auto":
         effective["async_scheduling"] = "on" if device == "cuda" else "off"
     if effective.get("attention_backend") == "auto":
         effective["attention_backend"] = "triton" if device == "cuda" else "torch"
+    effective["kernel rules"] = {k: v for k, v in tuning.items() if k not in ignored}
     return effective
 
 
-def _no_effect(overrides: dict, config: dict, device: str, machine: Machine) -> str:
+def _no_effect(changed: list[str], config: dict, tuning: dict, device: str, machine: Machine) -> str:
     ignored = _ignored(config, device, machine)
-    own = [key for key in overrides if key in ignored]
+    own = [key for key in changed if key in ignored]
     if own:
         why = ignored[own[0]]
         return f"{', '.join(own)} {why.replace('takes', 'take') if len(own) > 1 else why}"
-    shown = ", ".join(f"{k}={_show(v)}" for k, v in overrides.items())
-    return f"{shown or 'this phase'} is what the engine does here already"
+    values = {**config, **tuning}
+    shown = ", ".join(f"{k}={_show(values.get(k))}" for k in changed)
+    return f"{shown} is what the engine does here already"
 
 
 def _show(value) -> str:

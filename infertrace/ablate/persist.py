@@ -23,7 +23,8 @@ def recipe_json(recipe: Recipe) -> dict:
         "path": str(recipe.path), "name": recipe.name, "description": recipe.description,
         "model": recipe.model, "preset": recipe.preset, "engine": recipe.engine, "workload": recipe.workload,
         "profile": dataclasses.asdict(recipe.profile),
-        "phases": [{"name": p.name, "overrides": p.overrides, "reset": p.reset} for p in recipe.phases],
+        "phases": [{"name": p.name, "overrides": p.overrides, "tuning": p.tuning, "reset": p.reset}
+                   for p in recipe.phases],
     }
 
 
@@ -32,7 +33,7 @@ def phase_json(result: PhaseResult) -> dict:
 
     return {
         "index": result.index, "name": result.name, "status": result.status.value, "error": result.error,
-        "note": result.note, "overrides": result.overrides, "config": result.config,
+        "note": result.note, "overrides": result.overrides, "config": result.config, "tuning": result.tuning,
         "engine_config": result.engine_config, "seconds": round(result.seconds, 3),
         "result": point_result(result.record) if result.record is not None else None,
         "profile": result.profile.to_json() if result.profile is not None else None,

@@ -31,7 +31,7 @@ WORKLOAD_KEYS = tuple(_WORKLOAD_TYPES)
 # every phase generates exactly output_len tokens per request, so tok/s compares like with like
 WORKLOAD_DEFAULTS = {"ignore_eos": True}
 PROFILE_KEYS = ("enabled", "steps", "activities")
-PHASE_KEYS = ("name", "overrides", "reset")
+PHASE_KEYS = ("name", "overrides", "tuning", "reset")
 DEFAULT_PRESET = "tiny"
 DEFAULT_PROFILE_STEPS = 16
 # --quick: caps that shrink any recipe's workload to a smoke test of a few seconds per phase
@@ -54,6 +54,8 @@ class Phase:
     reset: bool = False
     line: int | None = None
     override_lines: dict[str, int] = field(default_factory=dict)
+    # kernel tuning rules set instead of what they pick (engine/kernels/tuning.py RULES), carried on like overrides
+    tuning: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -67,6 +69,7 @@ class PlannedPhase:
     error: str | None  # why these overrides make no valid engine config (the phase then fails in its row)
     # why this phase cannot be measured on this machine (ablate/device.py): it is then not run
     not_applicable: str | None = None
+    tuning: dict[str, Any] = field(default_factory=dict)  # the kernel rules it runs with, its own and inherited
 
 
 @dataclass(slots=True)
@@ -105,10 +108,12 @@ class Recipe:
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         planned = []
         current: dict[str, Any] = {}
+        rules: dict[str, Any] = {}
         origin: dict[str, tuple[Phase, int | None]] = {}
         for i, phase in enumerate(self.phases):
             if phase.reset:
-                current, origin = {}, {}
+                current, origin, rules = {}, {}, {}
+            rules = {**rules, **phase.tuning}
             for key, value in phase.overrides.items():
                 current[key] = value
                 origin[key] = (phase, phase.override_lines.get(key))
@@ -122,7 +127,7 @@ class Recipe:
                 site = origin[culprit] if culprit else (phase, phase.line)
                 hint = _quote_hint(current[culprit]) if culprit in known else ""
                 error = self._at(phase, site, f"{exc}{hint}")
-            planned.append(PlannedPhase(i, phase.name, dict(phase.overrides), config, error))
+            planned.append(PlannedPhase(i, phase.name, dict(phase.overrides), config, error, tuning=rules))
         return planned
 
     def _at(self, phase: Phase, site: tuple[Phase, int | None], message: str) -> str:
@@ -463,5 +468,23 @@ def _phases(value, where, lines: dict[tuple, int]) -> list[Phase]:
         if not isinstance(reset, bool):
             raise RecipeError(f"{where(*at, 'reset')}: reset must be true or false, got {reset!r}")
         override_lines = {k: lines[at + ("overrides", k)] for k in overrides if at + ("overrides", k) in lines}
-        phases.append(Phase(name, dict(overrides), reset, lines.get(at), override_lines))
+        tuning = _tuning(item.get("tuning"), at, where)
+        phases.append(Phase(name, dict(overrides), reset, lines.get(at), override_lines, tuning))
     return phases
+
+
+def _tuning(value, at: tuple, where) -> dict[str, Any]:
+    """A phase's `tuning:`, rule: value, each a rule of the kernels and a value it can take (a rule is no engine
+    setting: it follows from the rank count and shapes, and an experiment overrides it, as here)."""
+    from infertrace.engine.kernels.tuning import RULES
+
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RecipeError(f"{where(*at, 'tuning')}: tuning must be a mapping of rule: value, got {value!r}")
+    _check_keys(value, tuple(RULES), "tuning rule", (*at, "tuning"), where)
+    for rule, chosen in value.items():
+        if isinstance(chosen, bool) or chosen not in RULES[rule]:
+            raise RecipeError(f"{where(*at, 'tuning', rule)}: {rule} takes {', '.join(map(str, RULES[rule]))}, got "
+                              f"{chosen!r}{_quote_hint(chosen)}")
+    return dict(value)

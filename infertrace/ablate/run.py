@@ -8,9 +8,11 @@ the profiler never perturbs the measured figures. A phase that fails is kept as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import math
+import os
 import re
 import sys
 import time
@@ -56,6 +58,7 @@ class PhaseResult:
     profile_error: str | None = None
     trace_dir: str | None = None
     seconds: float = 0.0
+    tuning: dict = dataclasses.field(default_factory=dict)  # the kernel rules it ran with
 
     @property
     def output_throughput(self) -> float | None:
@@ -82,10 +85,10 @@ async def run_ablation(recipe: Recipe, model_dir: Path, interrupter: Interrupter
     for phase in planned if planned is not None else recipe.plan():
         if phase.not_applicable is not None:
             result = PhaseResult(phase.index, phase.name, phase.overrides, phase.config, PhaseStatus.NOT_APPLICABLE,
-                                 error=phase.not_applicable)
+                                 error=phase.not_applicable, tuning=phase.tuning)
         elif interrupter.requested:
             result = PhaseResult(phase.index, phase.name, phase.overrides, phase.config, PhaseStatus.NOT_RUN,
-                                 error="the run was interrupted before this phase")
+                                 error="the run was interrupted before this phase", tuning=phase.tuning)
         else:
             hooks.on_phase_start(phase)
             trace_dir = trace_root / phase_dir_name(phase) if trace_root is not None else None
@@ -105,14 +108,17 @@ async def run_phase(phase: PlannedPhase, cfg, model_dir: Path, profile: ProfileS
     """One phase on its own engine: open, measure, optionally capture, close, then analyze the capture."""
     from infertrace.load.client.embedded_target import EmbeddedTarget
 
-    result = PhaseResult(phase.index, phase.name, phase.overrides, phase.config, PhaseStatus.FAILED)
+    result = PhaseResult(phase.index, phase.name, phase.overrides, phase.config, PhaseStatus.FAILED,
+                         tuning=phase.tuning)
     start = time.perf_counter()
     if phase.error is not None:
         result.error = phase.error
         return result
     target = EmbeddedTarget(model_dir, phase.config, ignore_eos=cfg.ignore_eos, temperature=cfg.temperature)
     captured = False
+    rules = contextlib.ExitStack()
     try:
+        rules.enter_context(kernel_rules(phase.tuning))
         hooks.on_phase("loading the engine", None, None)
         await target.open()
         result.engine_config = dataclasses.asdict(target.engine.config)
@@ -131,6 +137,7 @@ async def run_phase(phase: PlannedPhase, cfg, model_dir: Path, profile: ProfileS
         result.status, result.error = PhaseStatus.FAILED, one_line(exc)
     finally:
         await release(target)
+        rules.close()
     if captured:
         hooks.on_phase("analyzing the profile", None, None)
         try:
@@ -139,6 +146,26 @@ async def run_phase(phase: PlannedPhase, cfg, model_dir: Path, profile: ProfileS
             result.profile_error = one_line(exc)
     result.seconds = time.perf_counter() - start
     return result
+
+
+@contextlib.contextmanager
+def kernel_rules(rules: dict):
+    """The phase's tuning rules in $INFERTRACE_KERNEL_TUNING while its engine runs, as an experiment sets them (its
+    tensor-parallel ranks, started now, read the same environment); the variable as it was afterwards."""
+    if not rules:
+        yield
+        return
+    from infertrace.engine.kernels import tuning
+
+    before = os.environ.get(tuning.ENV)
+    os.environ[tuning.ENV] = tuning.with_rules(rules)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(tuning.ENV, None)
+        else:
+            os.environ[tuning.ENV] = before
 
 
 def judge(record: PointRecord) -> tuple[PhaseStatus, str | None, str | None]:

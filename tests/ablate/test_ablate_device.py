@@ -153,3 +153,29 @@ def test_the_machine_here_is_read_from_torch():
     machine = MACHINE_HERE()
     assert machine.gpus == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
     assert machine.host_bytes > 0
+
+
+TWO_HOPPERS = Machine(2, (9, 0), 80 * GiB, 64 * GiB)
+
+
+def test_allreduce_recipe_runs_every_phase_on_two_gpus_and_none_on_a_cpu():
+    """Its first phase, "NCCL all-reduce", ran gloo on a CPU; the others failed."""
+    assert set(reasons(RECIPES / "allreduce.yaml", TWO_HOPPERS).values()) == {None}
+    on_cpu = reasons(RECIPES / "allreduce.yaml", CPU)
+    assert on_cpu["NCCL all-reduce"] == "on cpu: all_reduce=nccl needs CUDA GPUs (ranks on a CPU all-reduce over gloo)"
+    assert all(reason and reason.startswith("on cpu: all_reduce=") for reason in on_cpu.values())
+    res = invoke(RECIPES / "allreduce.yaml", "--check")
+    assert res.exit_code == 2 and "no phase can run on this machine" in res.stderr
+
+
+def test_a_phase_changing_only_kernel_rules_is_not_applicable_where_they_do_nothing(write_recipe):
+    recipe = write_recipe("""
+        engine: {tensor_parallel_size: 2}
+        phases:
+          - name: base
+          - name: planes
+            tuning: {all_reduce_fusion: planes}
+        """)
+    assert reasons(recipe, CPU)["planes"] == (
+        "on cpu: all_reduce_fusion takes effect on CUDA GPUs only (ranks on a CPU use gloo)")
+    assert reasons(recipe, TWO_HOPPERS)["planes"] is None

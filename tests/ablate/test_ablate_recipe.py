@@ -269,3 +269,33 @@ def test_unreadable_recipe_files_are_one_line(tmp_path):
         with pytest.raises(RecipeError) as caught:
             load_recipe(path)
         assert str(caught.value) == words
+
+
+def test_tuning_rules_are_checked_and_carried_on_like_overrides(write_recipe):
+    recipe = load_recipe(write_recipe("""
+        phases:
+          - name: a
+            tuning: {all_reduce_fusion: planes, all_reduce_spread: 4}
+          - name: b
+            tuning: {all_reduce_fusion: norm}
+          - name: c
+            reset: true
+        """))
+    assert [p.tuning for p in recipe.plan()] == [
+        {"all_reduce_fusion": "planes", "all_reduce_spread": 4}, {"all_reduce_fusion": "norm", "all_reduce_spread": 4},
+        {}]
+
+
+@pytest.mark.parametrize("tuning, words", [
+    ("{all_reduce_fusoin: planes}", "r.yaml:3: unknown tuning rule field 'all_reduce_fusoin' (did you mean "
+                                    "'all_reduce_fusion'?)"),
+    ("{all_reduce_fusion: fast}", "r.yaml:3: all_reduce_fusion takes planes, norm, off, got 'fast'"),
+    ("{all_reduce_push: off}", "all_reduce_push takes on, off, got False; YAML reads off, on, no and yes as "
+                               "true/false: quote the word ('off')"),
+    ("[planes]", "tuning must be a mapping of rule: value"),
+])
+def test_a_bad_tuning_rule_is_one_line_naming_the_line(write_recipe, tuning, words):
+    path = write_recipe(f"phases:\n  - name: a\n    tuning: {tuning}\n")
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(path)
+    assert words in str(exc.value)

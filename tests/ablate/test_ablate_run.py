@@ -124,3 +124,54 @@ def test_one_line_errors():
     assert one_line(TargetError("cannot start the bundled engine: no\nmore")) == "cannot start the bundled engine: no"
     assert one_line(RuntimeError("CUDA out of memory.\nTried to allocate")) == "RuntimeError: CUDA out of memory."
     assert one_line(KeyError()) == "KeyError"
+
+
+def test_a_phase_runs_with_its_kernel_rules_in_the_environment_and_puts_it_back(monkeypatch):
+    import json
+    import os
+
+    from infertrace.ablate.run import kernel_rules
+    from infertrace.engine.kernels import tuning
+
+    monkeypatch.setenv(tuning.ENV, '{"skinny_gemm": {"2560,2048": [64, 128, 4, 4]}}')
+    before = os.environ[tuning.ENV]
+    with kernel_rules({"all_reduce_fusion": "planes"}):
+        table = json.loads(os.environ[tuning.ENV])
+        assert table["rules"] == {"all_reduce_fusion": "planes"} and "skinny_gemm" in table  # kept, not replaced
+        assert tuning.rules() == {"all_reduce_fusion": "planes"}
+    assert os.environ[tuning.ENV] == before
+    monkeypatch.delenv(tuning.ENV)
+    with kernel_rules({"gemm_early_weights": "off"}):
+        assert tuning.rules() == {"gemm_early_weights": "off"}
+    assert tuning.ENV not in os.environ
+
+
+async def test_the_engine_of_a_phase_starts_under_its_rules(monkeypatch, tmp_path):
+    import os
+
+    from infertrace.ablate.recipe import PlannedPhase
+    from infertrace.ablate.run import run_phase
+    from infertrace.engine.kernels import tuning
+    from infertrace.load.benchmark import Hooks
+    from infertrace.load.client.embedded_target import EmbeddedTarget
+
+    monkeypatch.delenv(tuning.ENV, raising=False)
+    seen = []
+
+    async def opening(self):
+        seen.append(tuning.rules())
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(EmbeddedTarget, "open", opening)
+    phase = PlannedPhase(0, "planes", {}, {}, None, tuning={"all_reduce_fusion": "planes"})
+    cfg = _small_workload()
+    result = await run_phase(phase, cfg, tmp_path, None, Interrupter(), Hooks())
+    assert seen == [{"all_reduce_fusion": "planes"}]
+    assert result.status is PhaseStatus.FAILED and result.error == "RuntimeError: stop here"
+    assert result.tuning == {"all_reduce_fusion": "planes"} and tuning.ENV not in os.environ
+
+
+def _small_workload():
+    from infertrace.load.config import BenchConfig
+
+    return BenchConfig(num_prompts=1, input_len=4, output_len=2)
