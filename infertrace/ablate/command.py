@@ -11,9 +11,10 @@ from infertrace.modelgen.presets import PRESETS
 
 EXIT_CODES = """\b
 Exit codes:
-  0    every phase ran
+  0    every phase ran, or was not applicable on this machine (a CUDA-only switch on a CPU: not run)
   1    one or more phases failed (each failure is in its row and in --json; the other phases ran)
-  2    the recipe or an option is not usable (one line names the file and line at fault)
+  2    the recipe or an option is not usable (one line names the file and line at fault), no phase of it
+       can run on this machine, or a phase's weights and KV cache do not fit its memory
   130  interrupted with Ctrl-C (the phases done so far are printed and saved)"""
 
 
@@ -67,8 +68,9 @@ idle share from a capture of each phase.
 @click.option("--engine-opt", "engine_opts", multiple=True, metavar="KEY=VALUE", callback=_key_values,
               help="An engine config field for every phase, on top of the recipe's base (repeatable), e.g. "
               "--engine-opt kv_cache_tokens=65536.")
-@click.option("--check", is_flag=True, help="Only check the recipe, every phase's overrides included, and exit "
-              "(0: usable, 2: the first problem, as one line).")
+@click.option("--check", is_flag=True, help="Only check the recipe, every phase's overrides included, what each "
+              "phase can do on this machine and the memory it needs, and exit (0: usable, 2: the first problem, as "
+              "one line).")
 def ablate(recipe: Path, profile: bool | None, profile_steps: int | None, json_path: Path | None,
            plot_path: Path | None, trace_dir: Path | None, model: str | None, preset: str | None,
            concurrency: int | None, num_prompts: int | None, input_len: int | None, output_len: int | None,
