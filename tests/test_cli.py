@@ -65,7 +65,10 @@ def test_unknown_flag_is_usage_error():
     assert "No such option" in line and "--bogus" in line
 
 
-@pytest.mark.parametrize("path", [p for p, cmd in _walk(main) if p and not isinstance(cmd, click.Group)])
+LEAF_COMMANDS = [p for p, cmd in _walk(main) if p and not isinstance(cmd, click.Group)]
+
+
+@pytest.mark.parametrize("path", LEAF_COMMANDS, ids=[" ".join(p) for p in LEAF_COMMANDS])
 def test_every_command_gives_a_usage_error_in_one_line(path):
     """click's own form is three or four lines (Usage:, Try '... --help', Error: ...)."""
     result = CliRunner().invoke(main, [*path, "--no-such-option"])
