@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GiB = 1024**3
-# settings that change nothing on a CPU (engine/config.py says so of each): a phase that changes only these
-# measures noise there
+# settings, and kernel rules (engine/kernels/tuning.py RULES), that change nothing on a CPU (engine/config.py and
+# the kernels say so of each): a phase that changes only these measures noise there
 CUDA_ONLY = ("cuda_graphs", "prefill_cuda_graphs", "cuda_graph_batch_sizes", "cuda_graph_token_sizes", "fused_norm",
              "skinny_gemm", "fused_projections", "pdl", "gemm_early_weights", "decode_longest_first",
              "gpu_memory_utilization")
-# settings of the tensor-parallel all-reduce: nothing to do with one rank, and on a CPU the ranks use gloo
+# the tensor-parallel all-reduce's setting and rules: nothing to do with one rank, and on a CPU the ranks use gloo
 ALL_REDUCE = ("all_reduce", "all_reduce_fusion", "all_reduce_spread", "all_reduce_pull", "all_reduce_payload",
               "all_reduce_push")
 HOPPER = (9, 0)  # PDL and FlashAttention-4 need compute capability 9.0 or later
@@ -116,8 +116,7 @@ def unsupported(config: dict, machine: Machine) -> list[str]:
 
 
 def _ignored(config: dict, device: str, machine: Machine) -> dict[str, str]:
-    """The settings and kernel rules (engine/kernels/tuning.py, named as the settings they were) that take no
-    effect on `device` under `config`, each with why."""
+    """The settings and kernel rules that take no effect on `device` under `config`, each with why."""
     ignored = {}
     if device == "cpu":
         ignored |= dict.fromkeys(CUDA_ONLY, "takes effect on CUDA GPUs only")
