@@ -21,7 +21,6 @@ the fetch is bounded in bytes, rows, pages and time, and crossed clock bounds le
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import time
 from dataclasses import dataclass
@@ -85,7 +84,7 @@ def checked_log(log: Any) -> tuple[dict, list[str]]:
     """The log's requests and steps that have the shape the join reads, as plain dicts, and a warning for what
     was skipped (how many, and the first reason)."""
     if not isinstance(log, dict):
-        return {"requests": [], "steps": []}, [f"the server's request log is not a JSON object; not joined"]
+        return {"requests": [], "steps": []}, ["the server's request log is not a JSON object; not joined"]
     out, warnings = {**log}, []
     for key, kind in (("requests", _LoggedRequest), ("steps", _LoggedStep)):
         rows = log.get(key) or []
