@@ -74,16 +74,47 @@ class Qwen3Spec:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class StepKernels:
+    """The kernels one forward takes, chosen once from the decode path and the step's size: the layers read it to
+    pick theirs. The default is Hugging Face's torch ops."""
+
+    fused: bool = False  # Triton kernels: residual add + RMSNorm, q/k RMSNorm + RoPE, SiLU-and-multiply
+    skinny: bool = False  # the projections as weight-streaming GEMMs (a step of at most SKINNY_MAX_ROWS tokens)
+    fused_projections: bool = False  # with skinny: projections and the kernels after them as one, where it gains
+    # the "norm" all-reduce fusion (skinny steps with more ranks): every residual add + RMSNorm after a row-parallel
+    # projection is also its all-reduce, numbered alike on every rank (`RMSNorm.call`), `calls` of them a forward
+    reducer: object | None = None
+    calls: int = 0
+    push: bool = False  # with the reducer: the output and down projections' GEMMs push their parts themselves
+
+
+EAGER = StepKernels()
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, call: int = 0):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
         self.eps = eps
+        self.call = call  # its place among a forward's add + norms: the all-reduce + norm kernel's call number
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor | None, residual: torch.Tensor | None = None,
+                step: StepKernels = EAGER):
+        """rmsnorm(x); with `residual`, (rmsnorm(x + residual), x + residual), where `x` is a projection's output as
+        the step's kernels leave it: split-K float32 planes the kernel adds as it reads them, or (with the reducer)
+        this rank's part, all-reduced by the same kernel (None: the projection's GEMM pushed it). The fused kernels
+        update `residual` in place."""
+        if residual is None:
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * x32.to(x.dtype)
+        if step.reducer is not None:
+            return step.reducer.add_rmsnorm(x, residual, self.weight, self.eps, self.call, step.calls), residual
+        if step.fused:
+            return _norms().add_rmsnorm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class RotaryEmbedding:
@@ -117,6 +148,14 @@ def _skinny_kernels():
     from infertrace.engine.kernels.skinny_gemm import decode_config, skinny_gemm
 
     return decode_config, skinny_gemm
+
+
+@functools.cache
+def _norms():
+    """The norm kernels (Triton), imported on first use."""
+    from infertrace.engine.kernels import norm
+
+    return norm
 
 
 @functools.cache
@@ -184,8 +223,9 @@ def row_parallel_decode(x: torch.Tensor, layer: RowParallelLinear, reduce: bool 
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype, tp: TensorParallel = SINGLE):
+    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype, tp: TensorParallel = SINGLE, call: int = 1):
         super().__init__()
+        self.call = call  # the call of the add + norm after the output projection (its push's slot)
         self.num_heads = check_divisible("attention heads", spec.num_attention_heads, tp.size)  # this rank's
         self.num_kv_heads = check_divisible("KV heads", spec.num_key_value_heads, tp.size)
         self.head_dim = spec.head_dim
@@ -202,16 +242,16 @@ class Qwen3Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata,
-                fused: bool = False, skinny: bool = False, fuse_projections: bool = False, reduce: bool = True,
-                push: tuple[int, int] | None = None):
-        """With `skinny`, the projections run as weight-streaming GEMMs. Where a tiling splits K, the qkv projection
-        returns split-K partial sums to the fused q/k norm (when it also writes K and V to the cache) and the output
-        projection to the residual add + RMSNorm after it; each adds them up as it reads them. With
-        `fuse_projections` (and `skinny`), a qkv shape measured to gain runs the projection, the q/k norm + RoPE and
-        the K/V write as one kernel (`fused.qkv_norm_rope`)."""
+                step: StepKernels = EAGER):
+        """With `step.skinny`, the projections run as weight-streaming GEMMs. Where a tiling splits K, the qkv
+        projection returns split-K partial sums to the fused q/k norm (when it also writes K and V to the cache) and
+        the output projection to the residual add + RMSNorm after it; each adds them up as it reads them. With
+        `step.fused_projections`, a qkv shape measured to gain runs the projection, the q/k norm + RoPE and the K/V
+        write as one kernel (`fused.qkv_norm_rope`)."""
+        fused = step.fused
         stored = fused and getattr(attn, "fuses_kv_store", False)  # the fused q/k norm writes K and V to the cache
         one_kernel = None
-        if stored and fuse_projections:
+        if stored and step.fused_projections:
             one_kernel = _fusions().qkv_fused_config(*self.qkv_proj.weight.shape)
         if one_kernel is not None:
             block_k, stages, warps = one_kernel
@@ -221,10 +261,8 @@ class Qwen3Attention(nn.Module):
                                          num_stages=stages, num_warps=warps)
             out = attn.forward(q, None, None, self.k_cache, self.v_cache, meta, self.scale, kv_stored=True)
         else:
-            out = self._attend(x, positions, rope, attn, meta, fused, skinny, stored)
-        if skinny:
-            return row_parallel_decode(out.reshape(-1, self.q_size), self.o_proj, reduce, push)
-        return self.o_proj(out.reshape(-1, self.q_size))
+            out = self._attend(x, positions, rope, attn, meta, fused, step.skinny, stored)
+        return row_parallel(self.o_proj, out.reshape(-1, self.q_size), step, self.call)
 
     def _attend(self, x, positions, rope: RotaryEmbedding, attn: TorchAttention, meta: AttentionMetadata, fused: bool,
                 skinny: bool, stored: bool) -> torch.Tensor:
@@ -248,56 +286,97 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype, tp: TensorParallel = SINGLE):
+    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype, tp: TensorParallel = SINGLE, call: int = 2):
         super().__init__()
+        self.call = call  # the call of the add + norm after the down projection (its push's slot)
         self.intermediate_size = check_divisible("intermediate size", spec.intermediate_size, tp.size)  # this rank's
         self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [spec.intermediate_size] * 2, False, dtype, tp)
         self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, False, dtype, tp)
 
-    def forward(self, x: torch.Tensor, fused: bool = False, skinny: bool = False,
-                fuse_projections: bool = False, reduce: bool = True,
-                push: tuple[int, int] | None = None) -> torch.Tensor | None:
-        """With `fuse_projections` (and `skinny`), a gate/up shape measured to gain runs the projection and
-        SiLU-and-multiply as one kernel (`fused.gate_up_silu`); otherwise, where the decode GEMMs are the early
-        kernel (tensor parallelism), that kernel does SiLU-and-multiply in its epilogue (`gate_up_silu_early`)."""
-        if fused:
-            kernels = _fusions()
-            if skinny:
-                w = self.gate_up_proj.weight
-                one_kernel = kernels.gate_up_silu_config(*w.shape) if fuse_projections else None
-                if one_kernel is not None:
-                    block_n, block_k, stages, warps = one_kernel
-                    act = kernels.gate_up_silu(x, w, block_n=block_n, block_k=block_k, num_stages=stages,
-                                               num_warps=warps)
-                else:
-                    act = decode_gate_up_silu(x, w) if fuse_projections else None
-                    if act is None:
-                        act = kernels.silu_mul(decode_linear(x, w))
-                return row_parallel_decode(act, self.down_proj, reduce, push)
-            return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, step: StepKernels = EAGER) -> torch.Tensor | None:
+        return row_parallel(self.down_proj, self.gate_up_silu(x, step), step, self.call)
+
+    def gate_up_silu(self, x: torch.Tensor, step: StepKernels = EAGER) -> torch.Tensor:
+        """silu(gate(x)) * up(x). In a skinny step with `fused_projections`, a gate/up shape measured to gain runs
+        the projection and SiLU-and-multiply as one kernel (`fused.gate_up_silu`); otherwise, where the decode GEMMs
+        are the early kernel (tensor parallelism), that kernel does SiLU-and-multiply in its epilogue
+        (`gate_up_silu_early`)."""
+        if not step.fused:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            return F.silu(gate) * up
+        kernels = _fusions()
+        if not step.skinny:
+            return kernels.silu_mul(self.gate_up_proj(x))
+        w = self.gate_up_proj.weight
+        if step.fused_projections:
+            one_kernel = kernels.gate_up_silu_config(*w.shape)
+            if one_kernel is not None:
+                block_n, block_k, stages, warps = one_kernel
+                return kernels.gate_up_silu(x, w, block_n=block_n, block_k=block_k, num_stages=stages,
+                                            num_warps=warps)
+            act = decode_gate_up_silu(x, w)
+            if act is not None:
+                return act
+        return kernels.silu_mul(decode_linear(x, w))
+
+
+def row_parallel(layer: RowParallelLinear, x: torch.Tensor, step: StepKernels, call: int) -> torch.Tensor | None:
+    """layer(x) summed over the ranks, as the add + norm after it (number `call`) takes it: cuBLAS and the
+    all-reduce, or in a skinny step `row_parallel_decode`'s planes, this rank's part, or nothing (pushed)."""
+    if not step.skinny:
+        return layer(x)
+    return row_parallel_decode(x, layer, reduce=step.reducer is None, push=(call, step.calls) if step.push else None)
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype, tp: TensorParallel = SINGLE):
+    def __init__(self, spec: Qwen3Spec, dtype: torch.dtype, tp: TensorParallel = SINGLE, index: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.self_attn = Qwen3Attention(spec, dtype, tp)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.mlp = Qwen3MLP(spec, dtype, tp)
+        # a forward's add + norms, in order: layer i's input norm is call 2i, its post-attention norm 2i + 1
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, call=2 * index)
+        self.self_attn = Qwen3Attention(spec, dtype, tp, call=2 * index + 1)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, call=2 * index + 1)
+        self.mlp = Qwen3MLP(spec, dtype, tp, call=2 * index + 2)
 
-    def forward(self, x, positions, rope, attn, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, positions, rope, attn, meta, step: StepKernels = EAGER):
+        """Hugging Face's layer after its input norm (which the model runs with the add before it, as vLLM's layers
+        do): `h` is the normed input, `residual` the stream; returns the MLP's output and the stream to add it to."""
+        h = self.self_attn(h, positions, rope, attn, meta, step)
+        h, residual = self.post_attention_layernorm(h, residual, step)
+        return self.mlp(h, step), residual
 
 
 class Qwen3Model(nn.Module):
     def __init__(self, spec: Qwen3Spec, dtype: torch.dtype, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype, tp)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(spec, dtype, tp) for _ in range(spec.num_hidden_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(spec, dtype, tp, i) for i in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, call=2 * spec.num_hidden_layers)
+
+    def forward(self, input_ids, positions, rope, attn, meta, step: StepKernels = EAGER) -> torch.Tensor:
+        h, residual = self.embed(input_ids, step)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, norm in zip(self.layers, norms):  # each layer's output added and normed by the next's input norm
+            h, residual = norm(*layer(h, residual, positions, rope, attn, meta, step), step)
+        return h
+
+    def embed(self, input_ids: torch.Tensor, step: StepKernels = EAGER) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lookup and the first layer's input norm: (normed, residual). With the fused kernels one rank does both
+        in one kernel; with the reducer the lookup's shard and the norm go through the all-reduce + norm kernel as
+        call 0 (one kernel for the all-reduce, which PyTorch's one-shot all-reduce and the norm after it took two
+        for); otherwise the lookup is all-reduced, then normed."""
+        first = self.layers[0].input_layernorm
+        if step.fused:
+            norms = _norms()
+            if self.tp.size == 1:
+                return norms.embed_rmsnorm(input_ids, self.embed_tokens.weight, first.weight, first.eps)
+            if step.reducer is not None:
+                plane, residual = norms.embed_shard(input_ids, self.embed_tokens.weight, self.embed_tokens.vocab_start)
+                return first(plane, residual, step)
+            residual = self.embed_tokens(input_ids)
+            return norms.add_rmsnorm(residual, None, first.weight, first.eps), residual
+        residual = self.embed_tokens(input_ids)
+        return first(residual), residual
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -358,59 +437,21 @@ class Qwen3ForCausalLM(nn.Module):
         begin = getattr(self.attn, "begin_forward", None)  # per-forward work of the backend, inside a CUDA graph
         if begin is not None:
             begin(meta)
-        if self.fused_norm:
-            return self._forward_fused(input_ids, positions, meta)
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, self.rope, self.attn, meta)
-        return self.model.norm(x)
+        step = self.step_kernels(input_ids.shape[0])
+        if step.reducer is not None:
+            step.reducer.begin_forward()  # the slots its calls use move on
+        return self.model(input_ids, positions, self.rope, self.attn, meta, step)
 
-    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-                       ) -> torch.Tensor:
-        from infertrace.engine.kernels.norm import add_rmsnorm, embed_rmsnorm, embed_shard
-
-        layers = self.model.layers
-        first = layers[0].input_layernorm
-        skinny = self.skinny_gemm and input_ids.shape[0] <= SKINNY_MAX_ROWS
-        one_kernel = skinny and self.fused_projections
-        # "norm" all-reduce fusion: each projection's partial sums go to the all-reduce + residual add + RMSNorm
-        reducer = self.tp.reduce if skinny and self.path.norm_fusion else None
-        embed = self.model.embed_tokens
-        if self.tp.size == 1:  # the lookup and the first norm in one kernel
-            h, residual = embed_rmsnorm(input_ids, embed.weight, first.weight, first.eps)
-        elif reducer is None:  # the lookup is sharded and all-reduced
-            residual = embed(input_ids)
-            h = add_rmsnorm(residual, None, first.weight, first.eps)
-        if reducer is None:
-            def reduce_norm(x, call, norm):
-                return add_rmsnorm(x, residual, norm.weight, norm.eps)
-        else:
-            reducer.begin_forward()
-            calls = 2 * len(layers) + 1  # the embedding's, then two a layer
-            # the lookup's shard and the first norm through the same kernel, as call 0 (one kernel for the
-            # all-reduce, which PyTorch's one-shot all-reduce and the norm after it took two for)
-            plane, residual = embed_shard(input_ids, embed.weight, embed.vocab_start)
-            h = reducer.add_rmsnorm(plane, residual, first.weight, first.eps, 0, calls)
-
-            def reduce_norm(x, call, norm):
-                return reducer.add_rmsnorm(x, residual, norm.weight, norm.eps, call + 1, calls)
-        local = reducer is None
-        # the o and down projections' GEMMs push their parts themselves (a is None then)
-        pushing = reducer is not None and self.path.all_reduce_push == "on"
-
-        def push(call):
-            return (call + 1, calls) if pushing else None
-
-        # `residual` is updated in place by every add_rmsnorm below
-        for i, layer in enumerate(layers):
-            a = layer.self_attn(h, positions, self.rope, self.attn, meta, fused=True, skinny=skinny,
-                                fuse_projections=one_kernel, reduce=local, push=push(2 * i))
-            h = reduce_norm(a, 2 * i, layer.post_attention_layernorm)
-            m = layer.mlp(h, fused=True, skinny=skinny, fuse_projections=one_kernel, reduce=local,
-                          push=push(2 * i + 1))
-            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h = reduce_norm(m, 2 * i + 1, norm)
-        return h
+    def step_kernels(self, tokens: int) -> StepKernels:
+        """The kernels a forward of `tokens` tokens takes, from the decode path."""
+        path = self.path
+        if path is None or not path.fused_norm:
+            return EAGER
+        skinny = path.skinny_gemm and tokens <= SKINNY_MAX_ROWS
+        reducer = self.tp.reduce if skinny and path.norm_fusion else None
+        return StepKernels(fused=True, skinny=skinny, fused_projections=skinny and path.fused_projections,
+                           reducer=reducer, calls=2 * self.spec.num_hidden_layers + 1,
+                           push=reducer is not None and path.all_reduce_push == "on")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (gathered from every rank's shard with tensor parallelism)."""
