@@ -349,3 +349,17 @@ def test_ctrl_c_during_the_log_fetch_stops_it_and_saves_the_run(standin, prompts
     assert time.monotonic() - sent < 10
     doc = json.loads(out.read_text())
     assert doc["interrupted"] is True and doc["completed"] == 6
+
+
+@pytest.mark.parametrize("cursor", ["abc", -1, 10**400, 1.5, True, None])
+def test_a_cursor_that_is_no_sequence_number_means_no_join(standin, prompts_jsonl, tmp_path, cursor):
+    from aiohttp import web
+
+    async def answer(server, since, limit, request):
+        return web.Response(text=json.dumps({"next": cursor, "requests": [], "steps": []}),
+                            content_type="application/json")
+
+    standin.request_log = answer
+    res, doc, _ = _bench(standin, prompts_jsonl, tmp_path)
+    assert res.exit_code == 0 and doc["completed"] == 6 and doc.get("request_log") is None
+    assert not any("since=" in q for q in standin.log_reads)

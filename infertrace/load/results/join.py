@@ -307,7 +307,8 @@ async def log_cursor(target) -> int | None:
         status, body = await transport.request_json("GET", f"{LOG_PATH}?limit=0")
     except Exception:  # a target without the route, or one that went away: no join, the run stands
         return None
-    return body.get("next") if status == 200 and isinstance(body, dict) else None
+    cursor = body.get("next") if status == 200 and isinstance(body, dict) else None
+    return cursor if _is_int(cursor) else None  # a cursor that is no sequence number: no join, the run stands
 
 
 def _embedded_log(target):
