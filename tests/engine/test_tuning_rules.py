@@ -87,3 +87,21 @@ def test_with_rules_adds_rules_to_the_variable_s_tilings_for_an_engine_started_a
     assert tuning.load("skinny_gemm") == {(2560, 2048): (64, 128, 4, 4)}
     with pytest.raises(ValueError, match="all_reduce_spread takes 4, 8; got 2"):
         tuning.with_rules({"all_reduce_spread": "2"})
+
+
+def test_the_rules_overrides_are_read_in_one_place_and_no_setting_is_a_rule():
+    """A rule's override is read once an engine start, by the model runner, which hands it on; and no engine setting
+    shadows a rule (a rule that is also a flag would have two ways in)."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    from infertrace.engine.config import EngineConfig
+
+    root = Path(__file__).resolve().parents[2] / "infertrace"
+    readers = sorted(str(path.relative_to(root)) for path in root.rglob("*.py")
+                     if any(isinstance(node, ast.Attribute) and node.attr == "rules"
+                            and isinstance(node.value, ast.Name) and node.value.id == "tuning"
+                            for node in ast.walk(ast.parse(path.read_text()))))
+    assert readers == ["engine/model_runner.py"]
+    assert not {f.name for f in dataclasses.fields(EngineConfig)} & set(tuning.RULES)
