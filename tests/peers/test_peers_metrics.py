@@ -69,3 +69,22 @@ def test_report_shows_the_server_series_and_hit_rate(shared_prefix_run):
     assert f"{100 * result['server_prefix_cache_hit_rate']:.1f}" in html
     for name in ('"name":"running"', '"name":"waiting"', '"name":"KV usage (%)"'):
         assert name in html, name
+
+
+def test_multi_turn_chat_against_the_servers_counts(vllm_server, tmp_path):
+    """Multi-turn sessions over chat (`vllm bench serve` 0.32 has no multi-turn workload to set beside it): every
+    turn's prompt (the chat template over the whole history) is what the server counted, and the history sent again
+    is found in its prefix cache (vLLM's CPU blocks are 128 tokens: by the third turn a prompt's history is longer than
+    a block)."""
+    sessions, turns = 3, 3
+    before = vllm_server.counters()
+    result = run_infertrace_bench(
+        vllm_server, tmp_path, "conversation", "--dataset", "conversation", "--endpoint", "chat", "--num-prompts",
+        str(sessions), "--turns", str(turns), "--turn-input-len", "64", "--output-len", "8", "--ignore-eos",
+        "--concurrency", "3", "--warmup", "0", "--prompt-salt", "random")
+    after = vllm_server.counters()
+    assert result["completed"] == sessions * turns and result["failed"] == 0
+    assert result["total_input_tokens"] == after["prompt_tokens"] - before["prompt_tokens"]
+    assert result["total_output_tokens"] == after["generation_tokens"] - before["generation_tokens"] \
+        == sessions * turns * 8
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] > 0

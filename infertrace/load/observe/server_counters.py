@@ -1,7 +1,7 @@
 """The server's prefix-cache counters read before and after a run, so the run's own hit rate can be told apart from
 everything the server served since it started.
 
-vLLM 0.33 and infertrace count prompt tokens looked up (`prefix_cache_queries_total`) and found
+vLLM (0.33 read from its source, 0.32 checked running) and infertrace count prompt tokens looked up (`prefix_cache_queries_total`) and found
 (`prefix_cache_hits_total`): the run's hit rate is the growth of hits over the growth of queries. SGLang 0.5.23
 exposes only a gauge, `sglang:cache_hit_rate`, over its recent requests: it is reported as read after the run, and
 marked so. The bundled engine in-process is read from its own counters, which are the same numbers.
