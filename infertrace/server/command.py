@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from pathlib import Path
 
 import click
 
 from infertrace.console import err_console, fail
 from infertrace.engine.config import ENGINE_FLAGS
-from infertrace.exits import FAILURE
+from infertrace.exits import FAILURE, INTERRUPTED
 from infertrace.server.settings import ServerSettings
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerSettings) if f.default is not dataclasses.MISSING}
 MODEL_FILES = ("config.json", "tokenizer.json")  # what the engine and the front end read first
+WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's; the engine checks its shards
 _SERVER_FLAGS = {"model", "served-model-name", "host", "port", "max-queue", "profile-dir", "drain-timeout",
                  "api-server-count", "engine-in-process"}
 
@@ -86,14 +88,22 @@ def _model_dir(ctx: click.Context, value: str) -> Path:
         except OSError as e:
             raise click.BadParameter(f"cannot write the {value} preset: {e}") from None
     if not Path(value).is_dir():
-        raise click.BadParameter(f"{value!r} is neither a model directory nor a preset name")
+        from infertrace.modelgen.presets import PRESETS
+
+        # a preset's name inside what was typed ("qwen3-tiny") is closer than the most similar spelling (qwen3-8b)
+        close = [name for name in PRESETS if name in value] or difflib.get_close_matches(value, list(PRESETS), n=1)
+        hint = f"did you mean {max(close, key=len)!r}? " if close else ""
+        raise click.BadParameter(f"{value!r} is neither a model directory nor a preset name ({hint}presets: "
+                                 f"{', '.join(PRESETS)})")
     return Path(value)
 
 
 def _check_model_dir(model_dir: Path) -> None:
-    """A folder without the model's files is one line now, not a traceback from the tokenizer thread and the
-    engine process."""
+    """A folder without the model's files is one line now, before anything starts, not a traceback from the
+    tokenizer thread and the engine process."""
     missing = [name for name in MODEL_FILES if not (model_dir / name).is_file()]
+    if not any(model_dir.glob("*.safetensors")) and not (model_dir / WEIGHTS_INDEX).is_file():
+        missing.append("*.safetensors weights")
     if missing:
         fail(f"--model {model_dir} is not a model directory: it has no {' or '.join(missing)} (a Hugging Face "
              "model directory holds config.json, the safetensors weights and tokenizer.json)")
@@ -145,7 +155,9 @@ def _serve(settings: ServerSettings, config, api_servers: int) -> None:
         aborted = asyncio.run(run_split(settings, engine_spec(settings, config), api_servers, ready, listening,
                                         _draining(settings)))
     except EngineFailure as e:
-        fail(str(e), FAILURE)
+        fail(str(e), e.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C while the model loaded: the engine process is gone with it
+        fail("interrupted while the model loaded", INTERRUPTED)
     except OSError as e:
         fail(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", FAILURE)
     _say(f"stopped ({aborted} request(s) aborted)")
@@ -162,7 +174,9 @@ def _serve_in_process(settings: ServerSettings, config) -> None:
     try:
         engine = Engine(settings.model_dir, config)
     except (ValueError, OSError) as e:
-        fail(f"cannot load the model: {e}", FAILURE)
+        fail(f"cannot load the model: {e}")
+    except KeyboardInterrupt:
+        fail("interrupted while the model loaded", INTERRUPTED)
     if engine.runner.device.type == "cpu":
         cpu_threads()
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
+
+MAX_DRAIN_S = 86_400.0  # a day: a drain longer than that is a mistake, and inf or nan none at all
+MAX_QUEUE = 1_000_000  # far beyond what a front end can hold in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,11 +23,12 @@ class ServerSettings:
     max_body_mb: int = 32
 
     def __post_init__(self) -> None:
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if not 0 <= self.max_queue <= MAX_QUEUE:
+            raise ValueError(f"--max-queue must be in 0..{MAX_QUEUE:,}, got {self.max_queue}")
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if not (math.isfinite(self.drain_timeout_s) and 0 <= self.drain_timeout_s <= MAX_DRAIN_S):
+            raise ValueError(f"--drain-timeout must be a number of seconds in 0..{MAX_DRAIN_S:g}, got "
+                             f"{self.drain_timeout_s:g}")
         if self.max_body_mb < 1:
             raise ValueError(f"max_body_mb must be >= 1, got {self.max_body_mb}")

@@ -59,7 +59,12 @@ def test_binds_loopback_by_default(tmp_path):
     [
         (["--attention", "bogus"], "attention must be one of"),
         (["--cuda-graph-batch-sizes", "a,b"], "cuda_graph_batch_sizes"),
-        (["--max-queue", "-1"], "max_queue"),
+        (["--max-queue", "-1"], "--max-queue must be in 0..1,000,000, got -1"),
+        (["--max-queue", str(10**30)], "--max-queue must be in 0..1,000,000"),
+        (["--port", str(2**64)], "--port must be in 0..65535"),
+        (["--drain-timeout", "nan"], "--drain-timeout must be a number of seconds in 0..86400, got nan"),
+        (["--drain-timeout", "1e400"], "--drain-timeout must be a number of seconds in 0..86400, got inf"),
+        (["--drain-timeout", "-1"], "--drain-timeout must be a number of seconds in 0..86400, got -1"),
         (["--engine-opt", "nonsense"], "KEY=VALUE"),
         (["--engine-opt", "warp_speed=9"], "unknown engine config field"),
     ],
@@ -161,6 +166,84 @@ def test_a_folder_that_is_no_model_is_one_line_before_anything_starts(tmp_path):
     assert result.exit_code == 2, result.output
     assert len(result.output.strip().splitlines()) == 1
     assert "is not a model directory" in result.output and "config.json" in result.output
+
+
+def test_a_folder_without_weights_is_one_line_before_anything_starts(tiny_model_dir, tmp_path):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    result = CliRunner().invoke(serve, ["--model", str(tmp_path)])  # it printed its error twice and exited 1
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [f"error: --model {tmp_path} is not a model directory: it has no "
+                                                  "*.safetensors weights (a Hugging Face model directory holds "
+                                                  "config.json, the safetensors weights and tokenizer.json)"]
+
+
+def test_a_mistyped_preset_is_answered_with_the_presets_and_the_closest(tmp_path, monkeypatch):
+    from infertrace.modelgen.presets import PRESETS
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(serve, ["--model", "qwen3-tiny"])
+    assert result.exit_code == 2
+    message = " ".join(result.output.split())
+    assert "'qwen3-tiny' is neither a model directory nor a preset name (did you mean 'tiny'? presets: " in message
+    assert all(name in message for name in PRESETS)
+
+
+def test_an_engine_that_cannot_start_on_a_setting_is_one_line_and_exit_2(tiny_model_dir):
+    import subprocess
+
+    proc = subprocess.run([*_serve_argv(), "--model", str(tiny_model_dir), "--port", "0", "--max-num-seqs",
+                           str(10**20)], capture_output=True, text=True, timeout=180)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert lines[0].startswith("loading ")  # then one line, not torch's C++ frames and not twice
+    assert len(lines) == 2 and lines[1].startswith("error: cannot load the model: "), proc.stderr
+
+
+def test_ctrl_c_while_the_model_loads_exits_130_at_once_with_one_line(tiny_model_dir):
+    import os
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([*_serve_argv(), "--model", str(tiny_model_dir), "--port", "0"], stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # a process group, as a terminal's Ctrl-C reaches
+    try:
+        assert proc.stderr.readline().startswith("loading ")
+        engines = []
+        deadline = time.monotonic() + 30
+        while not engines and time.monotonic() < deadline:  # the engine process, spawned and loading
+            engines = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == proc.pid
+                       and b"multiprocessing" in _cmdline(int(p))]
+            time.sleep(0.02)
+        assert engines
+        os.killpg(proc.pid, signal.SIGINT)
+        started = time.monotonic()
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - started
+        rest = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert code == 130, rest
+    assert rest.strip().splitlines() == ["error: interrupted while the model loaded"]  # no "Aborted!"
+    assert took < 15  # the engine process is killed, not waited for (up to 30 s) until its load ends
+    assert not any(os.path.exists(f"/proc/{pid}") and _parent(pid) == proc.pid for pid in engines)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def test_a_busy_port_is_reported_before_the_model_loads(tiny_model_dir, monkeypatch):

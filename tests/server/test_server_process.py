@@ -427,8 +427,8 @@ def test_a_front_end_trace_stopped_on_the_other_front_end_is_stopped_and_written
 
 @pytest.mark.slow
 def test_the_stop_line_counts_the_requests_every_front_end_aborted(tiny_model_dir):
-    """Eight endless streams over two front ends and no drain time: every one is aborted, and the last line
-    counts all eight, not only the first front end's."""
+    """Eight endless streams over two front ends and no drain time: every one is aborted, and the draining line
+    and the last line count all eight, not only the first front end's."""
     served = Served(tiny_model_dir, "--api-server-count", "2", "--drain-timeout", "0")
 
     async def drive() -> list[str]:
@@ -454,6 +454,7 @@ def test_the_stop_line_counts_the_requests_every_front_end_aborted(tiny_model_di
     code, log = served.finish()
     assert code == 0, log
     assert all('"finish_reason":"abort"' in body.replace(" ", "") for body in bodies)
+    assert "draining 8 in-flight request(s)" in log, log  # every front end's, not only the first one's
     assert "stopped (8 request(s) aborted)" in log, log
 
 

@@ -236,3 +236,16 @@ async def test_an_output_dir_too_long_for_the_file_system_is_a_400(serve_tiny, t
         ok = await client.post("/start_profile", json={"output_dir": "fine", "activities": ["CPU"]})
         assert ok.status == 200, await ok.text()
         assert (await client.post("/stop_profile")).status == 200
+
+
+async def test_an_output_dir_nested_too_deep_is_one_clear_400(serve_tiny, tmp_path):
+    async with serve_tiny(profile_dir=tmp_path) as client:
+        resp = await client.post("/start_profile", json={"output_dir": "/".join(["a"] * 2040)})  # it was a 500
+        assert resp.status == 400, await resp.text()
+        error = (await resp.json())["error"]
+        assert error["param"] == "output_dir" and error["message"] == ("output_dir is too deep: at most 64 folders, "
+                                                                       "got 2040")
+        assert not (tmp_path / "a").exists()
+        ok = await client.post("/start_profile", json={"output_dir": "/".join(["b"] * 64), "activities": ["CPU"]})
+        assert ok.status == 200, await ok.text()
+        assert (await client.post("/stop_profile")).status == 200

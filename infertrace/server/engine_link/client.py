@@ -34,7 +34,12 @@ HEARTBEAT_S = 1.0
 
 
 class EngineStartError(RuntimeError):
-    """The engine process ended before it was ready (the message says why)."""
+    """The engine process ended before it was ready (the message says why); `bad_input` when what it was given
+    (a setting, the model's files) is why."""
+
+    def __init__(self, message: str, bad_input: bool = False) -> None:
+        super().__init__(message)
+        self.bad_input = bad_input
 
 
 class ProcessEngine:
@@ -54,6 +59,7 @@ class ProcessEngine:
         self.on_trace_stop: Callable[[str], None] | None = None  # another front end stopped our traced capture
         self.info: dict[str, Any] = {}
         self.error: EngineDeadError | None = None
+        self._bad_input = False  # the engine could not start because of what it was given
         self._closing = False
         self._heartbeat: asyncio.TimerHandle | None = None
 
@@ -67,7 +73,7 @@ class ProcessEngine:
         try:
             self.info = await self._ready
         except EngineDeadError as e:
-            raise EngineStartError(str(e)) from None
+            raise EngineStartError(str(e), self._bad_input) from None
 
     def _beat(self) -> None:
         """Tell the engine this front end is alive, now and every HEARTBEAT_S until it closes or the link dies."""
@@ -183,9 +189,14 @@ class ProcessEngine:
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(msg.value)
         elif kind == "dead":
-            self._die(f"the engine loop failed: {(msg.error or {}).get('message', 'no reason given')}")
+            why = (msg.error or {}).get("message", "no reason given")
+            self._bad_input = bool((msg.error or {}).get("bad_input"))
+            self._die(why if self._starting() else f"the engine loop failed: {why}")
         elif kind == "dropped":  # this front end fell too far behind: the engine goes on without it
             self._die(f"the engine dropped this front end: {(msg.error or {}).get('message', 'no reason given')}")
+
+    def _starting(self) -> bool:
+        return self._ready is not None and not self._ready.done()
 
     def _die(self, reason: str, process_gone: bool = False) -> None:
         if self.error is not None:
@@ -193,7 +204,8 @@ class ProcessEngine:
         if process_gone and self._describe_exit is not None:
             reason = f"{reason} ({self._describe_exit()})"
         self.error = EngineDeadError(reason)
-        log.error("%s", reason)
+        if not self._starting():  # a start that fails is reported once, by whoever started it (EngineStartError)
+            log.error("%s", reason)
         for stream in self._streams.values():
             stream.put(self._dead())
         for future in self._calls.values():

@@ -35,6 +35,7 @@ import os
 import selectors
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,9 @@ MAX_SILENCE_ENV = "INFERTRACE_MAX_SILENCE_S"  # overrides MAX_SILENCE_S, read wh
 PROFILE_CALLS = ("start_profile", "stop_profile")
 # How long front ends dropped before the last live one left still get to take why, before the engine process exits.
 FAREWELL_S = 5.0
+# What a model load raises for what it was given (a setting, a file, a value too large for a tensor's size), not
+# for a failure of its own (out of memory, a device error).
+BAD_INPUT_ERRORS = (ValueError, TypeError, OverflowError, OSError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +103,15 @@ def start_engine_process(spec: EngineSpec, frontends: int = 1) -> tuple[multipro
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited CUDA state or event loop
     pairs = [socket.socketpair() for _ in range(frontends)]
     proc = ctx.Process(target=engine_main, args=(spec, [theirs for _, theirs in pairs]), name="infertrace-engine")
-    proc.start()
+    # Ignored from its first instruction, not only once engine_main runs: a Ctrl-C sent to the process group while
+    # the new interpreter starts would otherwise kill it with "Fatal Python error". Only the main thread may.
+    main = threading.current_thread() is threading.main_thread()
+    previous = [signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)] if main else []
+    try:
+        proc.start()
+    finally:
+        for sig, handler in zip((signal.SIGINT, signal.SIGTERM), previous):
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     for _, theirs in pairs:
         theirs.close()  # only the engine holds these now: its exit is an EOF on ours
     return proc, [ours for ours, _ in pairs]
@@ -128,8 +140,10 @@ def engine_main(spec: EngineSpec, socks: list[socket.socket]) -> None:
         info["torch_threads"] = threads
         info["gc_frozen_objects"] = freeze_startup_heap()
         services.metrics.forget_gc()  # /metrics counts the collections of serving, not the start-up one just made
-    except BaseException as e:
-        _tell_all(socks, FromEngine("dead", error={"message": f"cannot load the model: {type(e).__name__}: {e}"}))
+    except BaseException as e:  # one line: torch's errors carry their C++ frames after the first
+        why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        _tell_all(socks, FromEngine("dead", error={"message": f"cannot load the model: {type(e).__name__}: {why}",
+                                                   "bad_input": isinstance(e, BAD_INPUT_ERRORS)}))
         os._exit(1)
     _tell_all(socks, FromEngine("ready", value=info))
     code = EngineLoop(engine, services, socks, max_silence_s=spec.max_silence_s).run()

@@ -25,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from infertrace.exits import BAD_INPUT, FAILURE
 from infertrace.server.engine_link.client import (
     EngineStartError,
     ProcessEngine,
@@ -45,7 +46,12 @@ ENGINE_EXIT_TIMEOUT_S = 30.0
 
 
 class EngineFailure(RuntimeError):
-    """The engine process could not start, or died while serving, or a front end died: the server exits non-zero."""
+    """The engine process could not start, or died while serving, or a front end died: the server exits non-zero,
+    `exit_code` (BAD_INPUT where what the engine was given is why it could not start)."""
+
+    def __init__(self, message: str, exit_code: int = FAILURE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 async def serve_until_signal(app: web.Application, host: str, port: int,
@@ -56,7 +62,7 @@ async def serve_until_signal(app: web.Application, host: str, port: int,
                              stop: asyncio.Event | None = None) -> int:
     """Serve `app` on host:port (0 picks a free port) until a signal, the engine's death or `stop` is set (then it
     drains as on a signal); returns how many requests were aborted. `on_signal(n)` hears of the n-th signal (1:
-    drain, 2: abort at once)."""
+    drain, told once `on_draining` has the requests in flight on every front end; 2: abort at once)."""
     state = app[STATE]
     runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, access_log=None,
                            shutdown_timeout=5.0)
@@ -75,11 +81,14 @@ async def serve_until_signal(app: web.Application, host: str, port: int,
     stop, abort_now = stop or asyncio.Event(), asyncio.Event()
     state.engine.on_death(stop.set)
 
+    signals: list[int] = []
+
     def signalled() -> None:
         second = stop.is_set()
         (abort_now if second else stop).set()
-        if on_signal is not None:
-            on_signal(2 if second else 1)
+        signals.append(2 if second else 1)
+        if second and on_signal is not None:
+            on_signal(2)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signalled)
@@ -87,8 +96,10 @@ async def serve_until_signal(app: web.Application, host: str, port: int,
         if state.engine.error is None:
             await stop.wait()
         await site.stop()  # no new connections; kept-alive ones get 503 while draining
-        if on_draining is not None:
-            on_draining(len(state.in_flight))
+        if on_draining is not None:  # counted before the others hear of the signal and begin their own drains
+            on_draining(await state.in_flight_everywhere())
+        if signals and on_signal is not None:
+            on_signal(1)
         grace = 0.0 if state.engine.error is not None else state.settings.drain_timeout_s
         aborted = await state.drain(grace, abort_now)
     finally:
@@ -141,6 +152,7 @@ async def run_split(settings: ServerSettings, spec: EngineSpec, api_servers: int
 
     proc, socks = start_engine_process(spec, api_servers)
     engine = ProcessEngine(socks[0], describe_exit=lambda: describe_exit(proc))
+    ready = False
     children: list[multiprocessing.Process] = []
     reports: list = []  # each other front end's pipe: "listening", then how many requests its drain aborted
     signalled: list[int] = []  # signals forwarded to the other front ends
@@ -155,7 +167,8 @@ async def run_split(settings: ServerSettings, spec: EngineSpec, api_servers: int
         try:
             await engine.connect()
         except EngineStartError as e:
-            raise EngineFailure(str(e)) from None
+            raise EngineFailure(str(e), BAD_INPUT if e.bad_input else FAILURE) from None
+        ready = True
         if on_ready is not None:
             on_ready(engine.info)
         app = build_app(engine, tokenizer, settings, {"index": 0, "count": api_servers, "engine_in_process": False})
@@ -199,6 +212,8 @@ async def run_split(settings: ServerSettings, spec: EngineSpec, api_servers: int
         for task in watch:  # the children are gone: each watch has ended
             await task
         await engine.close()  # the engine aborts what is left and exits once every front end is gone
+        if not ready and proc.exitcode is None:
+            proc.kill()  # stopped (Ctrl-C) or failed while the model loaded: nothing of it is worth waiting for
         await _reap(proc)
 
 

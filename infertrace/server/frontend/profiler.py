@@ -38,6 +38,9 @@ class ProfileRequest:
 # for the whole, NAME_MAX for one name.
 MAX_PATH_CHARS = 4096
 MAX_NAME_BYTES = 255
+# Folders one output_dir may nest: creating them is recursive (Path.mkdir(parents=True)), and 2,040 of them ran
+# past Python's recursion limit.
+MAX_DEPTH = 64
 
 
 def parse_profile_request(body: dict | None) -> ProfileRequest:
@@ -51,6 +54,9 @@ def parse_profile_request(body: dict | None) -> ProfileRequest:
                                    or any(len(part.encode()) > MAX_NAME_BYTES for part in Path(output_dir).parts)):
         raise bad_request(f"output_dir is too long: at most {MAX_PATH_CHARS} characters, {MAX_NAME_BYTES} bytes a "
                           "folder name", "output_dir")
+    if output_dir is not None and len(Path(output_dir).parts) > MAX_DEPTH:
+        raise bad_request(f"output_dir is too deep: at most {MAX_DEPTH} folders, got {len(Path(output_dir).parts)}",
+                          "output_dir")
     num_steps = body.get("num_steps")
     if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1):
         raise bad_request(f"num_steps must be a positive integer, got {num_steps!r}", "num_steps")

@@ -34,6 +34,7 @@ TOKENIZER_WORKERS = 2
 # went from body to token ids 0.17-0.74 ms sooner on the loop (docs/benchmarks.md). At the limit the loop is held
 # for about 1-2 ms. Longer prompts and chat templates go to the threads.
 INLINE_TOKENIZE_CHARS = 4096
+IN_FLIGHT_TIMEOUT_S = 2.0
 
 
 class ServerState:
@@ -113,6 +114,17 @@ class ServerState:
             self.count(in_flight=-1)
             if not self.in_flight:
                 self._idle.set()
+
+    async def in_flight_everywhere(self) -> int:
+        """Requests in flight on every front end, as the server counters in the engine add them up; this front
+        end's own when the engine does not answer within IN_FLIGHT_TIMEOUT_S."""
+        try:
+            now = await asyncio.wait_for(self.engine.command("metrics"), IN_FLIGHT_TIMEOUT_S)
+            counted = int(now["server"]["counts"].get("in_flight", 0))
+        except Exception as e:  # a dead or stuck engine: what this front end knows is all there is
+            log.debug("in-flight count of this front end only: %s", e)
+            counted = 0
+        return max(counted, len(self.in_flight))
 
     async def drain(self, grace_s: float, abort_now: asyncio.Event | None = None) -> int:
         """Refuse new requests, let in-flight ones finish for up to `grace_s`, then abort the rest.
