@@ -54,7 +54,7 @@ def captures(vllm_server, tmp_path_factory):
     log = tmp_path_factory.mktemp("profile") / "seconds.log"
     with open(log, "w") as out:
         seconds = subprocess.Popen([sys.executable, "-m", "infertrace", "profile", "--url", vllm_server.base_url,
-                                    "--seconds", "4", "--name", "first"], stdout=out, stderr=subprocess.STDOUT,
+                                    "--seconds", "4", "--name", "first", "--output-dir", str(trace_dir)], stdout=out, stderr=subprocess.STDOUT,
                                    env=env, text=True)
     try:
         deadline = time.monotonic() + STARTED_TIMEOUT_S
@@ -71,7 +71,7 @@ def captures(vllm_server, tmp_path_factory):
     first = _rank_traces(trace_dir) - before
 
     # the second: --start, two requests one after the other, --stop
-    _profile(vllm_server, env, "--start", "--name", "second")
+    _profile(vllm_server, env, "--start", "--name", "second", "--output-dir", str(trace_dir))
     answers = [vllm_server.complete(ids, n) for ids, n in PROMPTS]
     _profile(vllm_server, env, "--stop")
     second = _rank_traces(trace_dir) - before - first
@@ -85,7 +85,8 @@ def test_each_capture_writes_its_rank_trace(captures):
 
 
 def test_profile_lists_the_rank_trace_it_captured(vllm_server, captures):
-    """The manifest `--stop` leaves names the worker's trace of that capture (vLLM 0.32's CPU worker names it
+    """Told where the server writes (`--output-dir`, vLLM's torch_profiler_dir), the manifest `--stop` leaves
+    names the worker's trace of that capture (vLLM 0.32's CPU worker names it
     `{profile_prefix}_rank0.*` or, without a prefix, `rank0.*`, not `..._dp0_pp0_tp0_dcp0_ep0_rank0.*`)."""
     first, second, _, _ = captures
     listed = _manifest_files(vllm_server.trace_dir)
