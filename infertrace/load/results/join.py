@@ -35,8 +35,9 @@ TTFT_PARTS = ("network_and_frontend", "tokenize", "queue", "prefill_steps", "bet
               "first_token_send")
 LOG_PATH = "/v1/request_log"
 PAGE = 5_000  # rows asked for at a time; the server may answer fewer, and its `next` says where it goes on
-MAX_PAGE_BYTES = 64 << 20  # one answer (about 13 MB holds 5,000 requests with their steps)
-MAX_LOG_BYTES = 256 << 20  # all pages together: parsed, the log takes several times its bytes in memory
+MAX_PAGE_BYTES = 16 << 20  # one answer (about 6 MB holds 5,000 requests with their steps); parsed, JSON can
+# take 20 times its bytes, so this bounds what one page costs before it is checked
+MAX_LOG_BYTES = 256 << 20  # all pages together (what is kept is checked: a few times its bytes in memory)
 MAX_ROWS = 500_000
 MAX_PAGES = 2_000
 FETCH_TIMEOUT_S = 120.0  # the whole fetch, every page included
@@ -80,25 +81,38 @@ class _LoggedStep(msgspec.Struct):
     preempted: _Count = 0
 
 
+_KINDS = {"requests": _LoggedRequest, "steps": _LoggedStep}
+
+
+def checked_rows(rows: Any, key: str) -> tuple[list[dict], int, str | None]:
+    """The rows of the log's `key` ("requests" or "steps") that have the shape the join reads, as plain dicts;
+    how many did not, and the first reason."""
+    if rows is None:
+        return [], 0, None
+    if not isinstance(rows, list):
+        return [], 1, f"`{key}` is not a list"
+    kept, bad, first = [], 0, None
+    for row in rows:
+        try:
+            kept.append(msgspec.structs.asdict(msgspec.convert(row, _KINDS[key])))
+        except msgspec.ValidationError as e:
+            bad += 1
+            first = first or str(e)
+    return kept, bad, first
+
+
 def checked_log(log: Any) -> tuple[dict, list[str]]:
-    """The log's requests and steps that have the shape the join reads, as plain dicts, and a warning for what
-    was skipped (how many, and the first reason)."""
+    """The log with only the requests and steps that have the shape the join reads, and a warning for what was
+    skipped (how many, and the first reason). A log fetch_log read is checked already, page by page: its
+    `malformed` holds the counts."""
     if not isinstance(log, dict):
         return {"requests": [], "steps": []}, ["the server's request log is not a JSON object; not joined"]
-    out, warnings = {**log}, []
-    for key, kind in (("requests", _LoggedRequest), ("steps", _LoggedStep)):
-        rows = log.get(key) or []
-        if not isinstance(rows, list):
-            warnings.append(f"the server's request log: `{key}` is not a list; ignored")
-            rows = []
-        kept, bad, first = [], 0, None
-        for row in rows:
-            try:
-                kept.append(msgspec.structs.asdict(msgspec.convert(row, kind)))
-            except msgspec.ValidationError as e:
-                bad += 1
-                first = first or str(e)
-        out[key] = kept
+    out, malformed = {**log}, dict(log.get("malformed") or {})
+    for key in _KINDS:
+        if key not in malformed:
+            out[key], *malformed[key] = checked_rows(log.get(key), key)
+    warnings = []
+    for key, (bad, first) in malformed.items():
         if bad:
             noun = "request" if key == "requests" else "step"
             warnings.append(f"the server's request log had {bad} malformed {noun} record{'s' if bad > 1 else ''}, "
@@ -324,14 +338,15 @@ async def fetch_log(target, since: int) -> dict | None:
     if (log := _embedded_log(target)) is not None:  # read between two steps, on the engine's thread
         return await target.aengine.call(lambda: log.read(since=since))
     transport = target.transport
-    requests, steps, odd_steps, warnings = [], {}, [], []
+    requests, steps, warnings = [], {}, []
+    malformed = {key: [0, None] for key in _KINDS}  # checked page by page: junk is never kept
     answer, size = None, 0
     deadline = time.monotonic() + FETCH_TIMEOUT_S
     for _ in range(MAX_PAGES):
         left = deadline - time.monotonic()
         if left <= 0:
             warnings.append(f"the server's request log took over {FETCH_TIMEOUT_S:g} s to read; joined as far as "
-                            f"read ({len(requests)} requests)")
+                            f"read ({len(requests):,} requests)")
             break
         try:
             status, body, n = await transport.request_json_sized(
@@ -346,19 +361,21 @@ async def fetch_log(target, since: int) -> dict | None:
                 return None
             break
         answer, size = body, size + n
-        got = body.get("requests") if isinstance(body.get("requests"), list) else []
-        requests += got
-        for s in body.get("steps") if isinstance(body.get("steps"), list) else []:
-            if isinstance(s, dict) and isinstance(s.get("step"), int):
-                steps[s["step"]] = s
+        got = body.get("requests")
+        for key, rows in (("requests", got), ("steps", body.get("steps"))):
+            kept, bad, first = checked_rows(rows, key)
+            malformed[key][0] += bad
+            malformed[key][1] = malformed[key][1] or first
+            if key == "requests":
+                requests += kept
             else:
-                odd_steps.append(s)  # kept for the join to count and skip
+                steps.update((s["step"], s) for s in kept)
         if len(requests) >= MAX_ROWS:
             warnings.append(f"the server's request log holds over {MAX_ROWS:,} requests since the run began; "
                             f"joined the first {MAX_ROWS:,}")
             del requests[MAX_ROWS:]
             break
-        if not got:
+        if not isinstance(got, list) or not got:
             break
         if (after := _next_cursor(since, got, body.get("next"))) is None:
             warnings.append(f"the server's request log answered a page that does not move on from {since}; joined "
@@ -369,8 +386,8 @@ async def fetch_log(target, since: int) -> dict | None:
         warnings.append(f"the server's request log took over {MAX_PAGES:,} pages; joined as far as read")
     if answer is None:
         return None
-    ordered = [*sorted(steps.values(), key=lambda s: s["step"]), *odd_steps]
-    return {**answer, "requests": requests, "steps": ordered, "fetch_warnings": warnings}
+    return {**answer, "requests": requests, "steps": sorted(steps.values(), key=lambda s: s["step"]),
+            "malformed": {key: tuple(v) for key, v in malformed.items()}, "fetch_warnings": warnings}
 
 
 def _next_cursor(since: int, got: list, nxt: Any) -> int | None:
