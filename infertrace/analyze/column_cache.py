@@ -57,8 +57,9 @@ class ColumnCache:
             (tmp / "info.json").write_text(text),
             [np.save(tmp / f"{c}.npy", getattr(cols, c), allow_pickle=False) for c in _COLUMNS]))
 
-    def load_part(self, key: str):
-        """The UnitResult stored under `key`, or None (absent, damaged, or not what `store_part` writes)."""
+    def load_part(self, key: str) -> dict | None:
+        """The fields of the fleet.UnitResult stored under `key`, or None (absent, damaged, or not what
+        `store_part` writes)."""
         try:
             doc = json.loads((self._entry(key) / "part.json").read_text())
             return unit_from_doc(doc)
@@ -121,9 +122,8 @@ def unit_doc(result) -> dict:
     }
 
 
-def unit_from_doc(doc: dict):
-    """The UnitResult `unit_doc` made; ValueError (or another exception) where `doc` is not one."""
-    from infertrace.analyze.fleet import UnitResult
+def unit_from_doc(doc: dict) -> dict:
+    """The fields of the UnitResult `unit_doc` made; ValueError (or another exception) where `doc` is not one."""
     from infertrace.analyze.report import RankPart
 
     if doc.get("format") != PART_FORMAT:
@@ -147,7 +147,8 @@ def unit_from_doc(doc: dict):
     claim = doc["claim"]
     if claim is not None and not isinstance(claim, int):
         raise ValueError("claim")
-    return UnitResult([str(f) for f in doc["files"]], outcomes, part, claim, int(doc["events"]), set(doc["names"]))
+    return {"files": [str(f) for f in doc["files"]], "outcomes": outcomes, "part": part, "claim": claim,
+            "events": int(doc["events"]), "names": set(doc["names"])}
 
 
 def frame_doc(frame) -> dict:

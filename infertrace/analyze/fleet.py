@@ -113,9 +113,8 @@ def analyze_unit(paths: list[str], config, trim: bool | None, cache_root: str | 
             part_key = hashlib.blake2b("|".join([*keys, repr(trim), repr(config), code_hash(),
                                                  str(keep_python)]).encode(), digest_size=16).hexdigest()
             cached = cache.load_part(part_key)
-            if isinstance(cached, UnitResult):
-                cached.from_cache = True
-                return cached
+            if cached is not None:
+                return UnitResult(**cached, from_cache=True)
     outcomes = read_unit(files, keep_python, cache, split, ahead)
     good = [(f, cols) for f, (cols, _) in zip(files, outcomes) if cols is not None]
     # the events are not sent back: only the lines the parent reports about each file

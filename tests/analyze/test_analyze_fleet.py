@@ -9,7 +9,7 @@ import shutil
 import pandas as pd
 import pytest
 
-from infertrace.analyze import build_report, load_capture
+from infertrace.analyze import build_report, kineto_split, load_capture
 from infertrace.analyze.fleet import analyze_fleet
 
 
@@ -143,7 +143,7 @@ def test_read_ahead_starts_only_for_large_uncached_json_ranks(traces, two_rank, 
 
     from infertrace.analyze import fleet, kineto
 
-    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
     one = tmp_path_factory.mktemp("one")
     (one / "rank0.json").write_bytes(
         gzip.decompress((traces / "tracelens/vllm_tp8_b200_rank0/eager_trace.json.gz").read_bytes()))
@@ -155,8 +155,8 @@ def test_read_ahead_starts_only_for_large_uncached_json_ranks(traces, two_rank, 
     (started,) = ahead.files.values()
     assert len(started.children) == 1
     joined = []
-    real = kineto._take_ahead
-    monkeypatch.setattr(kineto, "_take_ahead", lambda *a: joined.append(1) or real(*a))
+    real = kineto_split._take_ahead
+    monkeypatch.setattr(kineto_split, "_take_ahead", lambda *a: joined.append(1) or real(*a))
     assert_same_report(analyze_fleet(one, jobs=2, ahead=ahead), expected)
     assert joined == [1] and not started.children  # the read-ahead was taken up by the analysis
     cache = tmp_path_factory.mktemp("cache")
@@ -173,7 +173,7 @@ def test_a_read_ahead_starts_no_more_processes_than_can_decode_while_this_one_im
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert fleet._ahead_workers(fleet._split_workers(None), 523_000_000) == 6
     assert fleet._ahead_workers(fleet._split_workers(6), 523_000_000) == 6
-    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
     one = tmp_path / "one"
     one.mkdir()
     trace = one / "rank0.json"
@@ -212,7 +212,7 @@ def test_ranks_take_up_the_read_aheads_started_before_their_workers(traces, tmp_
 
     from infertrace.analyze import fleet, kineto
 
-    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setattr(fleet, "PARALLEL_MIN_BYTES", 0)
     capture = _two_plain_ranks(traces, tmp_path / "capture")
     expected = build_report(load_capture(capture))
@@ -222,14 +222,14 @@ def test_ranks_take_up_the_read_aheads_started_before_their_workers(traces, tmp_
     pids = [pid for started in ahead.files.values() for pid, *_ in started.children]
     assert len(pids) == 8
     marks = tmp_path / "taken"
-    real = kineto._take_ahead
+    real = kineto_split._take_ahead
 
     def counted(path, keep_python, started):  # runs in the forked rank workers
         with open(marks, "a") as fh:
             fh.write(f"{path.name} {len(started.children)}\n")
         return real(path, keep_python, started)
 
-    monkeypatch.setattr(kineto, "_take_ahead", counted)
+    monkeypatch.setattr(kineto_split, "_take_ahead", counted)
     try:
         assert_same_report(analyze_fleet(capture, jobs=8, ahead=ahead), expected)
         assert sorted(marks.read_text().split("\n")[:-1]) == ["rank0.json 4", "rank1.json 4"]
@@ -247,18 +247,18 @@ def test_ranks_fewer_than_the_cores_each_decode_their_file_in_several_processes(
     assert [fleet._rank_split(j, units) for j, units in ((16, 8), (8, 2), (2, 8), (3, 1), (16, 32))] == [2, 4, 1, 3, 1]
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert fleet._rank_split(None, 8) == 2
-    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
     capture = _two_plain_ranks(traces, tmp_path / "capture")
     expected = build_report(load_capture(capture))
     marks = tmp_path / "splits"
-    real = kineto._read_split
+    real = kineto_split._read_split
 
     def counted(path, keep_python, workers):  # runs in the forked rank workers: leaves a line per split read
         with open(marks, "a") as fh:
             fh.write(f"{path.name} {workers}\n")
         return real(path, keep_python, workers)
 
-    monkeypatch.setattr(kineto, "_read_split", counted)
+    monkeypatch.setattr(kineto_split, "_read_split", counted)
     got = analyze_fleet(capture, jobs=8)
     assert_same_report(got, expected)
     assert sorted(marks.read_text().split("\n")[:-1]) == ["rank0.json 4", "rank1.json 4"]

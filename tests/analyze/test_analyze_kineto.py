@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from infertrace.analyze import kineto
+from infertrace.analyze import kineto, kineto_columns, kineto_split, kineto_stream
 from infertrace.analyze.kineto import TraceError, read_kineto
 
 SAMPLES = [
@@ -59,7 +59,7 @@ def test_epoch_timestamps_keep_their_nanoseconds(traces):
 @pytest.mark.parametrize("typed", [True, False], ids=["msgspec", "dicts"])
 def test_small_blocks_split_events_anywhere(traces, tmp_path, monkeypatch, typed):
     # with 4 KiB blocks every piece boundary falls somewhere new: inside strings, numbers and nested args
-    monkeypatch.setattr(kineto, "BLOCK", 4096)
+    monkeypatch.setattr(kineto_stream, "BLOCK", 4096)
     raw = gzip.decompress((traces / SAMPLES[3]).read_bytes())[:3_000_000]
     raw = raw[: raw.rindex(b"},") + 1] + b"]}"  # a well-formed prefix of the event array
     path = tmp_path / "prefix.json"
@@ -68,7 +68,7 @@ def test_small_blocks_split_events_anywhere(traces, tmp_path, monkeypatch, typed
 
 
 def test_tricky_json_layouts(tmp_path, monkeypatch):
-    monkeypatch.setattr(kineto, "BLOCK", 64)
+    monkeypatch.setattr(kineto_stream, "BLOCK", 64)
     events = [
         {"ph": "X", "cat": "cpu_op", "name": 'a "},{" b \\"}, {', "pid": 1, "tid": 1, "ts": 5, "dur": 2,
          "args": {"nested": [{"x": 1}, {"y": [1, 2]}], "text": "]]]"}},
@@ -152,7 +152,7 @@ def test_odd_values_do_not_stop_the_reader(tmp_path, typed):
 
 
 def test_an_event_larger_than_many_blocks(tmp_path, monkeypatch):
-    monkeypatch.setattr(kineto, "BLOCK", 256)
+    monkeypatch.setattr(kineto_stream, "BLOCK", 256)
     big = {"ph": "X", "cat": "cpu_op", "name": "big", "ts": 1, "dur": 1, "args": {"blob": ["x" * 50] * 400}}
     small = {"ph": "X", "cat": "cpu_op", "name": "small", "ts": 2, "dur": 1}
     path = tmp_path / "big.json"
@@ -163,10 +163,10 @@ def test_an_event_larger_than_many_blocks(tmp_path, monkeypatch):
 
 _READ_IN_CHILD = """
 import json, re, sys
-from infertrace.analyze import kineto
+from infertrace.analyze import kineto_stream
 from infertrace.analyze.kineto import TraceError, read_kineto
 if len(sys.argv) > 2:
-    kineto.GZIP_RATIO_LIMIT = int(sys.argv[2])
+    kineto_stream.GZIP_RATIO_LIMIT = int(sys.argv[2])
 try:
     cols = read_kineto(sys.argv[1])
     out = {"events": len(cols), "problem": cols.problem, "metadata": cols.metadata}
@@ -260,7 +260,7 @@ def _same_columns(a, b):
 def _count_stretches(monkeypatch) -> list[int]:
     """Records, per joined read, how many stretches it was decoded in (the first and each one joined to it)."""
     calls: list[int] = []
-    real = kineto._joined
+    real = kineto_split._joined
 
     def counted(head, start, first, rest):
         calls.append(1)
@@ -271,7 +271,7 @@ def _count_stretches(monkeypatch) -> list[int]:
                 yield part
         return real(head, start, first, each())
 
-    monkeypatch.setattr(kineto, "_joined", counted)
+    monkeypatch.setattr(kineto_split, "_joined", counted)
     return calls
 
 
@@ -279,7 +279,7 @@ def _count_stretches(monkeypatch) -> list[int]:
 def test_a_file_decoded_in_several_processes_equals_one_process(traces, tmp_path, monkeypatch, workers):
     path = _plain_trace(traces, tmp_path / "t.json")
     whole = read_kineto(path)
-    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
     calls = _count_stretches(monkeypatch)
     split = read_kineto(path, workers=workers)
     assert calls == [workers]  # it was split, not read in one process
@@ -293,7 +293,7 @@ def test_a_cut_inside_an_event_falls_back_to_one_process(tmp_path, monkeypatch):
            "args": {"list": [{"a": i} for i in range(200_000)]}}
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": small + [big] + small}))
-    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
     calls = _count_stretches(monkeypatch)
     split = read_kineto(path, workers=2)
     assert calls == []  # the stretch before the false cut did not decode as whole events
@@ -319,8 +319,8 @@ def _wide_id_events(n: int) -> list[dict]:
 
 @pytest.mark.parametrize("how", ["one", "split", "ahead"])
 def test_ids_past_int32_widen_their_column_wherever_they_come(tmp_path, monkeypatch, how):
-    monkeypatch.setattr(kineto, "BLOCK", 4096)
-    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(kineto_stream, "BLOCK", 4096)
+    monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
     events = _wide_id_events(3000)
     path = tmp_path / "wide.json"
     path.write_text(json.dumps({"traceEvents": events}))
@@ -331,8 +331,8 @@ def test_ids_past_int32_widen_their_column_wherever_they_come(tmp_path, monkeypa
         cols = read_kineto(path, workers=3)
     else:
         received = []
-        real_taken = kineto._taken
-        monkeypatch.setattr(kineto, "_taken", lambda fd, region: received.append(r := real_taken(fd, region)) or r)
+        real_taken = kineto_split._taken
+        monkeypatch.setattr(kineto_split, "_taken", lambda fd, region: received.append(r := real_taken(fd, region)) or r)
         cols = read_kineto(path, ahead=kineto.read_ahead(path, workers=3))
         assert len(received) == 2 and all(r is not None for r in received)  # two stretches came from their processes
     assert calls == {"one": [], "split": [3], "ahead": [3]}[how]
@@ -358,13 +358,13 @@ def _mixed_events(n: int) -> list[dict]:
 
 
 def test_tagged_decoding_learns_new_categories_and_equals_the_plain_reading(tmp_path, monkeypatch):
-    monkeypatch.setattr(kineto, "BLOCK", 4096)
+    monkeypatch.setattr(kineto_stream, "BLOCK", 4096)
     raw = json.dumps({"traceEvents": _mixed_events(4000)}).encode()
     path = tmp_path / "mixed.json"
     path.write_bytes(raw)
     tagged = []
-    real = kineto._ColumnSink._from_tagged
-    monkeypatch.setattr(kineto._ColumnSink, "_from_tagged", lambda self, ev: tagged.append(len(ev)) or real(self, ev))
+    real = kineto_columns._ColumnSink._from_tagged
+    monkeypatch.setattr(kineto_columns._ColumnSink, "_from_tagged", lambda self, ev: tagged.append(len(ev)) or real(self, ev))
     cols = read_kineto(path)
     assert_same(cols, reference(raw))
     _same_columns(cols, read_kineto(path, typed=False))
@@ -386,14 +386,14 @@ def _gone(pid: int) -> bool:
 def test_a_read_ahead_equals_one_process_and_leaves_no_process(traces, tmp_path, monkeypatch, workers):
     path = _plain_trace(traces, tmp_path / "t.json")
     whole = read_kineto(path)
-    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
     ahead = kineto.read_ahead(path, workers=workers)
     pids = [pid for pid, *_ in ahead.children]
     assert len(pids) == workers - 1
     received, joined = [], []
-    real_taken, real_join = kineto._taken, kineto._join
-    monkeypatch.setattr(kineto, "_taken", lambda fd, region: received.append(r := real_taken(fd, region)) or r)
-    monkeypatch.setattr(kineto, "_join", lambda whole, part: joined.append(1) or real_join(whole, part))
+    real_taken, real_join = kineto_split._taken, kineto_split._join
+    monkeypatch.setattr(kineto_split, "_taken", lambda fd, region: received.append(r := real_taken(fd, region)) or r)
+    monkeypatch.setattr(kineto_split, "_join", lambda whole, part: joined.append(1) or real_join(whole, part))
     cols = read_kineto(path, ahead=ahead)
     assert len(received) == workers - 1 and all(r is not None for r in received)  # each child sent its stretch
     assert len(joined) == workers - 1
@@ -406,12 +406,12 @@ def test_a_read_ahead_child_that_dies_is_decoded_here(traces, tmp_path, monkeypa
 
     path = _plain_trace(traces, tmp_path / "t.json")
     whole = read_kineto(path)
-    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
-    monkeypatch.setattr(kineto, "_put", lambda region, layout, fd, result: os._exit(3))  # dies before its word
+    monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(kineto_split, "_put", lambda region, layout, fd, result: os._exit(3))  # dies before its word
     ahead = kineto.read_ahead(path, workers=2)
     decoded = []
-    real_decode = kineto._decode_range
-    monkeypatch.setattr(kineto, "_decode_range", lambda *a: decoded.append(a[1:3]) or real_decode(*a))
+    real_decode = kineto_split._decode_range
+    monkeypatch.setattr(kineto_split, "_decode_range", lambda *a: decoded.append(a[1:3]) or real_decode(*a))
     _same_columns(whole, read_kineto(path, ahead=ahead))
     assert len(decoded) == 2 and decoded[1][1] == path.stat().st_size  # its own stretch, then the dead child's
     assert not ahead.children
@@ -423,8 +423,8 @@ def test_a_read_ahead_with_a_false_cut_is_read_whole_and_an_unread_one_is_cancel
            "args": {"list": [{"a": i} for i in range(200_000)]}}
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": small + [big] + small}))
-    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
-    monkeypatch.setattr(kineto, "AHEAD_IMPORT_S", 0.0)  # equal shares: the cut falls inside the big event
+    monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(kineto_split, "AHEAD_IMPORT_S", 0.0)  # equal shares: the cut falls inside the big event
     ahead = kineto.read_ahead(path, workers=2)
     pids = [pid for pid, *_ in ahead.children]
     calls = _count_stretches(monkeypatch)
@@ -453,8 +453,8 @@ def test_a_read_ahead_child_that_does_not_end_well_is_decoded_here(traces, tmp_p
 
     path = _plain_trace(traces, tmp_path / "t.json")
     whole = read_kineto(path)
-    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
-    real_put = kineto._put
+    monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
+    real_put = kineto_split._put
 
     def put(region, layout, fd, result):
         if how == "no word":
@@ -463,12 +463,12 @@ def test_a_read_ahead_child_that_does_not_end_well_is_decoded_here(traces, tmp_p
         real_put(region, layout, fd, result)
         os._exit(5)
 
-    monkeypatch.setattr(kineto, "_put", put)
+    monkeypatch.setattr(kineto_split, "_put", put)
     ahead = kineto.read_ahead(path, workers=2)
     decoded, joined = [], []
-    real_decode, real_join = kineto._decode_range, kineto._join
-    monkeypatch.setattr(kineto, "_decode_range", lambda *a: decoded.append(a[1:3]) or real_decode(*a))
-    monkeypatch.setattr(kineto, "_join", lambda w, part: joined.append("release" in part) or real_join(w, part))
+    real_decode, real_join = kineto_split._decode_range, kineto_split._join
+    monkeypatch.setattr(kineto_split, "_decode_range", lambda *a: decoded.append(a[1:3]) or real_decode(*a))
+    monkeypatch.setattr(kineto_split, "_join", lambda w, part: joined.append("release" in part) or real_join(w, part))
     _same_columns(whole, read_kineto(path, ahead=ahead))
     assert len(decoded) == 2 and decoded[1][1] == path.stat().st_size  # its own stretch, then the child's
     assert joined == [False]  # the child's stretch joined as decoded here, not from its region
@@ -481,14 +481,14 @@ def test_decoding_a_stretch_leaves_the_collector_as_it_was(traces, tmp_path, mon
     import gc
 
     path = _plain_trace(traces, tmp_path / "t.json")
-    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
-    start, end = kineto._plan_split(path, [1.0])[2][0][0], path.stat().st_size
+    monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
+    start, end = kineto_split._plan_split(path, [1.0])[2][0][0], path.stat().st_size
     assert gc.isenabled()
-    assert kineto._decode_range(str(path), start, end, True, False) is not None
+    assert kineto_split._decode_range(str(path), start, end, True, False) is not None
     assert gc.isenabled()
     gc.disable()
     try:  # and a collector that was off stays off
-        kineto._decode_range(str(path), start, end, True, False)
+        kineto_split._decode_range(str(path), start, end, True, False)
         assert not gc.isenabled()
     finally:
         gc.enable()
@@ -499,37 +499,37 @@ def test_a_stretch_goes_through_its_region_whole_and_one_too_small_is_refused(tr
     import os
 
     path = _plain_trace(traces, tmp_path / "t.json")
-    monkeypatch.setattr(kineto, "SPLIT_MIN_BYTES", 0)
-    start, end = kineto._plan_split(path, [1.0])[2][0][0], path.stat().st_size
-    expected = [np.array(a) for a in kineto._decode_range(str(path), start, end, True, False)["sink"].arrays()]
+    monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
+    start, end = kineto_split._plan_split(path, [1.0])[2][0][0], path.stat().st_size
+    expected = [np.array(a) for a in kineto_split._decode_range(str(path), start, end, True, False)["sink"].arrays()]
 
     def through(layout):
         region = mmap.mmap(-1, layout.size)
-        decoded = kineto._decode_range(str(path), start, end, True, False, (region, layout))
+        decoded = kineto_split._decode_range(str(path), start, end, True, False, (region, layout))
         if decoded is None:
             return None, region
-        assert all(isinstance(f, kineto._Slot) for f in decoded["sink"].fields)  # decoded into the region
+        assert all(isinstance(f, kineto_columns._Slot) for f in decoded["sink"].fields)  # decoded into the region
         read_end, write_end = os.pipe()
-        kineto._put(region, layout, write_end, decoded)
+        kineto_split._put(region, layout, write_end, decoded)
         os.close(write_end)
-        return kineto._taken(read_end, region), region
+        return kineto_split._taken(read_end, region), region
 
-    layout = kineto._RegionLayout.for_stretch(end - start)
+    layout = kineto_columns._RegionLayout.for_stretch(end - start)
     part, region = through(layout)
     assert sum(a.size for a in expected) > 1000
     assert [a.dtype for a in part["arrays"]] == [a.dtype for a in expected]
     for a, b in zip(expected, part["arrays"], strict=True):
         np.testing.assert_array_equal(a, b)
     assert part["trailer"].rstrip().endswith(b"}") and part["count"] > 0  # what follows the events array
-    received = kineto._ColumnSink(False)
-    kineto._join(received, part)  # into an empty sink: the same columns, its codes its own
+    received = kineto_columns._ColumnSink(False)
+    kineto_split._join(received, part)  # into an empty sink: the same columns, its codes its own
     for a, b in zip(expected, received.arrays(), strict=True):
         np.testing.assert_array_equal(a, b)
     del part
     region.close()  # no array over the region is left
-    part, region = through(kineto._RegionLayout(layout.room, 64))  # no room for the tables: refused
+    part, region = through(kineto_columns._RegionLayout(layout.room, 64))  # no room for the tables: refused
     assert part is None
-    part, region = through(kineto._RegionLayout(len(expected[0]) * 2, layout.tables_room))  # nor for the columns
+    part, region = through(kineto_columns._RegionLayout(len(expected[0]) * 2, layout.tables_room))  # nor for the columns
     assert part is None
 
 
@@ -539,10 +539,10 @@ def test_a_read_ahead_process_ends_with_its_parent_however_the_parent_ends(trace
     path = _plain_trace(traces, tmp_path / "t.json")
     script = f"""
 import os, signal, time
-from infertrace.analyze import kineto
-kineto.SPLIT_MIN_BYTES = 0
-real = kineto._decode_range
-kineto._decode_range = lambda *a: time.sleep(60) or real(*a)  # the stretch's process is still at work
+from infertrace.analyze import kineto, kineto_split
+kineto_split.SPLIT_MIN_BYTES = 0
+real = kineto_split._decode_range
+kineto_split._decode_range = lambda *a: time.sleep(60) or real(*a)  # the stretch's process is still at work
 ahead = kineto.read_ahead({str(path)!r}, workers=3)
 print(" ".join(str(pid) for pid, *_ in ahead.children), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # no exit handler runs
