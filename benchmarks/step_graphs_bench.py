@@ -46,11 +46,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_bench import ROWS, bench_decode, bench_nano, copy_bandwidth, model_dir, replay_ms, row  # noqa: E402
 
 from infertrace.engine import LLM, SamplingParams  # noqa: E402
-from infertrace.engine.attention import TritonAttention  # noqa: E402
-from infertrace.engine.kernels import paged_attention  # noqa: E402
-
-DEFAULT_MAX_SPLITS = TritonAttention.MAX_SPLITS
-DEFAULT_TILING = paged_attention._default_tiling
 
 
 def _free() -> None:
@@ -263,14 +258,6 @@ def decode_increments(root: Path, batch: int = 8, replays: int = 5) -> None:
 DECODE_VARIANTS = {  # name -> the kernels' switches it sets (the others at the engine's defaults)
     "normw": {},  # the engine's defaults
     "gemmearly": {"gemm_early": True},  # the skinny GEMMs copy their first weights before their wait (Gluon)
-    # decode attention split at most 1, 2, 4 or 16 ways instead of 8 (TritonAttention.MAX_SPLITS); its tiles of 32
-    # keys instead of 64 (BLOCK_N of 16-bit decode)
-    "splits1": {"max_splits": 1},
-    "splits2": {"max_splits": 2},
-    "splits4": {"max_splits": 4},
-    "splits16": {"max_splits": 16},
-    "bn32": {"decode_block_n": 32},
-    "splits16bn32": {"max_splits": 16, "decode_block_n": 32},
 }
 # qwen3-4b projections by letter, for variants named by their tilings: "o=64.256.4.4+d=64.128.4.5" runs the output
 # projection at (block_n, block_k, split_k, num_stages) = (64, 256, 4, 4) and the down projection at (64, 128, 4, 5);
@@ -281,27 +268,21 @@ PROJECTIONS = {"q": (6144, 2560), "g": (19456, 2560), "o": (2560, 4096), "d": (2
 
 
 def _set_variant(name: str) -> None:
-    from infertrace.engine.kernels import fused, skinny_gemm
+    """The kernels' switches and tilings of variant `name`, through the kernels' public switches and
+    kernels/tuning.py (graphs captured after it take them)."""
+    from infertrace.engine.kernels import skinny_gemm, tuning
 
-    skinny_gemm.TUNED.clear()
-    fused.QKV_TUNED.clear()
-    fused.GATE_UP_TUNED.clear()
-    switches = {"gemm_early": False, "max_splits": DEFAULT_MAX_SPLITS,
-                "decode_block_n": None} | DECODE_VARIANTS.get(name, {})
-    TritonAttention.MAX_SPLITS = switches["max_splits"]
-    block_n = switches["decode_block_n"]
-    paged_attention._default_tiling = DEFAULT_TILING if block_n is None else (
-        lambda eight_bit, widen, prefill_sm90=False: (block_n, 4, 2) if not (eight_bit or prefill_sm90)
-        else DEFAULT_TILING(eight_bit, widen, prefill_sm90))
-    skinny_gemm.set_early(switches["gemm_early"])
-    if name in DECODE_VARIANTS:
-        return
+    skinny_gemm.set_early(DECODE_VARIANTS.get(name, {}).get("gemm_early", False))
     # f: the qkv projection fused with the q/k norm; s: the gate/up projection fused with SiLU; others: skinny GEMMs
-    tables = {"f": (fused.QKV_TUNED, "q"), "s": (fused.GATE_UP_TUNED, "g")}
-    for part in name.split("+"):
-        letter, _, tiling = part.partition("=")
-        table, shape = tables.get(letter, (skinny_gemm.TUNED, letter))
-        table[PROJECTIONS[shape]] = None if tiling == "off" else tuple(int(v) for v in tiling.split("."))
+    kernels = {"f": ("qkv_norm_rope", "q"), "s": ("gate_up_silu", "g")}
+    tilings: dict[str, dict] = {"skinny_gemm": {}, "qkv_norm_rope": {}, "gate_up_silu": {}}
+    if name not in DECODE_VARIANTS:
+        for part in name.split("+"):
+            letter, _, tiling = part.partition("=")
+            kernel, shape = kernels.get(letter, ("skinny_gemm", letter))
+            tilings[kernel][PROJECTIONS[shape]] = None if tiling == "off" else tuple(int(v) for v in tiling.split("."))
+    for kernel, table in tilings.items():
+        tuning.set_tilings(kernel, table)
 
 
 @torch.inference_mode()
@@ -328,8 +309,6 @@ def decode_variants(root: Path, names: list[str], contexts=(385, 640), rounds: i
 
         name = shard_preset(name, int(shard))
     _set_variant("normw")
-    # the split workspace is sized once, by the engine's first decode step: for the most splits a variant takes
-    TritonAttention.MAX_SPLITS = max(DECODE_VARIANTS.get(n, {}).get("max_splits", DEFAULT_MAX_SPLITS) for n in names)
     llm = LLM(model_dir(root, name, device="cuda"), prefill_cuda_graphs=False)
     rng = random.Random(0)
     for i in range(batch):

@@ -158,14 +158,14 @@ QKV_06B, GATE_UP_06B = (4096, 1024), (6144, 1024)
 def projection_fusions(request):
     """Decode projections as the skinny GEMM then the kernel after it, or fused with it (fused.qkv_norm_rope,
     fused.gate_up_silu), at qwen3-0.6b's shapes."""
-    from infertrace.engine.kernels import fused
+    from infertrace.engine.kernels import tuning
 
     on = request.param == "one kernel"
-    fused.QKV_TUNED[QKV_06B] = (128, 5, 4) if on else None
-    fused.GATE_UP_TUNED[GATE_UP_06B] = (32, 128, 3, 4) if on else None
+    tuning.set_tilings("qkv_norm_rope", {QKV_06B: (128, 5, 4) if on else None})
+    tuning.set_tilings("gate_up_silu", {GATE_UP_06B: (32, 128, 3, 4) if on else None})
     yield request.param
-    fused.QKV_TUNED.clear()
-    fused.GATE_UP_TUNED.clear()
+    tuning.set_tilings("qkv_norm_rope", {})
+    tuning.set_tilings("gate_up_silu", {})
 
 
 def test_bfloat16_decode_tokens_are_hf_argmax_within_rounding(qwen06_dirs, projection_fusions):

@@ -68,3 +68,15 @@ def test_the_early_kernel_takes_no_more_stages_than_shared_memory_holds(monkeypa
     assert skinny_gemm.decode_config(1792, 5120) == (64, 128, 4, 6)
     monkeypatch.setattr(skinny_gemm, "_early", False)
     assert skinny_gemm.decode_config(1536, 1024) == (64, 256, 1, 4)
+
+
+def test_an_experiment_s_tilings_reach_the_table_the_kernel_reads_and_go_back_to_the_file_s(tmp_path, monkeypatch):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"skinny_gemm": {"2560,2048": [64, 128, 4, 4]}}))
+    monkeypatch.setenv(tuning.ENV, str(path))
+    monkeypatch.setattr(tuning, "_TABLES", {})
+    read_by_kernel = tuning.table("skinny_gemm")
+    tuning.set_tilings("skinny_gemm", {(1024, 1024): (32, 128, 1, 3)})
+    assert read_by_kernel == {(2560, 2048): (64, 128, 4, 4), (1024, 1024): (32, 128, 1, 3)}
+    tuning.set_tilings("skinny_gemm", {})
+    assert tuning.table("skinny_gemm") is read_by_kernel and read_by_kernel == {(2560, 2048): (64, 128, 4, 4)}

@@ -213,7 +213,7 @@ def qkv_norm_rope(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, num_k
 
 
 # (N, K) of a qkv projection -> (block_k, num_stages, num_warps) of `qkv_norm_rope` ahead of the shapes measured
-QKV_TUNED: dict[tuple[int, int], tuple[int, int, int] | None] = tuning.load("qkv_norm_rope")
+QKV_TUNED: dict[tuple[int, int], tuple[int, int, int] | None] = tuning.table("qkv_norm_rope")
 
 
 def qkv_fused_config(n: int, k: int) -> tuple[int, int, int] | None:
@@ -286,7 +286,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = 64, bl
 
 
 # (2I, hidden) of a merged gate/up projection -> (block_n, block_k, num_stages, num_warps) of `gate_up_silu`
-GATE_UP_TUNED: dict[tuple[int, int], tuple[int, int, int, int] | None] = tuning.load("gate_up_silu")
+GATE_UP_TUNED: dict[tuple[int, int], tuple[int, int, int, int] | None] = tuning.table("gate_up_silu")
 
 
 def gate_up_silu_config(n: int, k: int) -> tuple[int, int, int, int] | None:

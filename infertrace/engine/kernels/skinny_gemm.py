@@ -325,7 +325,7 @@ def early_available() -> bool:
 
 
 # (N, K) -> (block_n, block_k, split_k, num_stages) ahead of decode_config's rules (benchmarks try tilings with it)
-TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = tuning.load("skinny_gemm")
+TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = tuning.table("skinny_gemm")
 
 # One rank's shard of qwen3-14b's projections at TP=2 and TP=4, where the rules below leave speed behind, by the GPU
 # they were measured on (the start of its name). `gemm_bench.py --split-sweep` on an H200 (each GEMM with the kernel

@@ -67,6 +67,22 @@ def load(kernel: str) -> dict[tuple[int, int], tuple[int, ...] | None]:
         raise ValueError(f"{ENV}={os.environ[ENV]}: not a tiling file ({e})") from None
 
 
+_TABLES: dict[str, dict] = {}
+
+
+def table(kernel: str) -> dict[tuple[int, int], tuple[int, ...] | None]:
+    """`load(kernel)` as the one dict the kernel reads at every call, for `set_tilings` to change."""
+    return _TABLES.setdefault(kernel, load(kernel))
+
+
+def set_tilings(kernel: str, tilings: dict[tuple[int, int], tuple[int, ...] | None]) -> None:
+    """An experiment's tilings for `kernel` in this process, ahead of the variable's and the rules ({}: theirs
+    again), for benchmarks that compare tilings on one engine. A CUDA graph keeps the tilings of its capture."""
+    current = table(kernel)
+    current.clear()
+    current.update(load(kernel) | tilings)
+
+
 def rules() -> dict[str, Any]:
     """The rules' values an experiment sets instead of what the rules pick (the "rules" object), by rule name;
     empty when the variable is unset. A name that is no rule, or a value the rule cannot take, is an error."""
