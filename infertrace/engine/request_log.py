@@ -175,17 +175,21 @@ class RequestLog:
         """Requests numbered `since` and later (at most `limit`, oldest first; with `active_since`, only those
         unfinished then or since), each with the steps it rode, and every step from the first one's arrival to the
         last one's end. With `max_bytes` the page stops before the request that would take its JSON past that
-        many bytes (an estimate from above), but holds at least one. `next` is the number after the last request
-        given, or the log's end when none is. Times are the server's perf_counter seconds; durations seconds."""
+        many bytes (an estimate from above), but holds at least one; when that one alone would, its steps are cut
+        there (`steps_complete: false`). `next` is the number after the last request given, or the log's end when
+        none is. Times are the server's perf_counter seconds; durations seconds."""
         oldest = self._count - len(self._ring)
+        cut = None
         if active_since is not None:
             chosen = [r for r in self._span(oldest, self._count)
                       if r.finished is None or r.finished >= active_since][:limit]
         else:
             first = max(since, oldest)
             stop = self._count if limit is None else min(self._count, first + max(0, limit))
-            chosen = self._page(first, stop, max_bytes)
+            chosen, cut = self._page(first, stop, max_bytes)
         lo, hi = self._window(chosen)
+        if cut is not None:
+            hi = min(hi, cut)
         rows: dict[str, list[list]] = {}
         by_key: dict[str, _Request] = {}
         for rec in chosen:  # a reused id: the later record owns the steps after its arrival
@@ -215,7 +219,7 @@ class RequestLog:
                 "finish_step": rec.finish_step, "finish_reason": rec.finish_reason,
                 "output_tokens": rec.output_tokens, "cached_tokens": rec.cached_tokens,
                 # steps before the oldest kept one were dropped from the ring: this request's list misses them
-                "steps_complete": dropped is None or dropped < rec.arrival,
+                "steps_complete": (dropped is None or dropped < rec.arrival) and cut is None,
                 "steps": own,
             })
         return {"clock": "perf_counter", "now": time.perf_counter() if now is None else now,
@@ -227,10 +231,11 @@ class RequestLog:
         ring, size = self._ring, self.max_requests
         return [ring[seq % size] for seq in range(first, stop)]
 
-    def _page(self, first: int, stop: int, max_bytes: int | None) -> list[_Request]:
-        """Requests `first` to `stop` (excluded), cut where their JSON would pass `max_bytes`."""
+    def _page(self, first: int, stop: int, max_bytes: int | None) -> tuple[list[_Request], int | None]:
+        """Requests `first` to `stop` (excluded), cut where their JSON would pass `max_bytes`; and where the steps
+        of the first one are cut when it alone would (None when they are not)."""
         if max_bytes is None:
-            return self._span(first, stop)
+            return self._span(first, stop), None
         chosen: list[_Request] = []
         lo = hi = self._head
         for seq in range(first, stop):
@@ -238,13 +243,20 @@ class RequestLog:
             rec_lo, rec_hi = self._window([rec])
             new_lo = rec_lo if not chosen else lo  # arrivals come in sequence order: the first one starts it
             new_hi = max(hi, rec_hi)
-            size = (REQUEST_JSON_BYTES * (len(chosen) + 1) + STEP_JSON_BYTES * (new_hi - new_lo)
-                    + ROW_JSON_BYTES * self._rows_between(new_lo, new_hi))
-            if chosen and size > max_bytes:
-                break
+            if self._size(len(chosen) + 1, new_lo, new_hi) > max_bytes:
+                if chosen:
+                    break
+                ends = range(new_lo, new_hi + 1)  # the most of its steps that fit, none if not even one does
+                fit = bisect.bisect_right(ends, max_bytes, key=lambda end: self._size(1, new_lo, end))
+                return [rec], new_lo + max(0, fit - 1)
             chosen.append(rec)
             lo, hi = new_lo, new_hi
-        return chosen
+        return chosen, None
+
+    def _size(self, requests: int, lo: int, hi: int) -> int:
+        """An upper bound of the JSON of `requests` requests and the steps lo..hi (excluded)."""
+        return (REQUEST_JSON_BYTES * requests + STEP_JSON_BYTES * (hi - lo)
+                + ROW_JSON_BYTES * self._rows_between(lo, hi))
 
     def _window(self, chosen: list[_Request]) -> tuple[int, int]:
         """The indices of the steps `chosen` may have ridden: from the first one that ended after the first

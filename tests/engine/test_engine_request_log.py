@@ -116,7 +116,7 @@ def _finished_log(n: int, steps_each: int, batch: int = 1) -> RequestLog:
     log = RequestLog(max_requests=n)
     number = 0
     for i in range(n):
-        t = i * 10.0
+        t = i * (steps_each * 0.1 + 1.0)  # one after another: no step of one in the span of the next
         log.arrived(f"r{i}", t, 8, 0, 0)
         for k in range(steps_each):
             log.step(number, _Plan([f"r{i}"] + [f"other{j}" for j in range(batch - 1)]), t + k * 0.1 + 0.01, 0.05,
@@ -166,6 +166,18 @@ def test_pages_are_bounded_in_bytes_and_following_next_reads_every_request_once(
     # a bound below one request still gives one a page, so a reader always moves on
     tiny = log.read(since=7, max_bytes=1)
     assert [r["seq"] for r in tiny["requests"]] == [7] and tiny["next"] == 8
+
+
+def test_a_request_whose_own_steps_pass_the_bound_has_them_cut_there():
+    log = _finished_log(3, steps_each=400, batch=8)
+    whole = log.read(since=1, limit=1)
+    assert whole["requests"][0]["steps_complete"] and len(whole["steps"]) == 400
+    page = log.read(since=1, limit=1, max_bytes=30_000)
+    [rec] = page["requests"]
+    assert len(json.dumps({"requests": page["requests"], "steps": page["steps"]})) <= 30_000
+    assert 0 < len(page["steps"]) < 400 and page["next"] == 2
+    assert not rec["steps_complete"]  # the reader knows its list is short
+    assert rec["steps"] == whole["requests"][0]["steps"][:len(page["steps"])]
 
 
 def test_requests_are_logged_under_their_engine_id_and_read_with_their_label():
