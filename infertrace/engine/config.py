@@ -77,13 +77,13 @@ class EngineConfig:
     skinny_gemm: bool = setting(
         True, "Projections of small decode steps as weight-streaming Triton GEMMs (CUDA, 16-bit, fused norm).")
     # with skinny_gemm: the qkv projection with the q/k norm, RoPE and K/V write, and the gate/up projection with
-    # SiLU-and-multiply, one kernel each, at the shapes measured to gain (kernels/fused.py); and where the decode GEMMs
-    # are the early kernel (kernels/skinny_gemm.py early_rule: with tensor parallelism) the gate/up projection's does
+    # SiLU-and-multiply, one kernel each, at the shapes kernels/fused.py's rules take; and where the decode GEMMs are
+    # the early kernel (kernels/skinny_gemm.py early_rule: with tensor parallelism) the gate/up projection's does
     # SiLU-and-multiply in its epilogue
     fused_projections: bool = setting(
         True, "With --skinny-gemm: the qkv projection with its q/k norm and RoPE, and the gate/up projection with "
-              "SiLU, as one kernel each where measured faster (qwen3-4b's shapes; gate/up at every shape with "
-              "tensor parallelism).")
+              "SiLU, as one kernel each at the shapes the kernels' rules take (qwen3-4b's; gate/up at every shape "
+              "with tensor parallelism).")
     # programmatic dependent launch of the Triton kernels on Hopper and later (compute capability 9.0): a kernel's
     # programs start while the one before drains, and wait for its results on the device. No effect elsewhere
     pdl: bool = setting(
