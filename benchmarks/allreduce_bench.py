@@ -5,8 +5,8 @@ another's work: what is left is each kernel's own cost and the cross-GPU latency
 - off: the planes added and rounded by two torch kernels, PyTorch's one-shot all-reduce in bf16, then add_rmsnorm;
 - planes: PyTorch's one-shot all-reduce of the float32 planes in place, then add_rmsnorm adding them;
 - norm: kernels/allreduce_norm.py, all-reduce + residual add + RMSNorm in one kernel (norm/N: each row's push
-  spread over N programs, `--spread 1,2,4`; +all: the ranks' parts pulled at once, `--pull each,all`; +bf16: the
-  parts pushed in bfloat16, `--payload float32,model`);
+  spread over N programs, `--spread 4,8`, spread_rule's values; +all: the ranks' parts pulled at once, `--pull
+  each,all`; +bf16: the parts pushed in bfloat16, `--payload float32,model`);
 - nccl: the planes added and rounded, NCCL's all-reduce, then add_rmsnorm.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 benchmarks/allreduce_bench.py --ranks 2,4
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2560)
     ap.add_argument("--split", type=int, default=2, help="planes a projection leaves (its split-K)")
     ap.add_argument("--replays", type=int, default=50)
-    ap.add_argument("--spread", default="1", help="programs a row's push is spread over in the norm kernel, listed")
+    ap.add_argument("--spread", default="4,8", help="programs a row's push is spread over in the norm kernel, listed")
     ap.add_argument("--pull", default="each", help="how the norm kernel waits for the ranks' parts, listed: each, all")
     ap.add_argument("--payload", default="float32", help="the dtype the norm kernel pushes the parts in, listed: "
                     "float32, model (bfloat16)")
