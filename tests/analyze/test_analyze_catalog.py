@@ -169,3 +169,16 @@ def test_a_single_capture_is_named(tmp_path):
     touch(tmp_path / vllm_trace_name("rank0", 1_765_000_000_000_000_000))
     group, notes = select(catalog(tmp_path))
     assert notes == [f"analysing capture {tmp_path.name}, the only one here"]
+
+
+def test_vllm_cpu_files_in_the_order_a_real_server_wrote_them(tmp_path):
+    # vLLM CPU 0.32.0, two /start_profile../stop_profile (the second idle): each API-server trace is stamped
+    # before its engine's, the second one 10.6 s before
+    names = ["vm_10298.async_llm.1796536921009233566", "rank0.1796536922071395294",
+             "vm_10298.async_llm.1796536975943042752", "rank0.1796536986518422718"]
+    for i, name in enumerate(names):
+        touch(tmp_path / f"{name}.pt.trace.json.gz", 1000 + i)
+    groups = catalog(tmp_path)
+    assert [sorted(f.stamp for f in g.files) for g in groups] == [
+        ["1796536921009233566", "1796536922071395294"], ["1796536975943042752", "1796536986518422718"]]
+    assert [g.name for g in groups] == [f"{tmp_path.name}@1796536922071395294", f"{tmp_path.name}@1796536986518422718"]
