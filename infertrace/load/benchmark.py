@@ -140,19 +140,22 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
     runner = Runner(target, clock, hooks.on_result) if cfg.workers == 1 and cfg.ray_address is None \
         else Fleet(cfg, clock, hooks.on_result, cfg.ray_address)
     cache_before = None
-    async with profiled_window(cfg, target, clock, hooks, observed, cfg.profile and not interrupted) as profile:
-        if not interrupted:
-            hooks.on_phase("measure", load.total, window)
-            if load.reads_prefix_cache:
-                cache_before = await read_prefix_cache(target)  # the server's counters now: the run's own hit rate
-            try:
-                with measured_gc():
-                    await interrupter.run(load.phase(runner, clock, window))
-            except Interrupted:
-                interrupted = True
-            except PhaseStopped:
-                stopped_early = True
-    await observer.stop()
+    try:  # the observer's scrapes and session end however the phase does (a lost Ray cluster, a bad input)
+        async with profiled_window(cfg, target, clock, hooks, observed, cfg.profile and not interrupted) as profile:
+            if not interrupted:
+                hooks.on_phase("measure", load.total, window)
+                if load.reads_prefix_cache:
+                    # the server's counters now: the run's own hit rate
+                    cache_before = await read_prefix_cache(target)
+                try:
+                    with measured_gc():
+                        await interrupter.run(load.phase(runner, clock, window))
+                except Interrupted:
+                    interrupted = True
+                except PhaseStopped:
+                    stopped_early = True
+    finally:
+        await observer.stop()
     joined = None
     if not interrupted:  # each request's life on the server: evidence a Ctrl-C (then or now) does not wait for
         try:
