@@ -34,7 +34,7 @@ from pathlib import Path
 
 TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite", ".nsys-rep")
 MANIFEST_SUFFIXES = (".manifest.json", ".infertrace.json")  # written beside captures; not traces
-UNNAMED_GAP_MS = 120_000  # vLLM files without a prefix further apart than this belong to different captures
+UNNAMED_GAP_MS = 120_000  # vLLM files of one prefix (or none) stamped further apart belong to different captures
 
 _VLLM_RANK = re.compile(r"^(?:(?P<prefix>.+)_)?dp(?P<dp>\d+)_pp(?P<pp>\d+)_tp(?P<tp>\d+)_dcp(?P<dcp>\d+)_ep(?P<ep>\d+)"
                         r"_rank(?P<rank>\d+)\.(?P<ms>\d+)\.pt\.trace\.json(?:\.gz)?$")
