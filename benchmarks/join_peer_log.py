@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return BAD_INPUT
-    records = [r for _, r in lines]
+    records = [r for _, r in lines if r is not UNREADABLE]
     summary = join_peer([r for r in records if isinstance(r, dict) and r.get("phase") == "measured"], peer.records,
                         peer.source)
     summary.update(unreadable_request_lines=bad_lines, skipped_peer_entries=peer.skipped)
@@ -54,8 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+UNREADABLE = object()  # a line that is not JSON: written out as it came
+
+
 def read_requests(path: Path) -> tuple[list[tuple[str, object]], int]:
-    """(line, its JSON) for each line of a --requests-jsonl file that is JSON, and how many were not."""
+    """(line, its JSON, or UNREADABLE) for each line of a --requests-jsonl file, and how many were not JSON."""
     try:
         text = input_files.read_text(path, MAX_PEER_LOG_BYTES)
     except input_files.InputFileError as e:
@@ -67,12 +70,16 @@ def read_requests(path: Path) -> tuple[list[tuple[str, object]], int]:
         try:
             lines.append((line, json.loads(line)))
         except (ValueError, RecursionError):
+            lines.append((line, UNREADABLE))
             bad += 1
     return lines, bad
 
 
 def joined_line(raw: str, record) -> str:
-    """The record as JSON without NaN; the line as it came where it is nested too deeply to write again."""
+    """The record as JSON without NaN; the line as it came where it is not JSON or nested too deeply to write
+    again."""
+    if record is UNREADABLE:
+        return raw
     try:
         return json.dumps(finite(record))
     except RecursionError:

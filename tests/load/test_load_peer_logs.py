@@ -235,6 +235,8 @@ def test_the_script_gives_no_nan_and_skips_bad_request_lines(tmp_path, capsys):
     summary = json.loads(printed)
     assert summary["explained"] == 3 and summary["skipped_records"] == 4 and summary["unreadable_request_lines"] == 2
     assert summary["skipped_peer_entries"] == len(BAD_SPANS) and "malformed vllm entries" in summary["warnings"][0]
+    written = out.read_text().splitlines()
+    assert len(written) == len(good) + len(bad) and "not json" in written and "[" * 100_000 in written  # none lost
 
 
 @pytest.mark.parametrize("where", ["peer-dir", "peer-fifo", "requests-dir", "out-dir", "peer-binary"])
