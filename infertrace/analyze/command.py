@@ -14,8 +14,8 @@ EXIT_CODES = """\b
 Exit codes:
   0  the report was produced (files that could not be used are listed as warnings on stderr)
   2  nothing to analyse: the path does not exist, holds no trace files, or none of them is readable; or a
-     report given to `diff` is cut short or not a report; or an output file (--json, --csv, --html) could not
-     be written"""
+     report given to `diff` is cut short or not a report; or an output file (--json, --csv, --html,
+     --perfetto) could not be written"""
 
 
 DIFF_SCHEMA = "infertrace.analyze-diff/1"  # first, so the comparison is never read back as a trace
@@ -78,8 +78,9 @@ cached ranks.
               help="Kernels named per rank and kernel type before the rest are grouped as 'others' [default: 10, "
                    "as HTA].")
 @click.option("--capture", "capture_name", metavar="NAME",
-              help="Which capture to read where several lie under TRACE_DIR (its vLLM prefix, SGLang profile id or "
-                   "directory name) [default: the newest].")
+              help="Which capture to read where several lie under TRACE_DIR: its name as the notes give it (vLLM "
+                   "prefix, SGLang profile id or directory, with @ and the time stamp of its files where one "
+                   "directory holds several), or a part of it [default: the newest].")
 @click.option("--rank", type=click.IntRange(min=0), help="Read only this rank of the capture.")
 @click.option("--perfetto", "perfetto_path", type=click.Path(path_type=Path), metavar="PATH",
               help="Write the capture in Chrome trace format (Perfetto and chrome://tracing open it) with its steps, "
