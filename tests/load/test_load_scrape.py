@@ -124,6 +124,8 @@ def test_a_real_vllm_body_maps_to_common_fields():
     assert counters['vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="local_cache_hit"}'] \
         == 3072
     assert 'vllm:iteration_tokens_total_count{engine="0",model_name="tiny"}' in counters
+    # the KV block, the unit its prefix cache finds prompts in, is a label of vllm:cache_config_info
+    assert gauges["kv_block_size"] == 128
 
 
 def test_sglang_names_map_to_common_fields():
@@ -457,7 +459,7 @@ async def test_stop_ends_the_loop_when_a_scrape_swallows_the_cancel():
             if swallowed:
                 raise
             swallowed.append(1)
-        return False
+        return scraper._failed("timed out")  # as scrape_once counts a timeout
 
     scraper.scrape_once = swallowing
     await scraper.start()
@@ -465,3 +467,26 @@ async def test_stop_ends_the_loop_when_a_scrape_swallows_the_cancel():
     await asyncio.wait_for(scraper.stop(), 5)
     assert swallowed and len(calls) == 1  # before the fix the loop scraped on until a second cancel
 
+
+
+async def test_a_run_shorter_than_the_first_answer_still_gets_its_scrape():
+    """The first scrape still in flight when the run ends is cancelled; stop() scrapes once more, so a short run
+    keeps a sample (or the note of why not) rather than nothing."""
+    calls = []
+
+    async def slow_first(request):
+        calls.append(1)
+        if len(calls) == 1:
+            await asyncio.sleep(0.5)
+        return web.Response(text="# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 2\n")
+
+    runner, url = await _serve(slow_first)
+    try:
+        scraper = Scraper(url, 1.0)
+        async with scraper:
+            async with asyncio.timeout(30):
+                while not calls:
+                    await asyncio.sleep(0.01)
+    finally:
+        await runner.cleanup()
+    assert len(calls) == 2 and scraper.series.scrapes == 1 and scraper.series.gauges["waiting"] == [2]

@@ -41,6 +41,31 @@ def test_a_salt_line_every_prompt_starts_with_is_reuse_the_run_implies():
         (28 * 266 + 3 * 10) / (32 * 522))
 
 
+def test_with_the_servers_block_size_only_whole_blocks_short_of_the_last_token_are_implied():
+    """A server finds prompts in whole KV blocks and recomputes a prompt's last token (vLLM: at most length - 1 is
+    a hit). By hand: a 10-token salt, 4 prefixes of 256 before 256 tokens, 32 prompts: with 128-token blocks a
+    prefix used again is 256 of its 266 tokens and the salt alone none; a prompt of 256 sent again is 240 of its
+    tokens in 16-token blocks (255 rounded down)."""
+    shared = BenchConfig(base_url="http://h", dataset="shared-prefix", num_prompts=32, num_prefixes=4, prefix_len=256,
+                         input_len=256)
+    assert implied_hit_rate(shared, {"prompt_salt_tokens": 10}, 32, block_size=128) == pytest.approx(
+        28 * 256 / (32 * 522))
+    cycled = BenchConfig(base_url="http://h", num_prompts=32, input_len=256, duration_s=10.0)
+    assert implied_hit_rate(cycled, None, 128, block_size=16) == pytest.approx(96 * 240 / (128 * 256))
+
+
+def test_the_block_size_comes_from_the_scrapes():
+    """vLLM says its block size in `vllm:cache_config_info`; the implied rate of a run scraped from it uses it."""
+    shared = BenchConfig(base_url="http://h", dataset="shared-prefix", num_prompts=8, num_prefixes=2, prefix_len=192,
+                         input_len=32)
+    scrape = _scrape([0, 768], [0, 1792])
+    for i in range(len(scrape.times)):
+        scrape.gauges.setdefault("kv_block_size", []).append(128.0)
+    figures = prefix_cache_figures(shared, None, scrape, 8)
+    assert figures["implied_prefix_cache_hit_rate"] == pytest.approx(6 * 128 / (8 * 224))
+    assert figures["server_prefix_cache_hit_rate"] == pytest.approx(figures["implied_prefix_cache_hit_rate"])
+
+
 def test_a_trace_implies_its_servable_reuse_and_none_without_hashes():
     cfg = BenchConfig(base_url="http://h", dataset="trace", dataset_path="t.jsonl")
     assert implied_hit_rate(cfg, {"trace": {}, "trace_servable_prefix_reuse": 0.42}, 10) == 0.42

@@ -50,9 +50,14 @@ COUNTER_FIELDS: dict[str, tuple[str, ...]] = {
     "prompt_tokens": ("vllm:prompt_tokens", "sglang:prompt_tokens", "infertrace:prompt_tokens"),
     "generation_tokens": ("vllm:generation_tokens", "sglang:generation_tokens", "infertrace:generation_tokens"),
 }
+# Info metrics, whose figure is a label of a sample worth 1: (family, label) -> common gauge field. vLLM's
+# `vllm:cache_config_info{block_size="128",...}` (loggers.py log_metrics_info): the KV block, the unit in which
+# its prefix cache finds prompts (128 tokens on a CPU, 16 by default on a GPU).
+INFO_FIELDS: dict[tuple[str, str], str] = {("vllm:cache_config_info", "block_size"): "kv_block_size"}
+_INFO_OF = {family: (label, f) for (family, label), f in INFO_FIELDS.items()}
 _FIELD_OF = {name: f for table in (GAUGE_FIELDS, COUNTER_FIELDS) for f, names in table.items() for name in names}
-_COMMON = set(GAUGE_FIELDS) | set(COUNTER_FIELDS)
-_MEAN_FIELDS = {"kv_usage", "prefix_cache_hit_rate"}  # shares: averaged over engines/ranks, not added
+_COMMON = set(GAUGE_FIELDS) | set(COUNTER_FIELDS) | set(INFO_FIELDS.values())
+_MEAN_FIELDS = {"kv_usage", "prefix_cache_hit_rate", "kv_block_size"}  # averaged over engines/ranks, not added
 _SERVERS = {"vllm:": "vllm", "sglang:": "sglang", "infertrace:": "infertrace"}
 
 
@@ -85,6 +90,12 @@ def parse_exposition(text: str, max_series: int | None = None) -> tuple[dict[str
     if not families:
         raise NotPrometheus("no metrics in the body")
     for family in families:
+        if family.name in _INFO_OF:
+            label, info = _INFO_OF[family.name]
+            for s in family.samples:
+                value = _positive(s.labels.get(label))
+                if value is not None:
+                    gauges.setdefault(info, []).append(value)
         common = _FIELD_OF.get(family.name)
         for s in family.samples:
             if s.name.endswith(("_created", "_bucket")) or not math.isfinite(s.value):
@@ -103,6 +114,15 @@ def parse_exposition(text: str, max_series: int | None = None) -> tuple[dict[str
                 own += 1
             store.setdefault(key, []).append(s.value)
     return ({k: _combine(k, v) for k, v in gauges.items()}, {k: sum(v) for k, v in counters.items()})
+
+
+def _positive(text: str | None) -> float | None:
+    """A label's number when it is a positive finite one (vLLM writes "None" for a setting left unset)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) and value > 0 else None
 
 
 def _combine(key: str, values: list[float]) -> float:
@@ -252,7 +272,9 @@ class Scraper:
                 self._failed(f"scraping {self.url} stopped ({_reason(e)}): the server-side series ends early")
                 self._gave_up = True
             self._task = None
-            if self.series.scrapes and not self._gave_up:
+            # the last scrape, also when the first was still in flight (a run shorter than one answer of /metrics
+            # would otherwise keep no sample and no note of why); not when every scrape so far failed
+            if not self._gave_up and (self.series.scrapes or not self.series.failures):
                 await self.scrape_once()
         if self._session is not None:
             await self._session.close()

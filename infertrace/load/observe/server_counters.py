@@ -68,13 +68,14 @@ def run_hit_rate(before: PrefixCacheReading | None, after: PrefixCacheReading | 
 CACHE_EXCESS_WARN = 0.10  # measured hit rate above what the workload implies by this much: a cache warmed before
 
 
-def implied_hit_rate(cfg, workload: dict | None, requests: int) -> float | None:
+def implied_hit_rate(cfg, workload: dict | None, requests: int, block_size: int | None = None) -> float | None:
     """The share of prompt tokens the run itself could find cached, from how its prompts were made: a trace's
     reuse servable in whole blocks (none without block hashes: each request gets random tokens of its own); for random and shared-prefix prompts, the prompts sent again (--duration cycles
     --num-prompts of them), every use of a shared prefix after its first, and --prompt-salt's line, which starts
-    every prompt of the run (`prompt_salt_tokens` in `workload`; the server finds it in whole blocks, so its figure
-    can differ by about a block a prompt). None where the files decide (ShareGPT, JSONL) or the history does
-    (sessions)."""
+    every prompt of the run (`prompt_salt_tokens` in `workload`). A server finds prompts in whole KV blocks and
+    recomputes at least a prompt's last token (vLLM's kv_cache_manager: at most prompt length - 1 is a hit): with
+    the server's `block_size` known the rate counts only that much, else it can be above the server's by about a
+    block a prompt. None where the files decide (ShareGPT, JSONL) or the history does (sessions)."""
     if cfg is None:
         return None
     if cfg.dataset == "trace":  # a trace without block hashes (Azure, BurstGPT) gets a random prompt a request
@@ -89,7 +90,10 @@ def implied_hit_rate(cfg, workload: dict | None, requests: int) -> float | None:
     firsts = min(unique, cfg.num_prefixes) if shared else unique
     # a prompt sent again: all of it; a shared prefix used again: it and the salt before it; a prompt with a prefix
     # of its own, after the run's first prompt: the salt
-    return ((requests - unique) * length + (unique - firsts) * (salt + shared) + (firsts - 1) * salt) \
+    again, prefix, salt_only = length, salt + shared, salt
+    if block_size:
+        again, prefix, salt_only = (min(n, length - 1) // block_size * block_size for n in (again, prefix, salt_only))
+    return ((requests - unique) * again + (unique - firsts) * prefix + (firsts - 1) * salt_only) \
         / (requests * length)
 
 
@@ -114,7 +118,8 @@ def prefix_cache_figures(cfg, workload: dict | None, scrape, requests: int) -> d
     """`server_prefix_cache_hit_rate` (and its source) for every dataset, the rate the workload implies, and a
     warning when the server found much more cached than the run's own prompts can explain."""
     rate, source = measured_hit_rate(workload, scrape)
-    implied = implied_hit_rate(cfg, workload, requests)
+    blocks = [v for v in (scrape.gauges.get("kv_block_size", []) if scrape is not None else []) if v is not None]
+    implied = implied_hit_rate(cfg, workload, requests, int(blocks[-1]) if blocks else None)
     warnings = []
     if rate is not None and implied is not None and rate > implied + CACHE_EXCESS_WARN:
         warnings.append(
