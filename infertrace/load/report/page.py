@@ -143,6 +143,7 @@ def _summary_html(result: dict) -> str:
         rows.append({"figure": label, "value": f"{text} {unit}"})
     warnings = [w for key in ("headroom_warnings", "prefix_cache_warnings", "token_count_warnings")
                 for w in result.get(key) or []]
+    warnings += (result.get("request_log") or {}).get("warnings") or []  # what of the server's log was not joined
     return ("<h2>Summary</h2>" + _table_html(rows)
             + "".join(f'<p class="note">warning: {escape(w)}</p>' for w in warnings))
 

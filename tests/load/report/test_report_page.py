@@ -109,3 +109,11 @@ def test_the_summary_shows_headline_figures_energy_reasoning_and_warnings(run):
     plain = render_html(_doc(run, result={**result, "median_ttfct_ms": 80.0, "p99_ttfct_ms": 200.0,
                                           "energy_per_output_token_j": None}))
     assert "TTFCT" not in plain[:plain.index("<h2>Findings</h2>")] and "energy per output token" not in plain
+
+
+def test_the_summary_says_what_of_the_server_s_log_was_not_joined(run):
+    result = {"output_throughput": 1.0, "request_log": {"warnings": ["the server's request log had 2 malformed "
+                                                                     "request records, skipped"]}}
+    html = render_html(_doc(run, result=result))
+    summary = html[html.index("<h2>Summary</h2>"):html.index("<h2>Findings</h2>")]
+    assert "warning: the server&#x27;s request log had 2 malformed request records, skipped" in summary
