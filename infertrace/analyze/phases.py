@@ -4,7 +4,9 @@ Recognised step annotations (CPU ranges, torch.profiler `record_function` or NVT
 - infertrace's engine: `step[PREFILL bs=2 toks=300]`, `step[DECODE bs=16]`, `step[MIXED bs=9 toks=72]`
 - SGLang: `step[EXTEND bs=15 toks=15360]`, `step[DECODE bs=..]` (and its other modes)
 - vLLM: `execute_context_1(888_788544)_generation_0(0)`: 1 prefill request of 888 tokens, no decodes
-  (`execute_<tokens>_context_..` as some builds write it, too)
+  (`execute_<tokens>_context_..(sq..sk..)` with `detailed_trace_annotation`): vllm/v1/worker/gpu_worker.py
+  `annotate_profile` in vLLM 0.33.0, around each `execute_model`, for the GPU and CPU workers alike; the model
+  runner's `gpu_model_runner: forward` (and preprocess, sample, ...) ranges inside it are not steps
 - otherwise `ProfilerStep#N`, as generic steps.
 A recognised range that encloses another on the same thread is a wrapper and is dropped; the innermost counts.
 
