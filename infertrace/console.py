@@ -13,6 +13,7 @@ from typing import NoReturn
 
 import click
 from rich.console import Console, ConsoleDimensions
+from rich.markup import escape
 
 from infertrace.exits import BAD_INPUT
 
@@ -37,7 +38,8 @@ err_console = _Console(stderr=True)
 
 def fail(message: str, code: int = BAD_INPUT) -> NoReturn:
     """Print one red line to stderr and exit with `code` (infertrace/exits.py)."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # the message quotes what the user gave, which may hold [brackets] rich would read as markup
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise SystemExit(code)
 
 

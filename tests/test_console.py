@@ -48,3 +48,14 @@ def test_analyze_tables_in_a_ci_log_are_not_cut(tmp_path, monkeypatch):
         assert header in result.stdout
     lines = result.stdout.splitlines()
     assert any(LONG_KERNEL in line and "triton" in line for line in lines)  # on one line, not folded
+
+
+def test_an_error_keeps_the_brackets_the_user_gave(capsys):
+    import pytest
+
+    from infertrace.console import fail
+
+    with pytest.raises(SystemExit) as exited:
+        fail("no such file: runs/[bold]/run.json")
+    assert exited.value.code == 2
+    assert "runs/[bold]/run.json" in capsys.readouterr().err

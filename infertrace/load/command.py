@@ -11,7 +11,6 @@ import time
 from typing import TYPE_CHECKING
 
 import click
-from rich.markup import escape  # a message quotes what the user gave, which may hold [brackets]
 
 from infertrace.console import err_console, fail, out_console
 from infertrace.exits import BAD_INPUT as EXIT_BAD_INPUT
@@ -51,7 +50,7 @@ def bench(**options) -> None:
     try:
         cfg = resolve_salt(bench_config(options))
     except ValueError as e:
-        fail(escape(str(e)), EXIT_BAD_INPUT)
+        fail(str(e), EXIT_BAD_INPUT)
     raise SystemExit(execute(cfg))
 
 
@@ -152,11 +151,11 @@ def execute(cfg: BenchConfig) -> int:
         if cfg.base_url is not None and streams:
             ensure_open_files(-(-streams // (cfg.workers or 1)))  # each worker process opens its own share
     except (OutputError, OpenFileLimitError) as e:
-        fail(escape(str(e)), EXIT_BAD_INPUT)
+        fail(str(e), EXIT_BAD_INPUT)
     try:
         records, target = asyncio.run(_run(cfg))
     except (TargetError, DatasetError) as e:
-        fail(escape(str(e)), EXIT_BAD_INPUT)
+        fail(str(e), EXIT_BAD_INPUT)
     except KeyboardInterrupt:  # before the load started, or a second Ctrl-C: nothing is saved
         fail("interrupted; no result was saved", EXIT_INTERRUPTED)
     if cfg.find_max is not None:
@@ -181,7 +180,7 @@ def execute(cfg: BenchConfig) -> int:
         if cfg.report and records:
             _info(f"report: {write_run_report(cfg.report, records[-1])}")
     except (OSError, OutputError) as e:  # checked before the run; the disk can still fill up or vanish meanwhile
-        fail(escape(f"cannot save the results: {e}"), EXIT_BAD_INPUT)
+        fail(f"cannot save the results: {e}", EXIT_BAD_INPUT)
     code = exit_code(records)
     for line in lost_workers(records):
         err_console.print(f"[bold red]error:[/] {line}", highlight=False)
@@ -266,7 +265,7 @@ def finish_capacity(capacity, cfg: BenchConfig, target) -> int:
         if capacity.trials:
             _info(f"plot: {plot_capacity(capacity, cfg.output_paths()['--plot'])}")
     except (OSError, OutputError) as e:
-        fail(escape(f"cannot save the results: {e}"), EXIT_BAD_INPUT)
+        fail(f"cannot save the results: {e}", EXIT_BAD_INPUT)
     return exit_code(capacity.records)
 
 
