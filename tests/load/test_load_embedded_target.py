@@ -60,25 +60,3 @@ def test_a_sharded_preset_in_the_cache_is_not_written_again(tmp_path, monkeypatc
 
     monkeypatch.setattr(infertrace.modelgen, "init_model", must_not_run)
     assert default_model_dir(preset="qwen3-4b") == out
-
-
-def test_the_cpu_engine_leaves_a_core_to_the_event_loop_unless_told(monkeypatch):
-    import torch
-
-    from infertrace.load.client import embedded_target
-
-    before = torch.get_num_threads()
-    try:
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        monkeypatch.setattr(embedded_target.os, "cpu_count", lambda: 2)
-        assert embedded_target.cpu_threads() == 1 == torch.get_num_threads()
-        monkeypatch.setattr(embedded_target.os, "cpu_count", lambda: 16)
-        assert embedded_target.cpu_threads() == 15
-        monkeypatch.setattr(embedded_target.os, "cpu_count", lambda: 1)
-        assert embedded_target.cpu_threads() == 1
-        torch.set_num_threads(3)
-        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
-        monkeypatch.setattr(embedded_target.os, "cpu_count", lambda: 16)
-        assert embedded_target.cpu_threads() == 3
-    finally:
-        torch.set_num_threads(before)
