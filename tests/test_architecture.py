@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("infertrace.server.command",),
     # load/, in the order a run goes; its shared vocabulary first
     ("infertrace.load", "infertrace.load.config", "infertrace.load.records", "infertrace.load.clock",
-     "infertrace.load.stats"),
+     "infertrace.load.stats", "infertrace.load.server_log"),
     ("infertrace.load.workloads",),
     ("infertrace.load.client",),
     ("infertrace.load.run",),
@@ -159,6 +159,80 @@ def test_no_lower_layer_imports_a_higher_one(graph):
 def test_only_the_bench_command_imports_the_report(graph):
     assert not [(m, t) for m, ts in graph.items() if not m.startswith(("infertrace.load.report", "infertrace.load.command"))
                 for t in ts if t.startswith("infertrace.load.report")]
+
+
+# What moves bytes over a network: a stage that only computes imports none of it.
+NETWORK_MODULES = ("aiohttp", "socket", "http", "httpx", "requests", "urllib", "urllib3", "ssl", "asyncio",
+                   "ray", "infertrace.load.client", "infertrace.capture.client")
+
+
+def external_imports(path: Path) -> set[str]:
+    """Every module a file names in an import statement (at any depth), absolute, with its parents."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return found
+
+
+def test_results_compute_and_never_fetch():
+    """load/results/ turns records into figures: it reaches no server (the targets read the request log and the
+    metrics), so it imports no network library and nothing of the client package."""
+    results = sorted((ROOT / "load" / "results").rglob("*.py"))
+    assert results
+    offending = {str(p.relative_to(ROOT)): sorted(external_imports(p) & set(NETWORK_MODULES)) for p in results}
+    assert {p: mods for p, mods in offending.items() if mods} == {}
+    # nor does it wait on anything: a reader handed in (a transport, a target) would fetch through it unseen
+    waits = [f"{p.relative_to(ROOT)}:{node.lineno}" for p in results
+             for node in ast.walk(ast.parse(p.read_text(), str(p)))
+             if isinstance(node, (ast.AsyncFunctionDef, ast.Await, ast.AsyncFor, ast.AsyncWith))]
+    assert waits == []
+
+
+def test_the_network_rule_catches_an_import(tmp_path):
+    """The rule above sees a plain import, a from-import of a submodule, and one inside a function."""
+    for text in ("import aiohttp\n", "from http.client import HTTPConnection\n",
+                 "def f():\n    from infertrace.load.client.request_log import read_since\n"):
+        (tmp_path / "m.py").write_text(text)
+        assert external_imports(tmp_path / "m.py") & set(NETWORK_MODULES), text
+
+
+def test_load_asks_its_target_and_never_probes_it():
+    """A run calls the members of the Target protocol (load/client/target.py), which both targets define; it does
+    not probe a target's attributes or branch on its kind."""
+    probes = []
+    for path in sorted((ROOT / "load").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                    "getattr", "hasattr") and node.args and _names_target(node.args[0]):
+                probes.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            elif isinstance(node, ast.Compare) and any(_is_kind(c) for c in (node.left, *node.comparators)):
+                probes.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert [p for p in probes if not p.startswith(PROBES_PENDING)] == []
+
+
+# observe/ reads the prefix-cache counters by the target's kind; it moves to the protocol with its own change
+PROBES_PENDING = ("load/observe/server_counters.py",)
+
+
+def _names_target(node: ast.AST) -> bool:
+    """`target`, `self.target`, or an attribute of either (`target.engine`)."""
+    while isinstance(node, ast.Attribute):
+        if node.attr == "target":
+            return True
+        node = node.value
+    return isinstance(node, ast.Name) and node.id == "target"
+
+
+def _is_kind(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "kind" and _names_target(node.value)
 
 
 def test_every_command_lives_at_its_package_command_module():

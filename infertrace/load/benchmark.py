@@ -8,13 +8,14 @@ import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from infertrace.load.client.target import Target
 from infertrace.load.client.timing import TargetError, resolve_output_tokens
 from infertrace.load.clock import Clock
 from infertrace.load.config import DEFAULT_OUTPUT_LEN, BenchConfig
 from infertrace.load.observe.observer import Observer
 from infertrace.load.observe.server_counters import read_prefix_cache, run_hit_rate
 from infertrace.load.records import RequestResult
-from infertrace.load.results.join import join_run, log_cursor
+from infertrace.load.results.join import join
 from infertrace.load.results.metrics import compute_metrics, token_count_checks
 from infertrace.load.results.point import PointRecord
 from infertrace.load.results.steady import steady_state
@@ -115,13 +116,13 @@ class Hooks:
     on_info: Callable[[str], None] = lambda msg: None
 
 
-async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interrupter, hooks: Hooks,
+async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter: Interrupter, hooks: Hooks,
                     point: int = 0) -> PointRecord:
     """Warmup (excluded), profiler start, the measured load, profiler stop, then the figures."""
     tokenizer = target.tokenizer
-    load = make_load(cfg, tokenizer, point, getattr(target, "max_model_len", None))
+    load = make_load(cfg, tokenizer, point, target.max_model_len)
     warm = Runner(target, clock, hooks.on_result)
-    log_at = await log_cursor(target)  # where the server's request log stands before this point's first request
+    log_at = await target.request_log_cursor()  # where the server's request log stands before this point's first request
     interrupted = stopped_early = False
     if n_warm := cfg.effective_warmup:
         warm_specs = load.warmup_specs(n_warm)
@@ -159,25 +160,25 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
     joined = None
     if not interrupted:  # each request's life on the server: evidence a Ctrl-C (then or now) does not wait for
         try:
-            joined = await interrupter.run(join_run(target, log_at, runner.results, warm.results))
+            joined = await interrupter.run(join_request_log(target, log_at, runner.results, warm.results))
         except Interrupted:
             interrupted = True
 
     results = runner.results
     workload = {**(runner.figures() if isinstance(runner, Fleet) else {}), **load.figures(results, target)}
-    if salt := getattr(target, "salt_tokens", 0):  # the line --prompt-salt starts every prompt with
+    if salt := target.salt_tokens:  # the line --prompt-salt starts every prompt with
         # a prefix cache finds it only in whole blocks (vLLM's default 16 tokens where the target does not say):
         # a salt shorter than a block is found by no prompt
         block, _ = cache_block_tokens(target)
         workload.update(prompt_salt_tokens=salt, prompt_salt_cached_tokens=salt // block * block)
     if load.reads_prefix_cache:
         workload.update(run_hit_rate(cache_before, await read_prefix_cache(target)))
-    resolve_output_tokens(results, tokenizer, check_usage=target.kind == "http")
+    resolve_output_tokens(results, tokenizer, check_usage=target.counts_with_own_tokenizer)
     resolve_output_tokens(warm.results, tokenizer)
     metrics = compute_metrics(results, cfg.request_slo)
     duration = metrics.duration
     cpu = runner.cpu_window  # over the same window as the duration
-    compare_prompts = target.kind == "http" and cfg.endpoint == "completions"
+    compare_prompts = target.counts_with_own_tokenizer and cfg.endpoint == "completions"
     return PointRecord(
         config=cfg, results=results, warmup_results=warm.results, metrics=metrics, request_log=joined,
         token_checks=token_count_checks(results, compare_prompts),
@@ -186,6 +187,15 @@ async def run_point(cfg: BenchConfig, target, clock: Clock, interrupter: Interru
         client_lag=Stats.of([max(0.0, r.schedule_lag - r.slot_wait) for r in results]),
         interrupted=interrupted, profile=profile, workload=workload or None, stopped_early=stopped_early,
         observed=observed, steady=steady_state(results, None if cfg.open_loop else cfg.effective_concurrency))
+
+
+async def join_request_log(target: Target, cursor: int | None, results: list[RequestResult],
+                           warmup: list[RequestResult]) -> dict | None:
+    """The target's request log since `cursor` joined to `results` and `warmup` (their `server` set); the join's
+    summary, or None when the target keeps no log or it cannot be read."""
+    if cursor is None or (log := await target.fetch_request_log(cursor)) is None:
+        return None
+    return join(results, log, warmup)
 
 
 @contextlib.asynccontextmanager

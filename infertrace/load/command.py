@@ -73,7 +73,7 @@ async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
     await _open(target)
     try:
         await target.preflight()
-        if target.kind == "http" and (source := tokenizer_source(cfg)) is not None:
+        if target.tokenizer is None and (source := tokenizer_source(cfg)) is not None:
             target.tokenizer = await asyncio.to_thread(load_tokenizer, source)
         check_context(cfg, target.max_model_len)
         await _prepare_cache(cfg, target)
@@ -93,11 +93,10 @@ async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
 async def _open(target) -> None:
     """Open the target; the bundled engine takes seconds to load its model, so say so meanwhile (a spinner on a
     terminal, a line before and after elsewhere)."""
-    if target.kind != "embedded":
+    if (message := target.open_message) is None:
         await target.open()
         return
     started = time.monotonic()
-    message = f"loading {target.model_dir} into the bundled engine"
     if err_console.is_terminal:
         with err_console.status(f"{message} ..."):
             await target.open()
@@ -111,17 +110,17 @@ async def _prepare_cache(cfg: BenchConfig, target) -> None:
     """--reset-prefix-cache and --prompt-salt, before any request (warm-up included)."""
     from infertrace.load.client.timing import TargetError
 
-    if cfg.prompt_salt and target.kind == "http" and target.tokenizer is None and cfg.dataset == "random":
+    if cfg.prompt_salt and target.tokenizer is None and cfg.dataset == "random":
         raise TargetError("--prompt-salt puts a line of text before each prompt, but without a tokenizer random "
                           "prompts are sent as token ids: pass --tokenizer DIR")
     if cfg.prompt_salt:
         _info(f"prompt salt: {cfg.prompt_salt!r} before every prompt"
-              + (" (the bundled engine starts with an empty prefix cache anyway)" if target.kind == "embedded"
+              + (" (the bundled engine starts with an empty prefix cache anyway)" if target.starts_with_empty_cache
                  else ""))
     if not cfg.reset_prefix_cache:
         return
-    if target.kind == "embedded":
-        _info("--reset-prefix-cache: the bundled engine in-process starts with an empty prefix cache")
+    if target.starts_with_empty_cache:
+        _info(f"--reset-prefix-cache: {await target.reset_prefix_cache()}")
         return
     _info(f"prefix cache emptied (POST {await target.reset_prefix_cache()})")
 

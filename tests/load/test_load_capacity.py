@@ -201,10 +201,11 @@ async def test_a_point_stopped_as_saturated_keeps_its_results_and_the_next_point
 
     import infertrace.load.workloads.prompts as prompts
     from infertrace.load.benchmark import Hooks, Interrupter, run_point
+    from infertrace.load.client.target import Target
     from infertrace.load.clock import MonotonicClock
     from infertrace.load.records import RequestSpec, StreamEvent
 
-    class SlowTarget:
+    class SlowTarget(Target):
         kind, tokenizer = "embedded", None
 
         async def stream(self, spec):

@@ -264,9 +264,9 @@ def test_a_log_that_answers_the_same_page_forever_is_left(standin, prompts_jsonl
 def test_an_endless_log_is_read_to_a_bound(standin, prompts_jsonl, tmp_path, monkeypatch):
     from aiohttp import web
 
-    from infertrace.load.results import join as join_module
+    from infertrace.load.client import request_log
 
-    monkeypatch.setattr(join_module, "MAX_ROWS", 40)
+    monkeypatch.setattr(request_log, "MAX_ROWS", 40)
 
     async def answer(server, since, limit, request):  # a log that always has ten more
         rows = [{"request_id": f"other-{i}", "seq": i} for i in range(since, since + 10)]
@@ -282,9 +282,9 @@ def test_an_endless_log_is_read_to_a_bound(standin, prompts_jsonl, tmp_path, mon
 def test_a_page_too_big_is_not_read_past_its_bound(standin, prompts_jsonl, tmp_path, monkeypatch, chunked):
     from aiohttp import web
 
-    from infertrace.load.results import join as join_module
+    from infertrace.load.client import request_log
 
-    monkeypatch.setattr(join_module, "MAX_PAGE_BYTES", 1 << 20)
+    monkeypatch.setattr(request_log, "MAX_PAGE_BYTES", 1 << 20)
     sent = []
 
     async def answer(server, since, limit, request):
@@ -367,9 +367,8 @@ def test_a_cursor_that_is_no_sequence_number_means_no_join(standin, prompts_json
 
 def test_fetch_keeps_only_checked_rows_page_by_page():
     import asyncio
-    from types import SimpleNamespace
 
-    from infertrace.load.results.join import fetch_log
+    from infertrace.load.client.http_target import HttpTarget
 
     pages = {0: {"next": 3, "requests": [{**GOOD, "seq": 0}, [], {**GOOD, "request_id": "q1", "seq": 2}],
                  "steps": [_step(0, 100.01, 0.02), {}]},
@@ -384,7 +383,7 @@ def test_fetch_keeps_only_checked_rows_page_by_page():
             asked.append(since)
             return 200, pages[since], 100
 
-    log = asyncio.run(fetch_log(SimpleNamespace(kind="http", transport=Transport()), 0))
+    log = asyncio.run(HttpTarget("http://x", "completions", "m", Transport()).fetch_request_log(0))
     assert asked == [0, 3, 5]
     assert [r["request_id"] for r in log["requests"]] == ["q0", "q1", "q2"] and len(log["steps"]) == 1
     assert log["malformed"]["requests"][0] == 2 and log["malformed"]["steps"][0] == 1

@@ -119,12 +119,13 @@ def test_peak_per_second_buckets_as_vllm_bench_serve():
 async def test_a_response_longer_than_max_tokens_could_make_is_kept_cut_and_counted_as_a_lower_bound():
     """A server streaming 10 MB text events: the client keeps text_cap characters, counts tokens in those only, and
     says the count is a lower bound (ten such events took bench to 7-12 GB and a tokenizer panic)."""
+    from infertrace.load.client.target import Target
     from infertrace.load.client.timing import measure, resolve_output_tokens
     from infertrace.load.clock import ScriptedClock
     from infertrace.load.records import RequestSpec, StreamEvent, text_cap
     from infertrace.load.results.metrics import token_count_warnings
 
-    class Flood:
+    class Flood(Target):
         def __init__(self, usage: bool):
             self.usage = usage
 

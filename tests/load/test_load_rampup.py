@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from infertrace.load.benchmark import Hooks, Interrupter, run_point
+from infertrace.load.client.target import Target
 from infertrace.load.clock import ScriptedClock
 from infertrace.load.config import BenchConfig
 from infertrace.load.records import RequestResult, RequestSpec, StreamEvent
@@ -101,7 +102,7 @@ def test_failed_requests_hold_a_slot_but_emit_no_tokens():
     assert steady_state([], target=2) is None
 
 
-class TickTarget:
+class TickTarget(Target):
     """Each request streams 4 one-token events, `step` scripted seconds apart."""
 
     kind = "embedded"

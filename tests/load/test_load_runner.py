@@ -8,12 +8,13 @@ from click.testing import CliRunner
 
 from infertrace.cli import main
 from infertrace.load.benchmark import Interrupted, Interrupter
+from infertrace.load.client.target import Target
 from infertrace.load.clock import MonotonicClock
 from infertrace.load.records import RequestSpec, StreamEvent
 from infertrace.load.run.runner import Runner
 
 
-class FakeTarget:
+class FakeTarget(Target):
     def __init__(self, tokens=3, gap=0.01):
         self.tokens, self.gap = tokens, gap
         self.inflight = self.max_inflight = 0
@@ -139,7 +140,7 @@ async def test_requests_held_behind_a_slot_wait_count_that_wait_as_their_own():
     clock = ScriptedClock(0.0)
     pending: list[tuple[float, asyncio.Event]] = []  # (answer time, release) of each request sent
 
-    class OneSecond:
+    class OneSecond(Target):
         async def stream(self, spec):
             release = asyncio.Event()
             pending.append((clock.now() + 1.0, release))

@@ -9,6 +9,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from infertrace.load.client.target import Target
 from infertrace.load.clock import ScriptedClock
 from infertrace.load.command import bench
 from infertrace.load.config import BenchConfig
@@ -30,7 +31,7 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
-class Instant:
+class Instant(Target):
     """Answers every request at once with one token; records when each was sent."""
 
     kind = "fake"

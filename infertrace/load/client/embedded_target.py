@@ -7,6 +7,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from infertrace.engine.threads import cpu_threads
 from infertrace.load.client.timing import TargetError
@@ -22,9 +23,13 @@ def default_model_dir(on_build: Callable[[Path], None] | None = None, preset: st
 
 
 class EmbeddedTarget:
-    """Runs each request through `AsyncEngine.generate`; every output carries its exact token ids."""
+    """Runs each request through `AsyncEngine.generate`; every output carries its exact token ids. A `Target`
+    (target.py)."""
 
     kind = "embedded"
+    salt_tokens = 0  # --prompt-salt is for a server's cache: this engine starts with an empty one
+    counts_with_own_tokenizer = False  # the engine's tokenizer is the one prompts are built with
+    starts_with_empty_cache = True
 
     def __init__(self, model_dir: str | Path, engine_overrides: dict | None = None, ignore_eos: bool = False,
                  temperature: float = 0.0) -> None:
@@ -60,8 +65,41 @@ class EmbeddedTarget:
         if self.engine is not None:  # tensor-parallel ranks are processes of their own: stop them now
             await asyncio.to_thread(self.engine.shutdown)
 
+    @property
+    def open_message(self) -> str:
+        return f"loading {self.model_dir} into the bundled engine"
+
     async def preflight(self) -> None:
         return None
+
+    async def reset_prefix_cache(self) -> str:
+        """Nothing to empty: what the run is told instead."""
+        return "the bundled engine in-process starts with an empty prefix cache"
+
+    def cache_block_tokens(self) -> tuple[int, str] | None:
+        return (self.engine.config.block_size, "engine config") if self.engine is not None else None
+
+    async def request_log_cursor(self) -> int | None:
+        if (log := self._request_log()) is None:
+            return None
+        return await self.aengine.call(lambda: log.next_seq)
+
+    async def fetch_request_log(self, since: int) -> dict | None:
+        """The engine's own log, read between two steps on the engine's thread (a log this process wrote needs no
+        bounds or checks beyond the join's)."""
+        if (log := self._request_log()) is None:
+            return None
+        return await self.aengine.call(lambda: log.read(since=since))
+
+    def _request_log(self):
+        return self.engine.request_log if self.engine is not None else None
+
+    async def start_profile(self, num_steps: int | None) -> Any:
+        raise TargetError("--profile starts a server's profiler; the bundled engine in-process is profiled with "
+                          "`infertrace profile`")
+
+    async def stop_profile(self) -> tuple[int | None, Any]:
+        return None, "the profiler was not started"
 
     @property
     def max_model_len(self) -> int | None:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
+from infertrace.load.client import request_log
 from infertrace.load.client.sse import SSELineTooLong, SSEParser
 from infertrace.load.client.timing import TargetError
 from infertrace.load.records import RequestSpec, StreamEvent
@@ -360,9 +361,13 @@ def error_message(body: str) -> str:
 
 
 class HttpTarget:
-    """Streams requests to `base_url`; `preflight()` checks the server answers before any load is sent."""
+    """Streams requests to `base_url`; `preflight()` checks the server answers before any load is sent. A
+    `Target` (target.py)."""
 
     kind = "http"
+    counts_with_own_tokenizer = True
+    starts_with_empty_cache = False
+    open_message = None
 
     def __init__(self, base_url: str, endpoint: str, model: str | None, transport: Transport,
                  model_is_path: bool = False, ignore_eos: bool = False, temperature: float = 0.0,
@@ -478,6 +483,20 @@ class HttpTarget:
 
     def new_request_id(self) -> str:
         return next(self._request_ids)
+
+    def cache_block_tokens(self) -> tuple[int, str] | None:
+        """The block size the server's /server_info gives in its engine config (infertrace serve's does)."""
+        body = (self.server_info or {}).get("body")
+        block = (body.get("engine_config") or {}).get("block_size") if isinstance(body, dict) else None
+        if isinstance(block, int) and not isinstance(block, bool) and block > 0:
+            return block, "server_info"
+        return None
+
+    async def request_log_cursor(self) -> int | None:
+        return await request_log.read_cursor(self.transport)
+
+    async def fetch_request_log(self, since: int) -> dict | None:
+        return await request_log.read_since(self.transport, since)
 
     async def stream(self, spec: RequestSpec) -> AsyncIterator[list[StreamEvent]]:
         """The events of each network read, together: they arrived at the same moment."""

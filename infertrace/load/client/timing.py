@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Protocol
-
+from infertrace.load.client.target import Target
 from infertrace.load.clock import Clock
-from infertrace.load.records import RequestResult, RequestSpec, StreamEvent, TokenSource, text_cap
+from infertrace.load.records import RequestResult, RequestSpec, TokenSource, text_cap
 
 
 class TargetError(Exception):
     """The target cannot be used (unreachable, cannot load, refuses the profiler, ...): one line for the user."""
-
-
-class Target(Protocol):
-    def stream(self, spec: RequestSpec) -> AsyncIterator[list[StreamEvent]]:
-        """Sends the request; yields the events that arrived together (one network read, one engine output)."""
 
 
 async def measure(result: RequestResult, target: Target, spec: RequestSpec, clock: Clock) -> RequestResult:
@@ -30,8 +23,8 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
     closed early).
     """
     result.expected_prompt_tokens = spec.prompt_len
-    if (name := getattr(target, "new_request_id", None)) is not None:  # the id the server's request log will use
-        spec = dataclasses.replace(spec, request_id=name())
+    if (request_id := target.new_request_id()) is not None:  # the id the target's request log will use
+        spec = dataclasses.replace(spec, request_id=request_id)
         result.request_id = spec.request_id
     texts: list[str] = []
     room = text_cap(spec.output_len)  # characters still kept
@@ -98,7 +91,7 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
             result.output_source = TokenSource.USAGE
             if usage_tokens == len(result.chunk_tokens) and None in result.chunk_tokens:
                 result.chunk_tokens = [1] * usage_tokens  # every text event holds >= 1 token, so exactly 1
-    if result.expected_prompt_tokens is not None and (salt := getattr(target, "salt_tokens", 0)):
+    if result.expected_prompt_tokens is not None and (salt := target.salt_tokens):
         result.expected_prompt_tokens += salt  # --prompt-salt's line went before the prompt
     if result.error is None and not finished:
         result.error = "disconnect: the stream ended before the response finished"

@@ -16,99 +16,31 @@ Each inter-token gap is attributed to the step that produced the token which end
 carrying other requests' prefill of N tokens, a preemption, or steps it sat out.
 
 The log is evidence beside the run, never a condition of it: a record of the wrong shape is skipped and counted,
-the fetch is bounded in bytes, rows, pages and time, and crossed clock bounds leave the TTFT parts out.
+and crossed clock bounds leave the TTFT parts out. This module only computes: the target reads the log.
 """
 
 from __future__ import annotations
 
 import bisect
-import time
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Annotated, Any
-
-import msgspec
+from typing import Any
 
 from infertrace.load.records import RequestResult
+from infertrace.load.server_log import RECORD_KINDS, checked_rows
 
 TTFT_PARTS = ("network_and_frontend", "tokenize", "queue", "prefill_steps", "between_prefill_waits",
               "first_token_send")
-LOG_PATH = "/v1/request_log"
-PAGE = 5_000  # rows asked for at a time; the server may answer fewer, and its `next` says where it goes on
-MAX_PAGE_BYTES = 16 << 20  # one answer (about 6 MB holds 5,000 requests with their steps); parsed, JSON can
-# take 20 times its bytes, so this bounds what one page costs before it is checked
-MAX_LOG_BYTES = 256 << 20  # all pages together (what is kept is checked: a few times its bytes in memory)
-MAX_ROWS = 500_000
-MAX_PAGES = 2_000
-FETCH_TIMEOUT_S = 120.0  # the whole fetch, every page included
-
-# What one record may hold. Times are the server's clock in seconds: a bound far beyond any clock (32,000 years)
-# keeps NaN, infinities and integers too large for a float out of the arithmetic.
-_Time = Annotated[float, msgspec.Meta(ge=-1e12, le=1e12)]
-_Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
-_Flag = int | bool
-
-
-class _LoggedRequest(msgspec.Struct):
-    request_id: Annotated[str, msgspec.Meta(min_length=1)]
-    seq: _Count | None = None
-    received: _Time | None = None
-    tokenized: _Time | None = None
-    arrival: _Time | None = None
-    first_output: _Time | None = None
-    finished: _Time | None = None
-    sent: _Time | None = None
-    prompt_tokens: _Count | None = None
-    cached_tokens: _Count | None = None
-    output_tokens: _Count | None = None
-    waiting_ahead: _Count | None = None
-    running_at_arrival: _Count | None = None
-    finish_reason: Annotated[str, msgspec.Meta(max_length=200)] | None = None
-    preempted: list[_Count] | None = None
-    steps_complete: bool = True
-    steps: list[tuple[_Count, _Count, _Flag, _Flag]] | None = None  # (step, tokens, prefill, sampled a token)
-
-
-class _LoggedStep(msgspec.Struct):
-    step: _Count
-    start: _Time
-    duration: Annotated[float, msgspec.Meta(ge=0, le=1e12)]
-    kind: Annotated[str, msgspec.Meta(max_length=200)] = "unknown"
-    batch_size: _Count = 0
-    num_tokens: _Count = 0
-    prefill_tokens: _Count = 0
-    prefill_rows: _Count = 0
-    preempted: _Count = 0
-
-
-_KINDS = {"requests": _LoggedRequest, "steps": _LoggedStep}
-
-
-def checked_rows(rows: Any, key: str) -> tuple[list[dict], int, str | None]:
-    """The rows of the log's `key` ("requests" or "steps") that have the shape the join reads, as plain dicts;
-    how many did not, and the first reason."""
-    if rows is None:
-        return [], 0, None
-    if not isinstance(rows, list):
-        return [], 1, f"`{key}` is not a list"
-    kept, bad, first = [], 0, None
-    for row in rows:
-        try:
-            kept.append(msgspec.structs.asdict(msgspec.convert(row, _KINDS[key])))
-        except msgspec.ValidationError as e:
-            bad += 1
-            first = first or str(e)
-    return kept, bad, first
 
 
 def checked_log(log: Any) -> tuple[dict, list[str]]:
     """The log with only the requests and steps that have the shape the join reads, and a warning for what was
-    skipped (how many, and the first reason). A log fetch_log read is checked already, page by page: its
+    skipped (how many, and the first reason). A log read over HTTP is checked already, page by page: its
     `malformed` holds the counts."""
     if not isinstance(log, dict):
         return {"requests": [], "steps": []}, ["the server's request log is not a JSON object; not joined"]
     out, malformed = {**log}, dict(log.get("malformed") or {})
-    for key in _KINDS:
+    for key in RECORD_KINDS:
         if key not in malformed:
             out[key], *malformed[key] = checked_rows(log.get(key), key)
     warnings = []
@@ -307,110 +239,3 @@ def itl_steps(r: RequestResult, rows: list, steps: dict[int, dict], preempted: l
                 entry["server_gap_ms"] = (step["start"] + step["duration"] - prev["start"] - prev["duration"]) * 1e3
         out.append(entry)
     return out
-
-
-# ----- fetching -----
-async def log_cursor(target) -> int | None:
-    """Where the server's request log stands now (its `next`), or None when the target keeps no log."""
-    if (log := _embedded_log(target)) is not None:
-        return await target.aengine.call(lambda: log.next_seq)
-    transport = getattr(target, "transport", None)
-    if getattr(target, "kind", None) != "http" or transport is None:
-        return None
-    try:
-        status, body = await transport.request_json("GET", f"{LOG_PATH}?limit=0")
-    except Exception:  # a target without the route, or one that went away: no join, the run stands
-        return None
-    cursor = body.get("next") if status == 200 and isinstance(body, dict) else None
-    return cursor if _is_int(cursor) else None  # a cursor that is no sequence number: no join, the run stands
-
-
-def _embedded_log(target):
-    """The bundled engine's own request log, when the target runs it in this process."""
-    engine = getattr(target, "engine", None) if getattr(target, "kind", None) == "embedded" else None
-    return getattr(engine, "request_log", None)
-
-
-async def fetch_log(target, since: int) -> dict | None:
-    """Every request the server logged from `since` on (page by page, following each answer's `next`), with the
-    steps they rode; None when the log cannot be read. The fetch stops, keeping what it has and saying why in
-    `fetch_warnings`, at a page that is empty or does not move on, or at a bound (MAX_* and FETCH_TIMEOUT_S)."""
-    if (log := _embedded_log(target)) is not None:  # read between two steps, on the engine's thread
-        return await target.aengine.call(lambda: log.read(since=since))
-    transport = target.transport
-    requests, steps, warnings = [], {}, []
-    malformed = {key: [0, None] for key in _KINDS}  # checked page by page: junk is never kept
-    answer, size = None, 0
-    deadline = time.monotonic() + FETCH_TIMEOUT_S
-    for _ in range(MAX_PAGES):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            warnings.append(f"the server's request log took over {FETCH_TIMEOUT_S:g} s to read; joined as far as "
-                            f"read ({len(requests):,} requests)")
-            break
-        try:
-            status, body, n = await transport.request_json_sized(
-                "GET", f"{LOG_PATH}?since={since}&limit={PAGE}", left, min(MAX_PAGE_BYTES, MAX_LOG_BYTES - size))
-        except Exception as e:  # noqa: BLE001 - a target that went away, a page too big: the run stands
-            answer = answer or {}
-            warnings.append(f"the server's request log could not be read past {len(requests):,} requests ({e}); "
-                            "joined as far as read")
-            break
-        if status != 200 or not isinstance(body, dict):
-            if answer is None:
-                return None
-            break
-        answer, size = body, size + n
-        got = body.get("requests")
-        for key, rows in (("requests", got), ("steps", body.get("steps"))):
-            kept, bad, first = checked_rows(rows, key)
-            malformed[key][0] += bad
-            malformed[key][1] = malformed[key][1] or first
-            if key == "requests":
-                requests += kept
-            else:
-                steps.update((s["step"], s) for s in kept)
-        if len(requests) >= MAX_ROWS:
-            warnings.append(f"the server's request log holds over {MAX_ROWS:,} requests since the run began; "
-                            f"joined the first {MAX_ROWS:,}")
-            del requests[MAX_ROWS:]
-            break
-        if not isinstance(got, list) or not got:
-            break
-        if (after := _next_cursor(since, got, body.get("next"))) is None:
-            warnings.append(f"the server's request log answered a page that does not move on from {since}; joined "
-                            "as far as read")
-            break
-        since = after
-    else:
-        warnings.append(f"the server's request log took over {MAX_PAGES:,} pages; joined as far as read")
-    if answer is None:
-        return None
-    return {**answer, "requests": requests, "steps": sorted(steps.values(), key=lambda s: s["step"]),
-            "malformed": {key: tuple(v) for key, v in malformed.items()}, "fetch_warnings": warnings}
-
-
-def _next_cursor(since: int, got: list, nxt: Any) -> int | None:
-    """Where the next page starts: just after this page's last row (a server whose `next` is the end of its whole
-    log, as older ones answer, would skip the rows a short page left out), or the answer's `next` when the rows
-    carry no `seq`; None when that does not move past `since` (a server that repeats itself)."""
-    last = got[-1].get("seq") if got and isinstance(got[-1], dict) else None
-    candidates = [c for c in (last + 1 if _is_int(last) else None, nxt if _is_int(nxt) else None) if c is not None]
-    after = min(candidates, default=None)
-    return after if after is not None and after > since else None
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63
-
-
-async def join_run(target, cursor: int | None, results: list[RequestResult],
-                   warmup: list[RequestResult]) -> dict | None:
-    """After a run: the server's log of it joined to `results` and `warmup` (their `server` set); the summary,
-    or None when the target keeps no log."""
-    if cursor is None:
-        return None
-    log = await fetch_log(target, cursor)
-    if log is None:
-        return None
-    return join(results, log, warmup)

@@ -9,7 +9,8 @@ import gc
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from infertrace.load.client.timing import Target, measure
+from infertrace.load.client.target import Target
+from infertrace.load.client.timing import measure
 from infertrace.load.clock import Clock
 from infertrace.load.records import RequestResult, RequestSpec
 

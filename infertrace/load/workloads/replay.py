@@ -359,14 +359,7 @@ DEFAULT_CACHE_BLOCK_TOKENS = 16  # vLLM's and the bundled engine's KV block, whe
 
 def cache_block_tokens(target) -> tuple[int, str]:
     """The target's prefix-cache block in tokens, and where that figure comes from."""
-    config = getattr(getattr(target, "engine", None), "config", None)
-    if isinstance(getattr(config, "block_size", None), int):
-        return config.block_size, "engine config"
-    body = (getattr(target, "server_info", None) or {}).get("body")
-    block = (body.get("engine_config") or {}).get("block_size") if isinstance(body, dict) else None
-    if isinstance(block, int) and not isinstance(block, bool) and block > 0:
-        return block, "server_info"
-    return DEFAULT_CACHE_BLOCK_TOKENS, "assumed (vLLM's and infertrace's default)"
+    return target.cache_block_tokens() or (DEFAULT_CACHE_BLOCK_TOKENS, "assumed (vLLM's and infertrace's default)")
 
 
 class TraceReplay:
@@ -400,6 +393,6 @@ class TraceReplay:
                       "span_s": t.requests[-1].offset_s if t.requests else 0.0, "block_tokens": t.block_tokens,
                       "time_scale": self.cfg.time_scale, "token_scale": self.cfg.token_scale, "notes": t.notes},
             "trace_implied_prefix_reuse": t.implied_prefix_reuse(),
-            "trace_servable_prefix_reuse": t.servable_prefix_reuse(block, getattr(target, "salt_tokens", 0)),
+            "trace_servable_prefix_reuse": t.servable_prefix_reuse(block, target.salt_tokens),
             "cache_block_tokens": block, "cache_block_tokens_source": block_source,
         }
