@@ -17,7 +17,7 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerSettings) if f.
 MODEL_FILES = ("config.json", "tokenizer.json")  # what the engine and the front end read first
 WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's; the engine checks its shards
 _SERVER_FLAGS = {"model", "served-model-name", "host", "port", "max-queue", "profile-dir", "drain-timeout",
-                 "api-server-count", "engine-in-process"}
+                 "api-server-count", "engine-in-process", "otlp-traces-endpoint"}
 
 
 @click.command(
@@ -50,9 +50,14 @@ _SERVER_FLAGS = {"model", "served-model-name", "host", "port", "max-queue", "pro
 @click.option("--engine-in-process", is_flag=True,
               help="Run the engine on a thread of the HTTP process instead of a process of its own (the server "
                    "before the split; for A/B measurement).")
+@click.option("--otlp-traces-endpoint", default=None, metavar="URL",
+              help="Export each request's life as OpenTelemetry spans (vLLM's llm_request span with its tokenize, "
+                   "queue, prefill-step and decode spans, under the client's W3C traceparent) to this OTLP "
+                   "endpoint, as vLLM's flag does. OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc (the default, "
+                   "host:port) or http/protobuf (the full URL, .../v1/traces). Off by default.")
 def serve(model_dir: Path, served_model_name: str | None, host: str, port: int, max_queue: int,
           profile_dir: Path | None, drain_timeout: float, api_server_count: int, engine_in_process: bool,
-          **engine_params) -> None:
+          otlp_traces_endpoint: str | None, **engine_params) -> None:
     """Serve the bundled engine over an OpenAI-compatible HTTP API, with profiler endpoints."""
     from infertrace.engine.config import EngineConfig
 
@@ -60,8 +65,13 @@ def serve(model_dir: Path, served_model_name: str | None, host: str, port: int, 
         settings = ServerSettings(model_dir=str(model_dir), served_model_name=served_model_name or
                                   click.get_current_context().meta.get("model_as_given", str(model_dir)),
                                   host=host, port=port, max_queue=max_queue, drain_timeout_s=drain_timeout,
-                                  profile_dir=profile_dir.resolve() if profile_dir else None)
+                                  profile_dir=profile_dir.resolve() if profile_dir else None,
+                                  otlp_traces_endpoint=otlp_traces_endpoint)
         config = EngineConfig.from_overrides(ENGINE_FLAGS.values(engine_params))
+        if settings.otlp_traces_endpoint is not None:
+            from infertrace.server.frontend.tracing import check_available
+
+            check_available()
     except ValueError as e:
         fail(str(e))
     if settings.profile_dir is not None:

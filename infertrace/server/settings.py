@@ -21,6 +21,7 @@ class ServerSettings:
     profile_dir: Path | None = None  # None: the profiler endpoints answer 404, as vLLM's do when not configured
     drain_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests may finish before they are aborted
     max_body_mb: int = 32
+    otlp_traces_endpoint: str | None = None  # None: no spans, and OpenTelemetry is never imported
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_queue <= MAX_QUEUE:
@@ -30,5 +31,8 @@ class ServerSettings:
         if not (math.isfinite(self.drain_timeout_s) and 0 <= self.drain_timeout_s <= MAX_DRAIN_S):
             raise ValueError(f"--drain-timeout must be a number of seconds in 0..{MAX_DRAIN_S:g}, got "
                              f"{self.drain_timeout_s:g}")
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.strip():
+            raise ValueError("--otlp-traces-endpoint must name an endpoint (host:port for grpc, a URL for "
+                             "http/protobuf)")
         if self.max_body_mb < 1:
             raise ValueError(f"max_body_mb must be >= 1, got {self.max_body_mb}")

@@ -67,8 +67,27 @@ def build_app(engine: Any, tokenizer: Any, settings: ServerSettings,
     app.router.add_post("/flush_cache", _flush_cache)  # SGLang's
     app.router.add_post("/start_profile", _start_profile)
     app.router.add_post("/stop_profile", _stop_profile)
+    if settings.otlp_traces_endpoint is not None:
+        app.on_startup.append(_start_tracing)
+        app.on_shutdown.append(_stop_tracing)
     app.on_cleanup.append(_release_state)
     return app
+
+
+async def _start_tracing(app: web.Application) -> None:
+    from infertrace.server.frontend.tracing import RequestTracer
+
+    state = app[STATE]
+    state.tracer = RequestTracer(state.settings.otlp_traces_endpoint, state.settings.served_model_name,
+                                 state.frontend.get("index", 0))
+    state.tracer_task = asyncio.get_running_loop().create_task(state.tracer.run(state))
+
+
+async def _stop_tracing(app: web.Application) -> None:
+    state = app[STATE]
+    state.tracer_task.cancel()
+    await asyncio.gather(state.tracer_task, return_exceptions=True)
+    await state.tracer.close(state)
 
 
 async def _release_state(app: web.Application) -> None:
@@ -154,6 +173,8 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
                 return await _complete(state, builder, outputs, first, len(prompt_ids))
             finally:
                 stamps.send(state.engine, request_id)
+                if state.tracer is not None:
+                    state.tracer.ended(request_id, stamps.times, request.headers)
 
 
 async def _complete(state: ServerState, builder: ResponseBuilder, outputs, first,
@@ -332,21 +353,12 @@ async def _request_log(request: web.Request) -> web.Response:
     after the last request given (the log's end when none is; `?limit=0` reads just that cursor). A page holds at
     most MAX_PAGE_REQUESTS (1,000) requests and stops before the one that would take its JSON past MAX_PAGE_BYTES
     (1 MiB); it holds at least one, so only a request whose own steps pass that bound makes a larger page. A
-    reader follows `next` until a page is empty.
-
-    The engine builds each answer between two steps, so this front end sends it one read at a time and, after
-    each, waits as long as that read took before it sends the next: however many readers come, they take at most
-    about half of the engine's time from the streams."""
+    reader follows `next` until a page is empty. Reads are paced (`ServerState.read_request_log`)."""
     state = request.app[STATE]
     args = read_args(request.query)
-    loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(READ_TIMEOUT_S):
-            async with state.log_reads:
-                await asyncio.sleep(state.next_log_read - loop.time())
-                sent = loop.time()
-                answer = await state.engine.command("request_log", args)
-                state.next_log_read = 2 * loop.time() - sent
+            answer = await state.read_request_log(args)
     except TimeoutError:
         raise ApiError(503, f"the engine did not answer within {READ_TIMEOUT_S:g}s", code="engine_stuck") from None
     except EngineDeadError as e:

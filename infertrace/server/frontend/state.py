@@ -56,8 +56,10 @@ class ServerState:
         self.in_flight: set[str] = set()
         self.draining = False
         self.frontend_trace: Any = None  # a FrontendTrace while /start_profile asked for one
-        self.log_reads = asyncio.Lock()  # one request-log read at a time goes to the engine (app._request_log),
+        self.log_reads = asyncio.Lock()  # one request-log read at a time goes to the engine (read_request_log),
         self.next_log_read = 0.0  # not before this time of the event loop's clock
+        self.tracer: Any = None  # a RequestTracer with --otlp-traces-endpoint
+        self.tracer_task: asyncio.Task | None = None
         if hasattr(engine, "on_trace_stop"):  # the engine process's client: a stop may land on another front end
             engine.on_trace_stop = self._trace_stopped
         self._idle = asyncio.Event()
@@ -69,6 +71,19 @@ class ServerState:
         module-level LRU of 1,024 entries), and it must not keep an engine with it."""
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self.engine = self.tokenizer = self.frontend_trace = None
+
+    async def read_request_log(self, args: dict[str, int]) -> dict | None:
+        """One page of the engine's request log (None when the log is off). The engine builds each answer between
+        two steps, so this front end sends it one read at a time and, after each, waits as long as that read took
+        before it sends the next: however many readers come (HTTP clients, the span exporter), they take at most
+        about half of the engine's time from the streams."""
+        loop = asyncio.get_running_loop()
+        async with self.log_reads:
+            await asyncio.sleep(self.next_log_read - loop.time())
+            sent = loop.time()
+            answer = await self.engine.command("request_log", args)
+            self.next_log_read = 2 * loop.time() - sent
+        return answer
 
     def _trace_stopped(self, output_dir: str | None) -> None:
         """Another front end stopped the capture this one traces itself in: stop the profile hook and write the
