@@ -40,6 +40,9 @@ INSTRUMENTATION = "infertrace.server"
 EXPORT_INTERVAL_S = 1.0  # how often ended requests are looked up in the log: a span is late by at most this
 PENDING_TTL_S = 120.0  # a request the log never shows (refused before the engine took it) is forgotten after this
 MAX_PENDING = 100_000  # ended requests awaiting export; past it the oldest are dropped (a stuck engine)
+# One page of the log (up to 1,000 requests, about 5 spans each) is made at once: the SDK's default queue (2,048
+# spans) would drop part of it before the exporter's thread wakes; a slow endpoint still drops the excess.
+MAX_QUEUED_SPANS = 8192
 FINAL_FLUSH_S = 5.0  # on shutdown, how long the last requests' spans may take to leave
 
 
@@ -125,7 +128,7 @@ class RequestTracer:
         self.exporter = _WarnOnce(exporter, endpoint)
         self.provider = TracerProvider(resource=Resource.create({
             "service.name": "infertrace", "infertrace.frontend": frontend_index, "process.pid": os.getpid()}))
-        self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
+        self.provider.add_span_processor(BatchSpanProcessor(self.exporter, max_queue_size=MAX_QUEUED_SPANS))
         self.tracer = self.provider.get_tracer(INSTRUMENTATION)
         self.propagator = TraceContextTextMapPropagator()
         self.model = served_model_name
