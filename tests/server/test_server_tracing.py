@@ -204,3 +204,52 @@ async def test_without_the_flag_nothing_is_traced_and_otel_is_not_loaded(serve_t
             "print(any(m.startswith('opentelemetry') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+async def test_engine_process_requests_seen_in_flight_and_aborted_ones_are_exported(serve_tiny, receiver):
+    """As `serve` runs: the engine in its own process. A round that reads a request's record while the request
+    still streams moves past it and reads it again alone once it ends; a request its client dropped is exported
+    once the engine has its abort."""
+    import asyncio
+
+    async with serve_tiny(engine_process=True, otlp_traces_endpoint=receiver.url) as client:
+        state = client.state
+        state.tracer_task.cancel()  # this test runs the rounds itself
+        body = {"model": "tiny", "prompt": "a long one", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        resp = await client.post("/v1/completions", headers={"X-Request-Id": "long-1"}, json=body)
+        await resp.content.readline()  # its first event: the request is running
+        await state.tracer.export_ready(state)
+        assert "long-1" in state.tracer.running
+        cursor = state.tracer.cursor
+        assert cursor > state.tracer.running["long-1"]
+        await resp.read()
+
+        dropped = await client.post("/v1/completions", headers={"X-Request-Id": "dropped-1"},
+                                    json={**body, "max_tokens": 2000})
+        await dropped.content.readline()
+        dropped.close()
+        for _ in range(200):  # the abort reaches the engine a little after the client left
+            await state.tracer.export_ready(state)
+            if not state.tracer.pending and not state.in_flight:
+                break
+            await asyncio.sleep(0.05)
+        assert not state.tracer.pending
+    roots = {_attrs(s)["gen_ai.request.id"]: _attrs(s) for s in receiver.spans if s.name == tracing.SPAN_NAME}
+    assert roots["long-1"]["gen_ai.usage.completion_tokens"] == 40
+    assert roots["long-1"]["infertrace.finish_reason"] == "length"
+    assert roots["dropped-1"]["infertrace.finish_reason"] == "abort"
+    assert roots["dropped-1"]["gen_ai.usage.completion_tokens"] < 2000
+
+
+def test_the_flag_is_in_serve_help_and_a_bad_protocol_is_one_line(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from infertrace.server.command import serve
+
+    assert "--otlp-traces-endpoint" in CliRunner().invoke(serve, ["--help"]).output
+    monkeypatch.setenv(tracing.PROTOCOL_ENV, "http/json")
+    result = CliRunner().invoke(serve, ["--model", str(tmp_path), "--otlp-traces-endpoint", "localhost:4317"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/json' is not an OTLP protocol serve exports with: use grpc "
+        "or http/protobuf"]
