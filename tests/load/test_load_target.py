@@ -72,11 +72,26 @@ async def test_a_server_s_request_log_is_read_through_its_target():
     assert await http({"/v1/request_log?limit=0": (404, "no such route")}).request_log_cursor() is None
 
 
+async def test_a_server_s_metrics_are_its_text_or_none():
+    assert http().engine_counters() is None
+    assert await http({"/metrics": (200, "vllm:num_requests_running 2\n")}).read_metrics() == \
+        "vllm:num_requests_running 2\n"
+    assert await http({"/metrics": (404, "not found")}).read_metrics() is None
+    assert await http({"/metrics": (200, {"json": "is no exposition"})}).read_metrics() is None
+
+    class Gone(Transport):
+        async def request_json(self, method, path, body=None, timeout_s=10.0, max_bytes=1 << 20):
+            raise TargetError("cannot reach http://h: connection refused")
+
+    assert await HttpTarget("http://h", "completions", "m", Gone({})).read_metrics() is None
+
+
 async def test_the_bundled_engine_s_capabilities_before_it_is_open(tmp_path):
     target = EmbeddedTarget(tmp_path)
     assert (target.counts_with_own_tokenizer, target.starts_with_empty_cache, target.salt_tokens) == (False, True, 0)
     assert target.open_message == f"loading {tmp_path} into the bundled engine"
-    assert target.cache_block_tokens() is None
+    assert target.cache_block_tokens() is None and target.engine_counters() is None
+    assert await target.read_metrics() is None
     assert await target.request_log_cursor() is None and await target.fetch_request_log(0) is None
     with pytest.raises(TargetError, match="infertrace profile"):
         await target.start_profile(5)
@@ -95,6 +110,9 @@ async def test_the_bundled_engine_answers_from_its_own_config_and_log(tiny_model
         log = await target.fetch_request_log(cursor)
         assert [rec["request_id"] for rec in log["requests"]] == [r.request_id]
         assert await target.request_log_cursor() == 1
+        counters = target.engine_counters()
+        assert counters == target.engine.counters and counters is not target.engine.counters  # a copy, of now
+        assert counters["generation_tokens"] == r.output_tokens > 0
     finally:
         await target.close()
 

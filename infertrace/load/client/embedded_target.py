@@ -79,6 +79,12 @@ class EmbeddedTarget:
     def cache_block_tokens(self) -> tuple[int, str] | None:
         return (self.engine.config.block_size, "engine config") if self.engine is not None else None
 
+    def engine_counters(self) -> dict | None:
+        return dict(self.engine.counters) if self.engine is not None else None
+
+    async def read_metrics(self) -> None:
+        return None
+
     async def request_log_cursor(self) -> int | None:
         if (log := self._request_log()) is None:
             return None
@@ -147,5 +153,5 @@ class EmbeddedTarget:
             info["device"] = str(self.engine.runner.device)
             info["torch_threads"] = self.torch_threads
             # prefix-cache, offload and preemption counters of the whole run (warm-up included)
-            info["engine_counters"] = dict(self.engine.counters)
+            info["engine_counters"] = self.engine_counters()
         return info

@@ -492,6 +492,16 @@ class HttpTarget:
             return block, "server_info"
         return None
 
+    def engine_counters(self) -> None:
+        return None
+
+    async def read_metrics(self) -> str | None:
+        try:
+            status, body = await self.transport.request_json("GET", "/metrics")
+        except Exception:  # noqa: BLE001 - a server without metrics costs a figure, never the run
+            return None
+        return body if status == 200 and isinstance(body, str) else None
+
     async def request_log_cursor(self) -> int | None:
         return await request_log.read_cursor(self.transport)
 

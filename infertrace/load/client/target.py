@@ -46,6 +46,15 @@ class Target(Protocol):
         say."""
         return None
 
+    def engine_counters(self) -> dict | None:
+        """The in-process engine's counters now (prefix cache, offload, preemption); None for a server, whose
+        counters are in its /metrics."""
+        return None
+
+    async def read_metrics(self) -> str | None:
+        """The server's /metrics text now; None where there is no server, or it does not answer with one."""
+        return None
+
     async def request_log_cursor(self) -> int | None:
         """Where the target's request log stands now; None when it keeps none."""
         return None
