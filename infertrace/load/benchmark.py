@@ -122,7 +122,7 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
     tokenizer = target.tokenizer
     load = make_load(cfg, tokenizer, point, target.max_model_len)
     warm = Runner(target, clock, hooks.on_result)
-    log_at = await target.request_log_cursor()  # where the server's request log stands before this point's first request
+    log_at = await target.request_log_cursor()  # where the request log stands before this point's first request
     interrupted = stopped_early = False
     if n_warm := cfg.effective_warmup:
         warm_specs = load.warmup_specs(n_warm)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import aclosing
+
 from infertrace.load.client.target import Target
 from infertrace.load.clock import Clock
 from infertrace.load.records import RequestResult, RequestSpec, TokenSource, text_cap
