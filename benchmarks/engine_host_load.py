@@ -1,54 +1,41 @@
 """The engine in-process (no server) under an open-loop load: requests of INPUT_LEN random token ids and OUTPUT_LEN
 tokens (ignore_eos) arriving at RATE/s (Poisson, seeded), `engine.step()` in a loop. Prints the step spacing, TTFT
 and ITL as the engine's caller sees them (arrival to the first token out of `step()`, then between tokens), and the
-host time per step by engine phase, timed with perf_counter wrappers (no profiler, so nothing inflates launches).
+host time per step by engine phase (`--phases`: the engine's own profiler ranges, read from torch.profiler, which
+slows each step by its per-op cost, so the TTFT and ITL of such a run are not the engine's).
 
-    python benchmarks/engine_host_load.py MODEL_DIR [--mode graphs|eager] [--num-requests 400] [--rate 60]
+    python benchmarks/engine_host_load.py MODEL_DIR [--mode graphs|eager] [--num-requests 400] [--rate 60] [--phases]
 
 `--mode eager` turns the token-count graphs off (decode graphs stay), as `--no-prefill-cuda-graphs` does on serve.
-Phases nest: `prepare_inputs` includes `host_inputs`, `step` includes everything; `_complete` includes the wait for
-the previous step's tokens, so on a GPU-bound engine it is mostly that wait. To compare two commits, run the script
+Phases nest: `step` includes everything. To compare two commits, run the script
 once with each commit's `infertrace` first on PYTHONPATH (e.g. `git archive REV infertrace | tar -x -C /tmp/rev`).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import random
 import time
-from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 import infertrace
-from infertrace.engine import LLM, SamplingParams, detokenizer, engine, model_runner, sampler, scheduler
+from infertrace.engine import LLM, SamplingParams
 
-PHASES = ((engine.Engine, "step"), (scheduler.Scheduler, "plan"), (model_runner.ModelRunner, "host_inputs"),
-          (model_runner.ModelRunner, "prepare_inputs"), (model_runner.ModelRunner, "forward"),
-          (sampler.Sampler, "__call__"), (engine.Engine, "_complete"), (detokenizer.IncrementalDetokenizer, "add"))
+# the engine's own profiler ranges (infertrace/engine/annotate.py); "step" is every `step[...]` range
+PHASES = ("step", "schedule", "prepare_inputs", "forward", "sample")
 
 
-class PhaseTimes:
-    """Seconds spent in each wrapped method while `on`."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.on = False
-
-    def wrap(self, cls: type, name: str) -> None:
-        method = getattr(cls, name)
-
-        @functools.wraps(method)
-        def timed(*args, **kwargs):
-            if not self.on:
-                return method(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.seconds[name] += time.perf_counter() - start
-
-        setattr(cls, name, timed)
+def phase_seconds(events) -> dict[str, float]:
+    """Seconds of CPU time in each of PHASES over a torch.profiler run's events (its ranges nest: `step` holds
+    the rest)."""
+    seconds = dict.fromkeys(PHASES, 0.0)
+    for event in events:
+        name = "step" if event.name.startswith("step[") else event.name
+        if name in seconds:
+            seconds[name] += event.cpu_time_total / 1e6
+    return seconds
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -63,12 +50,12 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=60.0)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--phases", action="store_true",
+                        help="host time by engine phase, from torch.profiler (which slows every step)")
+    parser.add_argument("--device", default="auto")
     args = parser.parse_args()
     print(f"infertrace from {Path(infertrace.__file__).parent}")
-    phases = PhaseTimes()
-    for cls, name in PHASES:
-        phases.wrap(cls, name)
-    eng = LLM(args.model, prefill_cuda_graphs=args.mode == "graphs").engine
+    eng = LLM(args.model, prefill_cuda_graphs=args.mode == "graphs", device=args.device).engine
     vocab = eng.runner.spec.vocab_size
     rng = random.Random(0)
 
@@ -89,7 +76,9 @@ def main() -> None:
     last: dict[int, float] = {}
     itl: list[float] = []
     steps, admitted = 0, 0
-    phases.on = True
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.phases else None
+    if profiler is not None:
+        profiler.start()
     t0 = time.perf_counter()
     while admitted < args.num_requests or eng.has_unfinished():
         now = time.perf_counter() - t0
@@ -110,15 +99,17 @@ def main() -> None:
                 first[i] = now - arrivals[i]
             last[i] = now
     wall = time.perf_counter() - t0
-    phases.on = False
+    if profiler is not None:
+        profiler.stop()
     ttft, itl = sorted(first.values()), sorted(itl)
     print(f"{args.mode}: {args.num_requests} requests at {args.rate:g}/s, {steps} steps in {wall:.2f} s, "
           f"spacing {1e3 * wall / steps:.3f} ms a step")
     print(f"  TTFT p50 {1e3 * percentile(ttft, 0.5):.2f} p90 {1e3 * percentile(ttft, 0.9):.2f} "
           f"p99 {1e3 * percentile(ttft, 0.99):.2f} ms; ITL p50 {1e3 * percentile(itl, 0.5):.2f} "
           f"p99 {1e3 * percentile(itl, 0.99):.2f} ms")
-    for _, name in PHASES:
-        print(f"  {name:>15}: {1e6 * phases.seconds[name] / steps:8.1f} us a step")
+    if profiler is not None:
+        for name, seconds in phase_seconds(profiler.events()).items():
+            print(f"  {name:>15}: {1e6 * seconds / steps:8.1f} us a step (profiled)")
 
 
 if __name__ == "__main__":

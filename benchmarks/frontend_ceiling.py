@@ -38,11 +38,12 @@ class StandInEngine:
         self.last_step = None
         self.kv_blocks_used = 0
         self.kv_blocks_total = 1
+        self.request_log = None  # the log's stamps are dropped: this engine has no log
 
     num_running = property(lambda self: len(self.running))
     num_waiting = property(lambda self: len(self.waiting))
 
-    def add_request(self, request_id, prompt, params) -> None:
+    def add_request(self, request_id, prompt, params, label=None) -> None:
         self.waiting[request_id] = [len(prompt), params.max_tokens, 0]
 
     def abort(self, request_id):
@@ -89,12 +90,14 @@ class StandInServices:
 
 
 def engine_main(step_s: float, socks) -> None:
-    from infertrace.server.engine_link.messages import FromEngine
-    from infertrace.server.engine_link.process import EngineLoop, _tell_all
+    from infertrace.server.engine_link.messages import FromEngine, frame
+    from infertrace.server.engine_link.process import EngineLoop
 
     info = {"max_model_len": 32768, "kv_blocks_total": 1, "engine_config": {}, "decode_path": {},
             "versions": {}, "device": {"type": "stand-in"}, "engine_pid": os.getpid()}
-    _tell_all(socks, FromEngine("ready", value=info))
+    ready = frame(FromEngine("ready", value=info))  # the handshake each front end waits for before it listens
+    for sock in socks:
+        sock.sendall(ready)
     EngineLoop(StandInEngine(step_s), StandInServices(), socks).run()
 
 
@@ -131,6 +134,30 @@ def main() -> None:
     print(json.dumps(result))
 
 
+def start_frontends(settings, socks, count: int) -> list:
+    """Front ends 1..count-1 as `serve --api-servers` starts them (`frontend_main`, one process each, on the shared
+    port); returns once each listens."""
+    import multiprocessing
+
+    from infertrace.server.engine_link.runner import frontend_main
+
+    ctx = multiprocessing.get_context("spawn")
+    started = []
+    for index, sock in enumerate(socks, start=1):
+        ours, theirs = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=frontend_main, args=(settings, sock, index, count, theirs), daemon=True)
+        proc.start()
+        theirs.close()
+        started.append((proc, ours))
+    for proc, conn in started:
+        said = conn.recv() if conn.poll(60) else "no answer in 60 s"
+        if said != "listening":
+            for each, _ in started:
+                each.kill()
+            raise SystemExit(f"front end {proc.pid} did not start: {said}")
+    return [proc for proc, _ in started]
+
+
 async def _serve_and_load(args, model: Path, socks) -> dict:
     import cProfile
     import resource
@@ -139,7 +166,6 @@ async def _serve_and_load(args, model: Path, socks) -> dict:
     from aiohttp import web
 
     from infertrace.server.engine_link.client import ProcessEngine
-    from infertrace.server.engine_link.runner import _start_frontends
     from infertrace.server.frontend.app import build_app
     from infertrace.server.frontend.tokenizer import FrontendTokenizer
     from infertrace.server.settings import ServerSettings
@@ -152,7 +178,7 @@ async def _serve_and_load(args, model: Path, socks) -> dict:
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", args.port, reuse_port=args.api_servers > 1 or None).start()
-    children = _start_frontends(replace(settings, port=args.port), socks[1:], args.api_servers)
+    children = start_frontends(replace(settings, port=args.port), socks[1:], args.api_servers)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         cmd = [sys.executable, "-m", "infertrace", "bench", "--base-url", f"http://127.0.0.1:{args.port}",

@@ -1,234 +1,160 @@
-"""Where a served request's TTFT goes, stage by stage, on one clock: the real HTTP front end (this process: the
-aiohttp app, its tokenizer, `ProcessEngine`) and the real engine-process loop (`EngineLoop`, spawned), over the real
-engine or a stand-in with a fixed step time (frontend_ceiling.py's), under `infertrace bench` at an open-loop rate.
+"""Where a served request's TTFT goes, stage by stage, on the server's clock: `infertrace serve` as a user starts it,
+loaded by `infertrace bench` at an open-loop rate, each request's stages read back from the server's request log
+(`GET /v1/request_log`, docs/serve.md "The request log"). Nothing in the server is wrapped or patched, so what is
+timed is the code that serves.
 
-    python benchmarks/request_path.py MODEL_DIR                       # stand-in engine, 1.5 ms steps
-    python benchmarks/request_path.py MODEL_DIR --engine real [--mode graphs|eager]
-    python benchmarks/request_path.py MODEL_DIR --inline-chars 0      # every prompt tokenized on a thread
+    python benchmarks/request_path.py MODEL_DIR [--mode graphs|eager] [--num-prompts 600] [--rate 60]
+    python benchmarks/request_path.py tiny --device cpu --num-prompts 40 --rate 10 --input-len 32 --output-len 8
 
-Each request is stamped (wall-clock ns, wrappers installed by this script; no profiler) when its handler has the
-body, when its prompt is tokenized, when the front end has sent it to the engine, when the engine loop takes it in
-and adds it, when `step()` returns its first output, when that step's message is sent, when the front end has the
-output and when it builds the first SSE chunk. Printed: the median (mean) of each stage over the requests, and the
-client's TTFT beside the front end's share of it (the rest is the client's send and receive). The stage from the
-front end's send to the engine loop taking the request in is the wait for the running step to end, which an
-in-engine TTFT (engine_host_load.py) counts too.
+Stages, each request's own, between the times the log keeps: the front end has the request (`received`), has it
+tokenized and handed to the engine (`tokenized`), the engine takes it in (`arrival`: after the step running then),
+the first step that carries it begins (`first_step`), the step that samples its first token ends (`first_token`),
+and the front end's handler has that output (`first_output`). Printed: the median (mean) of each stage over the
+measured requests, and the client's TTFT beside the server's share of it (the rest is the client's send, the
+write of the first chunk and the network).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import functools
 import json
-import multiprocessing
-import os
 import socket
 import statistics
+import subprocess
 import sys
-import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # `python benchmarks/request_path.py`: the package
+from benchmarks.common import run_bench  # noqa: E402
 
-STAGES = ("body", "tokenized", "sent", "engine_read", "added", "first_out", "message_sent", "frontend_has",
-          "chunk_built")
+from infertrace.modelgen.cached import preset_model_dir  # noqa: E402
 
-
-def _stamp_engine(engine, loop_cls, log_path: str) -> None:
-    """Engine-side stamps (in the engine process): a JSON line per request once its first output is sent."""
-    stamps: dict[str, dict[str, int]] = {}
-    log = open(log_path, "w")  # open for the engine process's life (it is killed at the end)
-    add, step = engine.add_request, engine.step
-
-    def add_request(request_id, prompt, params):
-        stamps[request_id] = {"added": time.time_ns()}
-        return add(request_id, prompt, params)
-
-    def timed_step():
-        outputs = step()
-        now = time.time_ns()
-        for out in outputs:
-            s = stamps.get(out.request_id)
-            if s is not None and "first_out" not in s:
-                s["first_out"] = now
-        return outputs
-
-    engine.add_request, engine.step = add_request, timed_step
-    handle, deliver = loop_cls._handle, loop_cls._deliver
-
-    @functools.wraps(handle)
-    def _handle(self, peer, msg):
-        read = time.time_ns()
-        handle(self, peer, msg)
-        if msg.kind == "add" and msg.request_id in stamps:
-            stamps[msg.request_id]["engine_read"] = read
-
-    @functools.wraps(deliver)
-    def _deliver(self, outputs):
-        deliver(self, outputs)
-        now = time.time_ns()
-        for out in outputs:
-            s = stamps.get(out.request_id)
-            if s is not None and "first_out" in s and "message_sent" not in s:
-                s["message_sent"] = now
-                log.write(json.dumps({"id": out.request_id, **s}) + "\n")
-                log.flush()
-
-    loop_cls._handle, loop_cls._deliver = _handle, _deliver
+STAGES = ("received", "tokenized", "arrival", "first_step", "first_token", "first_output")
+READY_TIMEOUT_S = 600.0  # a real model's weights load and its graphs are captured before /health answers
 
 
-def engine_main(model_dir: str | None, step_s: float, mode: str, log_path: str, socks) -> None:
-    """The engine process: EngineLoop over the real engine (model_dir) or the stand-in (None)."""
-    from infertrace.server.engine_link.messages import FromEngine
-    from infertrace.server.engine_link.process import EngineLoop, _tell_all
-
-    if model_dir is None:
-        import frontend_ceiling
-
-        engine, services = frontend_ceiling.StandInEngine(step_s), frontend_ceiling.StandInServices()
-        info = {"max_model_len": 32768, "kv_blocks_total": 1, "engine_config": {}, "decode_path": {},
-                "versions": {}, "device": {"type": "stand-in"}, "engine_pid": os.getpid()}
-    else:
-        from infertrace.engine.config import EngineConfig
-        from infertrace.engine.engine import Engine
-        from infertrace.server.engine_link.services import EngineServices
-
-        engine = Engine(model_dir, EngineConfig(prefill_cuda_graphs=mode == "graphs"))
-        services = EngineServices(engine, None, {})
-        info = services.info()
-    _stamp_engine(engine, EngineLoop, log_path)
-    _tell_all(socks, FromEngine("ready", value=info))
-    EngineLoop(engine, services, socks).run()
+def step_times(ridden: list[list], steps: dict[int, dict]) -> dict[str, float] | None:
+    """When the first step a request rode began and when the step that sampled its first token ended, from its
+    `[step, tokens, prefill, sampled]` rows and the log's steps by number; None for a request without a first token
+    (aborted) or whose steps left the log."""
+    rows = [r for r in ridden if r[0] in steps]
+    sampled = next((r for r in rows if r[3]), None)
+    if not rows or sampled is None:
+        return None
+    first, token = steps[rows[0][0]], steps[sampled[0]]
+    return {"first_step": first["start"], "first_token": token["start"] + token["duration"]}
 
 
-def _stamp_frontend(stamps: dict[str, dict[str, int]]) -> None:
-    """Front-end stamps (this process), keyed by the request id the handler draws."""
-    from infertrace.server.engine_link import client as engine_client
-    from infertrace.server.frontend import app, state
-
-    current: dict[str, dict[str, int]] = {}  # the request whose handler runs now (set before its first await)
-    json_body, prompt_ids, generate, send, chunk = (app._json_body, state.ServerState.prompt_ids,
-                                                    engine_client.ProcessEngine.generate,
-                                                    engine_client.ProcessEngine._send, app._chunk)
-
-    async def _json_body(request, **kwargs):
-        body = await json_body(request, **kwargs)
-        current["s"] = {"body": time.time_ns()}
-        return body
-
-    async def _prompt_ids(self, req):
-        s = current["s"]
-        ids = await prompt_ids(self, req)
-        s["tokenized"] = time.time_ns()
-        current["s"] = s  # other handlers ran while it was on a thread
-        return ids
-
-    async def _generate(self, request_id, prompt, params):
-        s = stamps[request_id] = current["s"]
-        first = True
-        async for item in generate(self, request_id, prompt, params):
-            if first:
-                s["frontend_has"], first = time.time_ns(), False
-            yield item
-
-    def _send(self, message):
-        send(self, message)
-        if message.kind == "add":
-            stamps[message.request_id]["sent"] = time.time_ns()
-
-    def _chunk(builder, out):
-        data = chunk(builder, out)
-        s = stamps.get(builder.request_id)
-        if s is not None and "chunk_built" not in s:
-            s["chunk_built"] = time.time_ns()
-        return data
-
-    app._json_body, app._chunk = _json_body, _chunk
-    state.ServerState.prompt_ids = _prompt_ids
-    engine_client.ProcessEngine.generate, engine_client.ProcessEngine._send = _generate, _send
+def request_stages(log_pages: list[dict]) -> list[dict[str, float]]:
+    """Every request the pages hold with all of STAGES, in log order."""
+    steps = {s["step"]: s for page in log_pages for s in page["steps"]}
+    found = []
+    for page in log_pages:
+        for rec in page["requests"]:
+            times = step_times(rec.get("steps") or [], steps)
+            if times is None:
+                continue
+            times.update({k: rec.get(k) for k in ("received", "tokenized", "arrival", "first_output")})
+            if all(times[k] is not None for k in STAGES):
+                found.append(times)
+    return found
 
 
-async def _serve_and_load(args, sock) -> dict:
-    from aiohttp import web
+def read_log(base_url: str, since: int) -> list[dict]:
+    """The request log's pages from request number `since` on, following `next` until a page comes back empty."""
+    pages = []
+    while True:
+        with urllib.request.urlopen(f"{base_url}/v1/request_log?since={since}", timeout=60) as resp:
+            page = json.load(resp)
+        if not page["requests"]:
+            return pages
+        pages.append(page)
+        since = page["next"]
 
-    from infertrace.server.engine_link.client import ProcessEngine
-    from infertrace.server.frontend.app import build_app
-    from infertrace.server.frontend.tokenizer import FrontendTokenizer
-    from infertrace.server.settings import ServerSettings
 
-    settings = ServerSettings(model_dir=str(args.model), served_model_name="request-path", port=args.port,
-                              max_queue=100000)
-    engine = ProcessEngine(sock)
-    await engine.connect()
-    runner = web.AppRunner(build_app(engine, FrontendTokenizer(args.model), settings, {"index": 0, "count": 1}),
-                           access_log=None, handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", args.port).start()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "infertrace", "bench", "--base-url", f"http://127.0.0.1:{args.port}",
-               "--tokenizer", str(args.model), "--input-len", str(args.input_len), "--output-len",
-               str(args.output_len), "--ignore-eos", "--num-prompts", str(args.num_prompts), "--request-rate",
-               str(args.rate), "--warmup", str(args.warmup), "--scrape-interval", "0", "--result-json", str(out)]
-        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.DEVNULL,
-                                                    stderr=asyncio.subprocess.PIPE)
-        _, err = await proc.communicate()
-        await runner.cleanup()
-        if proc.returncode != 0:
-            raise SystemExit(f"bench failed: {err.decode()[-2000:]}")
-        return json.loads(out.read_text())
+def log_cursor(base_url: str) -> int:
+    with urllib.request.urlopen(f"{base_url}/v1/request_log?limit=0", timeout=60) as resp:
+        return json.load(resp)["next"]
+
+
+def wait_ready(base_url: str, server: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"serve exited with {server.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=5):
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.5)
+    raise SystemExit(f"serve did not answer /health within {timeout_s:.0f} s")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def summary(stages: list[dict[str, float]], result: dict) -> list[str]:
+    """The printed lines: each stage's median (mean) in ms, then the server's share of the client's TTFT."""
+    lines = ["stage, ms: median (mean)"]
+    for start, end in zip(STAGES, STAGES[1:]):
+        values = [1e3 * (s[end] - s[start]) for s in stages]
+        lines.append(f"  {start:>12} -> {end:<12} {statistics.median(values):7.3f} ({statistics.mean(values):.3f})")
+    total = [1e3 * (s["first_output"] - s["received"]) for s in stages]
+    lines.append(f"  server, received to first output: {statistics.median(total):.3f} ({statistics.mean(total):.3f}); "
+                 f"the client's TTFT beyond it: {result['median_ttft_ms'] - statistics.median(total):.3f} "
+                 f"({result['mean_ttft_ms'] - statistics.mean(total):.3f})")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", type=Path, help="model directory (its tokenizer; its weights with --engine real)")
-    parser.add_argument("--engine", choices=("stand-in", "real"), default="stand-in")
-    parser.add_argument("--mode", choices=("graphs", "eager"), default="graphs", help="--engine real: token graphs")
-    parser.add_argument("--step-ms", type=float, default=1.5, help="the stand-in's step time")
+    parser.add_argument("model", help="model directory or preset, as `infertrace serve --model` takes it")
+    parser.add_argument("--mode", choices=("graphs", "eager"), default="graphs", help="token-count CUDA graphs")
+    parser.add_argument("--device", default="auto")
     parser.add_argument("--rate", type=float, default=60.0)
     parser.add_argument("--num-prompts", type=int, default=600)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--inline-chars", type=int, help="tokenize prompts of at most this many characters on the "
-                                                         "event loop (default: the server's INLINE_TOKENIZE_CHARS)")
-    parser.add_argument("--port", type=int, default=8331)
     args = parser.parse_args()
 
-    from infertrace.server.frontend import state
-
-    if args.inline_chars is not None:
-        state.INLINE_TOKENIZE_CHARS = args.inline_chars
-    frontend: dict[str, dict[str, int]] = {}
-    _stamp_frontend(frontend)
-    with tempfile.TemporaryDirectory() as tmp:
-        log_path = str(Path(tmp) / "engine.jsonl")
-        ours, theirs = socket.socketpair()
-        model_dir = str(args.model) if args.engine == "real" else None
-        proc = multiprocessing.get_context("spawn").Process(
-            target=engine_main, args=(model_dir, args.step_ms / 1000, args.mode, log_path, [theirs]), daemon=True)
-        proc.start()
-        theirs.close()
-        result = asyncio.run(_serve_and_load(args, ours))
-        proc.kill()
-        engine_side = {d.pop("id"): d for d in map(json.loads, Path(log_path).read_text().splitlines())}
-    rows = [{**s, **engine_side[rid]} for rid, s in frontend.items()
-            if rid in engine_side and all(k in {**s, **engine_side[rid]} for k in STAGES)]
-    if not rows:
-        raise SystemExit("no request was stamped at every stage")
-    label = f"{args.engine}" + (f" ({args.mode})" if args.engine == "real" else f" ({args.step_ms} ms steps)")
-    print(f"{label}, inline tokenizing up to {state.INLINE_TOKENIZE_CHARS} chars: {len(rows)} requests, "
-          f"client TTFT p50 {result['median_ttft_ms']:.3f} ms (mean {result['mean_ttft_ms']:.3f})")
-    print("stage, ms: median (mean)")
-    for start, end in zip(STAGES, STAGES[1:]):
-        values = [(r[end] - r[start]) / 1e6 for r in rows]
-        print(f"  {start:>12} -> {end:<12} {statistics.median(values):7.3f} ({statistics.mean(values):.3f})")
-    total = [(r["chunk_built"] - r["body"]) / 1e6 for r in rows]
-    print(f"  front end, body to first chunk: {statistics.median(total):.3f} ({statistics.mean(total):.3f}); "
-          f"the client's TTFT beyond it: {result['median_ttft_ms'] - statistics.median(total):.3f} "
-          f"({result['mean_ttft_ms'] - statistics.mean(total):.3f})")
+    tokenizer = Path(args.model) if Path(args.model).is_dir() else preset_model_dir(args.model)
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "infertrace", "serve", "--model", args.model, "--port", str(port),
+           "--device", args.device, "--max-queue", str(max(1000, args.num_prompts))]
+    if args.mode == "eager":
+        cmd.append("--no-prefill-cuda-graphs")
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    try:
+        wait_ready(base_url, server, READY_TIMEOUT_S)
+        # bench's own --warmup requests would land in the log among the measured ones: they get a run of their own
+        if args.warmup:
+            run_bench(base_url, tokenizer, "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                      "--ignore-eos", "--num-prompts", str(args.warmup), "--warmup", "0")
+        since = log_cursor(base_url)
+        result = run_bench(base_url, tokenizer, "--input-len", str(args.input_len), "--output-len",
+                           str(args.output_len), "--ignore-eos", "--num-prompts", str(args.num_prompts),
+                           "--request-rate", str(args.rate), "--warmup", "0")
+        stages = request_stages(read_log(base_url, since))
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    if not stages:
+        raise SystemExit("no request in the request log has every stage")
+    print(f"{args.model} ({args.mode}): {len(stages)} requests at {args.rate:g}/s, client TTFT p50 "
+          f"{result['median_ttft_ms']:.3f} ms (mean {result['mean_ttft_ms']:.3f})")
+    print("\n".join(summary(stages, result)))
 
 
 if __name__ == "__main__":
