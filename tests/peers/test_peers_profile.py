@@ -54,8 +54,8 @@ def captures(vllm_server, tmp_path_factory):
     log = tmp_path_factory.mktemp("profile") / "seconds.log"
     with open(log, "w") as out:
         seconds = subprocess.Popen([sys.executable, "-m", "infertrace", "profile", "--url", vllm_server.base_url,
-                                    "--seconds", "4", "--name", "first", "--output-dir", str(trace_dir)], stdout=out, stderr=subprocess.STDOUT,
-                                   env=env, text=True)
+                                    "--seconds", "4", "--name", "first", "--output-dir", str(trace_dir)],
+                                   stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
     try:
         deadline = time.monotonic() + STARTED_TIMEOUT_S
         while "profiler started" not in log.read_text():

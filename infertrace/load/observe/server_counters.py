@@ -1,8 +1,9 @@
 """The server's prefix-cache counters read before and after a run, so the run's own hit rate can be told apart from
 everything the server served since it started.
 
-vLLM (0.33 read from its source, 0.32 checked running) and infertrace count prompt tokens looked up (`prefix_cache_queries_total`) and found
-(`prefix_cache_hits_total`): the run's hit rate is the growth of hits over the growth of queries. SGLang 0.5.23
+vLLM (0.33 read from its source, 0.32 checked running) and infertrace count prompt tokens looked up
+(`prefix_cache_queries_total`) and found (`prefix_cache_hits_total`): the run's hit rate is the growth of hits over
+the growth of queries. SGLang 0.5.23
 exposes only a gauge, `sglang:cache_hit_rate`, over its recent requests: it is reported as read after the run, and
 marked so. The bundled engine in-process is read from its own counters, which are the same numbers.
 """
@@ -70,8 +71,8 @@ CACHE_EXCESS_WARN = 0.10  # measured hit rate above what the workload implies by
 
 def implied_hit_rate(cfg, workload: dict | None, requests: int, block_size: int | None = None) -> float | None:
     """The share of prompt tokens the run itself could find cached, from how its prompts were made: a trace's
-    reuse servable in whole blocks (none without block hashes: each request gets random tokens of its own); for random and shared-prefix prompts, the prompts sent again (--duration cycles
-    --num-prompts of them), every use of a shared prefix after its first, and --prompt-salt's line, which starts
+    reuse servable in whole blocks (none without block hashes: each request gets random tokens of its own); for
+    random and shared-prefix prompts, the prompts sent again (--duration cycles --num-prompts of them), every use of a shared prefix after its first, and --prompt-salt's line, which starts
     every prompt of the run (`prompt_salt_tokens` in `workload`). A server finds prompts in whole KV blocks and
     recomputes at least a prompt's last token (vLLM's kv_cache_manager: at most prompt length - 1 is a hit): with
     the server's `block_size` known the rate counts only that much, else it can be above the server's by about a
