@@ -72,8 +72,9 @@ CACHE_EXCESS_WARN = 0.10  # measured hit rate above what the workload implies by
 def implied_hit_rate(cfg, workload: dict | None, requests: int, block_size: int | None = None) -> float | None:
     """The share of prompt tokens the run itself could find cached, from how its prompts were made: a trace's
     reuse servable in whole blocks (none without block hashes: each request gets random tokens of its own); for
-    random and shared-prefix prompts, the prompts sent again (--duration cycles --num-prompts of them), every use of a shared prefix after its first, and --prompt-salt's line, which starts
-    every prompt of the run (`prompt_salt_tokens` in `workload`). A server finds prompts in whole KV blocks and
+    random and shared-prefix prompts, the prompts sent again (--duration cycles --num-prompts of them), every use
+    of a shared prefix after its first, and --prompt-salt's line, which starts every prompt of the run
+    (`prompt_salt_tokens` in `workload`). A server finds prompts in whole KV blocks and
     recomputes at least a prompt's last token (vLLM's kv_cache_manager: at most prompt length - 1 is a hit): with
     the server's `block_size` known the rate counts only that much, else it can be above the server's by about a
     block a prompt. None where the files decide (ShareGPT, JSONL) or the history does (sessions)."""
