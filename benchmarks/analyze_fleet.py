@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from analyze_speed import CHILD_ENV, build_trace, machine, versions, with_bytecode  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # run as `python benchmarks/analyze_fleet.py` too
+from benchmarks.analyze_speed import CHILD_ENV, build_trace, machine, versions, with_bytecode  # noqa: E402
 
 
 def child(trace_dir: str, jobs: str, ray: str) -> dict:

@@ -29,9 +29,9 @@ from collections import Counter, defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from engine_bench import ROWS, bench_nano, model_dir, run_steps  # noqa: E402
-
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # run as `python benchmarks/attention_backends.py` too
+from benchmarks.common import ROWS, model_dir  # noqa: E402
+from benchmarks.engine_bench import bench_nano, run_steps  # noqa: E402
 from infertrace.engine.config import ATTENTION_BACKENDS  # noqa: E402
 from infertrace.output import OutputError, check_writable, write_json, write_text  # noqa: E402
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from infertrace.engine import LLM, SamplingParams
-from infertrace.modelgen import init_model
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # run as `python benchmarks/decode_breakdown.py` too
+from benchmarks.common import model_dir  # noqa: E402
+from infertrace.engine import LLM, SamplingParams  # noqa: E402
 
 
 def main() -> None:
@@ -23,10 +25,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--graphs", action="store_true", help="profile CUDA-graph replays instead of eager steps")
     args = ap.parse_args()
-    path = args.models_dir / f"{args.preset}-bfloat16"
-    if not (path / "config.json").exists():
-        init_model(args.preset, path, dtype="bfloat16")
-    llm = LLM(path, cuda_graphs=args.graphs)
+    llm = LLM(model_dir(args.models_dir, args.preset), cuda_graphs=args.graphs)
     eng = llm.engine
     rng = random.Random(0)
     for i in range(args.batch):

@@ -12,61 +12,16 @@ import argparse
 import functools
 import json
 import random
-import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from infertrace.engine import LLM, SamplingParams
-from infertrace.modelgen import init_model, parameter_count
-
-ROWS: list[tuple[str, str, str]] = []
-
-
-def row(name: str, value: str, note: str = "") -> None:
-    ROWS.append((name, value, note))
-    print(f"  {name}: {value}  {note}", flush=True)
-
-
-def model_dir(root: Path, preset: str, dtype: str = "bfloat16", device: str = "cpu") -> Path:
-    """The model directory of `preset` under `root`, written on first use (`device="cuda"` draws the weights on
-    the GPU: seconds for the larger presets)."""
-    path = root / f"{preset}-{dtype}"
-    if not (path / "config.json").exists():
-        init_model(preset, path, seed=0, dtype=dtype, device=device)
-    return path
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1024**3, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        y.copy_(x)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return 2 * x.numel() / sorted(times)[len(times) // 2]
-
-
-def replay_ms(replay, reps: int = 5, each: int = 40) -> float:
-    """Milliseconds a call of `replay` (a CUDA graph replay) takes back to back: the median of `reps` rounds of
-    `each` calls."""
-    for _ in range(5):
-        replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(each):
-            replay()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / each)
-    return 1e3 * statistics.median(times)
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # run as `python benchmarks/engine_bench.py` too
+from benchmarks.common import copy_bandwidth, median_call_ms, model_dir, print_rows, row  # noqa: E402
+from infertrace.engine import LLM, SamplingParams  # noqa: E402
+from infertrace.modelgen import parameter_count  # noqa: E402
 
 
 def run_steps(llm: LLM, prompts, params) -> dict:
@@ -155,7 +110,7 @@ def bench_decode(root: Path, bw: float, attention: str = "batched", cuda_graphs:
     graphs = llm.engine.runner.graphs
     if graphs is not None:
         # the decode graph alone, replayed back to back: the step's GPU time without the host's share
-        gpu = replay_ms(functools.partial(graphs.replay, 8)) / 1e3
+        gpu = median_call_ms(functools.partial(graphs.replay, 8)) / 1e3
         row("decode graph replay alone (bs=8)", f"{1e3 * gpu:.2f} ms = {step_bytes / gpu / 1e12:.2f} TB/s",
             "GPU time of one decode step without host work")
         if profile_host:
@@ -271,9 +226,7 @@ def main() -> None:
         bench_nano(args.models_dir, hf="hf" in only)
     if "memory" in only:
         bench_memory(args.models_dir)
-    print("\n| figure | value | setup |\n| --- | --- | --- |")
-    for name, value, note in ROWS:
-        print(f"| {name} | {value} | {note} |")
+    print_rows()
 
 
 if __name__ == "__main__":

@@ -14,14 +14,8 @@ port=${PORT:-8000}
 rounds=${ROUNDS:-2}
 mkdir -p "$out"
 
-if command -v infertrace >/dev/null; then it=(infertrace); else it=(python3 -c 'from infertrace.cli import main; main()'); fi
-it() { "${it[@]}" "$@"; }
-model="$out/$preset"
-[ -f "$model/config.json" ] || it model init --preset "$preset" --out "$model" >/dev/null
-
-server=""
-stop_server() { [ -z "$server" ] || { kill -TERM "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; server=""; }; }
-trap stop_server EXIT
+source "$(dirname "$0")/serve_lib.sh"
+model=$(model_of "$preset" "$out")
 
 load=(--base-url "http://127.0.0.1:$port" --tokenizer "$model" --input-len "${INPUT_LEN:-256}"
       --output-len "${OUTPUT_LEN:-128}" --ignore-eos --seed 0 --warmup 8 --num-prompts "${NUM_PROMPTS:-512}"
@@ -29,7 +23,7 @@ load=(--base-url "http://127.0.0.1:$port" --tokenizer "$model" --input-len "${IN
 for frontends in 1 2; do
   "${it[@]}" serve --model "$model" --port "$port" --api-server-count "$frontends" >"$out/server-$frontends.log" 2>&1 &
   server=$!
-  for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+  wait_healthy "$port" "$out/server-$frontends.log"
   for round in $(seq "$rounds"); do
     for workers in 1 2; do
       it bench "${load[@]}" --workers "$workers" --result-json "$out/fe$frontends-w$workers-r$round.json" \

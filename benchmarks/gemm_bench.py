@@ -13,12 +13,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import torch
 import triton
 
-from infertrace.engine.kernels.skinny_gemm import skinny_gemm
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # run as `python benchmarks/gemm_bench.py` too
+from benchmarks.common import copy_bandwidth  # noqa: E402
+from infertrace.engine.kernels.skinny_gemm import skinny_gemm  # noqa: E402
 
 SHAPES = {  # qwen3-4b projections: (N, K)
     "qkv_proj": (6144, 2560),
@@ -27,13 +30,6 @@ SHAPES = {  # qwen3-4b projections: (N, K)
     "down_proj": (2560, 9728),
     "lm_head": (151936, 2560),
 }
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
-    return 2 * x.numel() * 2 / (ms * 1e-3)
 
 
 def timed(fn_for_weight, weights) -> float:

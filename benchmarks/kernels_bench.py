@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import sys
+from pathlib import Path
 
 import torch
 import triton
 
-from infertrace.engine.attention import TritonAttention
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # run as `python benchmarks/kernels_bench.py` too
+from benchmarks.common import copy_bandwidth  # noqa: E402
+from infertrace.engine.attention import TritonAttention  # noqa: E402
 from infertrace.engine.config import DEFAULT_CUDA_GRAPH_TOKEN_SIZES
 from infertrace.engine.kernels.paged_attention import paged_attention
 from infertrace.engine.kernels.tiles import attention_tile_array, decode_order, max_attention_tiles
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
-    return 2 * x.numel() * 2 / (ms * 1e-3)
 
 
 def decode_case(bs: int, ctx: int | list[int], heads: int, kv_heads: int, dim: int, splits: int,

@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from pathlib import Path
 
-from offload_bench import (
-    LogitRecorder,
-    hf_last_logits,
-    model_dir,
-    random_tokens,
-    release,
-    run_one,
-)
-
-from infertrace.engine import Engine, EngineConfig, SamplingParams
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # run as `python benchmarks/long_prefill_check.py` too
+from benchmarks.common import model_dir  # noqa: E402
+from benchmarks.offload_bench import LogitRecorder, hf_last_logits, random_tokens, release, run_one  # noqa: E402
+from infertrace.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -21,34 +21,18 @@ import gc
 import json
 import math
 import random
+import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-from infertrace.engine import Engine, EngineConfig, SamplingParams
-from infertrace.modelgen import init_model
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # run as `python benchmarks/offload_bench.py` too
+from benchmarks.common import model_dir, print_rows, row  # noqa: E402
+from infertrace.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 VOCAB = 151936
-ROWS: list[tuple[str, str, str]] = []
-
-
-def row(name: str, value: str, note: str = "") -> None:
-    ROWS.append((name, value, note))
-    print(f"  {name}: {value}  {note}", flush=True)
-
-
-def model_dir(root: Path, preset: str, dtype: str, max_positions: int | None = None) -> Path:
-    suffix = f"-{max_positions}pos" if max_positions else ""
-    path = root / f"{preset}-{dtype}{suffix}"
-    if not (path / "config.json").exists():
-        init_model(preset, path, seed=0, dtype=dtype)
-        if max_positions:
-            cfg = json.loads((path / "config.json").read_text())
-            cfg["max_position_embeddings"] = max_positions
-            (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    return path
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:
@@ -316,11 +300,7 @@ def main() -> None:
                 row(f"{name} FAILED", type(exc).__name__, str(exc).splitlines()[0][:160] if str(exc) else "")
             gc.collect()
             torch.cuda.empty_cache()
-    print("\n| figure | value | setup |\n| --- | --- | --- |")
-    for name, value, note in ROWS:
-        print(f"| {name} | {value} | {note} |")
-    if args.out:
-        args.out.write_text(json.dumps([dict(zip(("figure", "value", "setup"), r)) for r in ROWS], indent=2))
+    print_rows(args.out)
 
 
 if __name__ == "__main__":

@@ -14,18 +14,8 @@ preset=${1:-qwen3-0.6b}
 out=${2:-/tmp/request_log_serve}
 port=${PORT:-8000}
 mkdir -p "$out"
-if command -v infertrace >/dev/null; then it=(infertrace); else it=(python3 -c 'from infertrace.cli import main; main()'); fi
-model="$out/$preset"
-[ -f "$model/config.json" ] || "${it[@]}" model init --preset "$preset" --out "$model"
-
-server=""
-stop_server() {
-  [ -n "$server" ] || return 0
-  kill -TERM "$server" 2>/dev/null || { server=""; return 0; }
-  for _ in $(seq 60); do kill -0 "$server" 2>/dev/null || { server=""; return 0; }; sleep 1; done
-  kill -KILL "$server" 2>/dev/null; server=""
-}
-trap stop_server EXIT
+source "$(dirname "$0")/serve_lib.sh"
+model=$(model_of "$preset" "$out")
 
 i=0
 for log in ${ORDER:-on off on off}; do
@@ -33,11 +23,7 @@ for log in ${ORDER:-on off on off}; do
   flags=(); [ "$log" = off ] && flags=(--request-log-size 0)
   "${it[@]}" serve --model "$model" --served-model-name "$preset" --port "$port" "${flags[@]}" >"$out/server-$name.log" 2>&1 &
   server=$!
-  for _ in $(seq 300); do
-    curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-    kill -0 "$server" 2>/dev/null || { echo "server exited:"; tail -20 "$out/server-$name.log"; exit 1; }
-    sleep 0.5
-  done
+  wait_healthy "$port" "$out/server-$name.log" 150
   common=(--base-url "http://127.0.0.1:$port" --tokenizer "$model" --input-len "${INPUT_LEN:-512}"
           --output-len "${OUTPUT_LEN:-128}" --ignore-eos --warmup 8)
   "${it[@]}" bench "${common[@]}" --request-rate "${RATE:-60}" --num-prompts "${NUM_PROMPTS:-1200}" --seed 0 \

@@ -29,7 +29,6 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # `python benchmarks/request_path.py`: the package
 from benchmarks.common import run_bench  # noqa: E402
-
 from infertrace.modelgen.cached import preset_model_dir  # noqa: E402
 
 STAGES = ("received", "tokenized", "arrival", "first_step", "first_token", "first_output")

@@ -22,15 +22,10 @@ api_servers=${API_SERVERS:-2}
 modes=${MODES:-split inproc}
 mkdir -p "$out"
 
-if command -v infertrace >/dev/null; then it=(infertrace); else it=(python3 -c 'from infertrace.cli import main; main()'); fi
-it() { "${it[@]}" "$@"; }
+source "$(dirname "$0")/serve_lib.sh"
+model=$(model_of "$preset" "$out")
 
-model="$out/$preset"
-[ -f "$model/config.json" ] || it model init --preset "$preset" --out "$model"
-
-stamp() { echo "[$(date +%T)] $*"; }
-server=""
-stop_server() {  # SIGTERM drains (up to 30 s); a server still there 60 s later gets SIGABRT, which dumps its threads
+stop_server() {  # serve_lib's, but SIGABRT past 60 s, which dumps the server's threads
   [ -n "$server" ] || return 0
   kill -TERM "$server" 2>/dev/null || { server=""; return 0; }
   for _ in $(seq 60); do kill -0 "$server" 2>/dev/null || { stamp "server exited"; server=""; return 0; }; sleep 1; done
@@ -45,12 +40,7 @@ start_server() {  # start_server NAME [serve flags...]
   PYTHONFAULTHANDLER=1 "${it[@]}" serve --model "$model" --served-model-name "$preset" --port "$port" \
     --profile-dir "$out/profile" "$@" >"$out/server-$name.log" 2>&1 &
   server=$!
-  for _ in $(seq 300); do
-    curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-    kill -0 "$server" 2>/dev/null || { echo "server exited:"; tail -20 "$out/server-$name.log"; exit 1; }
-    sleep 1
-  done
-  curl -sf "http://127.0.0.1:$port/health" >/dev/null || { echo "server not healthy after 300 s"; exit 1; }
+  wait_healthy "$port" "$out/server-$name.log"
   stamp "server ready"
 }
 

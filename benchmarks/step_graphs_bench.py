@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).parent))
-from engine_bench import ROWS, bench_decode, bench_nano, copy_bandwidth, model_dir, replay_ms, row  # noqa: E402
-
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # run as `python benchmarks/step_graphs_bench.py` too
+from benchmarks.common import copy_bandwidth, median_call_ms, model_dir, print_rows, row  # noqa: E402
+from benchmarks.engine_bench import bench_decode, bench_nano, bench_nano_requests  # noqa: E402
 from infertrace.engine import LLM, SamplingParams  # noqa: E402
 
 
@@ -133,7 +133,7 @@ def gemm_tokens(presets: tuple[str, ...] = ("qwen3-0.6b", "qwen3-4b")) -> None:
                 with torch.cuda.graph(graph):
                     for _ in range(20):
                         torch.nn.functional.linear(x, w)
-                total += 1e3 * replay_ms(graph.replay, each=5) / 20
+                total += 1e3 * median_call_ms(graph.replay, each=5) / 20
             times.append((m, total))
         print(f"{preset}: a layer's four GEMMs (us) by token count: "
               + " ".join(f"{m}:{us:.1f}" for m, us in times), flush=True)
@@ -158,7 +158,7 @@ def bench_startup(root: Path, preset: str) -> None:
 def decode_breakdown(root: Path, batch: int = 8, **overrides) -> None:
     """GPU time of the batch-8 qwen3-4b decode graph by kernel, and the gaps between kernels."""
     llm, graphs = _decode_graph(root, batch, 260, **overrides)  # about the decode benchmark's mean context
-    replay = replay_ms(functools.partial(graphs.replay, batch)) / 1e3
+    replay = median_call_ms(functools.partial(graphs.replay, batch)) / 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             graphs.replay(batch)
@@ -223,7 +223,7 @@ def decode_increments(root: Path, batch: int = 8, replays: int = 5) -> None:
     cfg = json.loads((model_dir(root, "qwen3-4b") / "config.json").read_text())
     # one prefill, then 256 decode steps: every context 385 at the replays below
     llm, graphs = _decode_graph(root, batch, 257, prefill_cuda_graphs=False)
-    replay = replay_ms(functools.partial(graphs.replay, batch)) / 1e3
+    replay = median_call_ms(functools.partial(graphs.replay, batch)) / 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graphs.replay(batch)
@@ -305,7 +305,7 @@ def decode_variants(root: Path, names: list[str], contexts=(385, 640), rounds: i
     replayed alternating, at each context; one engine (the variants change only kernels' switches)."""
     name, _, shard = preset.partition("/tp")
     if shard:
-        from tp_bench import shard_preset
+        from benchmarks.tp_bench import shard_preset
 
         name = shard_preset(name, int(shard))
     _set_variant("normw")
@@ -324,7 +324,7 @@ def decode_variants(root: Path, names: list[str], contexts=(385, 640), rounds: i
             for name in names:
                 _set_variant(name)
                 graph = _capture_decode(graphs, batch)
-                results[(name, ctx)].append(replay_ms(graph.replay))
+                results[(name, ctx)].append(median_call_ms(graph.replay))
                 del graph
         print(f"context {ctx}: " + "  ".join(
             f"{n} {' '.join(f'{t:.3f}' for t in results[(n, ctx)])}" for n in names), flush=True)
@@ -397,8 +397,6 @@ def decode_between(root: Path, batch: int = 8, steps: int = 30) -> None:
 def nano_breakdown(root: Path, **overrides) -> None:
     """The nano-vllm workload once under torch.profiler (GPU activity only): GPU time by kernel over the whole run,
     the GPU's busy share of the wall time, and the wall time by step kind."""
-    from engine_bench import bench_nano_requests
-
     path = model_dir(root, "qwen3-0.6b")
     prompts, params = bench_nano_requests()
     llm = LLM(path, **overrides)
@@ -499,9 +497,7 @@ def main() -> None:
         bench_decode(args.models_dir, bw, pdl=False)
         decode_breakdown(args.models_dir, pdl=True)
         decode_breakdown(args.models_dir, pdl=False)
-    print("\n| figure | value | setup |\n| --- | --- | --- |")
-    for name, value, note in ROWS:
-        print(f"| {name} | {value} | {note} |")
+    print_rows()
 
 
 if __name__ == "__main__":

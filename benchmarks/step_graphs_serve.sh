@@ -27,19 +27,8 @@ profile_prompts=${PROFILE_PROMPTS:-300}
 profile_steps=${PROFILE_STEPS:-300}
 mkdir -p "$out"
 
-if command -v infertrace >/dev/null; then it=(infertrace); else it=(python3 -c 'from infertrace.cli import main; main()'); fi
-model="$out/$preset"
-[ -f "$model/config.json" ] || "${it[@]}" model init --preset "$preset" --out "$model"
-
-stamp() { echo "[$(date +%T)] $*"; }
-server=""
-stop_server() {
-  [ -n "$server" ] || return 0
-  kill -TERM "$server" 2>/dev/null || { server=""; return 0; }
-  for _ in $(seq 60); do kill -0 "$server" 2>/dev/null || { server=""; return 0; }; sleep 1; done
-  kill -KILL "$server" 2>/dev/null; server=""
-}
-trap stop_server EXIT
+source "$(dirname "$0")/serve_lib.sh"
+model=$(model_of "$preset" "$out")
 
 for mode in $modes; do
   case $mode in
@@ -52,11 +41,7 @@ for mode in $modes; do
   "${it[@]}" serve --model "$model" --served-model-name "$preset" --port "$port" --profile-dir "$out/profile-$mode" \
     "$flag" ${SERVE_ARGS:-} >"$out/server-$mode.log" 2>&1 &
   server=$!
-  for _ in $(seq 300); do
-    curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-    kill -0 "$server" 2>/dev/null || { echo "server exited:"; tail -20 "$out/server-$mode.log"; exit 1; }
-    sleep 0.5
-  done
+  wait_healthy "$port" "$out/server-$mode.log" 150
   ready_ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   echo "$ready_ms" >"$out/ready_ms-$mode"
   stamp "server ready after $ready_ms ms"

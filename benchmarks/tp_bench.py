@@ -258,7 +258,6 @@ def main() -> None:
         tp, ar, *rest = args.one.split(":")
         from infertrace.config_fields import parse_overrides
         from infertrace.engine.config import EngineConfig
-
         from infertrace.engine.kernels import tuning
 
         text = dict(kv.split("=", 1) for kv in rest[0].split(",")) if rest and rest[0] else {}
