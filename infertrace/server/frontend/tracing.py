@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from infertrace.server.frontend.request_log import MAX_PAGE_BYTES, MAX_PAGE_REQUESTS
 
@@ -224,11 +225,11 @@ class RequestTracer:
             carrier["tracestate"] = tracestate
         # W3C trace context: a malformed traceparent is ignored and the request starts a trace of its own
         parent = self.propagator.extract(carrier) if carrier else None
-        rows = [(steps[n], n, tokens, prefill, sampled) for n, tokens, prefill, sampled in rec["steps"]
+        rows = [_Row(steps[n], n, tokens, bool(prefill), bool(sampled)) for n, tokens, prefill, sampled in rec["steps"]
                 if n in steps]
         ns = self._ns
-        root = self.tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.SERVER, start_time=ns(rec["received"]),
-                                      attributes=self._attributes(rec, rows))
+        root = self.tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.SERVER,
+                                      start_time=ns(rec["received"]), attributes=self._attributes(rec, rows))
         inside = set_span_in_context(root)
 
         def phase(name: str, start: float | None, end: float | None, **attributes) -> None:
@@ -239,24 +240,20 @@ class RequestTracer:
             span.end(end_time=ns(max(start, end)))
 
         phase("tokenize", rec["received"], rec.get("tokenized"))
-        first_start = rows[0][0]["start"] if rows else rec["finished"]
-        phase("queue", rec["arrival"], first_start, waiting_ahead=rec["waiting_ahead"],
-              running_at_arrival=rec["running_at_arrival"])
-        run: list = []
-        for row in rows + [None]:
-            if row is not None and not row[3]:  # a decode row: decode steps in a row make one span
-                run.append(row)
-                continue
-            if run:
-                phase("decode", run[0][0]["start"], run[-1][0]["start"] + run[-1][0]["duration"],
-                      first_step=run[0][1], last_step=run[-1][1], steps=len(run),
-                      tokens=sum(r[2] for r in run), sampled=sum(r[4] for r in run))
-                run = []
-            if row is not None:
-                step, number, tokens, _, sampled = row
-                phase("prefill", step["start"], step["start"] + step["duration"], step=number, step_kind=step["kind"],
-                      tokens=tokens, sampled=bool(sampled), batch_size=step["batch_size"],
-                      step_tokens=step["num_tokens"])
+        phase("queue", rec["arrival"], rows[0].start if rows else rec["finished"],
+              waiting_ahead=rec["waiting_ahead"], running_at_arrival=rec["running_at_arrival"])
+        # each prefill step is a span (a chunked prompt's chunks, a recompute after preemption); decode steps in a
+        # row make one
+        for is_prefill, group in itertools.groupby(rows, key=lambda row: row.prefill):
+            if is_prefill:
+                for row in group:
+                    phase("prefill", row.start, row.end, step=row.number, step_kind=row.step["kind"],
+                          tokens=row.tokens, sampled=row.sampled, batch_size=row.step["batch_size"],
+                          step_tokens=row.step["num_tokens"])
+            else:
+                run = list(group)
+                phase("decode", run[0].start, run[-1].end, first_step=run[0].number, last_step=run[-1].number,
+                      steps=len(run), tokens=sum(r.tokens for r in run), sampled=sum(r.sampled for r in run))
         if rec.get("first_output") is not None:
             root.add_event("first_output", timestamp=ns(rec["first_output"]))
         root.add_event("engine_arrival", timestamp=ns(rec["arrival"]))
@@ -267,8 +264,8 @@ class RequestTracer:
     def _attributes(self, rec: dict, rows: list) -> dict[str, Any]:
         """vLLM's attribute names where vLLM has the figure (seconds, as vLLM gives them), infertrace.* for the
         rest. The first token is the end of the first step that sampled one."""
-        first_start = rows[0][0]["start"] if rows else None
-        first_token = next((st["start"] + st["duration"] for st, _, _, _, sampled in rows if sampled), None)
+        first_start = rows[0].start if rows else None
+        first_token = next((row.end for row in rows if row.sampled), None)
         finished = rec["finished"]
         attributes = {
             "gen_ai.request.id": rec["request_id"],
@@ -285,9 +282,9 @@ class RequestTracer:
             "infertrace.cached_tokens": rec["cached_tokens"],
             "infertrace.finish_reason": rec["finish_reason"],
             "infertrace.finish_step": rec["finish_step"],
-            "infertrace.first_step": rows[0][1] if rows else None,
+            "infertrace.first_step": rows[0].number if rows else None,
             "infertrace.steps": len(rows),
-            "infertrace.prefill_steps": sum(1 for row in rows if row[3]),
+            "infertrace.prefill_steps": sum(row.prefill for row in rows),
             "infertrace.preempted_steps": list(rec["preempted"]) or None,
             "infertrace.waiting_ahead": rec["waiting_ahead"],
             "infertrace.running_at_arrival": rec["running_at_arrival"],
@@ -337,6 +334,23 @@ class RequestTracer:
     def _stop(self) -> None:
         self.provider.force_flush(int(FINAL_FLUSH_S / 2 * 1000))
         self.provider.shutdown()
+
+
+class _Row(NamedTuple):
+    """One step a request rode: the log's step, its number, the request's tokens in it, and the row's flags."""
+    step: dict
+    number: int
+    tokens: int
+    prefill: bool
+    sampled: bool
+
+    @property
+    def start(self) -> float:
+        return self.step["start"]
+
+    @property
+    def end(self) -> float:
+        return self.step["start"] + self.step["duration"]
 
 
 @dataclass(slots=True)
