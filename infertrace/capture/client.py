@@ -18,7 +18,7 @@ from infertrace.capture.peers import (
     likely_cause,
     sglang_body,
     vllm_body,
-    vllm_takes_options,
+    vllm_ignored_keys,
 )
 
 __all__ = ["SERVER_ACTIVITIES", "Flavour", "ProfileOptions", "ProfilerClient", "ProfilerError", "StartResult",
@@ -29,6 +29,20 @@ VLLM_NO_PROFILER = (
     "with --profiler-config '{{\"profiler\": \"torch\", \"torch_profiler_dir\": \"/path/to/traces\"}}' "
     "(vLLM before 0.13: set VLLM_TORCH_PROFILER_DIR=/path/to/traces)"
 )
+
+
+# the command-line option behind each key of vLLM's StartProfileRequest (profiler_kwargs holds several)
+_VLLM_OPTION = {"profile_prefix": "--name", "delay_iterations": "--delay-steps", "max_iterations": "--num-steps"}
+
+
+def _vllm_options(body: dict, keys: list[str]) -> list[str]:
+    options = []
+    for key in keys:
+        if key == "profiler_kwargs":
+            options += [f"--{'' if on else 'no-'}{kwarg.replace('_', '-')}" for kwarg, on in body[key].items()]
+        else:
+            options.append(_VLLM_OPTION.get(key, key))
+    return options
 
 
 class ProfilerError(Exception):
@@ -109,11 +123,11 @@ class ProfilerClient:
         if flavour is Flavour.VLLM:
             body = vllm_body(options) or None
             if body is not None:
-                takes = vllm_takes_options(await self._version())
-                if takes is False:
-                    notes.append(f"vLLM {self.server_version} takes no capture options over HTTP (they came in 0.33): "
-                                 f"{', '.join(body)} not applied")
-                    body = None
+                ignored = vllm_ignored_keys(body, await self._version())
+                if ignored:
+                    notes.append(f"vLLM {self.server_version}'s /start_profile ignores {', '.join(ignored)}: "
+                                 f"{', '.join(_vllm_options(body, ignored))} not applied")
+                    body = {k: v for k, v in body.items() if k not in ignored} or None
             reply = await self._request("POST", "/start_profile", body=body)
             if reply.status == 422 and body is not None:
                 # a server whose route validates a body it does not know: start it bare rather than not at all

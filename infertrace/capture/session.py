@@ -17,6 +17,7 @@ from pathlib import Path
 
 from infertrace.cache import cache_dir
 from infertrace.capture.peers import Flavour, file_patterns
+from infertrace.output import OutputError, write_text
 
 SERVER_MANIFEST_SCHEMA = "infertrace.server-capture/1"
 WHERE_UNKNOWN = {
@@ -86,15 +87,21 @@ class ServerCapture:
         return sizes
 
     def write_manifest(self) -> Path | None:
-        """`{name}.infertrace.json` beside the traces (only for a local server with files written)."""
+        """`{name}.infertrace.json` beside the traces (only for a local server with files written); a capture
+        without a name (a server that takes none) gets its start time to the microsecond instead, so that the
+        next one in the same directory does not replace it."""
         if not self.files:
             return None
-        path = Path(self.files[0]).parent / f"{self.name or 'capture'}.infertrace.json"
+        path = Path(self.files[0]).parent / f"{self.name or self._unnamed()}.infertrace.json"
         try:
-            path.write_text(json.dumps(asdict(self), indent=2) + "\n")
-        except OSError:
+            write_text(path, json.dumps(asdict(self), indent=2) + "\n")
+        except (OSError, OutputError):
             return None
         return path
+
+    def _unnamed(self) -> str:
+        micros = int(self.started_at * 1_000_000) % 1_000_000
+        return f"capture-{time.strftime('%Y%m%d-%H%M%S', time.localtime(self.started_at))}-{micros:06d}"
 
     # ----- the record between --start and --stop -----
     def save(self) -> None:

@@ -97,16 +97,20 @@ class VllmStandIn(StandIn):
     - vllm/config/profiler.py validate_profile_prefix / validate_profile_iteration_bounds: 400 on a bad prefix or
       a negative bound.
     - vllm/v1/worker/gpu_worker.py + torch's tensorboard_trace_handler: each rank writes
-      {prefix_}dp0_pp0_tp0_dcp0_ep0_rank{r}.{ms}.pt.trace.json.gz; vllm/v1/engine/async_llm.py: the API server
-      writes {prefix_}{host}_{pid}.async_llm.{ms}.pt.trace.json.gz (CPU only) into the same torch_profiler_dir.
+      {prefix_}dp0_pp0_tp0_dcp0_ep0_rank{r}.{ns}.pt.trace.json.gz (the number is time.time_ns()); with `cpu`, as
+      vLLM 0.32.0's CPU worker does (vllm/distributed/utils.py get_worker_rank_suffix's fallback),
+      {prefix_}rank{r}.{ns}.pt.trace.json.gz; vllm/v1/engine/async_llm.py: the API server writes
+      {prefix_}{host}_{pid}.async_llm.{ns}.pt.trace.json.gz (CPU only) into the same torch_profiler_dir.
     - vllm/entrypoints/serve/instrumentator/basic.py: GET /version; /start_profile is not behind --api-key
       (middleware/authenticate.py guards /v1 only).
-    `version` before 0.33 gives the older route, which reads no body at all."""
+    `version` gives older routes as those releases' api_router.py has them: 0.32.0's StartProfileRequest lacks
+    profiler_kwargs (so ignores it, extra="ignore"); 0.31.0's /start_profile reads no body at all."""
 
     profiler_configured: bool = True
     version: str = "0.33.0"
     trace_dir: Path | None = None
     tp_size: int = 1
+    cpu: bool = False
     session: dict | None = None
 
     def app(self) -> web.Application:
@@ -133,7 +137,8 @@ class VllmStandIn(StandIn):
     async def _start(self, request):
         overrides = {}
         raw = await request.read()
-        if raw and tuple(int(x) for x in self.version.split(".")[:2]) >= (0, 33):
+        release = tuple(int(x) for x in self.version.split(".")[:2])
+        if raw and release >= (0, 32):
             try:
                 body = json.loads(raw)
             except ValueError:
@@ -141,8 +146,9 @@ class VllmStandIn(StandIn):
             if body is not None:
                 if not isinstance(body, dict):
                     return self._error(400, "Bad Request", "1 validation error: not an object", "body")
-                types = {"profile_prefix": str, "delay_iterations": int, "max_iterations": int,
-                         "profiler_kwargs": dict}
+                types = {"profile_prefix": str, "delay_iterations": int, "max_iterations": int}
+                if release >= (0, 33):
+                    types["profiler_kwargs"] = dict
                 for key, kind in types.items():
                     value = body.get(key)
                     if value is None:
@@ -170,10 +176,11 @@ class VllmStandIn(StandIn):
         if self.profiling and self.trace_dir is not None:
             prefix = (self.session or {}).get("profile_prefix")
             lead = f"{prefix}_" if prefix else ""
-            ms = int(time.time() * 1000)
+            ns = time.time_ns()
             for rank in range(self.tp_size):
-                _write_trace(self.trace_dir / f"{lead}dp0_pp0_tp{rank}_dcp0_ep0_rank{rank}.{ms}.pt.trace.json.gz")
-            _write_trace(self.trace_dir / f"{lead}{socket.gethostname()}_4242.async_llm.{ms}.pt.trace.json.gz")
+                suffix = f"rank{rank}" if self.cpu else f"dp0_pp0_tp{rank}_dcp0_ep0_rank{rank}"
+                _write_trace(self.trace_dir / f"{lead}{suffix}.{ns}.pt.trace.json.gz")
+            _write_trace(self.trace_dir / f"{lead}{socket.gethostname()}_4242.async_llm.{ns}.pt.trace.json.gz")
         self.profiling = False
         return web.Response(status=200)
 
@@ -280,7 +287,17 @@ def vllm_server(tmp_path):
 
 @pytest.fixture
 def vllm_old_server():
-    yield from _served(VllmStandIn("vllm", version="0.11.0"))
+    yield from _served(VllmStandIn("vllm", version="0.31.0"))
+
+
+@pytest.fixture
+def vllm_031_cpu_server(tmp_path):
+    yield from _served(VllmStandIn("vllm", version="0.31.0", cpu=True, trace_dir=tmp_path / "vllm-traces"))
+
+
+@pytest.fixture
+def vllm_032_server(tmp_path):
+    yield from _served(VllmStandIn("vllm", version="0.32.0", cpu=True, trace_dir=tmp_path / "vllm-traces"))
 
 
 @pytest.fixture

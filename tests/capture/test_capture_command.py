@@ -117,13 +117,52 @@ def test_vllm_stop_lists_this_captures_files_and_leaves_a_manifest(vllm_server):
     assert manifest["sent"] == {"profile_prefix": "cap1"}
 
 
-def test_vllm_before_033_gets_a_bare_start_and_a_note(vllm_old_server):
+def test_vllm_before_032_gets_a_bare_start_and_a_note(vllm_old_server):
+    """vLLM 0.31.0's /start_profile (vllm/entrypoints/serve/profile/api_router.py) reads no body."""
     result = invoke("--url", vllm_old_server.url, "--start", "--num-steps", "4")
     assert result.exit_code == 0, result.output
     assert vllm_old_server.received[-1].body == b""
-    assert "vLLM 0.11.0 takes no capture options over HTTP" in result.stderr
-    assert "max_iterations" in result.stderr and "not applied" in result.stderr
+    assert "vLLM 0.31.0's /start_profile ignores profile_prefix, max_iterations" in result.stderr
+    assert "--name, --num-steps not applied" in result.stderr
     assert "stops by itself" not in result.stderr  # it will not
+
+
+def test_vllm_032_takes_name_and_steps_and_is_told_it_ignores_profiler_kwargs(vllm_032_server):
+    """vLLM 0.32.0's StartProfileRequest reads profile_prefix, delay_iterations and max_iterations and silently
+    ignores profiler_kwargs (0.33's); its CPU worker names the trace {prefix}_rank0.{ns}, which --stop lists."""
+    trace_dir = vllm_032_server.trace_dir
+    trace_dir.mkdir()
+    start = invoke("--url", vllm_032_server.url, "--start", "--name", "cap", "--num-steps", "4", "--delay-steps",
+                   "1", "--record-shapes", "--no-with-stack", "--output-dir", str(trace_dir))
+    assert start.exit_code == 0, start.output
+    sent = {"profile_prefix": "cap", "delay_iterations": 1, "max_iterations": 4}
+    assert vllm_032_server.received[-1].json() == sent and vllm_032_server.session == sent
+    assert "vLLM 0.32.0's /start_profile ignores profiler_kwargs: --record-shapes, --no-with-stack not applied" \
+        in start.stderr
+    assert "stops by itself after 4 steps" in start.stderr
+    stop = invoke("--url", vllm_032_server.url, "--stop")
+    assert stop.exit_code == 0, stop.output
+    listed = [Path(f).name for f in stop.stdout.splitlines()]
+    assert len(listed) == 2 and {name.startswith("cap_rank0.") for name in listed} == {True, False}, listed
+    assert [name for name in listed if ".async_llm." in name and name.startswith("cap_")], listed
+
+
+def test_unnamed_vllm_captures_each_keep_their_manifest_and_rank_trace(vllm_031_cpu_server):
+    """A vLLM that takes no name (0.31.0) writes `rank0.{ns}...` on CPU: each --stop lists it, and the second
+    capture's manifest does not replace the first's."""
+    trace_dir = vllm_031_cpu_server.trace_dir
+    trace_dir.mkdir()
+    listed = []
+    for _ in range(2):
+        start = invoke("--url", vllm_031_cpu_server.url, "--start", "--output-dir", str(trace_dir))
+        assert start.exit_code == 0, start.output
+        stop = invoke("--url", vllm_031_cpu_server.url, "--stop")
+        assert stop.exit_code == 0, stop.output
+        listed.append({Path(f).name for f in stop.stdout.splitlines()})
+    assert all(any(name.startswith("rank0.") for name in files) for files in listed), listed
+    manifests = [json.loads(p.read_text()) for p in trace_dir.glob("*.infertrace.json")]
+    assert len(manifests) == 2 and all(m["name"] is None for m in manifests)
+    assert sorted({Path(f).name for f in m["files"]} for m in manifests) == sorted(listed, key=len)
 
 
 def test_vllm_422_on_the_body_falls_back_to_a_bare_start(serve_app):
