@@ -1,11 +1,20 @@
 """The server's prefix-cache hit rate for every dataset, the rate the workload implies, and the warning when a
 run found far more cached than its own prompts explain (a cache warmed by an earlier run)."""
 
+import asyncio
+
 import pytest
 
+from infertrace.load.client.target import Target
 from infertrace.load.config import BenchConfig
 from infertrace.load.observe.scrape import ScrapeSeries
-from infertrace.load.observe.server_counters import implied_hit_rate, measured_hit_rate, prefix_cache_figures
+from infertrace.load.observe.server_counters import (
+    PrefixCacheReading,
+    implied_hit_rate,
+    measured_hit_rate,
+    prefix_cache_figures,
+    read_prefix_cache,
+)
 
 
 def _scrape(hits, queries, gauge=None):
@@ -14,6 +23,36 @@ def _scrape(hits, queries, gauge=None):
         s.add(100.0 + i, {} if gauge is None else {"prefix_cache_hit_rate": gauge[i]},
               {"prefix_cache_hits": h, "prefix_cache_queries": q})
     return s
+
+
+class _Engine(Target):
+    kind = "embedded"
+
+    def engine_counters(self):
+        return {"prefix_cache_queries": 300.0, "prefix_cache_hits": 128.0}
+
+
+class _Server(Target):
+    kind = "http"
+
+    def __init__(self, body):
+        self.body = body
+
+    async def read_metrics(self):
+        return self.body
+
+
+def test_the_counters_are_read_through_what_the_target_offers():
+    """The in-process engine's own counters, else the server's /metrics body; nothing from a target with neither,
+    or from a body that is not Prometheus text."""
+    assert asyncio.run(read_prefix_cache(_Engine())) == PrefixCacheReading(300.0, 128.0)
+    body = ('# TYPE vllm:prefix_cache_queries_total counter\n'
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 512.0\n'
+            '# TYPE vllm:prefix_cache_hits_total counter\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 64.0\n')
+    assert asyncio.run(read_prefix_cache(_Server(body))) == PrefixCacheReading(512.0, 64.0)
+    assert asyncio.run(read_prefix_cache(_Server(None))) is None
+    assert asyncio.run(read_prefix_cache(_Server("<html>not metrics</html>"))) is None
 
 
 def test_random_prompts_imply_no_hits_unless_cycled():
@@ -29,16 +68,33 @@ def test_shared_prefixes_imply_every_use_after_the_first():
     assert implied_hit_rate(cfg, None, 32) == pytest.approx(28 * 256 / (32 * 512))
 
 
-def test_a_salt_line_every_prompt_starts_with_is_reuse_the_run_implies():
-    """--prompt-salt's line starts every prompt: each prompt after the run's first may find it cached, and a shared
-    prefix used again comes with the salt before it (by hand: 10-token salt, 32 prompts of 64 tokens; 4 prefixes of
-    256 before 256 tokens)."""
+def test_a_salt_line_every_prompt_starts_with_is_reuse_the_run_implies_in_whole_blocks():
+    """--prompt-salt's line starts every prompt: each prompt after the run's first may find its whole blocks cached
+    (`prompt_salt_cached_tokens`), and a shared prefix used again comes with the salt before it (by hand: a 20-token
+    salt, 16 of it in whole blocks; 32 prompts of 64 tokens; 4 prefixes of 256 before 256 tokens)."""
+    salted = {"prompt_salt_tokens": 20, "prompt_salt_cached_tokens": 16}
     cfg = BenchConfig(base_url="http://h", num_prompts=32, input_len=64)
-    assert implied_hit_rate(cfg, {"prompt_salt_tokens": 10}, 32) == pytest.approx(31 * 10 / (32 * 74))
+    assert implied_hit_rate(cfg, salted, 32) == pytest.approx(31 * 16 / (32 * 84))
     shared = BenchConfig(base_url="http://h", dataset="shared-prefix", num_prompts=32, num_prefixes=4, prefix_len=256,
                          input_len=256)
-    assert implied_hit_rate(shared, {"prompt_salt_tokens": 10}, 32) == pytest.approx(
-        (28 * 266 + 3 * 10) / (32 * 522))
+    assert implied_hit_rate(shared, salted, 32) == pytest.approx((28 * 276 + 3 * 16) / (32 * 532))
+
+
+def test_salted_random_prompts_imply_nothing_where_the_salt_is_shorter_than_a_block():
+    """A salt under a block ("run " and 12 hex digits) is found by no prompt: the run implies 0%, as the server
+    measures, whether the block comes from the target (bench's `prompt_salt_cached_tokens`) or from the scrapes'
+    `vllm:cache_config_info`."""
+    cfg = BenchConfig(base_url="http://h", num_prompts=32, input_len=64)
+    salted = {"prompt_salt_tokens": 13, "prompt_salt_cached_tokens": 0}
+    assert implied_hit_rate(cfg, salted, 32) == 0.0
+    assert implied_hit_rate(cfg, salted, 32, block_size=16) == 0.0
+    scrape = _scrape([0, 0], [0, 32 * 77])
+    scrape.gauges["kv_block_size"] = [16.0, 16.0]
+    figures = prefix_cache_figures(cfg, salted, scrape, 32)
+    assert figures["implied_prefix_cache_hit_rate"] == 0.0 and figures["server_prefix_cache_hit_rate"] == 0.0
+    # the server's block, where it says one, decides: a 20-token salt is one 16-token block of it
+    assert implied_hit_rate(cfg, {"prompt_salt_tokens": 20, "prompt_salt_cached_tokens": 0}, 32, block_size=16) \
+        == pytest.approx(31 * 16 / (32 * 84))
 
 
 def test_with_the_servers_block_size_only_whole_blocks_short_of_the_last_token_are_implied():
@@ -124,9 +180,10 @@ def test_a_repeated_run_against_infertrace_serve_is_warned_and_a_salted_one_is_n
     assert first["server_prefix_cache_hit_rate"] < 0.1 and first["prefix_cache_warnings"] == []
     assert second["server_prefix_cache_hit_rate"] > 0.5 and len(second["prefix_cache_warnings"]) == 1
     assert "warm" in output and "--prompt-salt random" in output
-    # salted, the run's prompts share only the salt line they all start with, which the implied rate counts (a
-    # random salt that filled a whole KV block was found by every prompt after the first, and was warned about)
-    assert 0 < salted["implied_prefix_cache_hit_rate"] < 0.3 and salted["prefix_cache_warnings"] == []
+    # salted, the run's prompts share only the salt line they all start with, shorter than a KV block: no prompt
+    # finds any of it, and the run implies none
+    assert salted["prompt_salt_cached_tokens"] == 0 and salted["implied_prefix_cache_hit_rate"] == 0.0
+    assert salted["prefix_cache_warnings"] == []
     assert salted["config"]["prompt_salt"].startswith("run ") and salted["input_token_mismatches"] == 0
     spread, _ = run("spread", "--prompt-salt", "random", "--workers", "2")  # each worker counts the salt too
     assert spread["input_tokens_compared"] == 4 and spread["input_token_mismatches"] == 0

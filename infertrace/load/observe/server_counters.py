@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from infertrace.load.client.target import Target
 from infertrace.load.observe.scrape import NotPrometheus, parse_exposition, server_kind
 
 
@@ -40,16 +41,12 @@ def parse_reading(text: str) -> PrefixCacheReading | None:
     return PrefixCacheReading(counters.get("prefix_cache_queries"), counters.get("prefix_cache_hits"), gauge)
 
 
-async def read_prefix_cache(target) -> PrefixCacheReading | None:
-    """The target's counters now: the embedded engine's own, or the server's /metrics; None when unavailable."""
-    if target.kind == "embedded":
-        counters = getattr(target.engine, "counters", None) or {}
+async def read_prefix_cache(target: Target) -> PrefixCacheReading | None:
+    """The target's counters now: the in-process engine's own, or the server's /metrics; None when unavailable."""
+    if (counters := target.engine_counters()) is not None:
         return PrefixCacheReading(counters.get("prefix_cache_queries"), counters.get("prefix_cache_hits"))
-    try:
-        status, body = await target.transport.request_json("GET", "/metrics")
-    except Exception:  # noqa: BLE001 - a server without metrics costs the figure, never the run
-        return None
-    return parse_reading(body) if status == 200 and isinstance(body, str) else None
+    body = await target.read_metrics()
+    return parse_reading(body) if body is not None else None
 
 
 def run_hit_rate(before: PrefixCacheReading | None, after: PrefixCacheReading | None) -> dict:
@@ -74,7 +71,8 @@ def implied_hit_rate(cfg, workload: dict | None, requests: int, block_size: int 
     reuse servable in whole blocks (none without block hashes: each request gets random tokens of its own); for
     random and shared-prefix prompts, the prompts sent again (--duration cycles --num-prompts of them), every use
     of a shared prefix after its first, and --prompt-salt's line, which starts every prompt of the run
-    (`prompt_salt_tokens` in `workload`). A server finds prompts in whole KV blocks and
+    (`prompt_salt_tokens` in `workload`) and which alone is found only in whole blocks (`prompt_salt_cached_tokens`:
+    none where the salt is shorter than a block). A server finds prompts in whole KV blocks and
     recomputes at least a prompt's last token (vLLM's kv_cache_manager: at most prompt length - 1 is a hit): with
     the server's `block_size` known the rate counts only that much, else it can be above the server's by about a
     block a prompt. None where the files decide (ShareGPT, JSONL) or the history does (sessions)."""
@@ -87,14 +85,15 @@ def implied_hit_rate(cfg, workload: dict | None, requests: int, block_size: int 
         return None
     shared = cfg.prefix_len if cfg.dataset == "shared-prefix" else 0
     salt = int((workload or {}).get("prompt_salt_tokens") or 0)
+    salt_cached = int((workload or {}).get("prompt_salt_cached_tokens") or 0)
     length = salt + shared + cfg.input_len
     unique = min(requests, cfg.num_prompts)
     firsts = min(unique, cfg.num_prefixes) if shared else unique
     # a prompt sent again: all of it; a shared prefix used again: it and the salt before it; a prompt with a prefix
     # of its own, after the run's first prompt: the salt
-    again, prefix, salt_only = length, salt + shared, salt
-    if block_size:
-        again, prefix, salt_only = (min(n, length - 1) // block_size * block_size for n in (again, prefix, salt_only))
+    again, prefix, salt_only = length, salt + shared, salt_cached
+    if block_size:  # the server's own block, read from its metrics, decides over the one the salt was cut to
+        again, prefix, salt_only = (min(n, length - 1) // block_size * block_size for n in (again, prefix, salt))
     return ((requests - unique) * again + (unique - firsts) * prefix + (firsts - 1) * salt_only) \
         / (requests * length)
 
