@@ -119,13 +119,10 @@ def child_imports() -> dict:
     and the analysis modules, as `analyze run` imports them (pandas with pyarrow hidden). A run that prints the
     cached report imports none of pandas, numpy and the analyses."""
     import infertrace.analyze.fleet  # noqa: F401
+    from infertrace.analyze.command import import_pandas_without_pyarrow
     from infertrace.cli import main  # noqa: F401
 
-    # pandas with pyarrow hidden, as `infertrace analyze` imports it (infertrace/analyze/command.py)
-    sys.modules["pyarrow"] = None
-    import pandas  # noqa: F401
-
-    del sys.modules["pyarrow"]
+    import_pandas_without_pyarrow()
     import infertrace.analyze.render  # noqa: F401
     import infertrace.analyze.report  # noqa: F401
 

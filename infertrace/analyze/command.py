@@ -145,7 +145,7 @@ def _analysed(trace_dir: Path, top_kernels: int | None, capture_name: str | None
 
     ahead = read_ahead(trace_dir, capture_name, rank, outputs, jobs, ray_address, cache)  # decodes while we import
     try:
-        _import_pandas_without_pyarrow()
+        import_pandas_without_pyarrow()
         from infertrace.analyze.report import AnalyzeConfig
 
         config = AnalyzeConfig() if top_kernels is None else AnalyzeConfig(top_kernels=top_kernels)
@@ -230,7 +230,7 @@ def _write_outputs(report, csv_dir: Path | None, html_path: Path | None, perfett
         _write(perfetto_path, lambda p: write_perfetto(report, p, cache))
 
 
-def _import_pandas_without_pyarrow() -> None:
+def import_pandas_without_pyarrow() -> None:
     """Import pandas with pyarrow hidden from it, then make pyarrow importable again. pandas 3 imports pyarrow
     as it is itself imported, wherever pyarrow is installed, and backs its string columns with it: about 55 MB more
     resident in a cached run and 95 MB more without the cache (523 MB rank, 2-core host), for nothing the analyses
