@@ -536,7 +536,7 @@ class HttpTarget:
             yield [StreamEvent(error=f"disconnect: {type(e).__name__}: {e}")]
 
     async def start_profile(self, num_steps: int | None) -> Any:
-        """Start the server's profiler the way its flavour takes it (capture/client.py): vLLM 0.33 gets
+        """Start the server's profiler the way its flavour takes it (capture/client.py): vLLM 0.32 on gets
         max_iterations, SGLang and infertrace num_steps; a server of no known flavour gets SGLang's body."""
         from infertrace.capture.client import ProfilerClient, ProfilerError
         from infertrace.capture.peers import (
