@@ -15,6 +15,7 @@ from infertrace.load.config import DEFAULT_OUTPUT_LEN, BenchConfig
 from infertrace.load.observe.observer import Observer
 from infertrace.load.observe.server_counters import read_prefix_cache, run_hit_rate
 from infertrace.load.records import RequestResult
+from infertrace.load.results import response_metrics
 from infertrace.load.results.join import join
 from infertrace.load.results.metrics import compute_metrics, token_count_checks
 from infertrace.load.results.point import PointRecord
@@ -163,6 +164,8 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
             joined = await interrupter.run(join_request_log(target, log_at, runner.results, warm.results))
         except Interrupted:
             interrupted = True
+    if joined is None:  # else the figures vLLM put in each response, read while they streamed
+        joined = response_metrics.summary(runner.results, getattr(target, "asks_server_metrics", False))
 
     results = runner.results
     workload = {**(runner.figures() if isinstance(runner, Fleet) else {}), **load.figures(results, target)}

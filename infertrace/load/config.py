@@ -9,6 +9,7 @@ from pathlib import Path
 from infertrace import config_fields
 
 ENDPOINTS = ("completions", "chat")
+SERVER_METRICS_MODES = ("auto", "on", "off")  # --server-metrics
 DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl", "trace", "conversation")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")  # per-request bounds: goodput
 SLO_STATS = {"median": 50, "p90": 90, "p95": 95, "p99": 99}  # run-level bounds, e.g. p99_ttft_ms: --find-max
@@ -85,6 +86,7 @@ class BenchConfig:
     ignore_eos: bool = False
     temperature: float = 0.0
     continuous_usage: bool = True
+    server_metrics: str = "auto"  # vLLM's per-request metrics: auto (a vLLM that has them), on, off
     extra_body: dict = field(default_factory=dict)
     request_timeout_s: float = 600.0
     headers: dict = field(default_factory=dict)  # on every HTTP call (--api-key, --header); values never written
@@ -109,6 +111,9 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
+        if self.server_metrics not in SERVER_METRICS_MODES:
+            raise ValueError(f"server_metrics must be one of {', '.join(SERVER_METRICS_MODES)}, "
+                             f"got {self.server_metrics!r}")
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
         if self.dataset in ("sharegpt", "jsonl") and not self.dataset_path:

@@ -18,6 +18,7 @@ from infertrace.load.config import (
     ENDPOINTS,
     FIND_MAX_PARAMS,
     RAMP_UP_STRATEGIES,
+    SERVER_METRICS_MODES,
     BenchConfig,
     parse_slo,
     parse_sweep,
@@ -143,6 +144,11 @@ _OPTIONS = (  # in the order --help lists them
     click.option("--continuous-usage/--no-continuous-usage", default=None,
                   help="Ask the server for usage on every chunk (stream_options.continuous_usage_stats), which "
                   "gives per-token ITL; turn off for servers that reject it. [default: on]"),
+    click.option("--server-metrics", type=click.Choice(SERVER_METRICS_MODES),
+                  help="vLLM's per-request metrics (queue time, TTFT from scheduling) read from each response and "
+                  "joined to --requests-jsonl: auto asks a server that identifies as vLLM for them, on asks any "
+                  "server, off neither asks nor reads them. The server needs --enable-per-request-metrics. "
+                  f"{_d('server_metrics')}"),
     click.option("--extra-body", callback=_parsed(_json_object), metavar="JSON",
                   help="JSON object merged into every request body."),
     click.option("--request-timeout", "request_timeout_s", type=float, metavar="SECONDS",

@@ -54,6 +54,7 @@ class StreamEvent:
     usage_only: bool = False  # a chunk with no choices (the trailing usage chunk): never generated output
     output: bool = False  # carries a choice that stands for generated tokens, even if its text is empty
     reasoning_only: bool = False  # output of reasoning alone (`reasoning_content` / `reasoning`), no answer text
+    server_metrics: dict | None = None  # the server's own figures for the request (vLLM's `metrics` object)
 
 
 @dataclass(slots=True)
@@ -82,7 +83,9 @@ class RequestResult:
     session: int | None = None  # multi-turn sessions: which session, and which turn of it
     turn: int | None = None
     request_id: str | None = None  # the id it was sent with (X-Request-Id), by which the server's log names it
-    server: dict | None = None  # its life on the server, joined from the server's log (load/results/join.py)
+    # its life on the server: joined from the server's log (load/results/join.py) or read from the response
+    # (load/results/response_metrics.py)
+    server: dict | None = None
 
     @property
     def success(self) -> bool:

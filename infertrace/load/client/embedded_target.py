@@ -30,6 +30,8 @@ class EmbeddedTarget:
     salt_tokens = 0  # --prompt-salt is for a server's cache: this engine starts with an empty one
     counts_with_own_tokenizer = False  # the engine's tokenizer is the one prompts are built with
     starts_with_empty_cache = True
+    reads_server_metrics = False  # its request log (results/join.py) is the server's view
+    asks_server_metrics = False
 
     def __init__(self, model_dir: str | Path, engine_overrides: dict | None = None, ignore_eos: bool = False,
                  temperature: float = 0.0) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +24,8 @@ ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completion
 READ_BUFSIZE = 4 * 1024 * 1024  # aiohttp's 64 KiB default throttles long streamed lines and fast servers
 PREFLIGHT_TIMEOUT_S = 10.0
 RESET_PREFIX_CACHE_PATHS = ("/reset_prefix_cache", "/flush_cache")  # vLLM's, then SGLang's
+# the first vLLM release seen to answer with per-request metrics (0.32.0); --server-metrics on asks an older one
+VLLM_REQUEST_METRICS = (0, 32, 0)
 PROFILE_TIMEOUT_S = 600.0  # stopping a profiler writes the trace, which takes a while on a busy server
 MAX_ANSWER_BYTES = 64 << 20  # a JSON answer (models, server info, metrics, a page of the request log) larger than
 # this is refused rather than read: a server must not be able to take the client's memory
@@ -184,6 +187,7 @@ class _Chunk(msgspec.Struct):
     usage: _Usage | None = None
     error: Any = None
     object: Any = None
+    metrics: Any = None  # vLLM's per-request metrics, on the final usage chunk (results/response_metrics.py)
 
 
 _decode_chunk_fast = msgspec.json.Decoder(_Chunk).decode
@@ -197,6 +201,7 @@ def _fast(data: str) -> StreamEvent | None:
     except msgspec.DecodeError:  # ValidationError included
         return None
     usage = chunk.usage
+    metrics = chunk.metrics if isinstance(chunk.metrics, dict) else None
     prompt_tokens = completion_tokens = None
     if usage is not None:
         prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens
@@ -209,7 +214,7 @@ def _fast(data: str) -> StreamEvent | None:
         if delta is not msgspec.UNSET or choice.text is msgspec.UNSET:
             if delta is None or delta is msgspec.UNSET:
                 return StreamEvent(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                   finish_reason=choice.finish_reason)
+                                   finish_reason=choice.finish_reason, server_metrics=metrics)
             text = delta.content or ""
             if reasoning := delta.reasoning_content or delta.reasoning:
                 text = reasoning + text
@@ -218,12 +223,13 @@ def _fast(data: str) -> StreamEvent | None:
                 delta.content == "" and delta.role is msgspec.UNSET)
             return StreamEvent(text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                finish_reason=choice.finish_reason, output=output,
-                               reasoning_only=bool(reasoning) and not answer)
+                               reasoning_only=bool(reasoning) and not answer, server_metrics=metrics)
         return StreamEvent(text=choice.text or "", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                           finish_reason=choice.finish_reason, output=True)
+                           finish_reason=choice.finish_reason, output=True, server_metrics=metrics)
     if chunk.error is not None or chunk.object == "error":
         return None
-    return StreamEvent(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, usage_only=True)
+    return StreamEvent(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, usage_only=True,
+                       server_metrics=metrics)
 
 
 _JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "an integer"}
@@ -275,6 +281,8 @@ def decode_chunk(obj: Any) -> StreamEvent:
 def _decode(obj: dict) -> StreamEvent:
     choices = _field(obj, "choices", (list,), "")
     usage = _field(obj, "usage", (dict,), "")
+    # evidence beside the response, never a reason to fail it: a `metrics` that is no object is not kept
+    metrics = obj.get("metrics") if isinstance(obj.get("metrics"), dict) else None
     prompt_tokens = completion_tokens = None
     if usage:
         prompt_tokens, completion_tokens = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
@@ -297,12 +305,14 @@ def _decode(obj: dict) -> StreamEvent:
             text = _field(choice, "text", (str,), "choices[0].") or ""
             output, reasoning_only = True, False
         return StreamEvent(text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                           finish_reason=finish_reason, output=output, reasoning_only=reasoning_only)
+                           finish_reason=finish_reason, output=output, reasoning_only=reasoning_only,
+                           server_metrics=metrics)
     err = obj.get("error")
     if err is not None or obj.get("object") == "error":
         message = err.get("message", err) if isinstance(err, dict) else (err or obj.get("message"))
         return StreamEvent(error=f"stream error: {message}")
-    return StreamEvent(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, usage_only=True)
+    return StreamEvent(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, usage_only=True,
+                       server_metrics=metrics)
 
 
 def decode_data(data: str) -> StreamEvent:
@@ -319,6 +329,12 @@ def decode_data(data: str) -> StreamEvent:
     if end != len(data) and (end < 0 or data[end:].strip()):
         return StreamEvent(error=f"malformed stream: {data[:120]!r}")
     return decode_chunk(obj)
+
+
+def _release(version) -> tuple[int, int, int] | None:
+    """`0.32.0`, `0.33.1rc1.dev5+g...` -> its release numbers; None for anything else."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version) if isinstance(version, str) else None
+    return (int(m[1]), int(m[2]), int(m[3] or 0)) if m else None
 
 
 def _names_by_rid(server_info: dict | None) -> bool:
@@ -372,7 +388,8 @@ class HttpTarget:
     def __init__(self, base_url: str, endpoint: str, model: str | None, transport: Transport,
                  model_is_path: bool = False, ignore_eos: bool = False, temperature: float = 0.0,
                  continuous_usage: bool = True, extra_body: dict | None = None, tokenizer=None,
-                 prompt_salt: str | None = None, tokenizer_dir: str | Path | None = None) -> None:
+                 prompt_salt: str | None = None, tokenizer_dir: str | Path | None = None,
+                 server_metrics: str = "auto") -> None:
         self.base_url = normalize_base_url(base_url)
         self.endpoint = endpoint
         self.path = ENDPOINT_PATHS[endpoint]
@@ -383,6 +400,9 @@ class HttpTarget:
         self.temperature = temperature
         self.continuous_usage = continuous_usage
         self.extra_body = extra_body or {}
+        self.server_metrics = server_metrics  # --server-metrics
+        self.reads_server_metrics = server_metrics != "off"
+        self.asks_server_metrics = server_metrics == "on"  # auto: settled by preflight()
         self.tokenizer = tokenizer
         self.server_info: dict | None = None
         self.max_model_len: int | None = None  # the served model's context length, when /v1/models gives it
@@ -425,6 +445,22 @@ class HttpTarget:
             if status == 200:
                 self.server_info = {"endpoint": path, "body": info}
                 break
+        if self.server_metrics == "auto":
+            self.asks_server_metrics = await self._has_request_metrics(card)
+
+    async def _has_request_metrics(self, card: dict | None) -> bool:
+        """Whether the server is a vLLM that has per-request metrics: its model card says `owned_by: vllm` and its
+        /version is at least VLLM_REQUEST_METRICS. Another server is never asked: a strict one refuses a body key
+        it does not know."""
+        if not card or card.get("owned_by") != "vllm":
+            return False
+        info = (self.server_info or {}).get("body") if (self.server_info or {}).get("endpoint") == "/version" \
+            else None
+        if info is None:
+            status, info = await self.transport.request_json("GET", "/version")
+            info = info if status == 200 else None
+        version = _release(info.get("version") if isinstance(info, dict) else None)
+        return version is not None and version >= VLLM_REQUEST_METRICS
 
     @property
     def salt_line(self) -> str:
@@ -476,6 +512,10 @@ class HttpTarget:
             body["prompt"] = spec.prompt_ids
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.asks_server_metrics:
+            # vLLM 0.32 and 0.33 send the metrics whenever started with --enable-per-request-metrics and let this
+            # key pass (their request models allow extra keys); it states the ask for servers that gate on it
+            body["include_metrics"] = True
         if spec.request_id is not None and _names_by_rid(self.server_info):
             body["rid"] = spec.request_id  # SGLang names a request by the body's rid, not X-Request-Id
         body.update(self.extra_body)

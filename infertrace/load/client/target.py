@@ -23,6 +23,8 @@ class Target(Protocol):
     counts_with_own_tokenizer: bool = False
     starts_with_empty_cache: bool = False  # made fresh for the run: no earlier run's prompts are cached
     open_message: str | None = None  # what open() does, when it takes long enough to say so
+    reads_server_metrics: bool = False  # keeps the server's per-request figures a response carries (vLLM's)
+    asks_server_metrics: bool = False  # asks the server for them in every request body
 
     async def open(self) -> None: ...
 

@@ -52,7 +52,7 @@ def make_target(cfg: BenchConfig, on_info: Callable[[str], None]):
                           model_is_path=model_dir is not None and cfg.served_model_name is None,
                           ignore_eos=cfg.ignore_eos, temperature=cfg.temperature,
                           continuous_usage=cfg.continuous_usage, extra_body=cfg.extra_body,
-                          prompt_salt=cfg.prompt_salt,
+                          prompt_salt=cfg.prompt_salt, server_metrics=cfg.server_metrics,
                           tokenizer_dir=tokenizer_source(cfg) if cfg.workers > 1 or cfg.ray_address else None)
     from infertrace.load.client.embedded_target import TINY_PRESET, EmbeddedTarget
     from infertrace.modelgen.cached import is_preset, preset_model_dir

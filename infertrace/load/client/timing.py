@@ -8,6 +8,7 @@ from contextlib import aclosing
 from infertrace.load.client.target import Target
 from infertrace.load.clock import Clock
 from infertrace.load.records import RequestResult, RequestSpec, TokenSource, text_cap
+from infertrace.load.results.response_metrics import server_view
 
 
 class TargetError(Exception):
@@ -32,6 +33,8 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
     usage_tokens: int | None = None  # cumulative completion tokens reported so far
     continuous = True  # every choice chunk so far carried usage: a chunk's tokens are the growth of the count
     last_text_t: float | None = None
+    server_metrics: dict | None = None
+    reads_metrics = getattr(target, "reads_server_metrics", False)  # a scripted target may define no such member
     finished = False
     t0 = result.t0 = result.end = clock.now()
     try:
@@ -47,6 +50,8 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
                         break
                     if ev.prompt_tokens is not None:
                         result.prompt_tokens = ev.prompt_tokens
+                    if ev.server_metrics is not None and reads_metrics:
+                        server_metrics = ev.server_metrics
                     n = ev.num_tokens
                     if ev.completion_tokens is None:
                         continuous = continuous and (not ev.output or n is not None)
@@ -87,6 +92,8 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
         if last_text_t is not None:
             result.e2el = last_text_t - t0
         result.text = "".join(texts)
+        if server_metrics is not None:
+            result.server = server_view(server_metrics, result.ttft)
         if usage_tokens is not None:
             result.output_tokens = usage_tokens
             result.output_source = TokenSource.USAGE

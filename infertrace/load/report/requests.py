@@ -10,11 +10,12 @@ from html import escape
 import plotly.graph_objects as go
 
 from infertrace.load.records import RequestResult
-from infertrace.load.results.join import TTFT_PARTS
+from infertrace.load.results import response_metrics
 from infertrace.load.results.tail import PART_LABELS, cohorts, slowest
 
 PART_COLORS = {"network_and_frontend": "#8c8c8c", "tokenize": "#bcbd22", "queue": "#d62728",
-               "prefill_steps": "#1f77b4", "between_prefill_waits": "#9467bd", "first_token_send": "#2ca02c"}
+               "prefill_steps": "#1f77b4", "between_prefill_waits": "#9467bd", "first_token_send": "#2ca02c",
+               "scheduled_to_first_token": "#1f77b4", "network_and_api_server": "#8c8c8c"}
 MAX_STEPS_SHOWN = 12  # steps listed per slow request (its TTFT's steps; a long chunked prefill has more)
 
 
@@ -38,7 +39,7 @@ def cohorts_figure(data: dict) -> go.Figure:
     names = [n for n in ("p50", "p99") if n in data["cohorts"]]
     labels = [f"{n} ({data['cohorts'][n]['requests']} req)" for n in names]
     fig = go.Figure()
-    for part in TTFT_PARTS:
+    for part in _parts(data):
         values = [data["cohorts"][n]["parts_ms"][part] for n in names]
         shares = [data["cohorts"][n]["shares"][part] or 0.0 for n in names]
         fig.add_bar(y=labels, x=values, name=PART_LABELS[part], orientation="h", marker_color=PART_COLORS[part],
@@ -55,13 +56,18 @@ def slowest_figure(data: dict) -> go.Figure:
     labels = [f"#{r['index']} {r['request_id']}" for r in rows]
     steps = [_steps_text(r) for r in rows]
     fig = go.Figure()
-    for part in TTFT_PARTS:
+    for part in _parts(data):
         fig.add_bar(y=labels, x=[r["parts_ms"][part] for r in rows], name=PART_LABELS[part], orientation="h",
                     marker_color=PART_COLORS[part], customdata=steps, showlegend=True,
                     hovertemplate="%{x:.2f} ms<br>%{customdata}<extra>%{fullData.name}</extra>")
     fig.update_layout(barmode="stack", height=120 + 22 * len(rows), margin=dict(l=10, r=10, t=30, b=40),
                       xaxis_title="TTFT part (ms)", legend=dict(orientation="h", y=1.02, yanchor="bottom"))
     return fig
+
+
+def _parts(data: dict) -> tuple[str, ...]:
+    """The parts the join split TTFT into (infertrace serve's log or vLLM's per-request metrics)."""
+    return tuple(next(iter(data["cohorts"].values()))["parts_ms"]) if data["cohorts"] else ()
 
 
 def _steps_text(r: dict) -> str:
@@ -85,17 +91,20 @@ def requests_html(data: dict, figure_html: Callable[[go.Figure, str], str]) -> s
     offset = ("clocks joined with an offset of "
               f"{j['offset_ms']:.3f} ms ± {j['offset_error_ms']:.3f} ms" if j.get("offset_ms") is not None
               else "no clock offset could be measured")
+    vllm = j.get("source") == response_metrics.SOURCE
+    where = "vLLM's per-request metrics in each response" if vllm else "the server's request log"
+    parts = ", ".join(PART_LABELS[p] for p in _parts(data)) if data["cohorts"] else ""
     head = (f"<h2>Where the tail's time went</h2><p class='note'>{j['explained']} of {j['requests']} requests "
-            f"explained from the server's request log ({j['matched']} matched by request id); {offset}"
-            f"{'' if j.get('offset_consistent', True) else ' (the bounds crossed: clocks drifted)'}. "
-            "TTFT parts: network and front end, tokenizing, queueing, its prefill steps, waits between them, "
-            "sending the first token.</p>")
+            f"explained from {where} ({j['matched']} matched{'' if vllm else ' by request id'})"
+            + ("" if vllm else f"; {offset}" + ("" if j.get("offset_consistent", True)
+                                                   else " (the bounds crossed: clocks drifted)"))
+            + (f". TTFT parts: {parts}.</p>" if parts else ".</p>"))
     if not data["cohorts"]:
         return head
     rows = "".join(
         f"<tr><td>#{r['index']} {escape(str(r['request_id']))}</td><td class='n'>{r['ttft_ms']:.1f}</td>"
         f"<td class='n'>{r['parts_ms']['queue']:.1f}</td>"
-        f"<td class='n'>{(r['queue_behind'] or {}).get('prefill_rows', '-')}</td>"
+        f"<td class='n'>{(r.get('queue_behind') or {}).get('prefill_rows', '-')}</td>"
         f"<td>{escape(_steps_text(r).replace('<br>', '; '))}</td></tr>" for r in data["slowest"])
     table = ("<table class='slowest'><tr><th>request</th><th class='n'>TTFT (ms)</th><th class='n'>queue (ms)</th>"
              f"<th class='n'>prefills waited behind</th><th>steps it rode to its first token</th></tr>{rows}</table>")

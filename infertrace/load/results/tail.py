@@ -9,6 +9,7 @@ import numpy as np
 
 from infertrace.load.observe.findings import Finding
 from infertrace.load.records import RequestResult
+from infertrace.load.results import response_metrics
 from infertrace.load.results.join import TTFT_PARTS
 
 P50_BAND = (40.0, 60.0)  # the p50 cohort: requests whose TTFT lies between these percentiles
@@ -18,11 +19,22 @@ DOMINANT_SHARE = 0.5  # a part that holds this share of the tail's TTFT names th
 SLOWEST = 20
 PART_LABELS = {"network_and_frontend": "network and front end", "tokenize": "tokenizing", "queue": "queueing",
                "prefill_steps": "its prefill steps", "between_prefill_waits": "waits between its prefill steps",
-               "first_token_send": "sending the first token"}
+               "first_token_send": "sending the first token",
+               # vLLM's per-request metrics (load/results/response_metrics.py)
+               "scheduled_to_first_token": "scheduled to first token (prefill)",
+               "network_and_api_server": "the API server, network and client"}
 
 
 def explained(results: list[RequestResult]) -> list[RequestResult]:
     return [r for r in results if r.success and r.server is not None and r.server.get("ttft_parts") is not None]
+
+
+def part_names(group: list[RequestResult]) -> tuple[str, ...]:
+    """The TTFT parts the join gave: infertrace serve's request log splits TTFT in six, vLLM's per-request
+    metrics in three."""
+    if group and group[0].server.get("source") == response_metrics.SOURCE:
+        return response_metrics.TTFT_PARTS
+    return TTFT_PARTS
 
 
 def cohorts(results: list[RequestResult]) -> dict[str, dict]:
@@ -38,14 +50,16 @@ def cohorts(results: list[RequestResult]) -> dict[str, dict]:
 
 
 def _cohort(group: list[RequestResult]) -> dict:
-    parts = {p: float(np.mean([r.server["ttft_parts"][p] for r in group])) for p in TTFT_PARTS}
+    parts = {p: float(np.mean([r.server["ttft_parts"][p] for r in group])) for p in part_names(group)}
     ttft_ms = float(np.mean([r.ttft for r in group])) * 1e3
-    behind = [r.server.get("queue_behind") or {} for r in group]
-    return {"requests": len(group), "ttft_ms": ttft_ms, "parts_ms": parts,
-            "shares": {p: v / ttft_ms if ttft_ms > 0 else None for p, v in parts.items()},
-            "queued_behind_prefills": float(np.median([b.get("prefill_rows", 0) for b in behind])),
-            "queued_behind_prefill_tokens": float(np.median([b.get("prefill_tokens", 0) for b in behind])),
-            "waiting_ahead": float(np.median([r.server.get("waiting_ahead") or 0 for r in group]))}
+    out = {"requests": len(group), "ttft_ms": ttft_ms, "parts_ms": parts,
+           "shares": {p: v / ttft_ms if ttft_ms > 0 else None for p, v in parts.items()}}
+    if all("queue_behind" in r.server for r in group):  # what a request log tells and a response does not
+        behind = [r.server["queue_behind"] or {} for r in group]
+        out.update(queued_behind_prefills=float(np.median([b.get("prefill_rows", 0) for b in behind])),
+                   queued_behind_prefill_tokens=float(np.median([b.get("prefill_tokens", 0) for b in behind])),
+                   waiting_ahead=float(np.median([r.server.get("waiting_ahead") or 0 for r in group])))
+    return out
 
 
 def slowest(results: list[RequestResult], n: int = SLOWEST) -> list[RequestResult]:
@@ -66,22 +80,26 @@ def ttft_tail(results: list[RequestResult]) -> Finding | None:
     c = cohorts(results).get("p99")
     if c is None or c["requests"] < MIN_TAIL:
         return None
-    part = max(TTFT_PARTS, key=lambda p: c["parts_ms"][p])
+    names = tuple(c["parts_ms"])
+    part = max(names, key=lambda p: c["parts_ms"][p])
     share = c["shares"][part] or 0.0
+    behind = "queued_behind_prefills" in c
     if share < DOMINANT_SHARE:
-        top = sorted(TTFT_PARTS, key=lambda p: -c["parts_ms"][p])[:3]
+        top = sorted(names, key=lambda p: -c["parts_ms"][p])[:3]
         what = "p99 TTFT has no single cause: " + ", ".join(
             f"{PART_LABELS[p]} {c['shares'][p]:.0%}" for p in top)
-    elif part == "queue":
+    elif part == "queue" and behind:
         what = (f"p99 TTFT is queueing: {share:.0%} of it waiting behind "
                 f"{c['queued_behind_prefills']:.0f} prefills (median)")
     else:
         what = f"p99 TTFT is {PART_LABELS[part]}: {share:.0%} of it"
-    parts = ", ".join(f"{p} {c['parts_ms'][p]:.1f}" for p in TTFT_PARTS)
-    evidence = (f"{c['requests']} requests at or above TTFT p99, mean TTFT {c['ttft_ms']:.1f} ms; mean parts (ms): "
-                f"{parts}; median {c['queued_behind_prefills']:.0f} prefills "
-                f"({c['queued_behind_prefill_tokens']:.0f} tokens) ran while each waited, "
-                f"{c['waiting_ahead']:.0f} requests waiting ahead at arrival")
+    parts = ", ".join(f"{p} {c['parts_ms'][p]:.1f}" for p in names)
+    evidence = (f"{c['requests']} requests at or above TTFT p99, mean TTFT {c['ttft_ms']:.1f} ms; "
+                f"mean parts (ms): {parts}")
+    if behind:
+        evidence += (f"; median {c['queued_behind_prefills']:.0f} prefills "
+                     f"({c['queued_behind_prefill_tokens']:.0f} tokens) ran while each waited, "
+                     f"{c['waiting_ahead']:.0f} requests waiting ahead at arrival")
     if "p50" in (cohorts_all := cohorts(results)):
         evidence += f"; the p50 cohort's TTFT {cohorts_all['p50']['ttft_ms']:.1f} ms"
     return Finding("ttft_tail", what, None, evidence)
