@@ -131,6 +131,7 @@ async def test_auto_asks_a_vllm_that_has_them_and_no_one_else(transport, asks):
     assert target.asks_server_metrics is asks
     assert ("include_metrics" in target.body(RequestSpec(0, "hi", 4))) is asks
     assert target.reads_server_metrics
+    assert target.describe()["server_metrics"] == {"mode": "auto", "asked": asks}
 
 
 def test_a_mode_that_is_none_of_the_three_is_refused():

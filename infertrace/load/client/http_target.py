@@ -636,4 +636,5 @@ class HttpTarget:
         return {"kind": self.kind, "base_url": self.base_url, "endpoint": self.endpoint, "model": self.model,
                 "max_model_len": self.max_model_len, "prompt_salt": self.prompt_salt,
                 "headers": {key: "<redacted>" for key in headers},  # keys and tokens stay out of result files
-                "server_info": self.server_info}
+                "server_info": self.server_info,
+                "server_metrics": {"mode": self.server_metrics, "asked": self.asks_server_metrics}}
