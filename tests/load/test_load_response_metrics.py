@@ -19,7 +19,6 @@ from infertrace.load.records import RequestResult, RequestSpec
 from infertrace.load.report.requests import requests_data, requests_html
 from infertrace.load.results import response_metrics
 from infertrace.load.results.tail import cohorts, slowest, tail_findings, tail_summary
-
 from tests.load.test_load_http_target import JsonTransport
 from tests.load.test_load_timing import DONE, T0, ScriptedResponse, ScriptedTransport, chat, comp, sse
 

@@ -12,7 +12,6 @@ import sys
 import pytest
 
 from infertrace.load.results.tail import DOMINANT_SHARE, PART_LABELS
-
 from tests.peers.conftest import SERVED_NAME
 
 pytestmark = pytest.mark.vllm
