@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -140,7 +141,7 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
     # trace and stalls the server) happens after the last measured request, never inside the measured window.
     window = min((s for s in (cfg.duration_s, cfg.profile_seconds) if s), default=None)
     runner = Runner(target, clock, hooks.on_result) if cfg.workers == 1 and cfg.ray_address is None \
-        else Fleet(cfg, clock, hooks.on_result, cfg.ray_address)
+        else Fleet(worker_config(cfg, target), clock, hooks.on_result, cfg.ray_address)
     cache_before = None
     try:  # the observer's scrapes and session end however the phase does (a lost Ray cluster, a bad input)
         async with profiled_window(cfg, target, clock, hooks, observed, cfg.profile and not interrupted) as profile:
@@ -165,7 +166,7 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
         except Interrupted:
             interrupted = True
     if joined is None:  # else the figures vLLM put in each response, read while they streamed
-        joined = response_metrics.summary(runner.results, getattr(target, "asks_server_metrics", False))
+        joined = response_metrics.summary(runner.results, cfg.server_metrics == "on")
 
     results = runner.results
     workload = {**(runner.figures() if isinstance(runner, Fleet) else {}), **load.figures(results, target)}
@@ -190,6 +191,14 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
         client_lag=Stats.of([max(0.0, r.schedule_lag - r.slot_wait) for r in results]),
         interrupted=interrupted, profile=profile, workload=workload or None, stopped_early=stopped_early,
         observed=observed, steady=steady_state(results, None if cfg.open_loop else cfg.effective_concurrency))
+
+
+def worker_config(cfg: BenchConfig, target: Target) -> BenchConfig:
+    """The config load workers open their own targets from: they run no preflight, so they ask for the server's
+    per-request metrics as this process's preflight decided."""
+    if cfg.server_metrics == "auto" and getattr(target, "asks_server_metrics", False):
+        return dataclasses.replace(cfg, server_metrics="on")
+    return cfg
 
 
 async def join_request_log(target: Target, cursor: int | None, results: list[RequestResult],

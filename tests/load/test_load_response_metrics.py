@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 
 from infertrace.cli import main
+from infertrace.load.benchmark import worker_config
 from infertrace.load.client.http_target import HttpTarget, decode_data
 from infertrace.load.client.timing import measure
 from infertrace.load.clock import ScriptedClock
@@ -19,6 +21,7 @@ from infertrace.load.records import RequestResult, RequestSpec
 from infertrace.load.report.requests import requests_data, requests_html
 from infertrace.load.results import response_metrics
 from infertrace.load.results.tail import cohorts, slowest, tail_findings, tail_summary
+from infertrace.load.run.worker import Batch
 from tests.load.test_load_http_target import JsonTransport
 from tests.load.test_load_timing import DONE, T0, ScriptedResponse, ScriptedTransport, chat, comp, sse
 
@@ -168,7 +171,7 @@ def test_the_tail_is_explained_from_vllms_figures():
 
 def test_the_result_file_and_the_report_take_the_same_path():
     results = vllm_run()
-    summary = response_metrics.summary(results, asked=True)
+    summary = response_metrics.summary(results, required=True)
     assert summary == {"source": "vllm_response", "requests": 100, "matched": 100, "explained": 100, "warnings": []}
     out = tail_summary(results, summary)
     assert out["slowest"][0]["ttft_parts"]["queue"] == pytest.approx(190.0)
@@ -182,6 +185,23 @@ def test_a_server_that_sent_none_when_asked_is_told_how_to_start():
     results = vllm_run(4)
     for r in results:
         r.server = None
-    assert response_metrics.summary(results, asked=False) is None
-    (warning,) = response_metrics.summary(results, asked=True)["warnings"]
+    assert response_metrics.summary(results, required=False) is None
+    (warning,) = response_metrics.summary(results, required=True)["warnings"]
     assert "--enable-per-request-metrics" in warning
+
+
+def test_a_workers_records_bring_their_server_view_back():
+    r = vllm_run(1)[0]
+    back = msgspec.msgpack.Decoder(Batch).decode(msgspec.msgpack.encode(Batch([r]))).results[0]
+    assert back.server == r.server and back.to_json()["ttft_parts"] == r.to_json()["ttft_parts"]
+
+
+async def test_workers_ask_as_the_preflight_decided():
+    cfg = BenchConfig(base_url="http://h")
+    target = HttpTarget("http://h", "completions", "tiny", vllm_server())
+    await target.preflight()
+    assert worker_config(cfg, target).server_metrics == "on"
+    other = HttpTarget("http://h", "completions", "tiny", vllm_server(owned_by="sglang"))
+    await other.preflight()
+    assert worker_config(cfg, other) is cfg
+    assert worker_config(BenchConfig(base_url="http://h", server_metrics="off"), target).server_metrics == "off"

@@ -40,11 +40,11 @@ def _figure(v) -> float | None:
     return float(v)
 
 
-def summary(results: list[RequestResult], asked: bool) -> dict | None:
-    """The result file's join summary for the metrics the responses carried; None when none did and none were
-    asked for (a server that has none is no finding)."""
+def summary(results: list[RequestResult], required: bool) -> dict | None:
+    """The result file's join summary for the metrics the responses carried; None when none did and they were not
+    required (--server-metrics on): a server that has none is no finding."""
     matched = sum(r.server is not None and r.server.get("source") == SOURCE for r in results)
-    if not matched and not asked:
+    if not matched and not required:
         return None
     explained = sum(r.server is not None and r.server.get("source") == SOURCE
                     and r.server.get("ttft_parts") is not None for r in results)
