@@ -30,9 +30,11 @@ METRICS = {"time_to_first_token_ms": 212.5, "generation_time_ms": 301.0, "queue_
 
 
 def final_usage(metrics=METRICS, obj="text_completion"):
-    """vLLM 0.32's last chunk before [DONE]: no choices, the usage, and its metrics."""
-    body = {"id": "cmpl-ab12-0", "object": obj, "created": 1764990000, "model": "tiny", "choices": [],
-            "usage": {"prompt_tokens": 7, "total_tokens": 11, "completion_tokens": 4}}
+    """vLLM 0.32's last chunk before [DONE], as the real server sent it: no choices, the usage, and its metrics
+    (absent when the server runs without --enable-per-request-metrics, whether or not the body asks)."""
+    body = {"id": "cmpl-9d505ae4278ad32e", "object": obj, "created": 1796540037, "model": "tiny", "choices": [],
+            "usage": {"prompt_tokens": 7, "total_tokens": 11, "completion_tokens": 4},
+            "system_fingerprint": "vllm-0.32.0-da28babb"}
     if metrics is not None:
         body["metrics"] = metrics
     return body
