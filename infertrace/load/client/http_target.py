@@ -187,7 +187,7 @@ class _Chunk(msgspec.Struct):
     usage: _Usage | None = None
     error: Any = None
     object: Any = None
-    metrics: Any = None  # vLLM's per-request metrics, on the final usage chunk (results/response_metrics.py)
+    metrics: Any = None  # vLLM's per-request metrics, on the usage chunk after the last choice (response_metrics.py)
 
 
 _decode_chunk_fast = msgspec.json.Decoder(_Chunk).decode
@@ -201,7 +201,6 @@ def _fast(data: str) -> StreamEvent | None:
     except msgspec.DecodeError:  # ValidationError included
         return None
     usage = chunk.usage
-    metrics = chunk.metrics if isinstance(chunk.metrics, dict) else None
     prompt_tokens = completion_tokens = None
     if usage is not None:
         prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens
@@ -214,7 +213,7 @@ def _fast(data: str) -> StreamEvent | None:
         if delta is not msgspec.UNSET or choice.text is msgspec.UNSET:
             if delta is None or delta is msgspec.UNSET:
                 return StreamEvent(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                   finish_reason=choice.finish_reason, server_metrics=metrics)
+                                   finish_reason=choice.finish_reason)
             text = delta.content or ""
             if reasoning := delta.reasoning_content or delta.reasoning:
                 text = reasoning + text
@@ -223,13 +222,14 @@ def _fast(data: str) -> StreamEvent | None:
                 delta.content == "" and delta.role is msgspec.UNSET)
             return StreamEvent(text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                finish_reason=choice.finish_reason, output=output,
-                               reasoning_only=bool(reasoning) and not answer, server_metrics=metrics)
+                               reasoning_only=bool(reasoning) and not answer)
         return StreamEvent(text=choice.text or "", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                           finish_reason=choice.finish_reason, output=True, server_metrics=metrics)
+                           finish_reason=choice.finish_reason, output=True)
     if chunk.error is not None or chunk.object == "error":
         return None
+    metrics = chunk.metrics  # vLLM sends it on this chunk alone: the token chunks pay nothing for it
     return StreamEvent(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, usage_only=True,
-                       server_metrics=metrics)
+                       server_metrics=metrics if isinstance(metrics, dict) else None)
 
 
 _JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "an integer"}
@@ -281,8 +281,6 @@ def decode_chunk(obj: Any) -> StreamEvent:
 def _decode(obj: dict) -> StreamEvent:
     choices = _field(obj, "choices", (list,), "")
     usage = _field(obj, "usage", (dict,), "")
-    # evidence beside the response, never a reason to fail it: a `metrics` that is no object is not kept
-    metrics = obj.get("metrics") if isinstance(obj.get("metrics"), dict) else None
     prompt_tokens = completion_tokens = None
     if usage:
         prompt_tokens, completion_tokens = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
@@ -305,14 +303,15 @@ def _decode(obj: dict) -> StreamEvent:
             text = _field(choice, "text", (str,), "choices[0].") or ""
             output, reasoning_only = True, False
         return StreamEvent(text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                           finish_reason=finish_reason, output=output, reasoning_only=reasoning_only,
-                           server_metrics=metrics)
+                           finish_reason=finish_reason, output=output, reasoning_only=reasoning_only)
     err = obj.get("error")
     if err is not None or obj.get("object") == "error":
         message = err.get("message", err) if isinstance(err, dict) else (err or obj.get("message"))
         return StreamEvent(error=f"stream error: {message}")
+    # evidence beside the response, never a reason to fail it: a `metrics` that is no object is not kept
+    metrics = obj.get("metrics")
     return StreamEvent(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, usage_only=True,
-                       server_metrics=metrics)
+                       server_metrics=metrics if isinstance(metrics, dict) else None)
 
 
 def decode_data(data: str) -> StreamEvent:
