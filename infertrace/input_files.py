@@ -9,7 +9,6 @@ import os
 import stat
 from pathlib import Path
 
-
 GROWTH_CHUNK = 1 << 20  # read past the size fstat gave (a file still being written) this much at a time
 
 

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("infertrace.server.command",),
     # load/, in the order a run goes; its shared vocabulary first
     ("infertrace.load", "infertrace.load.config", "infertrace.load.records", "infertrace.load.clock",
-     "infertrace.load.stats", "infertrace.load.server_log"),
+     "infertrace.load.stats", "infertrace.load.server_log", "infertrace.load.server_metrics"),
     ("infertrace.load.workloads",),
     ("infertrace.load.client",),
     ("infertrace.load.run",),

@@ -22,9 +22,9 @@ import gc
 import zlib
 from pathlib import Path
 
+from infertrace.analyze import kineto_split as split
 from infertrace.analyze.kineto_columns import SKIPPED_CATS, TraceColumns, TraceError, _ColumnSink
 from infertrace.analyze.kineto_events import _typed_decoder
-from infertrace.analyze import kineto_split as split
 from infertrace.analyze.kineto_split import AHEAD_DECODE_BYTES_S, AHEAD_IMPORT_S, ReadAhead, read_ahead, trim_heap
 from infertrace.analyze.kineto_stream import _blocks, _GzipBomb, _StreamDecoder
 

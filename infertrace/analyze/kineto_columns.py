@@ -15,7 +15,7 @@ from itertools import compress
 
 import numpy as np
 
-from infertrace.analyze.kineto_events import _DICTS, _STRUCTS, _TAGS, CAT_OF, _KEPT_CLASSES
+from infertrace.analyze.kineto_events import _DICTS, _KEPT_CLASSES, _STRUCTS, _TAGS, CAT_OF
 
 NAME_LIMIT = 8192  # characters of an event name kept (real kernel names reach about 5,100)
 MAX_DUR_US = 86_400e6  # one day: no event of a profile lasts longer

@@ -11,7 +11,6 @@ from infertrace.gate.bounds import Bound
 from infertrace.gate.results import ResultError, Run
 from infertrace.gate.stats import bootstrap_interval, change_interval
 
-
 # the bootstrap is pure Python: a million resamples of one bound take a few seconds and tens of MB, and an unbounded
 # count would hold the gate (and its memory) for as long as it was told
 MIN_RESAMPLES, MAX_RESAMPLES = 100, 1_000_000

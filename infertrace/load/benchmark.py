@@ -196,7 +196,7 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
 def worker_config(cfg: BenchConfig, target: Target) -> BenchConfig:
     """The config load workers open their own targets from: they run no preflight, so they ask for the server's
     per-request metrics as this process's preflight decided."""
-    if cfg.server_metrics == "auto" and getattr(target, "asks_server_metrics", False):
+    if cfg.server_metrics == "auto" and target.asks_server_metrics:
         return dataclasses.replace(cfg, server_metrics="on")
     return cfg
 

@@ -141,7 +141,7 @@ def test_ranks_as_ray_tasks_on_a_local_cluster(cluster, two_rank, tmp_path):
 def test_read_ahead_starts_only_for_large_uncached_json_ranks(traces, two_rank, tmp_path_factory, monkeypatch):
     import gzip
 
-    from infertrace.analyze import fleet, kineto
+    from infertrace.analyze import fleet
 
     monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
     one = tmp_path_factory.mktemp("one")
@@ -167,7 +167,7 @@ def test_read_ahead_starts_only_for_large_uncached_json_ranks(traces, two_rank, 
 def test_a_read_ahead_starts_no_more_processes_than_can_decode_while_this_one_imports(traces, tmp_path, monkeypatch):
     import gzip
 
-    from infertrace.analyze import fleet, kineto
+    from infertrace.analyze import fleet
 
     # the rule as it stands: a 523 MB rank on 16 cores in six processes, the same as `--jobs 6` there
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
@@ -210,7 +210,7 @@ def test_ranks_take_up_the_read_aheads_started_before_their_workers(traces, tmp_
     from this process; each rank's worker (forked later) joins its own file's, and the report is the one-process
     report. The stretch processes end by themselves, having left their stretches."""
 
-    from infertrace.analyze import fleet, kineto
+    from infertrace.analyze import fleet
 
     monkeypatch.setattr(kineto_split, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setattr(fleet, "PARALLEL_MIN_BYTES", 0)
@@ -242,7 +242,7 @@ def test_ranks_fewer_than_the_cores_each_decode_their_file_in_several_processes(
     """8 ranks on 16 cores: each rank's large JSON file is decoded in 2 processes (the cores shared out), and the
     report is the one-process report."""
 
-    from infertrace.analyze import fleet, kineto
+    from infertrace.analyze import fleet
 
     assert [fleet._rank_split(j, units) for j, units in ((16, 8), (8, 2), (2, 8), (3, 1), (16, 32))] == [2, 4, 1, 3, 1]
     monkeypatch.setattr(os, "cpu_count", lambda: 16)

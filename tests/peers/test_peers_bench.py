@@ -18,7 +18,6 @@ import pytest
 
 from infertrace.load.records import RequestResult
 from infertrace.load.results.metrics import compute_metrics, vllm_keys
-
 from tests.peers.conftest import run_infertrace_bench, run_vllm_bench
 
 pytestmark = pytest.mark.vllm

@@ -8,7 +8,7 @@ from contextlib import aclosing
 from infertrace.load.client.target import Target
 from infertrace.load.clock import Clock
 from infertrace.load.records import RequestResult, RequestSpec, TokenSource, text_cap
-from infertrace.load.results.response_metrics import server_view
+from infertrace.load.server_metrics import server_view
 
 
 class TargetError(Exception):
@@ -34,7 +34,7 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
     continuous = True  # every choice chunk so far carried usage: a chunk's tokens are the growth of the count
     last_text_t: float | None = None
     server_metrics: dict | None = None
-    reads_metrics = getattr(target, "reads_server_metrics", False)  # a scripted target may define no such member
+    reads_metrics = target.reads_server_metrics
     finished = False
     t0 = result.t0 = result.end = clock.now()
     try:

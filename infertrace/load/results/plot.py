@@ -6,7 +6,6 @@ from pathlib import Path
 
 from infertrace.load.results.point import PointRecord
 
-
 INTEGER_PARAMS = ("concurrency",)  # loads counted in whole streams: their axis has whole ticks only
 
 
