@@ -10,6 +10,7 @@ import json
 import os
 import stat
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +50,19 @@ def check_writable_dir(path: str | Path, label: str | None = None) -> Path:
 
 def write_text(path: str | Path, text: str) -> Path:
     """Write `text` to `path` atomically (OSError or OutputError when it cannot be); returns `path`."""
+    return write_pieces(path, (text,))
+
+
+def write_pieces(path: str | Path, pieces: Iterable[str]) -> Path:
+    """Write the strings `pieces` yields, one after another, to `path` atomically: a document too large to hold as
+    one string is streamed, and still lands whole or not at all."""
     target = _target(path)
     _make_folder(target.parent)
     tmp = _temporary(target)
     try:
         with tmp.open("w", encoding="utf-8") as f:
-            f.write(text)
+            for piece in pieces:
+                f.write(piece)
         if target.exists():
             os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))  # an overwritten file keeps its permissions
         os.replace(tmp, target)

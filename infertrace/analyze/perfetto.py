@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import stat
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -52,24 +49,8 @@ def write_perfetto(report: Report, path: Path, cache_root: Path | None = None) -
                 first = False
         yield "\n]}\n"
 
-    _write_streamed(Path(path), pieces())
+    output.write_pieces(path, pieces())
     return Path(path)
-
-
-def _write_streamed(path: Path, pieces) -> None:
-    target = output.check_writable(path)  # a symlink's file; refuses what is not a regular file
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the permissions a new file gets
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            for piece in pieces:
-                out.write(piece)
-        if target.exists():
-            os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))  # an overwritten file keeps its permissions
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _all_pieces(report: Report, cache_root):
