@@ -9,7 +9,7 @@ from tests.peers.conftest import run_infertrace_bench
 
 pytestmark = pytest.mark.vllm
 
-PROMPTS, PREFIXES = 8, 2
+PROMPTS, PREFIXES, OUTPUT = 8, 2, 48
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +19,8 @@ def shared_prefix_run(vllm_server, tmp_path_factory):
     before = vllm_server.counters()
     result = run_infertrace_bench(
         vllm_server, root, "shared-prefix", "--dataset", "shared-prefix", "--num-prefixes", str(PREFIXES),
-        "--prefix-len", "192", "--input-len", "32", "--output-len", "4", "--ignore-eos", "--num-prompts",
-        str(PROMPTS), "--concurrency", "2", "--warmup", "0", "--prompt-salt", "random", "--scrape-interval", "0.5",
+        "--prefix-len", "192", "--input-len", "32", "--output-len", str(OUTPUT), "--ignore-eos", "--num-prompts",
+        str(PROMPTS), "--concurrency", "2", "--warmup", "0", "--prompt-salt", "random", "--scrape-interval", "0.2",
         "--report", str(root / "report.html"))
     after = vllm_server.counters()
     delta = {k: after[k] - before.get(k, 0.0) for k in ("prompt_tokens", "generation_tokens",
@@ -47,7 +47,7 @@ def test_run_deltas_are_the_servers_counts(shared_prefix_run):
     for key in ("prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits"):
         assert deltas[key] == delta[key], key
     assert deltas["prompt_tokens"] == result["total_input_tokens"]
-    assert deltas["generation_tokens"] == result["total_output_tokens"] == PROMPTS * 4
+    assert deltas["generation_tokens"] == result["total_output_tokens"] == PROMPTS * OUTPUT
     assert deltas["preemptions"] == 0
 
 
