@@ -346,7 +346,7 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _request_log(request: web.Request) -> web.Response:
-    """Each request's life on the server's clock (docs: README, "The request log"), one page at a time.
+    """Each request's life on the server's clock (docs/serve.md, "The request log"), one page at a time.
 
     `GET /v1/request_log?since=N&limit=M` answers the requests numbered N and later (`seq`), oldest first, each
     with the steps it rode, the steps from the first one's arrival to the last one's end, and `next`: the number

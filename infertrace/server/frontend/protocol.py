@@ -31,7 +31,7 @@ ERROR_TYPES = {
 # Sampling fields a model's generation_config.json may carry; they become the request defaults, as in vLLM.
 GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k")
 
-# ----- request limits: what one request may ask of the engine thread; past them, 400 (README "Limits") -----
+# ----- request limits: what one request may ask of the engine thread; past them, 400 (docs/serve.md "Limits") -----
 MAX_STOP_STRINGS = 64  # each is searched for after every generated token
 MAX_STOP_STRING_CHARS = 1024  # the longest stop string is also how much streamed text is held back
 MAX_STOP_TOKEN_IDS = 1024  # each is compared with every generated token
