@@ -64,6 +64,12 @@ def test_findings_name_the_cause_with_evidence():
     assert "mixed" in itl.evidence and "gaps at or above ITL p99" in itl.evidence
 
 
+def test_a_p99_cohort_of_one_request_is_singular():
+    ttft, _ = tail_findings(joined_run(n=50))  # 50 requests: the p99 cohort is the slowest one alone
+    assert cohorts(joined_run(n=50))["p99"]["requests"] == 1
+    assert ttft.evidence.startswith("1 request at or above TTFT p99")
+
+
 def test_a_tail_without_one_cause_says_so():
     results = joined_run()
     for r in results:  # every part equal

@@ -11,6 +11,7 @@ from infertrace.load.observe.findings import Finding
 from infertrace.load.records import RequestResult
 from infertrace.load.results import response_metrics
 from infertrace.load.results.join import TTFT_PARTS
+from infertrace.load.results.render import plural
 
 P50_BAND = (40.0, 60.0)  # the p50 cohort: requests whose TTFT lies between these percentiles
 TAIL_PERCENTILE = 99.0  # the tail cohort: TTFT (or the ITL gap) at or above this percentile
@@ -94,7 +95,7 @@ def ttft_tail(results: list[RequestResult]) -> Finding | None:
     else:
         what = f"p99 TTFT is {PART_LABELS[part]}: {share:.0%} of it"
     parts = ", ".join(f"{p} {c['parts_ms'][p]:.1f}" for p in names)
-    evidence = (f"{c['requests']} requests at or above TTFT p99, mean TTFT {c['ttft_ms']:.1f} ms; "
+    evidence = (f"{plural(c['requests'], 'request')} at or above TTFT p99, mean TTFT {c['ttft_ms']:.1f} ms; "
                 f"mean parts (ms): {parts}")
     if behind:
         evidence += (f"; median {c['queued_behind_prefills']:.0f} prefills "
