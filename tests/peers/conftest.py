@@ -123,22 +123,16 @@ def stop_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None
         pgid = os.getpgid(process.pid)
     except ProcessLookupError:
         return
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    try:  # the API server may be gone while its engine core lingers in the group
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        process.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass
+    # SIGKILL follows whatever the grace left: the API server may be gone while its engine core lingers in the group
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, STOP_GRACE_S)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _die_with_parent() -> None:
