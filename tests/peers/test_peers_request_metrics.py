@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from infertrace.load.results.render import plural
 from infertrace.load.results.tail import DOMINANT_SHARE, PART_LABELS
 from tests.peers.conftest import SERVED_NAME
 
@@ -60,5 +61,5 @@ def test_every_request_carries_vllms_queue_time_and_ttft(vllm_server, tmp_path):
         assert finding["what"].startswith("p99 TTFT has no single cause: " + PART_LABELS[top])
     for p in PARTS:
         assert f"{p} {p99['parts_ms'][p]:.1f}" in finding["evidence"]
-    assert f"{p99['requests']} requests at or above TTFT p99" in finding["evidence"]
+    assert f"{plural(p99['requests'], 'request')} at or above TTFT p99" in finding["evidence"]
     assert finding["what"] in done.stderr  # printed as the result file holds it
