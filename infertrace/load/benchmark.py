@@ -9,16 +9,19 @@ import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from infertrace.load.client import trace_context
 from infertrace.load.client.target import Target
 from infertrace.load.client.timing import TargetError, resolve_output_tokens
 from infertrace.load.clock import Clock
 from infertrace.load.config import DEFAULT_OUTPUT_LEN, BenchConfig
 from infertrace.load.observe.observer import Observer
+from infertrace.load.observe.otlp_receiver import SpanReceiver
 from infertrace.load.observe.server_counters import read_prefix_cache, run_hit_rate
 from infertrace.load.records import RequestResult
-from infertrace.load.results import response_metrics
+from infertrace.load.results import response_metrics, spans_out
 from infertrace.load.results.join import join
 from infertrace.load.results.metrics import compute_metrics, token_count_checks
+from infertrace.load.results.peer_logs import PeerLog, join_results, read_peer_log
 from infertrace.load.results.point import PointRecord
 from infertrace.load.results.steady import steady_state
 from infertrace.load.run.fleet import Fleet
@@ -119,8 +122,9 @@ class Hooks:
 
 
 async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter: Interrupter, hooks: Hooks,
-                    point: int = 0) -> PointRecord:
-    """Warmup (excluded), profiler start, the measured load, profiler stop, then the figures."""
+                    point: int = 0, receiver: SpanReceiver | None = None) -> PointRecord:
+    """Warmup (excluded), profiler start, the measured load, profiler stop, then the figures. `receiver` is the
+    run's OTLP receiver (--otlp-receiver), listening since before the first point."""
     tokenizer = target.tokenizer
     load = make_load(cfg, tokenizer, point, target.max_model_len)
     warm = Runner(target, clock, hooks.on_result)
@@ -143,6 +147,7 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
     runner = Runner(target, clock, hooks.on_result) if cfg.workers == 1 and cfg.ray_address is None \
         else Fleet(worker_config(cfg, target), clock, hooks.on_result, cfg.ray_address)
     cache_before = None
+    epoch_offset_ns = spans_out.epoch_offset_ns()  # the run's clock -> the epoch, for the exported spans
     try:  # the observer's scrapes and session end however the phase does (a lost Ray cluster, a bad input)
         async with profiled_window(cfg, target, clock, hooks, observed, cfg.profile and not interrupted) as profile:
             if not interrupted:
@@ -167,6 +172,15 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
             interrupted = True
     if joined is None:  # else the figures vLLM put in each response, read while they streamed
         joined = response_metrics.summary(runner.results, cfg.server_metrics == "on")
+    if target.kind == "http":  # the trace context each send carried, kept in its record
+        for r in [*warm.results, *runner.results]:
+            if r.request_id is not None:
+                r.trace_id, r.span_id = trace_context.ids(r.request_id)
+    if not interrupted and (receiver is not None or cfg.peer_log):
+        try:
+            joined = await interrupter.run(join_server_spans(cfg, receiver, runner.results, warm.results, joined))
+        except Interrupted:
+            interrupted = True
 
     results = runner.results
     workload = {**(runner.figures() if isinstance(runner, Fleet) else {}), **load.figures(results, target)}
@@ -179,6 +193,9 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
         workload.update(run_hit_rate(cache_before, await read_prefix_cache(target)))
     resolve_output_tokens(results, tokenizer, check_usage=target.counts_with_own_tokenizer)
     resolve_output_tokens(warm.results, tokenizer)
+    if cfg.otlp_traces_endpoint and not interrupted:
+        hooks.on_info(await asyncio.to_thread(spans_out.export, cfg.otlp_traces_endpoint, results,
+                                              epoch_offset_ns))
     metrics = compute_metrics(results, cfg.request_slo)
     duration = metrics.duration
     cpu = runner.cpu_window  # over the same window as the duration
@@ -210,6 +227,37 @@ async def join_request_log(target: Target, cursor: int | None, results: list[Req
     return join(results, log, warmup)
 
 
+async def join_server_spans(cfg: BenchConfig, receiver: SpanReceiver | None, results: list[RequestResult],
+                            warmup: list[RequestResult], joined: dict | None) -> dict | None:
+    """The server's spans (the receiver's, or --peer-log's file) joined to the requests; the summary that stands.
+
+    Where the requests were joined already (infertrace serve's request log, vLLM's in-response metrics), each keeps
+    at the top the view with more TTFT parts (peer_logs.join_results), and the summary of the source that won
+    stands, the other's inside it under its source's name."""
+    warnings: list[str] = []
+    if receiver is not None:
+        peer = await receiver.collect({r.request_id for r in results if r.success and r.request_id is not None})
+        warnings = receiver.warnings()
+    else:
+        try:
+            peer = await asyncio.to_thread(read_peer_log, cfg.peer_log)
+        except ValueError as e:  # read before the run; the server may have rotated or cut it since
+            peer = PeerLog("peer_log", [])
+            warnings = [f"--peer-log: {e}"]
+        if peer.skipped:
+            warnings.append(f"--peer-log: {peer.skipped} malformed {peer.source} entr"
+                            f"{'ies' if peer.skipped > 1 else 'y'} skipped (the first: {peer.first_problem})")
+    summary = join_results(results, peer.records, peer.source, warmup)
+    summary["warnings"] = [*warnings, *summary["warnings"]]
+    if joined is None:
+        return summary
+    if not summary["matched"]:
+        return {**joined, "warnings": [*joined["warnings"], *summary["warnings"]]}
+    if summary["explained"]:
+        return {**summary, joined["source"]: joined}
+    return {**joined, summary["source"]: summary}
+
+
 @contextlib.asynccontextmanager
 async def profiled_window(cfg: BenchConfig, target, clock: Clock, hooks: Hooks, observed,
                           on: bool) -> AsyncIterator[dict | None]:
@@ -239,14 +287,14 @@ async def profiled_window(cfg: BenchConfig, target, clock: Clock, hooks: Hooks, 
 
 
 async def run_benchmark(cfg: BenchConfig, target, clock: Clock, interrupter: Interrupter,
-                        hooks: Hooks) -> list[PointRecord]:
+                        hooks: Hooks, receiver: SpanReceiver | None = None) -> list[PointRecord]:
     """Every sweep point in order (one point without a sweep); stops early when interrupted."""
     records = []
     for i, point_cfg in enumerate(cfg.points()):
         if cfg.sweep_param is not None:
             hooks.on_info(f"sweep point {i + 1}/{len(cfg.sweep_values)}: "
                           f"{cfg.sweep_param.replace('_', '-')}={getattr(point_cfg, cfg.sweep_param)}")
-        record = await run_point(point_cfg, target, clock, interrupter, hooks, i)
+        record = await run_point(point_cfg, target, clock, interrupter, hooks, i, receiver)
         records.append(record)
         if record.interrupted:
             break

@@ -5,6 +5,7 @@ and report/, which know nothing of each other's callers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import secrets
 import time
@@ -84,10 +85,32 @@ async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
 
                 records = await run_capacity(cfg, target, MonotonicClock(), interrupter, hooks)
             else:
-                records = await run_benchmark(cfg, target, MonotonicClock(), interrupter, hooks)
+                async with span_receiver(cfg) as receiver:
+                    records = await run_benchmark(cfg, target, MonotonicClock(), interrupter, hooks, receiver)
     finally:
         await target.close()
     return records, target
+
+
+@contextlib.asynccontextmanager
+async def span_receiver(cfg: BenchConfig):
+    """--otlp-receiver listening over the whole run (every sweep point), or None."""
+    if not cfg.otlp_receiver:
+        yield None
+        return
+    from infertrace.load.client.timing import TargetError
+    from infertrace.load.observe.otlp_receiver import SpanReceiver
+
+    receiver = SpanReceiver(cfg.otlp_receiver)
+    try:
+        await receiver.start()
+    except ValueError as e:
+        raise TargetError(str(e)) from None
+    _info(f"receiving the server's OTLP spans at {', '.join(cfg.otlp_receiver)}")
+    try:
+        yield receiver
+    finally:
+        await receiver.close()
 
 
 async def _open(target) -> None:
@@ -146,10 +169,11 @@ def execute(cfg: BenchConfig) -> int:
     try:
         for flag, path in cfg.output_paths().items():
             check_writable(path, flag)
+        check_tracing(cfg)
         streams = cfg.max_in_flight or (cfg.num_prompts if cfg.duration_s is None else 0)
         if cfg.base_url is not None and streams:
             ensure_open_files(-(-streams // (cfg.workers or 1)))  # each worker process opens its own share
-    except (OutputError, OpenFileLimitError) as e:
+    except (OutputError, OpenFileLimitError, ValueError) as e:
         fail(str(e), EXIT_BAD_INPUT)
     try:
         records, target = asyncio.run(_run(cfg))
@@ -187,6 +211,19 @@ def execute(cfg: BenchConfig) -> int:
         err_console.print("[bold red]error:[/] every measured request failed (reasons under 'failed requests')",
                           highlight=False)
     return code
+
+
+def check_tracing(cfg: BenchConfig) -> None:
+    """ValueError, before any request, for a --peer-log that cannot be read or an OTLP protocol bench does not
+    speak."""
+    if cfg.peer_log:
+        from infertrace.load.results.peer_logs import check_readable
+
+        check_readable(cfg.peer_log)
+    if cfg.otlp_traces_endpoint:
+        from infertrace.load.results.spans_out import protocol
+
+        protocol()
 
 
 def print_findings(records: list[PointRecord], cfg: BenchConfig) -> None:

@@ -102,6 +102,12 @@ class BenchConfig:
     # server's prefix cache before the run
     prompt_salt: str | None = None
     reset_prefix_cache: bool = False
+    # the server's own record of each request, joined by id (docs/bench.md, "The server's side of each request"):
+    # its OTLP spans received here while the run goes on, or a file of them (or SGLang's log) read after it; and
+    # bench's own request spans exported to an OTLP endpoint after the run
+    otlp_receiver: tuple[str, ...] = ()
+    peer_log: str | None = None
+    otlp_traces_endpoint: str | None = None
     # outputs
     result_json: str | None = None
     requests_jsonl: str | None = None
@@ -173,6 +179,24 @@ class BenchConfig:
             self.profile = True
         if self.profile and self.base_url is None:
             raise ValueError("--profile starts a server's profiler; it needs --base-url")
+        self._check_tracing()
+
+    def _check_tracing(self) -> None:
+        from infertrace.load.observe.otlp_receiver import parse_url
+
+        self.otlp_receiver = tuple(self.otlp_receiver)
+        for url in self.otlp_receiver:
+            parse_url(url)
+        if len({parse_url(u)[2] for u in self.otlp_receiver}) < len(self.otlp_receiver):
+            raise ValueError("--otlp-receiver: each URL needs a port of its own")
+        if self.otlp_receiver and self.find_max is not None:
+            raise ValueError("--otlp-receiver joins the spans of one run or a sweep; use --peer-log with --find-max")
+        if self.otlp_receiver and self.peer_log:
+            raise ValueError("--otlp-receiver and --peer-log are two sources of the same spans: give one")
+        for flag, value in (("--otlp-receiver", self.otlp_receiver), ("--peer-log", self.peer_log),
+                            ("--otlp-traces-endpoint", self.otlp_traces_endpoint)):
+            if value and self.base_url is None:
+                raise ValueError(f"{flag} joins a server's own records or traces its requests; it needs --base-url")
 
     def _check_ramp_up(self) -> None:
         if self.ramp_up_strategy is None:

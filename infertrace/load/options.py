@@ -185,6 +185,16 @@ _OPTIONS = (  # in the order --help lists them
     click.option("--reset-prefix-cache", is_flag=True, default=None, help="Empty the server's prefix cache before "
                   "the run: POST /reset_prefix_cache (vLLM, with VLLM_SERVER_DEV_MODE=1), else /flush_cache "
                   "(SGLang); the run stops with one line when the server offers neither."),
+    click.option("--otlp-receiver", "otlp_receiver", multiple=True, metavar="grpc://HOST:PORT|http://HOST:PORT",
+                  help="Receive the server's OTLP spans here while the run goes on (point vLLM's "
+                  "--otlp-traces-endpoint at it) and join its llm_request spans to the requests: queue, prefill and "
+                  "TTFT parts in --requests-jsonl and the result. Repeatable (one of each protocol)."),
+    click.option("--peer-log", type=click.Path(dir_okay=False), metavar="PATH",
+                  help="After the run, join the server's own per-request records from this file: vLLM's spans as "
+                  "OTLP JSON (a collector's file exporter) or SGLang's log (--enable-request-time-stats-logging)."),
+    click.option("--otlp-traces-endpoint", metavar="URL", help="After the run, export bench's span of each request "
+                  "(the traceparent it sent) to this OTLP endpoint; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc "
+                  "(default) or http/protobuf, as for vLLM."),
     server_auth_options,
 )
 

@@ -86,6 +86,9 @@ class RequestResult:
     # its life on the server: joined from the server's log (load/results/join.py) or read from the response
     # (load/results/response_metrics.py)
     server: dict | None = None
+    # the W3C trace context it was sent with (load/client/trace_context.py), where it went over HTTP
+    trace_id: str | None = None
+    span_id: str | None = None
 
     @property
     def success(self) -> bool:
@@ -128,7 +131,9 @@ class RequestResult:
             "tokenizer_output_tokens": self.tokenizer_output_tokens, "finish_reason": self.finish_reason,
             **({"session": self.session, "turn": self.turn} if self.session is not None else {}),
             **({"text_cut": True} if self.text_cut else {}),
-            "request_id": self.request_id, **_server_json(self.server),
+            "request_id": self.request_id,
+            **({"trace_id": self.trace_id, "span_id": self.span_id} if self.trace_id is not None else {}),
+            **_server_json(self.server),
         }
 
 

@@ -18,6 +18,7 @@ import msgspec
 from infertrace.load.client import request_log
 from infertrace.load.client.sse import SSELineTooLong, SSEParser
 from infertrace.load.client.timing import TargetError
+from infertrace.load.client.trace_context import traceparent
 from infertrace.load.records import RequestSpec, StreamEvent
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -549,7 +550,9 @@ class HttpTarget:
 
     async def stream(self, spec: RequestSpec) -> AsyncIterator[list[StreamEvent]]:
         """The events of each network read, together: they arrived at the same moment."""
-        headers = {"X-Request-Id": spec.request_id} if spec.request_id is not None else None
+        headers = None
+        if spec.request_id is not None:  # the server's records of it, and its spans under bench's, join by these
+            headers = {"X-Request-Id": spec.request_id, "traceparent": traceparent(spec.request_id)}
         try:
             async with self.transport.stream(self.path, self.body(spec), headers) as resp:
                 if resp.status != 200:

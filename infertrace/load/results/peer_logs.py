@@ -8,7 +8,8 @@ the front end), `gen_ai.latency.time_in_queue` (queued to scheduled), `gen_ai.la
 and the token counts (vllm/v1/engine/output_processor.py `do_tracing`, vllm/tracing/utils.py `SpanAttributes`).
 The request id is the front end's: `cmpl-{X-Request-Id}-{prompt index}` for completions (vllm/entrypoints/openai/
 completion/serving.py), `chatcmpl-{X-Request-Id}` for chat. Spans leave over OTLP; an OpenTelemetry collector's
-`file` exporter writes them as OTLP JSON, one export request a line, which `read_vllm_otlp` reads.
+`file` exporter writes them as OTLP JSON, one export request a line, which `read_vllm_otlp` reads; bench's own
+receiver (load/observe/otlp_receiver.py) takes them as protobuf, and `vllm_proto_record` reads each.
 
 SGLang 0.5.23 (`--enable-request-time-stats-logging`): one log line per finished request, `ReqTimeStats(rid=..,
 input_len=.., cached_input_len=.., output_len=.., attempts=.., type=unified): queue_duration=1.23ms,
@@ -23,11 +24,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from infertrace import input_files
+from infertrace.load.records import RequestResult
 from infertrace.load.results.join import ClockOffset, estimate_offset
 
 VLLM_SPAN = "llm_request"
@@ -52,6 +56,8 @@ class PeerRecord:
     forward: float | None = None  # SGLang: first forward to completion
     e2e: float | None = None
     figures: dict = field(default_factory=dict)  # the rest, as the peer named them
+    trace_id: str | None = None  # vLLM: the span's trace and parent span (hex): the client's traceparent, if sent
+    parent_span_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -92,6 +98,19 @@ def _read(path: str | Path) -> str:
         return input_files.read_text(path, MAX_PEER_LOG_BYTES)
     except input_files.InputFileError as e:
         raise ValueError(f"cannot read {path}: {e}") from None
+
+
+def check_readable(path: str | Path) -> None:
+    """ValueError unless `path` is a regular file this process can read (the server may still be writing it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise ValueError(f"--peer-log: cannot read {path}: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"--peer-log: cannot read {path}: not a regular file")
+    finally:
+        os.close(fd)
 
 
 def _skip(log: PeerLog, why: str) -> None:
@@ -139,12 +158,27 @@ def _vllm_record(span: dict) -> PeerRecord:
         if not isinstance(a, dict) or not isinstance(a.get("key"), str):
             raise _Malformed("an attribute without a key")
         attrs[a["key"]] = _otlp_value(a.get("value"))
-    raw_id = attrs.get("gen_ai.request.id")
-    if not isinstance(raw_id, str) or not raw_id:
-        raise _Malformed("a span without gen_ai.request.id")
     start_ns = span.get("startTimeUnixNano")
     if not isinstance(start_ns, (str, int)) or isinstance(start_ns, bool) or not str(start_ns).isdigit() \
             or len(str(start_ns)) > 30:
+        start_ns = None
+    return _record(attrs, None if start_ns is None else int(start_ns), _hex_id(span.get("traceId")),
+                   _hex_id(span.get("parentSpanId")))
+
+
+def vllm_proto_record(span) -> PeerRecord:
+    """A PeerRecord from one protobuf `Span` (opentelemetry.proto.trace.v1) named `llm_request`; ValueError for
+    one that cannot be read."""
+    attrs = {kv.key: _proto_value(kv.value) for kv in span.attributes}
+    return _record(attrs, span.start_time_unix_nano or None, span.trace_id.hex() or None,
+                   span.parent_span_id.hex() or None)
+
+
+def _record(attrs: dict, start_ns: int | None, trace_id: str | None, parent_span_id: str | None) -> PeerRecord:
+    raw_id = attrs.get("gen_ai.request.id")
+    if not isinstance(raw_id, str) or not raw_id:
+        raise _Malformed("a span without gen_ai.request.id")
+    if start_ns is None:
         raise _Malformed(f"span {raw_id[:40]!r}: startTimeUnixNano is not a number of nanoseconds")
     m = _VLLM_ID.match(raw_id)
 
@@ -156,11 +190,31 @@ def _vllm_record(span: dict) -> PeerRecord:
             raise _Malformed(f"span {raw_id[:40]!r}: {key} is not a duration in seconds")
         return float(value)
 
-    return PeerRecord(m.group(1) if m else raw_id, _seconds(int(start_ns) / 1e9, raw_id),
+    return PeerRecord(m.group(1) if m else raw_id, _seconds(start_ns / 1e9, raw_id),
                       queue=duration("gen_ai.latency.time_in_queue"),
                       prefill=duration("gen_ai.latency.time_in_model_prefill"),
                       ttft=duration("gen_ai.latency.time_to_first_token"), e2e=duration("gen_ai.latency.e2e"),
-                      figures={k: v for k, v in attrs.items() if not isinstance(v, float) or math.isfinite(v)})
+                      figures={k: v for k, v in attrs.items() if not isinstance(v, float) or math.isfinite(v)},
+                      trace_id=trace_id, parent_span_id=parent_span_id)
+
+
+def _hex_id(value) -> str | None:
+    """A trace or span id as OTLP JSON writes it (hex); None for anything else."""
+    if not isinstance(value, str) or not 0 < len(value) <= 32:
+        return None
+    try:
+        int(value, 16)
+    except ValueError:
+        return None
+    return value.lower()
+
+
+def _proto_value(value):
+    """A protobuf AnyValue as the JSON route reads it: a string, bool, int or float; None for lists and maps."""
+    kind = value.WhichOneof("value")
+    if kind in ("string_value", "bool_value", "int_value", "double_value"):
+        return getattr(value, kind)
+    return None
 
 
 def _seconds(t: float, rid: str) -> float:
@@ -295,13 +349,44 @@ def join_peer(records: list[dict], peer: list[PeerRecord], source: str) -> dict:
                        (p.start - offset.offset_s - r["t0_s"]) * 1e3,
                        **{k: None if v is None else v * 1e3 for k, v in
                           (("queue_ms", p.queue), ("prefill_ms", p.prefill), ("ttft_ms", p.ttft),
-                           ("forward_ms", p.forward), ("e2e_ms", p.e2e))}, "figures": p.figures}
+                           ("forward_ms", p.forward), ("e2e_ms", p.e2e))}, "figures": p.figures,
+                       **({"trace_id": p.trace_id, "parent_span_id": p.parent_span_id} if p.trace_id else {})}
         parts = _parts(r, p, offset) if not warnings else None
         if parts is not None:
             r["ttft_parts"] = parts
             explained += 1
     return {"source": source, "requests": len(records), "matched": len(matched), "explained": explained,
             "skipped_records": len(records) - len(usable), "warnings": warnings, **_offset_json(offset)}
+
+
+def join_results(results: list[RequestResult], peer: list[PeerRecord], source: str,
+                 warmup: list[RequestResult] = ()) -> dict:
+    """`join_peer` over bench's own records: each result (measured and `warmup`, whose sends bound the clock offset
+    too) the peer timed gets its `server` view; the summary counts the measured ones.
+
+    A result that already has a view keeps at the top the one whose TTFT parts are more: infertrace serve's request
+    log (six), a vLLM span (five), vLLM's in-response metrics (three); the other stays inside it under its source's
+    name, so nothing read is lost. `explained` counts the measured requests whose top view is the peer's."""
+    everything = [*warmup, *results]
+    rows = [{"request_id": r.request_id, "t0_s": r.t0, "end_s": r.end,
+             "ttft_ms": None if r.ttft is None else r.ttft * 1e3} for r in everything]
+    summary = join_peer(rows, peer, source)
+    for r, row in zip(everything, rows):
+        if "server" in row:
+            r.server = _preferred(r.server, {**row["server"], "ttft_parts": row.get("ttft_parts")})
+    measured = [r for r in results if r.request_id is not None]
+    return {**summary, "requests": len(results), "skipped_records": len(results) - len(measured),
+            "matched": sum(row.get("server") is not None for row in rows[len(warmup):]),
+            "explained": sum(r.server is not None and r.server.get("source") == source
+                             and r.server.get("ttft_parts") is not None for r in results)}
+
+
+def _preferred(had: dict | None, peer: dict) -> dict:
+    if had is None:
+        return peer
+    if len(peer["ttft_parts"] or ()) > len(had.get("ttft_parts") or ()):
+        return {**peer, had["source"]: had}
+    return {**had, peer["source"]: peer}
 
 
 def _client_record_ok(r) -> bool:
