@@ -15,7 +15,8 @@ from infertrace.load.results.tail import PART_LABELS, cohorts, slowest
 
 PART_COLORS = {"network_and_frontend": "#8c8c8c", "tokenize": "#bcbd22", "queue": "#d62728",
                "prefill_steps": "#1f77b4", "between_prefill_waits": "#9467bd", "first_token_send": "#2ca02c",
-               "scheduled_to_first_token": "#1f77b4", "network_and_api_server": "#8c8c8c"}
+               "scheduled_to_first_token": "#1f77b4", "network_and_api_server": "#8c8c8c",
+               "frontend_and_handoff": "#bcbd22", "prefill_and_first_token_send": "#1f77b4"}
 MAX_STEPS_SHOWN = 12  # steps listed per slow request (its TTFT's steps; a long chunked prefill has more)
 
 
@@ -92,7 +93,9 @@ def requests_html(data: dict, figure_html: Callable[[go.Figure, str], str]) -> s
               f"{j['offset_ms']:.3f} ms ± {j['offset_error_ms']:.3f} ms" if j.get("offset_ms") is not None
               else "no clock offset could be measured")
     vllm = j.get("source") == response_metrics.SOURCE
-    where = "vLLM's per-request metrics in each response" if vllm else "the server's request log"
+    where = {response_metrics.SOURCE: "vLLM's per-request metrics in each response",
+             "vllm_otlp": "the server's OTLP spans", "vllm": "vLLM's spans in --peer-log",
+             "sglang": "SGLang's log in --peer-log"}.get(j.get("source"), "the server's request log")
     parts = ", ".join(PART_LABELS[p] for p in _parts(data)) if data["cohorts"] else ""
     head = (f"<h2>Where the tail's time went</h2><p class='note'>{j['explained']} of {j['requests']} requests "
             f"explained from {where} ({j['matched']} matched{'' if vllm else ' by request id'})"

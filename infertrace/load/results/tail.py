@@ -9,7 +9,6 @@ import numpy as np
 
 from infertrace.load.observe.findings import Finding
 from infertrace.load.records import RequestResult
-from infertrace.load.results import response_metrics
 from infertrace.load.results.join import TTFT_PARTS
 from infertrace.load.results.render import plural
 
@@ -23,19 +22,26 @@ PART_LABELS = {"network_and_frontend": "network and front end", "tokenize": "tok
                "first_token_send": "sending the first token",
                # vLLM's per-request metrics (load/results/response_metrics.py)
                "scheduled_to_first_token": "scheduled to first token (prefill)",
-               "network_and_api_server": "the API server, network and client"}
+               "network_and_api_server": "the API server, network and client",
+               # a vLLM span, an SGLang log (load/results/peer_logs.py)
+               "frontend_and_handoff": "vLLM's front end and handoff to the engine",
+               "prefill_and_first_token_send": "prefill and sending the first token"}
 
 
 def explained(results: list[RequestResult]) -> list[RequestResult]:
-    return [r for r in results if r.success and r.server is not None and r.server.get("ttft_parts") is not None]
+    """The successful requests whose TTFT the join split, of the source that split the most (a run whose spans
+    missed a few requests keeps those requests' in-response parts, which are other parts)."""
+    done = [r for r in results if r.success and r.server is not None and r.server.get("ttft_parts") is not None]
+    if not done:
+        return done
+    source = Counter(r.server.get("source") for r in done).most_common(1)[0][0]
+    return [r for r in done if r.server.get("source") == source]
 
 
 def part_names(group: list[RequestResult]) -> tuple[str, ...]:
-    """The TTFT parts the join gave: infertrace serve's request log splits TTFT in six, vLLM's per-request
-    metrics in three."""
-    if group and group[0].server.get("source") == response_metrics.SOURCE:
-        return response_metrics.TTFT_PARTS
-    return TTFT_PARTS
+    """The TTFT parts the join gave, in its order: infertrace serve's request log splits TTFT in six, a vLLM
+    span in five, vLLM's per-request metrics and SGLang's log in three."""
+    return tuple(group[0].server["ttft_parts"]) if group else TTFT_PARTS
 
 
 def cohorts(results: list[RequestResult]) -> dict[str, dict]:
