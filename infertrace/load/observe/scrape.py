@@ -42,6 +42,9 @@ GAUGE_FIELDS: dict[str, tuple[str, ...]] = {
     "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "infertrace:num_requests_waiting"),
     "kv_usage": ("vllm:kv_cache_usage_perc", "sglang:token_usage", "infertrace:kv_cache_usage_perc"),  # 0..1
     "prefix_cache_hit_rate": ("sglang:cache_hit_rate", "infertrace:prefix_cache_hit_rate"),
+    # SGLang's speculative decoding, over its last decode-log interval (metrics_reporter.py), not a counter
+    "spec_accept_rate": ("sglang:spec_accept_rate",),
+    "spec_accept_length": ("sglang:spec_accept_length",),
 }
 COUNTER_FIELDS: dict[str, tuple[str, ...]] = {
     "preemptions": ("vllm:num_preemptions", "sglang:num_retracted_requests", "infertrace:preemptions"),
@@ -49,6 +52,16 @@ COUNTER_FIELDS: dict[str, tuple[str, ...]] = {
     "prefix_cache_hits": ("vllm:prefix_cache_hits", "infertrace:prefix_cache_hits"),
     "prompt_tokens": ("vllm:prompt_tokens", "sglang:prompt_tokens", "infertrace:prompt_tokens"),
     "generation_tokens": ("vllm:generation_tokens", "sglang:generation_tokens", "infertrace:generation_tokens"),
+    # Speculative decoding. vLLM 0.33.0 vllm/v1/spec_decode/metrics.py (SpecDecodingProm; the same in 0.32.0): a draft
+    # is one request's proposal in one step. SGLang 0.5.23 counts its verify steps per request, the same unit.
+    "spec_decode_drafts": ("vllm:spec_decode_num_drafts", "sglang:spec_verify_calls"),
+    "spec_decode_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "spec_decode_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+}
+# Counters split by a label whose value matters: family -> (label, common field); each value is its own common
+# field, `field[value]`, summed over the other labels (engines).
+LABELLED_COUNTER_FIELDS: dict[str, tuple[str, str]] = {
+    "vllm:spec_decode_num_accepted_tokens_per_pos": ("position", "spec_decode_accepted_per_pos"),
 }
 # Info metrics, whose figure is a label of a sample worth 1: (family, label) -> common gauge field. vLLM's
 # `vllm:cache_config_info{block_size="128",...}` (loggers.py log_metrics_info): the KV block, the unit in which
@@ -57,7 +70,9 @@ INFO_FIELDS: dict[tuple[str, str], str] = {("vllm:cache_config_info", "block_siz
 _INFO_OF = {family: (label, f) for (family, label), f in INFO_FIELDS.items()}
 _FIELD_OF = {name: f for table in (GAUGE_FIELDS, COUNTER_FIELDS) for f, names in table.items() for name in names}
 _COMMON = set(GAUGE_FIELDS) | set(COUNTER_FIELDS) | set(INFO_FIELDS.values())
-_MEAN_FIELDS = {"kv_usage", "prefix_cache_hit_rate", "kv_block_size"}  # averaged over engines/ranks, not added
+_LABELLED_PREFIXES = tuple(f"{f}[" for _, f in LABELLED_COUNTER_FIELDS.values())
+# averaged over engines/ranks, not added
+_MEAN_FIELDS = {"kv_usage", "prefix_cache_hit_rate", "kv_block_size", "spec_accept_rate", "spec_accept_length"}
 _SERVERS = {"vllm:": "vllm", "sglang:": "sglang", "infertrace:": "infertrace"}
 
 
@@ -97,8 +112,12 @@ def parse_exposition(text: str, max_series: int | None = None) -> tuple[dict[str
                 if value is not None:
                     gauges.setdefault(info, []).append(value)
         common = _FIELD_OF.get(family.name)
+        split = LABELLED_COUNTER_FIELDS.get(family.name)
         for s in family.samples:
             if s.name.endswith(("_created", "_bucket")) or not math.isfinite(s.value):
+                continue
+            if split is not None and s.labels.get(split[0]) is not None:
+                counters.setdefault(f"{split[1]}[{s.labels[split[0]]}]", []).append(s.value)
                 continue
             if common is not None:
                 key = common
@@ -114,6 +133,17 @@ def parse_exposition(text: str, max_series: int | None = None) -> tuple[dict[str
                 own += 1
             store.setdefault(key, []).append(s.value)
     return ({k: _combine(k, v) for k, v in gauges.items()}, {k: sum(v) for k, v in counters.items()})
+
+
+def is_common(key: str) -> bool:
+    """A field every server maps to (kept whatever MAX_SERIES says), not a metric kept by its own name."""
+    return key in _COMMON or key.startswith(_LABELLED_PREFIXES)
+
+
+def labelled(counters: dict, field: str) -> dict[str, float]:
+    """The values of a labelled counter field (`field[value]` keys) by label value."""
+    prefix = f"{field}["
+    return {k[len(prefix):-1]: v for k, v in counters.items() if k.startswith(prefix)}
 
 
 def _positive(text: str | None) -> float | None:
@@ -154,10 +184,10 @@ class ScrapeSeries:
 
     def add(self, t: float, gauges: dict[str, float], counters: dict[str, float]) -> None:
         n = len(self.times)
-        own = sum(1 for store in (self.gauges, self.counters) for key in store if key not in _COMMON)
+        own = sum(1 for store in (self.gauges, self.counters) for key in store if not is_common(key))
         for store, values in ((self.gauges, gauges), (self.counters, counters)):
             for key, value in values.items():
-                if key not in store and key not in _COMMON:
+                if key not in store and not is_common(key):
                     if own >= self.max_series:
                         self.note(f"{self.url} exposes more than {self.max_series} series: the others are not kept")
                         continue

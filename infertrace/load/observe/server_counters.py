@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infertrace.load.client.target import Target
-from infertrace.load.observe.scrape import NotPrometheus, parse_exposition, server_kind
+from infertrace.load.observe.scrape import NotPrometheus, labelled, parse_exposition, server_kind
+from infertrace.load.server_metrics import speculative_summary
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,3 +130,77 @@ def prefix_cache_figures(cfg, workload: dict | None, scrape, requests: int) -> d
             "understated and runs do not compare; use --prompt-salt random or --reset-prefix-cache")
     return {"server_prefix_cache_hit_rate": rate, "server_prefix_cache_source": source,
             "implied_prefix_cache_hit_rate": implied, "prefix_cache_warnings": warnings}
+
+
+SGLANG_SPEC_SOURCE = ("sglang:spec_accept_rate and sglang:spec_accept_length at the last scrape (its last "
+                      "decode-log interval, not limited to the run); drafts from sglang:spec_verify_calls_total")
+
+
+def speculative_decoding(scrape, results) -> dict | None:
+    """The run's speculative decoding: drafts, draft tokens and accepted tokens as the growth of the server's
+    counters between the first and last scrape, the acceptance rate (accepted / draft tokens), the mean acceptance
+    length (1 + accepted / drafts, the bonus token included) and each draft position's acceptance rate (accepted at
+    it / drafts), as vLLM 0.33.0 defines them (vllm/v1/spec_decode/metrics.py, SpecDecodingLogging.log and
+    SpecDecodingProm; `vllm bench serve` takes the same deltas, vllm/benchmarks/serve.py). SGLang 0.5.23 counts only
+    its verify steps: its rate and length are its own gauges, marked so. `requests` summarises what the responses
+    carried (server_metrics.speculative_summary). None when the server has no such counters and no response
+    carried such figures: a server that does not draft."""
+    per_request = speculative_summary(results)
+    counters = _spec_counters(scrape) if scrape is not None else None
+    if counters is None and per_request is None:
+        return None
+    return {**(counters or dict.fromkeys(("source", "drafts", "draft_tokens", "accepted_tokens", "acceptance_rate",
+                                          "mean_acceptance_length", "per_position_acceptance_rate"))),
+            "requests": per_request}
+
+
+def run_speculative_decoding(record) -> dict | None:
+    """speculative_decoding of a measured run (a PointRecord): its scrapes and its requests."""
+    scrape = record.observed.scrape if record.observed is not None else None
+    return speculative_decoding(scrape, record.results)
+
+
+def _spec_counters(scrape) -> dict | None:
+    drafts = _whole(scrape.increase("spec_decode_drafts"))
+    if scrape.server == "sglang":
+        rate, length = (_last(scrape.gauges.get(k, [])) for k in ("spec_accept_rate", "spec_accept_length"))
+        if not drafts and not length:  # the gauges are 0 while SGLang does not draft
+            return None
+        return {"source": SGLANG_SPEC_SOURCE, "drafts": drafts, "draft_tokens": None, "accepted_tokens": None,
+                "acceptance_rate": rate, "mean_acceptance_length": length, "per_position_acceptance_rate": None}
+    drafted, accepted = (_whole(scrape.increase(k)) for k in ("spec_decode_draft_tokens", "spec_decode_accepted_tokens"))
+    if drafts is None or drafted is None or accepted is None:
+        return None
+    positions = sorted(labelled(scrape.counters, "spec_decode_accepted_per_pos"), key=_position)
+    per_position = [scrape.increase(f"spec_decode_accepted_per_pos[{p}]") for p in positions]
+    return {"source": "counters", "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "per_position_acceptance_rate": [a / drafts if drafts and a is not None else None
+                                             for a in per_position] if drafts else None}
+
+
+def _whole(count: float | None) -> int | None:
+    """A counter's growth as the count it is (Prometheus writes every value as a float)."""
+    return None if count is None else round(count)
+
+
+def _position(label: str) -> tuple[int, str]:
+    return (int(label), "") if label.isdigit() else (1 << 30, label)
+
+
+def _last(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return present[-1] if present else None
+
+
+def vllm_spec_keys(block: dict | None) -> dict:
+    """The `spec_decode_*` keys `vllm bench serve` 0.33 writes into its result (vllm/benchmarks/serve.py), same
+    names and units (the acceptance rate in percent), and like it only where draft tokens were counted."""
+    if not block or not block.get("draft_tokens"):
+        return {}
+    return {"spec_decode_acceptance_rate": 100.0 * block["acceptance_rate"],
+            "spec_decode_acceptance_length": block["mean_acceptance_length"] or 0.0,
+            "spec_decode_num_drafts": block["drafts"], "spec_decode_draft_tokens": block["draft_tokens"],
+            "spec_decode_accepted_tokens": block["accepted_tokens"],
+            "spec_decode_per_position_acceptance_rates": list(block["per_position_acceptance_rate"] or [])}

@@ -88,6 +88,8 @@ def render_html(doc: dict) -> str:
     parts = [f"<h1>{escape(doc['title'])}</h1>"]
     if doc.get("result"):
         parts.append(_summary_html(doc["result"]))
+    if (spec := (doc.get("result") or {}).get("speculative_decoding")) is not None:
+        parts.append("<h2>Speculative decoding</h2>" + _table_html(_speculative_rows(spec)))
     parts.append("<h2>Findings</h2>" + _findings_html(doc["findings"]))
     if doc["notes"]:
         parts.append("".join(f'<p class="note">{escape(n)}</p>' for n in doc["notes"]))
@@ -146,6 +148,13 @@ def _summary_html(result: dict) -> str:
     warnings += (result.get("request_log") or {}).get("warnings") or []  # what of the server's log was not joined
     return ("<h2>Summary</h2>" + _table_html(rows)
             + "".join(f'<p class="note">warning: {escape(w)}</p>' for w in warnings))
+
+
+def _speculative_rows(spec: dict) -> list[dict]:
+    """The table's rows (results/render.py speculative_rows: one function for both), as figure and value."""
+    from infertrace.load.results.render import speculative_rows
+
+    return [{"figure": label.strip(), "value": value} for label, value in speculative_rows(spec)]
 
 
 def _findings_html(findings: list[dict]) -> str:

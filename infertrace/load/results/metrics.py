@@ -24,7 +24,7 @@ class Metrics:
     ttft: Stats
     tpot: Stats
     itl: Stats  # per chunk: every gap between consecutive text events
-    itl_per_token: Stats  # each gap divided over the tokens of the chunk it ended
+    itl_per_token: Stats  # each gap divided over the tokens of the chunk it ended, where every chunk's are known
     e2el: Stats
     good_requests: int | None  # None without an SLO
     goodput: float | None  # good requests per second
@@ -34,6 +34,7 @@ class Metrics:
     output_token_sources: dict[str, int]
     max_output_tokens_per_s: float = 0.0  # the busiest one-second bucket, as `vllm bench serve` counts it
     max_concurrent_requests: int = 0  # the most requests active in one one-second bucket, likewise
+    itl_per_token_requests: int = 0  # successful requests whose every chunk's token count is known
 
 
 def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
@@ -81,6 +82,9 @@ def compute_metrics(results: list[RequestResult], slo: dict[str, float] | None =
 
     good = sum(meets_slo(r, slo) for r in results) if slo else None
     peak = peak_per_second(results)
+    # a request with one chunk of unknown size has no per-token figure at all: what it holds would be a sample of
+    # its smaller chunks only (those of known size), which a speculating server's bursts leave out
+    per_token = [r for r in done if r.chunk_tokens and None not in r.chunk_tokens]
     return Metrics(
         completed=len(done), failed=len(results) - len(done), duration=duration,
         total_input_tokens=total_in, total_output_tokens=total_out,
@@ -89,14 +93,14 @@ def compute_metrics(results: list[RequestResult], slo: dict[str, float] | None =
         ttft=Stats.of([r.ttft for r in done if r.ttft is not None]),
         tpot=Stats.of([t for r in done if (t := r.tpot) is not None]),
         itl=Stats.of([g for r in done for g in r.itl]),
-        itl_per_token=Stats.of([g for r in done for g in r.itl_per_token()]),
+        itl_per_token=Stats.of([g for r in per_token for g in r.itl_per_token()]),
         e2el=Stats.of([r.e2el for r in done if r.e2el is not None]),
         good_requests=good, goodput=rate(good) if good is not None else None,
         schedule_lag=Stats.of([r.schedule_lag for r in results]),
         slot_wait=Stats.of([r.slot_wait for r in results]),
         failures=dict(Counter(r.error.split(":", 1)[0] for r in results if r.error is not None)),
         output_token_sources=dict(Counter(r.output_source.value for r in done if r.output_source)),
-        max_output_tokens_per_s=peak[0], max_concurrent_requests=peak[1],
+        max_output_tokens_per_s=peak[0], max_concurrent_requests=peak[1], itl_per_token_requests=len(per_token),
     )
 
 

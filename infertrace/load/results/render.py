@@ -15,6 +15,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from infertrace.load.observe.server_counters import run_speculative_decoding
 from infertrace.load.records import RequestResult
 from infertrace.load.results.point import PointRecord
 from infertrace.load.stats import Stats
@@ -200,7 +201,14 @@ def summary_table(record: PointRecord) -> Table:
         latencies.append(("TTFCT, to the answer (ms)", ttfct))
     for label, s in (*latencies, ("TPOT (ms)", m.tpot), ("ITL per chunk (ms)", m.itl),
                      ("ITL per token (ms)", m.itl_per_token), ("E2EL (ms)", m.e2el)):
-        t.add_row(label, f"mean {_num(s.mean)}  median {_num(s.median)}  p99 {_num(s.p99)}")
+        text = f"mean {_num(s.mean)}  median {_num(s.median)}  p99 {_num(s.p99)}"
+        if s is m.itl_per_token:
+            text = per_token_text(text, m.itl_per_token_requests, m.completed)
+        t.add_row(label, text)
+    if spec := speculative_rows(run_speculative_decoding(record)):
+        t.add_section()
+        for r in spec:
+            t.add_row(*r)
     t.add_section()
     t.add_row("schedule lag p50 / p99 (ms)", f"{_num(m.schedule_lag.median, '{:.3f}')} / "
                                              f"{_num(m.schedule_lag.p99, '{:.3f}')}")
@@ -208,6 +216,39 @@ def summary_table(record: PointRecord) -> Table:
     t.add_row("client CPU (% of a core)" if workers == 1 else f"client CPU (% of a core, busiest of {workers} workers)",
               _num(None if record.client_cpu is None else 100 * record.client_cpu, "{:.1f}"))
     return t
+
+
+def per_token_text(text: str, known: int, completed: int) -> str:
+    """Per-token ITL claims only the requests whose every chunk's token count is known; the row says which."""
+    if not completed or known == completed:
+        return text
+    if not known:
+        return "- (tokens per chunk unknown: the server gave no usage on each chunk; see --continuous-usage)"
+    return f"{text}  ({known} of {completed} requests: the others' tokens per chunk are unknown)"
+
+
+def speculative_rows(spec: dict | None) -> list[tuple[str, str]]:
+    """The run's speculative decoding: the server's counters over the run, then what the responses carried."""
+    if spec is None:
+        return []
+    rows = []
+    if spec["source"] is not None:
+        source = "" if spec["source"] == "counters" else f"  ({spec['source']})"
+        counts = (f"{_num(spec['drafts'], '{:,.0f}')} drafts, {_num(spec['draft_tokens'], '{:,.0f}')} draft "
+                  f"tokens, {_num(spec['accepted_tokens'], '{:,.0f}')} accepted")
+        rows += [("speculative decoding", counts + source),
+                 ("  acceptance rate", _share(spec["acceptance_rate"])),
+                 ("  mean acceptance length (tok/step)", _num(spec["mean_acceptance_length"]))]
+        if spec["per_position_acceptance_rate"]:
+            rows.append(("  acceptance by draft position", "  ".join(_share(v)
+                                                                   for v in spec["per_position_acceptance_rate"])))
+    if (req := spec["requests"]) is not None:
+        rate, length = req["acceptance_rate_per_request"], req["acceptance_length_per_request"]
+        rows += [("speculative decoding per request", f"{plural(req['requests'], 'request')} carried it "
+                                                      f"({req['requests_drafted']} drafted)"),
+                 ("  acceptance rate p50 / min / max", " / ".join(_share(rate[k]) for k in ("p50", "min", "max"))),
+                 ("  acceptance length p50 / min / max", " / ".join(_num(length[k]) for k in ("p50", "min", "max")))]
+    return rows
 
 
 def prefix_cache_rows(figures: dict) -> list[tuple[str, str]]:

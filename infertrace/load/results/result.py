@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 from infertrace.config_fields import jsonable
+from infertrace.load.observe.server_counters import run_speculative_decoding, vllm_spec_keys
 from infertrace.load.results.metrics import from_scheduled, vllm_keys
 from infertrace.load.results.point import PointRecord
 from infertrace.load.stats import Stats
@@ -69,6 +70,7 @@ def point_result(record: PointRecord) -> dict:
     })
     for stat in ("mean", "median", "std", "p90", "p95", "p99"):
         out[f"{stat}_itl_per_token_ms"] = getattr(m.itl_per_token, stat)
+    out["itl_per_token_requests"] = m.itl_per_token_requests  # those whose every chunk's token count is known
     for name, stats in zip(("ttft", "e2el"), from_scheduled(record.results)):  # from when each request was due
         for stat in ("mean", "median", "p99"):
             out[f"{stat}_{name}_from_scheduled_ms"] = getattr(stats, stat)
@@ -91,6 +93,9 @@ def point_result(record: PointRecord) -> dict:
         **(record.workload or {}),  # trace replay: prefix reuse implied and measured; sessions: per-turn figures
     })
     out.update(_measured_extras(record))
+    if (spec := run_speculative_decoding(record)) is not None:  # docs/bench.md, "Speculative decoding"
+        out["speculative_decoding"] = spec
+        out.update(vllm_spec_keys(spec))
     if record.observed is not None:  # the server's metrics and GPU telemetry on the run's time axis (docs/report.md)
         from infertrace.load.observe.observer import run_findings
 
