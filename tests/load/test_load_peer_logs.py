@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from infertrace.load.client.http_target import HttpTarget
+from infertrace.load.command import bench
 from infertrace.load.records import RequestSpec
 from infertrace.load.results.peer_logs import join_peer, read_peer_log, read_sglang_log, read_vllm_otlp
+from tests.load.conftest import StandInServer
 
 WALL = 1_764_250_000.0  # the servers' wall clock at the client's origin (client clock 0)
 # per request: client send (s), one-way up and down (s), queue, prefill (s), the front end's share before the queue
@@ -120,20 +124,6 @@ def test_sglang_gets_the_id_in_the_body_others_do_not():
     assert target.body(spec)["rid"] == "run-7"
 
 
-def test_the_script_joins_a_requests_file(tmp_path, capsys):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from join_peer_log import main
-
-    lines = tmp_path / "requests.jsonl"
-    lines.write_text("".join(json.dumps(r) + "\n" for r in _client_records()))
-    assert main([str(lines), str(_otlp_file(tmp_path)), "--out", str(tmp_path / "out.jsonl")]) == 0
-    summary = json.loads(capsys.readouterr().out)
-    assert summary["source"] == "vllm" and summary["explained"] == 3
-    joined = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert all("ttft_parts" in r for r in joined)
-    assert main([str(lines), str(tmp_path / "missing.json")]) == 2
-
-
 # ----- hostile files: linear time, one line of error, no NaN, a bad entry skipped rather than the file -----
 def _attr(key, value):
     return {"key": key, "value": value}
@@ -211,53 +201,102 @@ def test_a_long_sglang_line_parses_in_linear_time(tmp_path):
     assert (records, skipped) == ("0", "2") and float(seconds) < 0.5
 
 
-def _script():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from join_peer_log import main
+class PeerStandIn(StandInServer):
+    """The stand-in server writing its own record of each request it served to `path` as it ends, on its wall
+    clock: vLLM's llm_request span as one OTLP JSON export a line (a collector's file exporter), or SGLang's
+    ReqTimeStats line."""
 
-    return main
+    def __init__(self, path: Path, kind: str) -> None:
+        super().__init__()
+        self.first_token_delay = 0.02
+        self.path, self.kind = path, kind
+        path.write_text("")
+
+    async def generate(self, request):
+        arrived = time.time()
+        resp = await super().generate(request)
+        rid = request.headers.get("X-Request-Id")
+        if self.kind == "vllm":
+            span = _vllm_span(0, arrived - WALL, 0.0, 0.0, 0.005, 0.01, 0.004)
+            span["attributes"][-1] = {"key": "gen_ai.request.id", "value": {"stringValue": f"cmpl-{rid}-0"}}
+            span["startTimeUnixNano"] = str(int(arrived * 1e9))
+            line = json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [span]}]}]})
+        else:
+            line = (f"[2026-12-06] INFO ReqTimeStats(rid={rid}, input_len=5, cached_input_len=0, output_len=4, "
+                    f"attempts=1, type=unified): queue_duration=5.00ms, "
+                    f"forward_duration={(time.time() - arrived) * 1e3 - 5:.3f}ms, "
+                    f"entry_time={arrived:.6f}")
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+        return resp
 
 
-def test_the_script_gives_no_nan_and_skips_bad_request_lines(tmp_path, capsys):
-    main = _script()
-    lines = tmp_path / "requests.jsonl"
-    good = _client_records()
-    bad = ["not json", "[1, 2]", json.dumps({"phase": "measured", "request_id": ["run-0"], "t0_s": 0.0}),
-           json.dumps({"phase": "measured", "request_id": "run-1", "t0_s": "0"}),
-           json.dumps({"phase": "measured", "request_id": "run-2", "t0_s": 0.5, "ttft_ms": float("nan")}),
-           json.dumps({"phase": "measured", "request_id": "run-2", "t0_s": 1e300, "ttft_ms": 1.0}),
-           "[" * 100_000]
-    lines.write_text("".join(json.dumps(r) + "\n" for r in good) + "\n".join(bad) + "\n")
-    out = tmp_path / "out.jsonl"
-    assert main([str(lines), str(_hostile_otlp(tmp_path)), "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "NaN" not in printed and "Infinity" not in printed and "NaN" not in out.read_text()
-    summary = json.loads(printed)
-    assert summary["explained"] == 3 and summary["skipped_records"] == 4 and summary["unreadable_request_lines"] == 2
-    assert summary["skipped_peer_entries"] == len(BAD_SPANS) and "malformed vllm entries" in summary["warnings"][0]
-    written = out.read_text().splitlines()
-    assert len(written) == len(good) + len(bad) and "not json" in written and "[" * 100_000 in written  # none lost
+def _bench_peer_log(server, prompts_jsonl, tmp_path, peer_log):
+    lines = tmp_path / "r.jsonl"
+    res = CliRunner().invoke(bench, [
+        "--base-url", server.url, "--dataset", "jsonl", "--dataset-path", str(prompts_jsonl), "--num-prompts", "6",
+        "--concurrency", "2", "--warmup", "0", "--requests-jsonl", str(lines), "--result-json",
+        str(tmp_path / "r.json"), "--peer-log", str(peer_log)])
+    records = [json.loads(x) for x in lines.read_text().splitlines()] if lines.exists() else []
+    doc = json.loads((tmp_path / "r.json").read_text()) if (tmp_path / "r.json").exists() else None
+    return res, records, doc
 
 
-@pytest.mark.parametrize("where", ["peer-dir", "peer-fifo", "requests-dir", "out-dir", "peer-binary"])
-def test_the_script_says_one_line_for_what_it_cannot_read(tmp_path, capsys, where):
+@pytest.mark.parametrize(("kind", "parts"), [
+    ("vllm", {"network_and_frontend", "frontend_and_handoff", "queue", "prefill_steps", "first_token_send"}),
+    ("sglang", {"network_and_frontend", "queue", "prefill_and_first_token_send"})])
+def test_bench_joins_the_peer_s_file_after_the_run(prompts_jsonl, tmp_path, kind, parts):
+    server = PeerStandIn(tmp_path / f"{kind}.log", kind).start()
+    try:
+        res, records, doc = _bench_peer_log(server, prompts_jsonl, tmp_path, server.path)
+    finally:
+        server.stop()
+    assert res.exit_code == 0, res.output
+    assert len(records) == 6
+    for r in records:
+        assert r["server"]["source"] == kind and set(r["ttft_parts"]) == parts
+        assert sum(r["ttft_parts"].values()) == pytest.approx(r["ttft_ms"])
+        assert r["ttft_parts"]["queue"] == pytest.approx(5.0)
+    joined = doc["request_log"]
+    assert (joined["source"], joined["matched"], joined["explained"]) == (kind, 6, 6)
+    assert set(joined["cohorts"]["p99"]["parts_ms"]) == parts
+
+
+def test_bench_skips_and_counts_a_hostile_peer_log_and_writes_no_nan(prompts_jsonl, tmp_path):
+    server = PeerStandIn(tmp_path / "vllm.log", "vllm").start()
+    try:
+        hostile = _hostile_otlp(tmp_path)  # runs of other requests' spans, broken spans, deep nesting
+        server.path.write_text(hostile.read_text())
+        res, records, doc = _bench_peer_log(server, prompts_jsonl, tmp_path, server.path)
+    finally:
+        server.stop()
+    assert res.exit_code == 0, res.output
+    assert f"--peer-log: {len(BAD_SPANS)} malformed vllm entries skipped" in res.stderr
+    assert all(r["server"]["source"] == "vllm" for r in records) and doc["request_log"]["explained"] == 6
+    assert "NaN" not in (tmp_path / "r.jsonl").read_text()
+
+
+@pytest.mark.parametrize("where", ["dir", "fifo", "missing"])
+def test_a_peer_log_that_cannot_be_read_is_one_line_before_the_run(standin, tmp_path, where):
     import os
 
-    main = _script()
-    lines = tmp_path / "requests.jsonl"
-    lines.write_text("".join(json.dumps(r) + "\n" for r in _client_records()))
-    peer, out = _otlp_file(tmp_path), tmp_path / "out.jsonl"
-    if where == "peer-dir":
-        peer = tmp_path
-    elif where == "peer-fifo":
-        peer = tmp_path / "fifo"
-        os.mkfifo(peer)
-    elif where == "requests-dir":
-        lines = tmp_path
-    elif where == "out-dir":
-        out = tmp_path
+    path = tmp_path / "peer.log"
+    if where == "dir":
+        path = tmp_path
+    elif where == "fifo":
+        os.mkfifo(path)
+    res = CliRunner().invoke(bench, ["--base-url", standin.url, "--num-prompts", "1", "--peer-log", str(path)])
+    assert res.exit_code == 2 and standin.count == 0
+    if where == "dir":  # click's own check of the flag
+        assert "Invalid value for '--peer-log'" in res.output and "is a directory" in res.output
     else:
-        peer.write_bytes(b"\xff\xfe\x00" * 100)
-    assert main([str(lines), str(peer), "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1
+        assert res.output.startswith("error: --peer-log: cannot read ") and res.output.count("\n") == 1
+
+
+def test_a_peer_log_of_neither_kind_costs_a_warning_not_the_run(standin, prompts_jsonl, tmp_path):
+    junk = tmp_path / "junk.log"
+    junk.write_bytes(b"\xff\xfe\x00" * 100)
+    res, records, doc = _bench_peer_log(standin, prompts_jsonl, tmp_path, junk)
+    assert res.exit_code == 0, res.output
+    assert "warning: --peer-log: " in res.stderr and len(records) == 6
+    assert doc["request_log"]["matched"] == 0
