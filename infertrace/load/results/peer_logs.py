@@ -385,7 +385,7 @@ def _preferred(had: dict | None, peer: dict) -> dict:
     if had is None:
         return peer
     if len(peer["ttft_parts"] or ()) > len(had.get("ttft_parts") or ()):
-        return {**peer, had["source"]: had}
+        return {**peer, had.get("source", "infertrace"): had}  # infertrace serve's view names no source
     return {**had, peer["source"]: peer}
 
 
