@@ -297,3 +297,77 @@ def test_bad_tracing_options_are_one_line_before_any_request(standin, args, mess
     assert res.exit_code == 2
     assert message in res.output
     assert standin.count == 0
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_bench_exports_its_request_spans_with_the_ids_it_sent(standin, prompts_jsonl, tmp_path, monkeypatch,
+                                                              protocol):
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    spans = []
+
+    class Collector(SpanReceiver):  # every span, not only vLLM's
+        def ingest(self, body: bytes):
+            request = ExportTraceServiceRequest.FromString(body)
+            spans.extend(s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans)
+
+    port = _port()
+    scheme = "grpc" if protocol == "grpc" else "http"
+    collector = Collector([f"{scheme}://127.0.0.1:{port}"])
+    loop = asyncio.new_event_loop()
+    import threading
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(collector.start(), loop).result(10)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)
+    endpoint = f"127.0.0.1:{port}" if scheme == "grpc" else f"http://127.0.0.1:{port}/v1/traces"
+    lines = tmp_path / "r.jsonl"
+    standin.mode = lambda i: "500" if i == 3 else "ok"
+    before_ns = time.time_ns()
+    try:
+        res = CliRunner().invoke(bench, [
+            "--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", str(prompts_jsonl), "--num-prompts",
+            "6", "--warmup", "0", "--requests-jsonl", str(lines), "--otlp-traces-endpoint", endpoint])
+    finally:
+        asyncio.run_coroutine_threadsafe(collector.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    after_ns = time.time_ns()
+    assert res.exit_code == 0, res.output
+    assert f"6 request spans exported to {endpoint}" in res.stderr
+    records = {r["trace_id"]: r for r in map(json.loads, lines.read_text().splitlines())}
+    assert len(spans) == 6 and {s.trace_id.hex() for s in spans} == set(records)
+    for span in spans:
+        r = records[span.trace_id.hex()]
+        assert span.span_id.hex() == r["span_id"] and span.parent_span_id == b"" and span.name == "bench_request"
+        assert before_ns <= span.start_time_unix_nano <= span.end_time_unix_nano <= after_ns
+        attrs = {kv.key: kv.value for kv in span.attributes}
+        assert attrs["gen_ai.request.id"].string_value == r["request_id"]
+        if r["success"]:
+            first = next(e for e in span.events if e.name == "first_token")
+            assert (first.time_unix_nano - span.start_time_unix_nano) / 1e6 == pytest.approx(r["ttft_ms"], abs=1e-3)
+            assert attrs["gen_ai.usage.completion_tokens"].int_value == r["output_tokens"]
+        else:
+            assert span.status.code == 2 and "HTTP 500" in span.status.message  # STATUS_CODE_ERROR
+
+
+def test_an_unreachable_span_endpoint_costs_a_warning_not_the_run(standin, prompts_jsonl, tmp_path, monkeypatch):
+    from infertrace.load.results import spans_out
+
+    monkeypatch.setattr(spans_out, "EXPORT_TIMEOUT_S", 1.0)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    url = f"http://127.0.0.1:{_port()}/v1/traces"
+    res = CliRunner().invoke(bench, ["--base-url", standin.url, "--num-prompts", "2", "--warmup", "0",
+                                     "--otlp-traces-endpoint", url])
+    assert res.exit_code == 0, res.output
+    assert f"warning: only 0 of 2 request spans reached {url}" in res.stderr
+
+
+def test_an_unknown_export_protocol_is_one_line_before_any_request(standin, monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    res = CliRunner().invoke(bench, ["--base-url", standin.url, "--num-prompts", "1", "--otlp-traces-endpoint",
+                                     "127.0.0.1:4317"])
+    assert res.exit_code == 2 and standin.count == 0
+    assert res.output.strip() == ("error: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/json': --otlp-traces-endpoint "
+                                  "exports with grpc or http/protobuf")
