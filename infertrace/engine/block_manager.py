@@ -109,15 +109,26 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; tail blocks first, so that they are also the first to be evicted."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            assert block.ref_count > 0, f"block {block_id} freed twice"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    self._cached_free[block_id] = None
-                else:
-                    self._free.append(block_id)
+            self._release(block_id)
         seq.block_table = []
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the blocks that hold `seq`'s first `num_tokens` slots: those past them (slots written for draft
+        tokens the verify step rejected) go back to the pool."""
+        keep = self.blocks_needed(num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} freed twice"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self._cached_free[block_id] = None
+            else:
+                self._free.append(block_id)
 
     def register_full_blocks(self, seq: Sequence) -> list[tuple[int, int, tuple[int, ...]]]:
         """Publish `seq`'s full, computed blocks to the prefix cache; returns the newly published ones as

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infertrace.config_fields import FlagSet, check_types, parse_overrides, setting
+from infertrace.engine.spec_config import SpeculativeConfig
 
 ATTENTION_MODES = ("batched", "looped")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
@@ -122,6 +123,11 @@ class EngineConfig:
                                  "CPU).")
     device: str = setting("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N.")
     seed: int = setting(0, "Engine random seed (requests may carry their own).")
+    # speculative decoding (vLLM's JSON): drafts verified in one target step per request, output unchanged
+    speculative_config: str | dict | None = setting(
+        None, "Speculative decoding as JSON, vLLM's shape: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": "
+              "DIR_OR_PRESET, \"num_speculative_tokens\": 4}; unset: off.")
     # observability: each request's life (arrival, the steps it rode, its end) kept for the last this many requests,
     # with the steps of about the last million request rows (engine/request_log.py); 0 turns the log off
     request_log_size: int = setting(
@@ -180,6 +186,26 @@ class EngineConfig:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         self._check_tensor_parallel()
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative_config is None:
+            return
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        self.speculative_config = spec.as_dict()  # one spelling, whatever form it came in
+        # a verify step needs its drafts' outcome on the host before the next step is planned
+        if self.async_scheduling == "on":
+            raise ValueError("speculative_config needs async_scheduling 'auto' or 'off' (drafts are proposed from "
+                             "the tokens of the step before)")
+        if self.offload != "off":
+            raise ValueError(f"speculative_config is not supported with offload={self.offload!r}")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The speculative-decoding settings, or None when it is off."""
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel_size

@@ -20,6 +20,7 @@ from infertrace.engine.annotate import annotate, step_range_name
 from infertrace.engine.block_manager import BlockManager
 from infertrace.engine.config import EngineConfig
 from infertrace.engine.detokenizer import IncrementalDetokenizer
+from infertrace.engine.draft_model import DraftModelProposer, check_same_vocabulary, draft_model_dir
 from infertrace.engine.model_runner import (
     LaunchedStep,
     ModelRunner,
@@ -28,6 +29,7 @@ from infertrace.engine.model_runner import (
 )
 from infertrace.engine.models.loader import check_model_dir, read_json
 from infertrace.engine.models.qwen3 import Qwen3Spec
+from infertrace.engine.ngram_proposer import propose_ngram
 from infertrace.engine.offload.host_pool import check_host_budget
 from infertrace.engine.offload.kv_offload import COUNTER_NAMES as OFFLOAD_COUNTER_NAMES
 from infertrace.engine.offload.kv_offload import KVOffload
@@ -36,7 +38,7 @@ from infertrace.engine.outputs import RequestOutput, StepStats
 from infertrace.engine.parallel import SINGLE, TensorParallel, check_divisible
 from infertrace.engine.request_log import RequestLog
 from infertrace.engine.sampling_params import SamplingParams
-from infertrace.engine.scheduler import Scheduler, StepPlan
+from infertrace.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from infertrace.engine.sequence import Sequence
 
 COUNTER_NAMES = (
@@ -52,17 +54,27 @@ COUNTER_NAMES = (
     "cpu_prefix_cache_hits",  # prompt tokens loaded from the host tier of the prefix cache
     "recomputed_tokens",  # prompt tokens computed again although their KV had been computed and dropped
     "overlapped_steps",  # steps planned and queued before the previous step's tokens reached the host
+    # speculative decoding, as vLLM counts it: requests' verify rows with drafts, their draft tokens, and those kept
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
     *OFFLOAD_COUNTER_NAMES,
 )
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, step_label: str | None = None):
+        """`step_label`: the kind its profiler step ranges name instead of the step's own (a draft model's engine
+        names its steps `step[DRAFT ..]`, without the step numbers of the request log)."""
         from transformers import AutoTokenizer
 
         self.config = config = config or EngineConfig()
         self.model_dir = check_model_dir(model_dir)
+        self._step_label = step_label
         hf_config = read_json(self.model_dir / "config.json")
+        self.spec = config.speculative
+        # the draft model's engine starts first: on a GPU the target's KV cache is then sized from what it left
+        self.drafter = _drafter(self.spec, config, self.model_dir, hf_config)
         host_blocks, runner_config = _offload_budgets(config, hf_config)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.other_ranks = None
@@ -77,6 +89,8 @@ class Engine:
             tp = TensorParallel(0, config.tensor_parallel_size)
         try:
             self.runner = ModelRunner(runner_config, self.model_dir, hf_config, tp, self.other_ranks)
+            if self.drafter is not None and self.drafter.engine.vocab_size != self.runner.spec.vocab_size:
+                raise ValueError("the draft model's vocabulary differs from the target model's")
             if self.other_ranks is not None:
                 self.other_ranks.wait_ready()
         except BaseException:
@@ -127,13 +141,16 @@ class Engine:
         # async scheduling: the step queued on the device whose tokens the host has not seen yet
         self._async = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.runner.device.type == "cuda")
-        self._async = self._async and config.offload == "off"
+        self._async = self._async and config.offload == "off" and self.spec is None
         # with more ranks, rank 0 broadcasts each step's tokens on the device: the next step may be fed from them
         self.runner.share_tokens = self._async and config.tensor_parallel_size > 1
         self._inflight: _Step | None = None
         self._profiler = None
         # each request's life by id (arrival, the steps it rode, its end): always on, bounded, read by the server
-        self.request_log = RequestLog(config.request_log_size) if config.request_log_size else None
+        self.request_log = RequestLog(config.request_log_size, speculative=self.spec is not None) \
+            if config.request_log_size else None
+        # accepted draft tokens by their position among a step's drafts (vLLM's per-position counter)
+        self.spec_accepted_per_pos = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank); the engine cannot step afterwards."""
@@ -249,6 +266,8 @@ class Engine:
         if offload is not None:
             offload.poll()
             before = offload.counters()
+        if self.spec is not None:
+            self._propose()
         plan = self.scheduler.plan()
         if not plan.scheduled:
             self.scheduler.apply(plan)
@@ -258,7 +277,7 @@ class Engine:
             return []
         step = _Step(plan, t0, before, 0 if plan.long else sum(len(seq) for seq, _ in plan.admitted))
         # no step is in flight here, so this one takes the next number (_record counts them as they complete)
-        with annotate(step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens, self._step_index)):
+        with annotate(self._range_name(plan, self._step_index)):
             self._launch(step)
             if self._async and step.launched is not None and step.launched.tokens is not None:
                 self._inflight = step
@@ -347,7 +366,7 @@ class Engine:
         step = _Step(plan, t0, None, sum(len(seq) for seq, _ in plan.admitted))
         self.counters["overlapped_steps"] += 1
         # `prev` is still in flight: it completes (and is numbered) first
-        with annotate(step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens, self._step_index + 1)):
+        with annotate(self._range_name(plan, self._step_index + 1)):
             self._launch(step, prev, rows)
         return step
 
@@ -365,13 +384,16 @@ class Engine:
             seq = s.seq
             if token is None or seq.is_finished:
                 continue
-            position = s.start + s.num_new_tokens
-            if position < len(seq):
-                seq.token_ids[position] = token  # the placeholder the next step was planned with
+            if isinstance(token, list):  # a verify step's row: the drafts it kept and the token after them
+                new, reason = self._commit_verified(s, token)
             else:
-                seq.append_token(token)
-            self.counters["generation_tokens"] += 1
-            reason = self._stop_reason(seq, token)
+                position = s.start + s.num_new_tokens
+                if position < len(seq):
+                    seq.token_ids[position] = token  # the placeholder the next step was planned with
+                else:
+                    seq.append_token(token)
+                self.counters["generation_tokens"] += 1
+                new, reason = [token], self._stop_reason(seq, token)
             finished = reason is not None
             if finished:
                 if seq.detokenizer.flush() and reason != "stop":
@@ -382,12 +404,68 @@ class Engine:
                 if self.request_log is not None:
                     self.request_log.finished(seq.request_id, time.perf_counter(), reason, seq.num_output_tokens,
                                               seq.num_cached_tokens or 0, self._step_index)
-            outputs.append(self._output(seq, [token], finished))
+            outputs.append(self._output(seq, new, finished))
         duration = time.perf_counter() - step.t0
         if self.request_log is not None:
             self.request_log.step(self._step_index, plan, step.t0, duration, tokens)
         self._record(step, duration)
         return outputs
+
+    def _propose(self) -> None:
+        """Draft tokens for every running request about to decode, as many as it can still take (its max_tokens
+        and the context bound the tokens a verify step adds: its accepted drafts and one more)."""
+        spec = self.spec
+        wanted, ks = [], []
+        for seq in self.scheduler.running:
+            seq.spec_token_ids = []
+            if seq.num_uncomputed_tokens != 1 or seq.num_output_tokens == 0:
+                continue
+            k = min(spec.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - len(seq) - 1)
+            if k > 0:
+                wanted.append(seq)
+                ks.append(k)
+        if not wanted:
+            return
+        with annotate("draft"):
+            if self.drafter is not None:
+                drafts = self.drafter.propose(wanted, ks)
+            else:
+                drafts = [propose_ngram(seq.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+                          for seq, k in zip(wanted, ks)]
+        for seq, draft in zip(wanted, drafts):
+            seq.spec_token_ids = draft
+
+    def _commit_verified(self, s: ScheduledSeq, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Hand a verify row's tokens to its request, up to a stop; the KV of its rejected drafts is given up (the
+        sequence's computed length rolls back to its last accepted draft, and blocks left empty are freed)."""
+        seq = s.seq
+        accepted = len(tokens) - 1
+        if s.num_draft_tokens:
+            self.counters["spec_decode_num_drafts"] += 1
+            self.counters["spec_decode_num_draft_tokens"] += s.num_draft_tokens
+            self.counters["spec_decode_num_accepted_tokens"] += accepted
+            for i in range(accepted):
+                self.spec_accepted_per_pos[i] += 1
+        seq.spec_token_ids = []
+        seq.num_computed_tokens = s.start + 1 + accepted
+        new, reason = [], None
+        for token in tokens:
+            seq.append_token(token)
+            new.append(token)
+            self.counters["generation_tokens"] += 1
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                break
+        if reason is None:
+            self.block_manager.truncate(seq, seq.num_computed_tokens)
+            self.block_manager.register_full_blocks(seq)  # blocks the accepted drafts filled
+        return new, reason
+
+    def _range_name(self, plan: StepPlan, number: int) -> str:
+        if self._step_label is not None:
+            return step_range_name(self._step_label, plan.batch_size, plan.num_tokens)
+        return step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens, number)
 
     def _record(self, step: _Step, duration: float) -> None:
         plan = step.plan
@@ -469,6 +547,19 @@ class _Step:
     tokens: list[int | None] | None = None  # a long-context step's tokens (it runs synchronously)
     computed: bool = False  # update_computed already applied (the next step was planned before this one ended)
     published: list = dataclasses.field(default_factory=list)
+
+
+def _drafter(spec, config: EngineConfig, model_dir: Path, hf_config: dict) -> DraftModelProposer | None:
+    """The draft model's engine (None for n-gram drafting or none), with KV for one request of the longest context
+    (more requests at a time when shorter: its scheduler queues the rest)."""
+    if spec is None or spec.method != "draft_model":
+        return None
+    draft_dir = check_model_dir(draft_model_dir(spec.model))
+    check_same_vocabulary(model_dir, draft_dir)
+    context = config.max_model_len or hf_config.get("max_position_embeddings") or 0
+    draft_positions = read_json(draft_dir / "config.json").get("max_position_embeddings") or context
+    tokens = -(-min(context, draft_positions) // config.block_size) * config.block_size
+    return DraftModelProposer(draft_dir, config, max(tokens, config.block_size))
 
 
 def _offload_budgets(config: EngineConfig, hf_config: dict) -> tuple[int, EngineConfig]:

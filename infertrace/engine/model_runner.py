@@ -26,7 +26,8 @@ from infertrace.engine.models.loader import load_weights
 from infertrace.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from infertrace.engine.parallel import SINGLE, TensorParallel
 from infertrace.engine.sampler import Sampler, greedy_tokens
-from infertrace.engine.scheduler import StepKind, StepPlan
+from infertrace.engine.rejection_sampler import verify
+from infertrace.engine.scheduler import ScheduledSeq, StepKind, StepPlan
 from infertrace.engine.step_buffers import StepBuffers
 
 _CPU_FLOAT16_FALLBACK = torch.float32  # float16 matmuls are slow or missing on CPUs
@@ -81,6 +82,15 @@ class StepInputs:
         return len(self.seq_lens)
 
 
+def _input_tokens(s: ScheduledSeq) -> list[int]:
+    """The tokens a scheduled request feeds the step: its next ones, then the drafts it verifies (those past the
+    end of its tokens)."""
+    tokens = s.seq.token_ids[s.start : s.start + s.num_new_tokens]
+    if len(tokens) < s.num_new_tokens:
+        return tokens + s.seq.spec_token_ids[: s.num_new_tokens - len(tokens)]
+    return tokens
+
+
 def _padded(tables: list[list[int]]) -> np.ndarray:
     """Block tables as one [requests, longest table] int64 array, padded with 0."""
     widths = np.fromiter(map(len, tables), np.int64, len(tables))
@@ -115,9 +125,15 @@ class LaunchedStep:
     host: torch.Tensor | None  # pinned copy of `tokens`, valid once `event` has completed (CUDA only)
     event: torch.cuda.Event | None
     other_ranks: OtherRanks | None = None  # waited through: a dead rank is an error, not a wait for ever
+    # a verify step's outcome, per request that samples: its accepted drafts and the token after them
+    verified: list[list[int]] | None = None
 
-    def results(self) -> list[int | None]:
-        """Wait for the step; the sampled token of each scheduled request (None mid-prefill)."""
+    def results(self) -> list[int | list[int] | None]:
+        """Wait for the step; the sampled token of each scheduled request (None mid-prefill); in a verify step,
+        the list of tokens each request gained."""
+        if self.verified is not None:
+            it = iter(self.verified)
+            return [next(it) if sampled else None for sampled in self.samples]
         if self.tokens is None:
             values: list[int] = []
         elif self.event is not None:
@@ -353,6 +369,8 @@ class ModelRunner:
             sampling = [s for s, sampled in zip(plan.scheduled, samples) if sampled]
             if not sampling:
                 return LaunchedStep(plan, samples, None, None, None)
+            if plan.verifies:  # waits for the step: the next one is planned from its outcome
+                return LaunchedStep(plan, samples, None, None, None, verified=verify(self.sampler, logits, sampling))
             tokens = self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
             if self.other_ranks is not None and self.share_tokens and not inputs.greedy:
                 self._broadcast_tokens(tokens)
@@ -427,8 +445,7 @@ class ModelRunner:
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(qlens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        input_ids = np.fromiter(chain.from_iterable([s.seq.token_ids[s.start : s.start + s.num_new_tokens]
-                                                     for s in scheduled]), np.int64, num_tokens)
+        input_ids = np.fromiter(chain.from_iterable([_input_tokens(s) for s in scheduled]), np.int64, num_tokens)
         token_seq = np.repeat(np.arange(num_seqs), qlens)  # request of each token
         positions = np.arange(num_tokens) + (starts - query_start_loc[:-1])[token_seq]
         block_tables = _padded([s.seq.block_table for s in scheduled])
@@ -436,6 +453,13 @@ class ModelRunner:
         slot_mapping = block_tables[token_seq, positions // bs] * bs + positions % bs
         samples = np.fromiter((s.samples for s in scheduled), bool, num_seqs)
         logits_indices = query_start_loc[1:][samples] - 1
+        # a row's drafts are its tokens past the end of the sequence; it takes logits at its last token and each
+        drafts = starts + qlens - np.fromiter((len(s.seq.token_ids) for s in scheduled), np.int64, num_seqs)
+        if (drafts > 0).any():
+            drafts = drafts[samples]
+            counts = drafts + 1
+            first = np.repeat(logits_indices - drafts, counts)
+            logits_indices = first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         return StepInputs(input_ids, positions, slot_mapping, query_start_loc, (starts + qlens).tolist(), query_lens,
                           logits_indices, block_tables, plan.kind is StepKind.DECODE)
 

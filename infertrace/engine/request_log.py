@@ -23,10 +23,11 @@ FRONTEND_STAMPS = ("received", "tokenized", "first_output", "sent")
 # up to 128 characters, ten numbers of up to 20 characters), a step, and a row, one of a request's own or, as the
 # read walks every row of the steps it gives, any of theirs.
 REQUEST_JSON_BYTES = 720
-STEP_JSON_BYTES = 240
+STEP_JSON_BYTES = 300
 ROW_JSON_BYTES = 32
+DRAFT_JSON_BYTES = 28  # with speculative decoding, a row's [step, drafted, accepted] in its request's "drafts"
 
-_KIND_CODE = {"prefill": "P", "decode": "D", "mixed": "M"}
+_KIND_CODE = {"prefill": "P", "decode": "D", "mixed": "M", "verify": "V"}
 _KIND_NAME = {v: k for k, v in _KIND_CODE.items()}
 
 
@@ -54,10 +55,11 @@ class _Request:
 
 class _Step:
     __slots__ = ("number", "kind", "start", "end", "duration", "ids", "tokens", "prefill", "sampled", "preempted",
-                 "rows_before")
+                 "rows_before", "drafted", "accepted")
 
     def __init__(self, number: int, kind: str, start: float, duration: float, ids: tuple[str, ...],
-                 tokens: array, prefill: bytes, sampled: bytes, preempted: int, rows_before: int) -> None:
+                 tokens: array, prefill: bytes, sampled: bytes, preempted: int, rows_before: int,
+                 drafted: bytes | None = None, accepted: bytes | None = None) -> None:
         self.number = number
         self.kind = kind
         self.start = start
@@ -69,6 +71,9 @@ class _Step:
         self.sampled = sampled  # per row: 1 where a token was sampled from it
         self.preempted = preempted
         self.rows_before = rows_before  # rows of every step logged before this one: rows between two steps
+        # a verify step's rows: draft tokens verified, and those accepted (None in other steps)
+        self.drafted = drafted
+        self.accepted = accepted
 
 
 class RequestLog:
@@ -78,10 +83,13 @@ class RequestLog:
     what it returns however full the log is: a cursor read (`limit=0`) takes constant time, a page its own
     requests and the steps they span."""
 
-    def __init__(self, max_requests: int, max_step_rows: int = DEFAULT_MAX_STEP_ROWS) -> None:
+    def __init__(self, max_requests: int, max_step_rows: int = DEFAULT_MAX_STEP_ROWS,
+                 speculative: bool = False) -> None:
         if max_requests < 1 or max_step_rows < 1:
             raise ValueError("a request log keeps at least one request and one step row")
         self.max_requests = max_requests
+        self.speculative = speculative
+        self.row_json_bytes = ROW_JSON_BYTES + (DRAFT_JSON_BYTES if speculative else 0)
         self.max_step_rows = max_step_rows
         self._ring: list[_Request] = []  # request number `seq` at index seq % max_requests
         self._live: dict[str, _Request] = {}  # the latest record of each engine id still in the ring
@@ -121,11 +129,15 @@ class RequestLog:
         tokens = array("i", [s.num_new_tokens for s in scheduled])
         prefill = bytes([s.is_prefill for s in scheduled])
         took = bytes([t is not None for t in sampled])
+        drafted = accepted = None
+        if self.speculative and plan.verifies:  # a verify row's tokens: its accepted drafts, then one more
+            drafted = bytes([s.num_draft_tokens for s in scheduled])
+            accepted = bytes([len(t) - 1 if isinstance(t, list) else 0 for t in sampled])
         if plan.preempted:
             self.preempted([seq.request_id for seq in plan.preempted], number)
         steps = self._steps
         steps.append(_Step(number, _KIND_CODE[plan.kind.value], start, duration, ids, tokens, prefill, took,
-                           len(plan.preempted), self._rows_total))
+                           len(plan.preempted), self._rows_total, drafted, accepted))
         self._rows += len(ids)
         self._rows_total += len(ids)
         while self._rows > self.max_step_rows and len(steps) - self._head > 1:
@@ -191,6 +203,7 @@ class RequestLog:
         if cut is not None:
             hi = min(hi, cut)
         rows: dict[str, list[list]] = {}
+        drafts: dict[str, list[list]] = {}
         by_key: dict[str, _Request] = {}
         for rec in chosen:  # a reused id: the later record owns the steps after its arrival
             by_key[rec.key] = rec
@@ -204,10 +217,17 @@ class RequestLog:
                 rec = by_key.get(key)
                 if rec is not None and st.start >= rec.arrival - 1e-9:
                     rows.setdefault(key, []).append([st.number, n, prefill, took])
+            if st.drafted is not None:
+                for key, drafted, accepted in zip(st.ids, st.drafted, st.accepted):
+                    rec = by_key.get(key)
+                    if drafted and rec is not None and st.start >= rec.arrival - 1e-9:
+                        drafts.setdefault(key, []).append([st.number, drafted, accepted])
             steps_out.append({"step": st.number, "kind": _KIND_NAME[st.kind], "start": st.start,
                               "duration": st.duration, "batch_size": len(st.ids), "num_tokens": sum(st.tokens),
                               "prefill_tokens": prefill_tokens, "prefill_rows": prefill_rows,
-                              "preempted": st.preempted})
+                              "preempted": st.preempted,
+                              "drafted_tokens": sum(st.drafted) if st.drafted is not None else 0,
+                              "accepted_tokens": sum(st.accepted) if st.accepted is not None else 0})
         dropped = self._dropped_start
         requests = []
         for rec in chosen:
@@ -221,6 +241,8 @@ class RequestLog:
                 # steps before the oldest kept one were dropped from the ring: this request's list misses them
                 "steps_complete": (dropped is None or dropped < rec.arrival) and cut is None,
                 "steps": own,
+                # speculative decoding: [step, draft tokens verified, accepted] per verify step with drafts
+                "drafts": drafts.get(rec.key, []) if by_key.get(rec.key) is rec else [],
             })
         return {"clock": "perf_counter", "now": time.perf_counter() if now is None else now,
                 "next": chosen[-1].seq + 1 if chosen else self._count,
@@ -256,7 +278,7 @@ class RequestLog:
     def _size(self, requests: int, lo: int, hi: int) -> int:
         """An upper bound of the JSON of `requests` requests and the steps lo..hi (excluded)."""
         return (REQUEST_JSON_BYTES * requests + STEP_JSON_BYTES * (hi - lo)
-                + ROW_JSON_BYTES * self._rows_between(lo, hi))
+                + self.row_json_bytes * self._rows_between(lo, hi))
 
     def _window(self, chosen: list[_Request]) -> tuple[int, int]:
         """The indices of the steps `chosen` may have ridden: from the first one that ended after the first

@@ -42,27 +42,39 @@ class Sampler:
 
     @staticmethod
     def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-        logits = logits / p.temperature
-        top_k = p.top_k_or_none
-        if top_k is not None and top_k < logits.numel():
-            values, ids = torch.topk(logits, top_k)  # sorted, descending
-            probs = torch.softmax(values, dim=-1)  # renormalised over the top k
-        elif p.top_p < 1.0:
-            # the top-p set is nearly always small: look among the top n first instead of sorting the vocabulary
-            full = torch.softmax(logits, dim=-1)
-            n = 1024
-            while True:
-                values, ids = torch.topk(full, min(n, full.numel()))
-                if n >= full.numel() or float(values.sum()) >= p.top_p:
-                    break
-                n *= 8
-            probs = values
-        else:
-            ids, probs = None, torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            # keep the smallest prefix whose mass reaches top_p (the top token always stays)
-            probs = probs.masked_fill((torch.cumsum(probs, dim=-1) - probs) >= p.top_p, 0.0)
-        # argmax of p / Exp(1) noise draws index i with probability p_i / sum(p), and is much cheaper than multinomial
-        noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-        choice = torch.argmax(probs / noise)
-        return choice if ids is None else ids[choice]
+        ids, probs = target_probs(logits, p)
+        return draw(ids, probs, generator)
+
+
+def target_probs(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The distribution a sampled row draws from (float32 logits of one row): (token ids, their weights), ids None
+    when the weights cover the whole vocabulary. The weights are not normalised once top-p has cut the tail."""
+    logits = logits / p.temperature
+    top_k = p.top_k_or_none
+    if top_k is not None and top_k < logits.numel():
+        values, ids = torch.topk(logits, top_k)  # sorted, descending
+        probs = torch.softmax(values, dim=-1)  # renormalised over the top k
+    elif p.top_p < 1.0:
+        # the top-p set is nearly always small: look among the top n first instead of sorting the vocabulary
+        full = torch.softmax(logits, dim=-1)
+        n = 1024
+        while True:
+            values, ids = torch.topk(full, min(n, full.numel()))
+            if n >= full.numel() or float(values.sum()) >= p.top_p:
+                break
+            n *= 8
+        probs = values
+    else:
+        ids, probs = None, torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+        probs = probs.masked_fill((torch.cumsum(probs, dim=-1) - probs) >= p.top_p, 0.0)
+    return ids, probs
+
+
+def draw(ids: torch.Tensor | None, probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token from `target_probs`' weights (normalised or not)."""
+    # argmax of p / Exp(1) noise draws index i with probability p_i / sum(p), and is much cheaper than multinomial
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    choice = torch.argmax(probs / noise)
+    return choice if ids is None else ids[choice]

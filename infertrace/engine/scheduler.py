@@ -28,19 +28,22 @@ class StepKind(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     MIXED = "mixed"
+    VERIFY = "verify"  # decodes only, some with draft tokens to verify
 
 
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     start: int  # tokens with KV before this step (prefix-cache hits included)
-    num_new_tokens: int
+    num_new_tokens: int  # draft tokens included
     is_prefill: bool
+    num_draft_tokens: int = 0  # the first this many of seq.spec_token_ids, after its last token: verified here
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so a token is sampled from its last position."""
-        return self.start + self.num_new_tokens == len(self.seq)
+        """Whether this chunk reaches the end of the sequence, so a token is sampled from its last position (and,
+        with drafts, one from each draft's position)."""
+        return self.start + self.num_new_tokens - self.num_draft_tokens == len(self.seq)
 
 
 class HostPrefixTier(Protocol):
@@ -76,11 +79,18 @@ class StepPlan:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
+    def verifies(self) -> bool:
+        """Whether a request verifies draft tokens in this step (a verify step, or a mixed step with prefills)."""
+        return any(s.num_draft_tokens for s in self.scheduled)
+
+    @property
     def kind(self) -> StepKind:
         prefill = sum(s.is_prefill for s in self.scheduled)
         if prefill == len(self.scheduled):
             return StepKind.PREFILL
-        return StepKind.DECODE if prefill == 0 else StepKind.MIXED
+        if prefill:
+            return StepKind.MIXED
+        return StepKind.VERIFY if self.verifies else StepKind.DECODE
 
 
 class Scheduler:
@@ -130,7 +140,12 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            n = self._chunk(seq.num_uncomputed_tokens, budget, alone=not plan.scheduled)
+            # a decode with drafts: its last token and as many drafts as the budget takes, whatever the chunking
+            drafts = len(seq.spec_token_ids) if seq.num_uncomputed_tokens == 1 else 0
+            if drafts:
+                n = min(1 + drafts, budget)
+            else:
+                n = self._chunk(seq.num_uncomputed_tokens, budget, alone=not plan.scheduled)
             if n == 0:
                 i += 1
                 continue
@@ -147,7 +162,10 @@ class Scheduler:
             free -= need
             budget -= n
             start = seq.num_computed_tokens
-            plan.scheduled.append(ScheduledSeq(seq, start, n, n > 1 or start < seq.num_prompt_tokens))
+            if drafts:
+                plan.scheduled.append(ScheduledSeq(seq, start, n, False, n - 1))
+            else:
+                plan.scheduled.append(ScheduledSeq(seq, start, n, n > 1 or start < seq.num_prompt_tokens))
             i += 1
 
         if plan.preempted:

@@ -31,6 +31,9 @@ class Sequence:
         # prompt tokens served from the prefix cache when the request was first scheduled
         self.num_cached_tokens: int | None = None
         self.block_table: list[int] = []
+        # draft tokens proposed for the next step, which verifies them; never part of token_ids, so that only
+        # committed tokens are ever hashed into the prefix cache
+        self.spec_token_ids: list[int] = []
         self.num_registered_blocks = 0  # leading full blocks published to the prefix cache
         self._block_hashes: list[int] = []
         self.generator: Any = None  # torch.Generator for a seeded request
@@ -83,3 +86,4 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table = []
         self.num_registered_blocks = 0
+        self.spec_token_ids = []

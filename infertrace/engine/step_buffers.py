@@ -29,7 +29,7 @@ class StepBuffers:
             "query_start_loc": (max_seqs + 1,),
             "seq_lens": (max_seqs,),
             "block_tables": (max_seqs, max_blocks_per_seq),
-            "logits_indices": (max_seqs,),
+            "logits_indices": (max_tokens,),  # a verify step's rows take logits at every draft's position
             "decode_order": (max_seqs,),  # a decode step's rows, longest context first (`decode_order`)
             # the attention tile list of a step replayed from a token-count graph (see TokenGraphs)
             "attn_tile_seq": (max_tiles,),
