@@ -67,6 +67,7 @@ class VllmServer:
     model_dir: Path
     trace_dir: Path  # the torch profiler's directory (`--profiler-config`)
     log_path: Path
+    otlp_port: int | None = None  # where its spans go (--otlp-traces-endpoint), when it exports them
     stopped: bool = field(default=False)
 
     @property
@@ -177,8 +178,12 @@ def wait_ready(server: VllmServer, timeout_s: float = READY_TIMEOUT_S) -> None:
                 f"{server.log_tail()}", pytrace=False)
 
 
+# the port the tier's servers export their OTLP spans to, reserved once per session: bench's --otlp-receiver
+# listens there during a run, and nothing does between runs (vLLM's exporter then drops its batches)
+OTLP_PORT = free_port()
 # the arguments every server of the tier takes besides the model, its port and the profiler's directory
-DEFAULT_ARGS: tuple[str, ...] = ("--enable-per-request-metrics",)
+DEFAULT_ARGS: tuple[str, ...] = ("--enable-per-request-metrics", "--otlp-traces-endpoint",
+                                 f"grpc://127.0.0.1:{OTLP_PORT}")
 
 
 class VllmServers:
@@ -226,7 +231,8 @@ class VllmServers:
         with open(log_path, "wb") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        env=env, cwd=root, start_new_session=True, preexec_fn=_die_with_parent)
-        server = VllmServer(process, python, port, self._model_dir, trace_dir, log_path)
+        server = VllmServer(process, python, port, self._model_dir, trace_dir, log_path,
+                            OTLP_PORT if f"grpc://127.0.0.1:{OTLP_PORT}" in args else None)
         atexit.register(server.stop)  # a session that dies before the finalizer runs still leaves no server
         self._previous_handler = _stop_on_sigterm(server)
         try:
