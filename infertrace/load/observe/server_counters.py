@@ -132,6 +132,8 @@ def prefix_cache_figures(cfg, workload: dict | None, scrape, requests: int) -> d
             "implied_prefix_cache_hit_rate": implied, "prefix_cache_warnings": warnings}
 
 
+SPEC_FIGURES = ("source", "drafts", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
+                "per_position_acceptance_rate")  # from the counters; `requests` from the responses
 SGLANG_SPEC_SOURCE = ("sglang:spec_accept_rate and sglang:spec_accept_length at the last scrape (its last "
                       "decode-log interval, not limited to the run); drafts from sglang:spec_verify_calls_total")
 
@@ -149,9 +151,7 @@ def speculative_decoding(scrape, results) -> dict | None:
     counters = _spec_counters(scrape) if scrape is not None else None
     if counters is None and per_request is None:
         return None
-    return {**(counters or dict.fromkeys(("source", "drafts", "draft_tokens", "accepted_tokens", "acceptance_rate",
-                                          "mean_acceptance_length", "per_position_acceptance_rate"))),
-            "requests": per_request}
+    return {**(counters or dict.fromkeys(SPEC_FIGURES)), "requests": per_request}
 
 
 def run_speculative_decoding(record) -> dict | None:
@@ -176,8 +176,8 @@ def _spec_counters(scrape) -> dict | None:
     return {"source": "counters", "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-            "per_position_acceptance_rate": [a / drafts if drafts and a is not None else None
-                                             for a in per_position] if drafts else None}
+            "per_position_acceptance_rate": [None if a is None else a / drafts for a in per_position]
+            if drafts else None}
 
 
 def _whole(count: float | None) -> int | None:
