@@ -12,7 +12,7 @@ from rich.console import Console
 from infertrace.gate.results import Run
 from infertrace.load.config import BenchConfig
 from infertrace.load.observe.observer import Observed
-from infertrace.load.observe.scrape import ScrapeSeries, parse_exposition
+from infertrace.load.observe.scrape import ScrapeSeries, parse_exposition, server_kind
 from infertrace.load.observe.server_counters import SGLANG_SPEC_SOURCE, speculative_decoding, vllm_spec_keys
 from infertrace.load.records import RequestResult
 from infertrace.load.report.page import render_html, report_document
@@ -22,6 +22,7 @@ from infertrace.load.results.render import summary_table
 from infertrace.load.results.result import point_result
 from infertrace.load.server_metrics import spec_counts, speculative_summary
 from infertrace.load.stats import Stats
+from infertrace.server.frontend.metrics import ServerMetrics, render
 from tests.load.test_load_response_metrics import final_usage
 from tests.load.test_load_response_metrics import run as run_stream
 from tests.load.test_load_timing import DONE, comp
@@ -82,6 +83,21 @@ def test_vllms_counters_are_read_under_common_names_with_each_position_apart():
 def test_two_engines_add_up_per_position():
     _, counters = parse_exposition(vllm_exposition(91, 215, 209, (91, 60, 58), engines=("0", "1")))
     assert counters["spec_decode_drafts"] == 182.0 and counters["spec_decode_accepted_per_pos[2]"] == 116.0
+
+
+def test_infertrace_serve_exports_its_engines_counters_under_the_same_fields():
+    def body(drafts, drafted, accepted):
+        counters = {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": drafted,
+                    "spec_decode_num_accepted_tokens": accepted}
+        return render("tiny", {"counters": counters}, ServerMetrics().snapshot())
+
+    series = scrapes(body(0, 0, 0), body(10, 30, 24))
+    series.server = server_kind(body(0, 0, 0))
+    block = speculative_decoding(series, [])
+    assert series.server == "infertrace" and block["source"] == "counters"
+    assert (block["drafts"], block["draft_tokens"], block["accepted_tokens"]) == (10, 30, 24)
+    assert block["acceptance_rate"] == 0.8 and block["mean_acceptance_length"] == 3.4
+    assert block["per_position_acceptance_rate"] is None  # the engine exports no per-position counter
 
 
 def test_the_runs_acceptance_follows_vllms_definitions_from_the_counters_growth():

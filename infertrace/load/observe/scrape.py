@@ -54,9 +54,12 @@ COUNTER_FIELDS: dict[str, tuple[str, ...]] = {
     "generation_tokens": ("vllm:generation_tokens", "sglang:generation_tokens", "infertrace:generation_tokens"),
     # Speculative decoding. vLLM 0.33.0 vllm/v1/spec_decode/metrics.py (SpecDecodingProm; the same in 0.32.0): a draft
     # is one request's proposal in one step. SGLang 0.5.23 counts its verify steps per request, the same unit.
-    "spec_decode_drafts": ("vllm:spec_decode_num_drafts", "sglang:spec_verify_calls"),
-    "spec_decode_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
-    "spec_decode_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    # infertrace serve exports its engine's counters of the same names (infertrace/engine/engine.py).
+    "spec_decode_drafts": ("vllm:spec_decode_num_drafts", "sglang:spec_verify_calls",
+                           "infertrace:spec_decode_num_drafts"),
+    "spec_decode_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "infertrace:spec_decode_num_draft_tokens"),
+    "spec_decode_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",
+                                    "infertrace:spec_decode_num_accepted_tokens"),
 }
 # Counters split by a label whose value matters: family -> (label, common field); each value is its own common
 # field, `field[value]`, summed over the other labels (engines).

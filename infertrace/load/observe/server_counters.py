@@ -177,7 +177,7 @@ def _spec_counters(scrape) -> dict | None:
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
             "per_position_acceptance_rate": [None if a is None else a / drafts for a in per_position]
-            if drafts else None}
+            if drafts and per_position else None}  # None: not counted by position (infertrace serve)
 
 
 def _whole(count: float | None) -> int | None:
