@@ -47,20 +47,22 @@ def _figure(v) -> float | None:
 
 
 SPEC_COUNTS = ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens")
+MAX_HISTOGRAM = 257  # buckets of accepted drafts per step kept (k + 1): drafters propose a few tokens, trees tens
 SPEC_STATS = ("mean", "min", "p50", "p90", "p99", "max")
 
 
 def spec_counts(spec) -> tuple[int, int, int, list[int] | None] | None:
     """(steps, draft tokens, accepted draft tokens, histogram) of a response's `speculative_decoding`; None where
     a count is no non-negative integer or more drafts were accepted than proposed (the histogram, when it does not
-    add up to the steps, is None)."""
+    add up to the steps or is longer than MAX_HISTOGRAM, is None)."""
     if not isinstance(spec, dict):
         return None
     counts = [spec.get(k) for k in SPEC_COUNTS]
     if not all(_count(c) for c in counts) or counts[2] > counts[1]:
         return None
     histogram = spec.get("acceptance_histogram")
-    if not (isinstance(histogram, list) and all(_count(h) for h in histogram) and sum(histogram) == counts[0]):
+    if not (isinstance(histogram, list) and len(histogram) <= MAX_HISTOGRAM and all(_count(h) for h in histogram)
+            and sum(histogram) == counts[0]):
         histogram = None
     return counts[0], counts[1], counts[2], histogram
 

@@ -202,6 +202,7 @@ def test_a_malformed_figure_is_no_figure(bad):
 
 def test_a_histogram_that_does_not_add_up_is_dropped_not_the_counts():
     assert spec_counts(spec(2, 6, 3, [0, 1, 0, 0])) == (2, 6, 3, None)
+    assert spec_counts(spec(2, 6, 3, [0, 1, 1] + [0] * 1_000_000)) == (2, 6, 3, None)  # not pooled into the result
     summary = speculative_summary([done(0, {"speculative_decoding": spec(2, 6, 3, [0, 1, 0, 0])})])
     assert summary["acceptance_histogram"] is None and summary["accepted_tokens"] == 3
 
