@@ -135,20 +135,41 @@ async def test_malformed_exports_are_refused_with_the_protocol_s_error_and_count
     finally:
         await receiver.close()
     assert receiver.received.malformed_exports == 4  # two undecodable, two too large over HTTP
-    assert [r.request_id for r in receiver.log().records] == ["run-0"]
+    assert [r.request_id for r in (await receiver.collect(set(), grace_s=0)).records] == ["run-0"]
 
 
-async def test_spans_past_the_bound_are_dropped_and_counted(monkeypatch):
-    monkeypatch.setattr(otlp_receiver, "MAX_SPANS", 2)
+async def test_exports_are_held_in_the_window_and_read_after_it():
     port = _port()
     receiver = SpanReceiver([f"grpc://127.0.0.1:{port}"])
     await receiver.start()
     try:
-        await asyncio.to_thread(_exporter("grpc", port).export, _vllm_spans(5))
+        await asyncio.to_thread(_exporter("grpc", port).export, _vllm_spans(3))
+        assert receiver.received.exports == 1 and receiver.received.records == {}  # parsed, not read
+        assert [r.request_id for r in (await receiver.collect({"run-0"}, grace_s=5)).records] == ["run-0", "run-1"]
+        # past `collect` the next window holds again
+        await asyncio.to_thread(_exporter("grpc", port).export, _vllm_spans(1, trace_context.traceparent("x")))
+        assert len(receiver.received.records) == 2
     finally:
         await receiver.close()
-    assert len(receiver.received.records) == 2 and receiver.received.dropped_spans == 2
-    assert any("past the 2 kept" in w for w in receiver.warnings())
+
+
+async def test_spans_past_the_bound_are_dropped_and_counted(monkeypatch):
+    monkeypatch.setattr(otlp_receiver, "MAX_SPANS", 8)
+    port = _port()
+    receiver = SpanReceiver([f"grpc://127.0.0.1:{port}"])
+    await receiver.start()
+    try:
+        export = _exporter("grpc", port).export
+        await asyncio.to_thread(export, _vllm_spans(5))  # six spans, held in the window
+        await asyncio.to_thread(export, _vllm_spans(5))  # six more: past the bound, dropped whole
+        assert receiver.received.dropped_spans == 6
+        await receiver.collect(set(), grace_s=0)
+        receiver._reading = True  # after the window, each span read as it comes, and kept to the bound
+        await asyncio.to_thread(export, [s for s in _vllm_spans(11) if s.name == "llm_request"][5:10])
+    finally:
+        await receiver.close()
+    assert len(receiver.received.records) == 8 and receiver.received.dropped_spans == 6 + 1
+    assert any("past the 8 kept" in w for w in receiver.warnings())
 
 
 async def test_a_taken_port_is_one_line():
