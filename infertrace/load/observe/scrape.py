@@ -54,12 +54,9 @@ COUNTER_FIELDS: dict[str, tuple[str, ...]] = {
     "generation_tokens": ("vllm:generation_tokens", "sglang:generation_tokens", "infertrace:generation_tokens"),
     # Speculative decoding. vLLM 0.33.0 vllm/v1/spec_decode/metrics.py (SpecDecodingProm; the same in 0.32.0): a draft
     # is one request's proposal in one step. SGLang 0.5.23 counts its verify steps per request, the same unit.
-    # infertrace serve exports its engine's counters of the same names (infertrace/engine/engine.py).
-    "spec_decode_drafts": ("vllm:spec_decode_num_drafts", "sglang:spec_verify_calls",
-                           "infertrace:spec_decode_num_drafts"),
-    "spec_decode_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "infertrace:spec_decode_num_draft_tokens"),
-    "spec_decode_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",
-                                    "infertrace:spec_decode_num_accepted_tokens"),
+    "spec_decode_drafts": ("vllm:spec_decode_num_drafts", "sglang:spec_verify_calls"),
+    "spec_decode_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "spec_decode_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
 }
 # Counters split by a label whose value matters: family -> (label, common field); each value is its own common
 # field, `field[value]`, summed over the other labels (engines).
@@ -76,7 +73,9 @@ _COMMON = set(GAUGE_FIELDS) | set(COUNTER_FIELDS) | set(INFO_FIELDS.values())
 _LABELLED_PREFIXES = tuple(f"{f}[" for _, f in LABELLED_COUNTER_FIELDS.values())
 # averaged over engines/ranks, not added
 _MEAN_FIELDS = {"kv_usage", "prefix_cache_hit_rate", "kv_block_size", "spec_accept_rate", "spec_accept_length"}
-_SERVERS = {"vllm:": "vllm", "sglang:": "sglang", "infertrace:": "infertrace"}
+# infertrace first: infertrace serve writes a few families under vLLM's own names (its speculative decoding's), and
+# neither vLLM nor SGLang writes an `infertrace:` one
+_SERVERS = {"infertrace:": "infertrace", "vllm:": "vllm", "sglang:": "sglang"}
 
 
 class NotPrometheus(ValueError):
