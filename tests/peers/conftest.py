@@ -103,6 +103,14 @@ class VllmServer:
         with urllib.request.urlopen(request, timeout=120) as r:
             return json.loads(r.read())
 
+    def reset_prefix_cache(self) -> None:
+        """Empties the server's prefix cache (nothing may be in flight), so that a run finds none of an earlier
+        run's prompts."""
+        self.check_alive()
+        request = urllib.request.Request(self.base_url + "/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(request, timeout=30) as r:
+            assert r.status == 200, r.status
+
     def counters(self) -> dict[str, float]:
         """The server's cumulative counters now, under infertrace's common names (prompt_tokens,
         generation_tokens, prefix_cache_queries, prefix_cache_hits, preemptions, ...)."""
@@ -219,8 +227,10 @@ class VllmServers:
         trace_dir = root / "traces"
         log_path = root / "server.log"
         port = free_port()
+        # dev mode serves POST /reset_prefix_cache: each side-by-side run starts from an empty prefix cache
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+               "VLLM_SERVER_DEV_MODE": "1"}
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self._model_dir),
                    "--served-model-name", SERVED_NAME, "--max-model-len", "2048", "--host", "127.0.0.1",
                    "--port", str(port),
