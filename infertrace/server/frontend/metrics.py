@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 PREFIX = "infertrace:"
+VLLM_PREFIX = "vllm:"  # speculative decoding's counters keep vLLM's own names, which dashboards and bench read
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STEP_TIME_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 STEP_BOUNDS = (*STEP_TIME_BUCKETS_S, math.inf)  # the `le` labels of the step-time histograms
@@ -163,9 +164,15 @@ def render(model_name: str, engine_stats: dict[str, Any], server: dict[str, Any]
     out.metric("prefix_cache_hit_rate", "gauge", "Prefix-cache hits over queries, in tokens, since start.",
                hits / queries if queries else 0.0)
     for key, value in sorted(engine_counters.items()):
+        if key.startswith("spec_decode_"):
+            continue  # under vLLM's names below
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             name = key if key.endswith("_total") else f"{key}_total"
             out.metric(name, "counter", _COUNTER_HELP.get(key, f"Engine counter {key}."), value)
+
+    per_pos = engine_stats.get("spec_accepted_per_pos")
+    if per_pos is not None:
+        _spec_decode(out, engine_counters, per_pos)
 
     out.header("request_success_total", "counter", "Requests finished, by finish reason.")
     for reason, n in sorted(_labelled(counts, "finished").items()):
@@ -183,22 +190,36 @@ def render(model_name: str, engine_stats: dict[str, Any], server: dict[str, Any]
     return out.text()
 
 
+def _spec_decode(out: _Writer, counters: dict[str, Any], per_pos: list[int]) -> None:
+    """vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py in 0.33.0): acceptance rate is
+    accepted / draft tokens, mean acceptance length 1 + accepted / drafts."""
+    for key, help_text in (("num_drafts", "Number of spec decoding drafts: requests' verify steps with drafts."),
+                           ("num_draft_tokens", "Number of draft tokens."),
+                           ("num_accepted_tokens", "Number of accepted tokens.")):
+        out.metric(f"spec_decode_{key}_total", "counter", help_text, counters.get(f"spec_decode_{key}", 0),
+                   prefix=VLLM_PREFIX)
+    name = "spec_decode_num_accepted_tokens_per_pos_total"
+    out.header(name, "counter", "Accepted tokens per draft position.", prefix=VLLM_PREFIX)
+    for position, n in enumerate(per_pos):
+        out.sample(name, n, prefix=VLLM_PREFIX, position=str(position))
+
+
 class _Writer:
     def __init__(self, common_labels: dict[str, str]) -> None:
         self.common = common_labels
         self.lines: list[str] = []
 
-    def header(self, name: str, kind: str, help_text: str) -> None:
-        self.lines.append(f"# HELP {PREFIX}{name} {help_text}")
-        self.lines.append(f"# TYPE {PREFIX}{name} {kind}")
+    def header(self, name: str, kind: str, help_text: str, prefix: str = PREFIX) -> None:
+        self.lines.append(f"# HELP {prefix}{name} {help_text}")
+        self.lines.append(f"# TYPE {prefix}{name} {kind}")
 
-    def sample(self, name: str, value: float, **labels: str) -> None:
+    def sample(self, name: str, value: float, prefix: str = PREFIX, **labels: str) -> None:
         pairs = ",".join(f'{k}="{_escape(str(v))}"' for k, v in {**self.common, **labels}.items())
-        self.lines.append(f"{PREFIX}{name}{{{pairs}}} {_number(value)}")
+        self.lines.append(f"{prefix}{name}{{{pairs}}} {_number(value)}")
 
-    def metric(self, name: str, kind: str, help_text: str, value: float) -> None:
-        self.header(name, kind, help_text)
-        self.sample(name, value)
+    def metric(self, name: str, kind: str, help_text: str, value: float, prefix: str = PREFIX) -> None:
+        self.header(name, kind, help_text, prefix)
+        self.sample(name, value, prefix)
 
     def histograms(self, name: str, help_text: str, label: str, snapshots: dict[str, list]) -> None:
         """One histogram family, a series per `label` value: {value: [cumulative counts, sum, count]}."""
