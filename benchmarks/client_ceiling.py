@@ -23,6 +23,11 @@ a response), and CPU us/event is the figure to compare.
     python benchmarks/client_ceiling.py --events-per-write 1 --pace-ms 8 --concurrency 256 --tokens 128 \
         --requests 1024 --vllm /tmp/venvs/vllm/bin/vllm      # a real server's shape: one token a write, 8 ms apart
 
+With --otlp the server also exports an `llm_request` span per request, as vLLM does (the attributes of vLLM 0.33's
+vllm/tracing/utils.py, a batch every second over HTTP/protobuf, under the request's traceparent), and a row
+`infertrace --otlp` runs bench with --otlp-receiver on that port and --otlp-traces-endpoint at the same receiver:
+its CPU us/event beside the plain row's is what receiving the spans and exporting bench's own cost per event.
+
 Placement reads the CPU topology (/sys/devices/system/cpu/cpu*/topology/thread_siblings_list): every client runs
 on whole physical cores of its own, one logical CPU of each (a hyperthread sibling is left idle), and the server
 takes the physical cores that the largest --workers count leaves. With --workers W, infertrace also runs
@@ -67,10 +72,12 @@ def _sse(obj) -> bytes:
 class InstantServer:
     """Streams `max_tokens` one-token events per request with no delay; keeps every arrival time."""
 
-    def __init__(self, events_per_write: int, pace_s: float = 0.0) -> None:
+    def __init__(self, events_per_write: int, pace_s: float = 0.0, otlp_port: int | None = None) -> None:
         self.events_per_write = events_per_write
         self.pace_s = pace_s  # between one write of a response and the next: a real server's pace, not instant
         self._bodies: dict[tuple[bool, int], list[tuple[bytes, int]]] = {}
+        self.otlp_port = otlp_port  # where each request's llm_request span goes (--otlp), else None
+        self.finished: list[tuple[str, str | None, int, int]] = []  # (request id, traceparent, start, end ns)
         self.reset()
 
     def reset(self) -> None:
@@ -103,6 +110,7 @@ class InstantServer:
         from aiohttp import web
 
         self.arrivals.append(time.perf_counter())  # CLOCK_MONOTONIC: the same clock in every process
+        started_ns = time.time_ns()
         body = await request.json()
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 1024)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -114,7 +122,57 @@ class InstantServer:
                 await asyncio.sleep(self.pace_s)
         await resp.write_eof()
         self.events += n
+        if self.otlp_port is not None:
+            self.finished.append((request.headers.get("X-Request-Id", ""), request.headers.get("traceparent"),
+                                  started_ns, time.time_ns()))
         return resp
+
+    async def export_spans(self) -> None:
+        """Every second, the finished requests' spans to the OTLP receiver, as vLLM's BatchSpanProcessor sends
+        them; a receiver that is not there costs the batch."""
+        import asyncio
+
+        import aiohttp
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+        from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+        from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+        def attr(key, **value):
+            return KeyValue(key=key, value=AnyValue(**value))
+
+        url = f"http://127.0.0.1:{self.otlp_port}/v1/traces"
+        async with aiohttp.ClientSession() as session:
+            while True:
+                await asyncio.sleep(1.0)
+                done, self.finished = self.finished, []
+                if not done:
+                    continue
+                spans = []
+                for rid, traceparent, start, end in done:
+                    _, trace_id, parent, _ = (traceparent or f"00-{'0' * 31}1-{'0' * 16}-01").split("-")
+                    latency = (end - start) / 1e9
+                    spans.append(Span(
+                        trace_id=bytes.fromhex(trace_id), span_id=os.urandom(8), parent_span_id=bytes.fromhex(parent),
+                        name="llm_request", kind=Span.SPAN_KIND_SERVER, start_time_unix_nano=start,
+                        end_time_unix_nano=end, attributes=[
+                            attr("gen_ai.request.id", string_value=f"cmpl-{rid}-0"),
+                            attr("gen_ai.response.model", string_value="ceiling"),
+                            attr("gen_ai.request.max_tokens", int_value=1024),
+                            attr("gen_ai.usage.prompt_tokens", int_value=8),
+                            attr("gen_ai.usage.completion_tokens", int_value=1024),
+                            attr("gen_ai.latency.time_in_queue", double_value=0.0),
+                            attr("gen_ai.latency.time_to_first_token", double_value=0.0),
+                            attr("gen_ai.latency.time_in_model_prefill", double_value=0.0),
+                            attr("gen_ai.latency.time_in_model_decode", double_value=latency),
+                            attr("gen_ai.latency.time_in_model_inference", double_value=latency),
+                            attr("gen_ai.latency.e2e", double_value=latency)]))
+                body = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[
+                    ScopeSpans(spans=spans)])]).SerializeToString()
+                try:
+                    async with session.post(url, data=body, headers={"Content-Type": "application/x-protobuf"}):
+                        pass
+                except (aiohttp.ClientError, OSError):
+                    pass
 
     async def models(self, request):
         from aiohttp import web
@@ -136,13 +194,14 @@ class InstantServer:
         return web.json_response(out)
 
 
-def serve(port: int, control_port: int, events_per_write: int, pace_s: float = 0.0) -> None:
+def serve(port: int, control_port: int, events_per_write: int, pace_s: float = 0.0,
+          otlp_port: int | None = None) -> None:
     """One server process: the shared port (SO_REUSEPORT) for clients, a port of its own for /stats."""
     import asyncio
 
     from aiohttp import web
 
-    server = InstantServer(events_per_write, pace_s)
+    server = InstantServer(events_per_write, pace_s, otlp_port)
     app = web.Application()
     for path in ("/v1/completions", "/v1/chat/completions"):
         app.router.add_post(path, server.generate)
@@ -155,6 +214,8 @@ def serve(port: int, control_port: int, events_per_write: int, pace_s: float = 0
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port, reuse_port=True).start()
         await web.TCPSite(runner, "127.0.0.1", control_port).start()
+        if otlp_port is not None:
+            await server.export_spans()
         await asyncio.Event().wait()
 
     asyncio.run(main())
@@ -333,6 +394,9 @@ def infertrace_cmd(url: str, args, workdir: Path, workers: int | None = None) ->
     cmd = [sys.executable, "-m", "infertrace", "bench", "--base-url", url, "--dataset", "jsonl",
            "--dataset-path", str(prompts), "--concurrency", str(args.concurrency * (workers or 1)), "--warmup", "0",
            "--ignore-eos", "--scrape-interval", "0", "--result-json", str(workdir / "infertrace.json")]
+    if args.otlp_on:  # the spans the server sends, received; bench's own, sent to the same receiver
+        receiver = f"http://127.0.0.1:{args.otlp_port}"
+        cmd += ["--otlp-receiver", receiver, "--otlp-traces-endpoint", f"{receiver}/v1/traces"]
     if workers is None:
         return cmd + ["--num-prompts", str(args.requests)]
     return cmd + ["--workers", str(workers), "--duration", str(args.duration),
@@ -406,6 +470,11 @@ def clients(args, place: dict) -> list[tuple[str, object, list[int], int]]:
     """(name, command maker, CPUs, requests in flight) of every client of this run, in the order they run."""
     one = place["client_cpus"][:1]
     out = [("infertrace", infertrace_cmd, one, args.concurrency)]
+    if args.otlp:
+        def with_otlp(url, a, d):
+            return infertrace_cmd(url, argparse.Namespace(**{**vars(a), "otlp_on": True}), d)
+
+        out.append(("infertrace --otlp", with_otlp, one, args.concurrency))
     for flag in ("vllm", "guidellm", "aiperf"):
         if getattr(args, flag):
             out.append((flag, globals()[f"{flag}_cmd"], one, args.concurrency))
@@ -465,13 +534,20 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds of each --workers run")
     parser.add_argument("--server-procs", type=int, default=0,
                         help="server processes (0: one per physical core the clients leave)")
+    parser.add_argument("--otlp", action="store_true", help="the server exports a span per request, and a row "
+                        "`infertrace --otlp` receives them (--otlp-receiver) and exports its own")
+    parser.add_argument("--otlp-port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write every run to this file")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--control-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.otlp_on = False
     if args.serve:
-        serve(args.port, args.control_port, args.events_per_write, args.pace_ms / 1000)
+        serve(args.port, args.control_port, args.events_per_write, args.pace_ms / 1000, args.otlp_port or None)
         return
+    if args.otlp:
+        os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"  # bench's own spans, to the receiver
+        args.otlp_port = args.otlp_port or args.port + 1000
     args.worker_counts = [int(w) for w in args.workers.split(",")] if args.workers else []
     if (args.vllm or args.guidellm or args.aiperf) and args.tokenizer is None:
         from infertrace.load.client.embedded_target import default_model_dir
@@ -494,7 +570,8 @@ def main() -> None:
     servers = [subprocess.Popen(_pin(core) + [sys.executable, __file__, "--serve", "--port", str(args.port),
                                               "--control-port", str(args.port + 1 + k),
                                               "--events-per-write", str(args.events_per_write),
-                                              "--pace-ms", str(args.pace_ms)])
+                                              "--pace-ms", str(args.pace_ms),
+                                              *(["--otlp-port", str(args.otlp_port)] if args.otlp else [])])
                for k, core in enumerate(place["server_cores"])]
     results: dict[str, list[dict]] = {name: [] for name, *_ in runs}
     try:
@@ -520,7 +597,7 @@ def main() -> None:
           + (f", one write each {args.pace_ms:g} ms per stream ({args.events_per_write} events a write)"
              if args.pace_ms else ""))
     print(render(rows, shared))
-    doc = {"setup": {k: v for k, v in vars(args).items() if k not in ("serve", "control_port")},
+    doc = {"setup": {k: v for k, v in vars(args).items() if k not in ("serve", "control_port", "otlp_on")},
            "topology": cores, "placement": place, "load_average_before": load_before,
            "load_average_after": os.getloadavg(), "median": rows, "runs": results}
     if args.json:
