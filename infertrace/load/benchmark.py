@@ -101,6 +101,10 @@ def make_load(cfg: BenchConfig, tokenizer, point: int = 0,
         return TraceReplay(cfg, tokenizer, max_model_len)
     if cfg.dataset == "conversation":
         return ConversationLoad(cfg, tokenizer, DEFAULT_OUTPUT_LEN, point)
+    if cfg.endpoint == "embeddings":
+        from infertrace.load.workloads.embedding_batches import EmbeddingLoad
+
+        return EmbeddingLoad(cfg, tokenizer, point, max_model_len)
     return PromptLoad(cfg, tokenizer, point, max_model_len)
 
 
@@ -196,10 +200,10 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
     if cfg.otlp_traces_endpoint and not interrupted:
         hooks.on_info(await asyncio.to_thread(spans_out.export, cfg.otlp_traces_endpoint, results,
                                               epoch_offset_ns))
-    metrics = compute_metrics(results, cfg.request_slo)
+    metrics = compute_metrics(results, cfg.request_slo, cfg.endpoint == "embeddings")
     duration = metrics.duration
     cpu = runner.cpu_window  # over the same window as the duration
-    compare_prompts = target.counts_with_own_tokenizer and cfg.endpoint == "completions"
+    compare_prompts = target.counts_with_own_tokenizer and cfg.endpoint in ("completions", "embeddings")
     return PointRecord(
         config=cfg, results=results, warmup_results=warm.results, metrics=metrics, request_log=joined,
         token_checks=token_count_checks(results, compare_prompts),

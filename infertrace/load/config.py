@@ -8,7 +8,7 @@ from pathlib import Path
 
 from infertrace import config_fields
 
-ENDPOINTS = ("completions", "chat")
+ENDPOINTS = ("completions", "chat", "embeddings")
 SERVER_METRICS_MODES = ("auto", "on", "off")  # --server-metrics
 DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl", "trace", "conversation")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")  # per-request bounds: goodput
@@ -31,7 +31,10 @@ RESERVED_BODY_KEYS = {  # request-body keys bench sets itself, and the option th
     "temperature": "use --temperature", "ignore_eos": "use --ignore-eos",
     "prompt": "the dataset gives the prompts", "messages": "the dataset gives the prompts",
     "n": "bench measures one choice a request",
+    "input": "the dataset gives the inputs (--random-batch-size of them a request)",
 }
+EMBEDDINGS_DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl")  # one answer a request: no session, no trace
+STREAMED_SLO_METRICS = ("ttft", "tpot", "itl")  # an embeddings answer comes whole: only E2EL is measured
 
 
 def _finite_positive(name: str, value: float | None, unit: str = "") -> None:
@@ -62,6 +65,7 @@ class BenchConfig:
     turns: int = 3  # conversation without a file: turns of each synthetic session
     turn_input_len: int = 128  # conversation without a file: tokens of each user message
     think_time_s: float = 0.0  # conversation: pause between a reply and the next turn
+    embed_batch_size: int = 1  # embeddings: inputs each request carries (vLLM's --random-batch-size)
     # load shape
     num_prompts: int = 32
     duration_s: float | None = None
@@ -125,6 +129,7 @@ class BenchConfig:
         if self.dataset in ("sharegpt", "jsonl") and not self.dataset_path:
             raise ValueError(f"--dataset {self.dataset} needs --dataset-path FILE")
         self._check_trace_and_sessions()
+        self._check_embeddings()
         for name in ("input_len", "prefix_len", "num_prefixes", "num_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -180,6 +185,25 @@ class BenchConfig:
         if self.profile and self.base_url is None:
             raise ValueError("--profile starts a server's profiler; it needs --base-url")
         self._check_tracing()
+
+    def _check_embeddings(self) -> None:
+        if self.embed_batch_size < 1:
+            raise ValueError(f"embed_batch_size must be at least 1, got {self.embed_batch_size}")
+        if self.endpoint != "embeddings":
+            if self.embed_batch_size > 1:
+                raise ValueError("--random-batch-size batches the inputs of /v1/embeddings: add --endpoint embeddings")
+            return
+        if self.base_url is None:
+            raise ValueError("--endpoint embeddings sends to a server: pass --base-url (infertrace serve answers "
+                             "/v1/embeddings)")
+        if self.dataset not in EMBEDDINGS_DATASETS:
+            raise ValueError(f"--endpoint embeddings takes prompts of --dataset {', '.join(EMBEDDINGS_DATASETS)}, "
+                             f"not {self.dataset}")
+        for key in self.slo:
+            metric = "ttft" if key == "ttft_ms" else "tpot" if key == "tpot_ms" else (percentile_slo(key) or (0, ""))[1]
+            if metric in STREAMED_SLO_METRICS:
+                raise ValueError(f"SLO {key}: an embeddings answer comes whole, so there is no {metric.upper()}; "
+                                 "bound e2el_ms instead")
 
     def _check_tracing(self) -> None:
         from infertrace.load.observe.otlp_receiver import parse_url

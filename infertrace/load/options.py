@@ -67,7 +67,11 @@ _OPTIONS = (  # in the order --help lists them
                   "http://127.0.0.1:8000 (--url is the same flag, as `profile` spells it). Without it the bundled "
                   "engine runs in-process."),
     click.option("--endpoint", type=click.Choice(ENDPOINTS),
-                  help=f"Which API to stream from: /v1/completions or /v1/chat/completions. {_d('endpoint')}"),
+                  help="Which API to load: /v1/completions or /v1/chat/completions (streamed), or /v1/embeddings "
+                  f"(one answer a request: E2EL, no TTFT/TPOT/ITL). {_d('endpoint')}"),
+    click.option("--random-batch-size", "--embed-batch-size", "embed_batch_size", type=int, metavar="N",
+                  help="Embeddings: inputs each request carries, as `vllm bench serve --random-batch-size` batches "
+                  f"them (--num-prompts still counts requests). {_d('embed_batch_size')}"),
     click.option("--model", metavar="NAME|DIR", help="Server: the model name to send (default: the first one the "
                   "server lists), or its local directory, which then also gives the tokenizer. Embedded: a model "
                   f"directory or a preset ({', '.join(PRESETS)}; default: tiny), made on first use under "

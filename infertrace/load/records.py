@@ -38,6 +38,7 @@ class RequestSpec:
     session: int | None = None
     turn: int | None = None
     request_id: str | None = None  # sent as X-Request-Id; set per send by `measure` when the target names requests
+    inputs: list | None = None  # /v1/embeddings: the batch of inputs one request carries (texts or token-id lists)
 
 
 @dataclass(slots=True)
@@ -55,6 +56,7 @@ class StreamEvent:
     output: bool = False  # carries a choice that stands for generated tokens, even if its text is empty
     reasoning_only: bool = False  # output of reasoning alone (`reasoning_content` / `reasoning`), no answer text
     server_metrics: dict | None = None  # the server's own figures for the request (vLLM's `metrics` object)
+    embeddings: int | None = None  # a whole /v1/embeddings answer: how many vectors it held (it ends the request)
 
 
 @dataclass(slots=True)
@@ -89,6 +91,7 @@ class RequestResult:
     # the W3C trace context it was sent with (load/client/trace_context.py), where it went over HTTP
     trace_id: str | None = None
     span_id: str | None = None
+    num_inputs: int | None = None  # /v1/embeddings: the inputs the request carried and got a vector for
 
     @property
     def success(self) -> bool:
@@ -131,6 +134,7 @@ class RequestResult:
             "tokenizer_output_tokens": self.tokenizer_output_tokens, "finish_reason": self.finish_reason,
             **({"session": self.session, "turn": self.turn} if self.session is not None else {}),
             **({"text_cut": True} if self.text_cut else {}),
+            **({"num_inputs": self.num_inputs} if self.num_inputs is not None else {}),
             "request_id": self.request_id,
             **({"trace_id": self.trace_id, "span_id": self.span_id} if self.trace_id is not None else {}),
             **_server_json(self.server),

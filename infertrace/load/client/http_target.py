@@ -21,7 +21,7 @@ from infertrace.load.client.timing import TargetError
 from infertrace.load.client.trace_context import traceparent
 from infertrace.load.records import RequestSpec, StreamEvent
 
-ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "embeddings": "/v1/embeddings"}
 READ_BUFSIZE = 4 * 1024 * 1024  # aiohttp's 64 KiB default throttles long streamed lines and fast servers
 PREFLIGHT_TIMEOUT_S = 10.0
 RESET_PREFIX_CACHE_PATHS = ("/reset_prefix_cache", "/flush_cache")  # vLLM's, then SGLang's
@@ -150,6 +150,18 @@ async def _read_capped(resp, max_bytes: int) -> bytes | None:
         if len(data) > max_bytes:
             return None
     return bytes(data)
+
+
+async def _embeddings_event(resp: StreamResponse, sent: int) -> StreamEvent:
+    """The whole answer to a /v1/embeddings request, read up to MAX_ANSWER_BYTES, as one event."""
+    from infertrace.load.client.embeddings import decode_embeddings
+
+    data = bytearray()
+    async for chunk in resp.chunks():
+        data += chunk
+        if len(data) > MAX_ANSWER_BYTES:
+            return StreamEvent(error=f"malformed response: the answer is larger than {_size(MAX_ANSWER_BYTES)}")
+    return decode_embeddings(bytes(data), sent)
 
 
 def _size(n: int) -> str:
@@ -496,6 +508,8 @@ class HttpTarget:
                           "(vLLM serves /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1)")
 
     def body(self, spec: RequestSpec) -> dict:
+        if self.endpoint == "embeddings":
+            return self.embeddings_body(spec)
         stream_options = {"include_usage": True}
         if self.continuous_usage:  # left out, not sent as false: some servers reject the key itself
             stream_options["continuous_usage_stats"] = True
@@ -520,6 +534,15 @@ class HttpTarget:
             body["rid"] = spec.request_id  # SGLang names a request by the body's rid, not X-Request-Id
         body.update(self.extra_body)
         return body
+
+    def embeddings_body(self, spec: RequestSpec) -> dict:
+        """/v1/embeddings: the batch of inputs (a built prompt without a tokenizer goes as its token ids), not
+        streamed; --prompt-salt's line goes before each text input."""
+        inputs = spec.inputs if spec.inputs is not None else [spec.prompt if spec.prompt or spec.prompt_ids is None
+                                                              else spec.prompt_ids]
+        if self.prompt_salt:
+            inputs = [self.salt_line + x if isinstance(x, str) else x for x in inputs]
+        return {"model": self.model, "input": inputs, **self.extra_body}
 
     def new_request_id(self) -> str:
         return next(self._request_ids)
@@ -557,6 +580,9 @@ class HttpTarget:
             async with self.transport.stream(self.path, self.body(spec), headers) as resp:
                 if resp.status != 200:
                     yield [StreamEvent(error=f"HTTP {resp.status}: {error_message(await resp.text())}")]
+                    return
+                if self.endpoint == "embeddings":
+                    yield [await _embeddings_event(resp, 1 if spec.inputs is None else len(spec.inputs))]
                     return
                 parser, done = SSEParser(), False
                 try:

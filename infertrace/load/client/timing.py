@@ -52,6 +52,11 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
                         result.prompt_tokens = ev.prompt_tokens
                     if ev.server_metrics is not None and reads_metrics:
                         server_metrics = ev.server_metrics
+                    if ev.embeddings is not None:  # one whole answer: no first token, only the end (E2EL)
+                        result.num_inputs, result.e2el = ev.embeddings, t - t0
+                        result.output_tokens, result.output_source = 0, TokenSource.USAGE
+                        finished = True
+                        break
                     n = ev.num_tokens
                     if ev.completion_tokens is None:
                         continuous = continuous and (not ev.output or n is not None)
@@ -100,10 +105,11 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
             if usage_tokens == len(result.chunk_tokens) and None in result.chunk_tokens:
                 result.chunk_tokens = [1] * usage_tokens  # every text event holds >= 1 token, so exactly 1
     if result.expected_prompt_tokens is not None and (salt := target.salt_tokens):
-        result.expected_prompt_tokens += salt  # --prompt-salt's line went before the prompt
+        # --prompt-salt's line went before the prompt (before each input of an embeddings batch)
+        result.expected_prompt_tokens += salt * (len(spec.inputs) if spec.inputs is not None else 1)
     if result.error is None and not finished:
         result.error = "disconnect: the stream ended before the response finished"
-    elif result.error is None and last_text_t is None:  # as `vllm bench serve`: no TTFT, no success
+    elif result.error is None and last_text_t is None and result.num_inputs is None:  # as `vllm bench serve`
         result.error = "empty response: the stream finished without any generated output"
     return result
 

@@ -35,6 +35,9 @@ class Metrics:
     max_output_tokens_per_s: float = 0.0  # the busiest one-second bucket, as `vllm bench serve` counts it
     max_concurrent_requests: int = 0  # the most requests active in one one-second bucket, likewise
     itl_per_token_requests: int = 0  # successful requests whose every chunk's token count is known
+    # /v1/embeddings (None for streamed generation): the inputs the successful requests carried, and per second
+    total_input_sequences: int | None = None
+    input_sequence_throughput: float | None = None
 
 
 def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
@@ -71,7 +74,10 @@ def peak_per_second(results: list[RequestResult]) -> tuple[float, int]:
     return float(tokens.max()), int(active.max())
 
 
-def compute_metrics(results: list[RequestResult], slo: dict[str, float] | None = None) -> Metrics:
+def compute_metrics(results: list[RequestResult], slo: dict[str, float] | None = None,
+                    embeddings: bool = False) -> Metrics:
+    """The run's figures; with `embeddings`, also the inputs sent (vLLM 0.32's calculate_metrics_for_embeddings in
+    benchmarks/serve.py: inputs of the successful requests, and per second of the run)."""
     done = [r for r in results if r.success]
     duration = (max(r.end for r in results) - min(r.t0 for r in results)) if results else 0.0
     total_in = sum(input_tokens(r) for r in done)
@@ -85,6 +91,7 @@ def compute_metrics(results: list[RequestResult], slo: dict[str, float] | None =
     # a request with one chunk of unknown size has no per-token figure at all: what it holds would be a sample of
     # its smaller chunks only (those of known size), which a speculating server's bursts leave out
     per_token = [r for r in done if r.chunk_tokens and None not in r.chunk_tokens]
+    sequences = sum(r.num_inputs or 0 for r in done) if embeddings else None
     return Metrics(
         completed=len(done), failed=len(results) - len(done), duration=duration,
         total_input_tokens=total_in, total_output_tokens=total_out,
@@ -101,6 +108,7 @@ def compute_metrics(results: list[RequestResult], slo: dict[str, float] | None =
         failures=dict(Counter(r.error.split(":", 1)[0] for r in results if r.error is not None)),
         output_token_sources=dict(Counter(r.output_source.value for r in done if r.output_source)),
         max_output_tokens_per_s=peak[0], max_concurrent_requests=peak[1], itl_per_token_requests=len(per_token),
+        total_input_sequences=sequences, input_sequence_throughput=None if sequences is None else rate(sequences),
     )
 
 
@@ -169,6 +177,8 @@ def token_count_warnings(checks: dict[str, int], chunk_counted: bool) -> list[st
 
 def vllm_keys(m: Metrics) -> dict:
     """The top-level keys of a `vllm bench serve` result file, with the same names and units."""
+    if m.total_input_sequences is not None:
+        return embeddings_keys(m)
     out = {
         "completed": m.completed, "failed": m.failed, "duration": m.duration,
         "total_input_tokens": m.total_input_tokens, "total_output_tokens": m.total_output_tokens,
@@ -182,6 +192,22 @@ def vllm_keys(m: Metrics) -> dict:
     out["request_goodput"] = out["goodput"] = m.goodput  # vLLM's name, and the name used throughout infertrace
     out["max_output_tokens_per_s"] = m.max_output_tokens_per_s
     out["max_concurrent_requests"] = m.max_concurrent_requests
+    return out
+
+
+def embeddings_keys(m: Metrics) -> dict:
+    """An embeddings run's keys as `vllm bench serve` 0.32 writes them (benchmarks/serve.py, the result of
+    calculate_metrics_for_embeddings): no output, TTFT, TPOT or ITL, since the answer comes whole; E2EL's
+    statistics as for generation."""
+    out = {
+        "completed": m.completed, "failed": m.failed, "duration": m.duration,
+        "total_input_tokens": m.total_input_tokens, "total_input_sequences": m.total_input_sequences,
+        "request_throughput": m.request_throughput, "input_sequence_throughput": m.input_sequence_throughput,
+        "total_token_throughput": m.total_token_throughput,
+    }
+    for stat in ("mean", "median", "std", "p90", "p95", "p99"):
+        out[f"{stat}_e2el_ms"] = getattr(m.e2el, stat)
+    out["request_goodput"] = out["goodput"] = m.goodput
     return out
 
 

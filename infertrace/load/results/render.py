@@ -187,6 +187,13 @@ def summary_table(record: PointRecord) -> Table:
         ("steady output throughput (tok/s)", _steady(record)),
         ("total token throughput (tok/s)", _num(m.total_token_throughput)),
     ]
+    if m.total_input_sequences is not None:  # embeddings: no output; the inputs the requests carried instead
+        rows = [row for row in rows if "output" not in row[0]]
+        per_request = m.total_input_sequences / m.completed if m.completed else None
+        rows.insert(rows.index(("duration (s)", _num(m.duration))) + 1,
+                    ("total inputs", f"{m.total_input_sequences}  ({_num(per_request)} per request)"))
+        rows.insert(rows.index(("request throughput (req/s)", _num(m.request_throughput))) + 1,
+                    ("input throughput (inputs/s)", _num(m.input_sequence_throughput)))
     if m.goodput is not None:
         rows.append((f"goodput (req/s) {slo_text(cfg.request_slo)}", _num(m.goodput)))
     rows += workload_rows(record.workload)
@@ -199,8 +206,11 @@ def summary_table(record: PointRecord) -> Table:
     latencies = [("TTFT (ms)", m.ttft)]
     if (ttfct := content_ttft(record.results)) is not None:  # a reasoning model: thinking came before the answer
         latencies.append(("TTFCT, to the answer (ms)", ttfct))
-    for label, s in (*latencies, ("TPOT (ms)", m.tpot), ("ITL per chunk (ms)", m.itl),
-                     ("ITL per token (ms)", m.itl_per_token), ("E2EL (ms)", m.e2el)):
+    latencies += [("TPOT (ms)", m.tpot), ("ITL per chunk (ms)", m.itl), ("ITL per token (ms)", m.itl_per_token)]
+    if m.total_input_sequences is not None:
+        t.add_row("TTFT, TPOT, ITL", "none: an embeddings answer comes whole, so only E2EL is measured")
+        latencies = []
+    for label, s in (*latencies, ("E2EL (ms)", m.e2el)):
         text = f"mean {_num(s.mean)}  median {_num(s.median)}  p99 {_num(s.p99)}"
         if s is m.itl_per_token:
             text = per_token_text(text, m.itl_per_token_requests, m.completed)

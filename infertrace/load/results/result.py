@@ -133,7 +133,7 @@ def _input_len_source(results) -> str | None:
     return "usage" if any(r.prompt_tokens is not None for r in results) else None
 
 
-BACKENDS = {"completions": "openai", "chat": "openai-chat"}  # vLLM's --backend names for the two endpoints
+BACKENDS = {"completions": "openai", "chat": "openai-chat", "embeddings": "openai-embeddings"}  # vLLM's --backend names
 
 
 def run_keys(config: dict, target, now: dt.datetime) -> dict:
