@@ -37,7 +37,7 @@ def phase_json(result: PhaseResult) -> dict:
         "engine_config": result.engine_config, "seconds": round(result.seconds, 3),
         "result": point_result(result.record) if result.record is not None else None,
         "profile": result.profile.to_json() if result.profile is not None else None,
-        "profile_error": result.profile_error, "trace_dir": result.trace_dir,
+        "profile_error": result.profile_error, "trace_dir": result.trace_dir, "spec_decode": result.spec_decode,
     }
 
 

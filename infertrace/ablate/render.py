@@ -118,14 +118,26 @@ def waterfall_table(title: str, rows: list[WaterfallRow]) -> Table:
     """One row per phase; a failed phase keeps its row, with dashes for figures and the reason under its name."""
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     t.add_column("phase", min_width=12, max_width=44, overflow="fold")
-    for header in ("tok/s", "vs\nprev", "vs\nfirst", "TTFT\np50 ms", "ITL\np50 ms", "kernels/\ndecode step",
-                   "GPU\nidle"):
+    drafted = any(r.acceptance_rate is not None for r in rows)  # a recipe of speculative decoding
+    headers = ["tok/s", "vs\nprev", "vs\nfirst", "TTFT\np50 ms", "ITL\np50 ms"]
+    headers += ["draft\naccepted"] if drafted else []
+    for header in (*headers, "kernels/\ndecode step", "GPU\nidle"):
         t.add_column(header, justify="right", no_wrap=True)
     for row in rows:
+        cells = [_num(row.median_ttft_ms, "{:.1f}"), _num(row.median_itl_ms, "{:.2f}")]
+        cells += [_acceptance(row)] if drafted else []
         t.add_row(_phase(row), _num(row.output_throughput, "{:.1f}"), _change(row.change_vs_previous),
-                  _change(row.change_vs_first), _num(row.median_ttft_ms, "{:.1f}"), _num(row.median_itl_ms, "{:.2f}"),
-                  _kernels(row), _num(row.gpu_idle_share, "{:.0%}"))
+                  _change(row.change_vs_first), *cells, _kernels(row), _num(row.gpu_idle_share, "{:.0%}"))
     return t
+
+
+def _acceptance(row: WaterfallRow) -> Text:
+    """The share of draft tokens accepted; under it the mean acceptance length (tokens per verify row)."""
+    if row.acceptance_rate is None:
+        return Text("-")
+    cell = Text(f"{row.acceptance_rate:.0%}")
+    cell.append(f"\n{row.mean_acceptance_length:.2f} len", style="dim")
+    return cell
 
 
 def table_notes(rows: list[WaterfallRow], profiled: bool) -> list[str]:

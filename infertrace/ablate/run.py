@@ -59,6 +59,9 @@ class PhaseResult:
     trace_dir: str | None = None
     seconds: float = 0.0
     tuning: dict = dataclasses.field(default_factory=dict)  # the kernel rules it ran with
+    # speculative decoding over the measured load (warm-up included): the engine's drafts, draft tokens and
+    # accepted tokens (SPEC_COUNTERS); None when the phase drafted nothing
+    spec_decode: dict | None = None
 
     @property
     def output_throughput(self) -> float | None:
@@ -122,8 +125,12 @@ async def run_phase(phase: PlannedPhase, cfg, model_dir: Path, profile: ProfileS
         hooks.on_phase("loading the engine", None, None)
         await target.open()
         result.engine_config = dataclasses.asdict(target.engine.config)
+        before = _spec_counters(target.engine)
         record = await run_point(cfg, target, MonotonicClock(), interrupter, hooks)
         result.record = record
+        after = _spec_counters(target.engine)
+        if after["num_draft_tokens"] > before["num_draft_tokens"]:
+            result.spec_decode = {k: after[k] - before[k] for k in SPEC_COUNTERS}
         result.status, result.error, result.note = judge(record)
         if profile.enabled and trace_dir is not None and result.status is PhaseStatus.OK:
             result.trace_dir = str(trace_dir)
@@ -146,6 +153,14 @@ async def run_phase(phase: PlannedPhase, cfg, model_dir: Path, profile: ProfileS
             result.profile_error = one_line(exc)
     result.seconds = time.perf_counter() - start
     return result
+
+
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def _spec_counters(engine) -> dict[str, int]:
+    """The engine's speculative-decoding counters now (read between steps: they are plain ints)."""
+    return {k: engine.counters.get(f"spec_decode_{k}", 0) for k in SPEC_COUNTERS}
 
 
 @contextlib.contextmanager

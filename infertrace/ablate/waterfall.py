@@ -25,6 +25,9 @@ class WaterfallRow:
     attention_kernels_per_decode_step: float | None
     cpu_ops_per_decode_step: float | None  # a CPU trace's stand-in for kernels
     gpu_idle_share: float | None
+    # speculative decoding: accepted / draft tokens, and 1 + accepted / drafts (tokens per verify row, vLLM's)
+    acceptance_rate: float | None
+    mean_acceptance_length: float | None
     detail: str | None  # the error of a failed phase; for one that ran, failed requests or a missing profile
 
     def to_json(self) -> dict:
@@ -38,6 +41,7 @@ def waterfall(results: list[PhaseResult]) -> list[WaterfallRow]:
         tput = r.output_throughput
         m = r.record.metrics if r.record is not None else None
         p = r.profile
+        spec = r.spec_decode
         rows.append(WaterfallRow(
             phase=r.name, status=r.status.value, output_throughput=tput,
             change_vs_previous=_change(tput, previous), change_vs_first=_change(tput, first),
@@ -47,6 +51,8 @@ def waterfall(results: list[PhaseResult]) -> list[WaterfallRow]:
             attention_kernels_per_decode_step=p.attention_kernels_per_decode_step if p else None,
             cpu_ops_per_decode_step=p.cpu_ops_per_decode_step if p else None,
             gpu_idle_share=p.gpu_idle_share if p else None,
+            acceptance_rate=spec["num_accepted_tokens"] / spec["num_draft_tokens"] if spec else None,
+            mean_acceptance_length=1 + spec["num_accepted_tokens"] / spec["num_drafts"] if spec else None,
             detail=r.error if r.status is not PhaseStatus.OK else _notes(r)))
         if tput is not None:
             first = tput if first is None else first
