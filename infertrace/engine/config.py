@@ -18,6 +18,7 @@ ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 ALL_REDUCE_MODES = ("auto", "nccl", "custom")
+POOLING_TYPES = ("LAST", "MEAN")  # vLLM's names (vllm/config/pooler.py); LAST is its default for decoder models
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # token counts of prefill and mixed steps: 16 apart up to 1,024 tokens (vLLM's spacing of its capture sizes above
 # 256), so a prompt chunk with the decodes of a mixed step beside it pads by at most 15 tokens (cuBLAS's GEMM time is
@@ -132,6 +133,9 @@ class EngineConfig:
     # with the steps of about the last million request rows (engine/request_log.py); 0 turns the log off
     request_log_size: int = setting(
         100_000, "Requests the request log keeps (GET /v1/request_log); 0: off.")
+    # /v1/embeddings (engine/pooling.py)
+    pooling_type: str = setting(
+        "LAST", "/v1/embeddings: pool the last layer's hidden state of the LAST token or the MEAN of all tokens.")
 
     def __post_init__(self) -> None:
         for name in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):
@@ -141,6 +145,7 @@ class EngineConfig:
         _check_sizes(self)
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        _check_choice("pooling_type", self.pooling_type, POOLING_TYPES)
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(
                 f"kv_cache_tokens={self.kv_cache_tokens} is smaller than one KV block (block_size={self.block_size})"

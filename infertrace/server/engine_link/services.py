@@ -79,4 +79,11 @@ class EngineServices:
         if name == "request_log":
             log = self.engine.request_log
             return None if log is None else log.read(**args)
+        if name == "embed":
+            from infertrace.engine.pooling import embed
+
+            try:
+                return embed(self.engine, args["inputs"])
+            except ValueError as e:
+                raise ApiError(400, str(e), param="input", code="invalid_value") from None
         raise ApiError(500, f"unknown engine command {name!r}", code="internal_error")

@@ -57,6 +57,7 @@ def build_app(engine: Any, tokenizer: Any, settings: ServerSettings,
     app[STATE] = ServerState(engine, tokenizer, settings, frontend)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/embeddings", _embeddings)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/version", _version)
@@ -144,6 +145,12 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 async def _chat(request: web.Request) -> web.StreamResponse:
     return await _generate(request, Endpoint.CHAT)
+
+
+async def _embeddings(request: web.Request) -> web.Response:
+    from infertrace.server.frontend.embeddings import answer
+
+    return await answer(request.app[STATE], await _json_body(request), request.headers)
 
 
 async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
