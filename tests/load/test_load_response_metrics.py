@@ -192,6 +192,20 @@ def test_a_server_that_sent_none_when_asked_is_told_how_to_start():
     assert "--enable-per-request-metrics" in warning
 
 
+async def test_metrics_with_only_speculative_figures_are_no_match():
+    """vLLM started with --per-request-spec-decode-metrics but not --enable-per-request-metrics sends `metrics`
+    holding only speculative_decoding: nothing to split a TTFT with, and the run is told how to start the server."""
+    spec = {"speculative_decoding": {"num_spec_steps": 2, "num_draft_tokens": 6, "num_accepted_draft_tokens": 4}}
+    reads = [*COMPLETION[:4], (10.61, final_usage(metrics=spec)), (10.62, DONE)]
+    result, _ = await run(reads)
+    assert result.server["speculative_decoding"] == spec["speculative_decoding"] and "ttft_parts" not in result.server
+    summary = response_metrics.summary([result], required=True)
+    assert summary["matched"] == 0 and summary["explained"] == 0
+    (warning,) = summary["warnings"]
+    assert "--enable-per-request-metrics" in warning
+    assert response_metrics.summary([result], required=False) is None
+
+
 def test_a_workers_records_bring_their_server_view_back():
     r = vllm_run(1)[0]
     back = msgspec.msgpack.Decoder(Batch).decode(msgspec.msgpack.encode(Batch([r]))).results[0]

@@ -4,13 +4,16 @@ each response into the request's `server` view)."""
 from __future__ import annotations
 
 from infertrace.load.records import RequestResult
-from infertrace.load.server_metrics import SOURCE, TTFT_PARTS, server_view  # noqa: F401  (the results' names)
+from infertrace.load.server_metrics import FIGURES, SOURCE, TTFT_PARTS, server_view  # noqa: F401  (the results' names)
 
 
 def summary(results: list[RequestResult], required: bool) -> dict | None:
     """The result file's join summary for the metrics the responses carried; None when none did and they were not
     required (--server-metrics on): a server that has none is no finding."""
-    matched = sum(r.server is not None and r.server.get("source") == SOURCE for r in results)
+    # a server started with --per-request-spec-decode-metrics alone sends `metrics` holding only
+    # speculative_decoding: no timing figure, so no match
+    matched = sum(r.server is not None and r.server.get("source") == SOURCE
+                  and any(r.server.get(k) is not None for k in FIGURES) for r in results)
     if not matched and not required:
         return None
     explained = sum(r.server is not None and r.server.get("source") == SOURCE
