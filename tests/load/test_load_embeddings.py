@@ -198,3 +198,24 @@ def test_batched_sums_lengths_and_keeps_token_ids():
 def test_bad_embeddings_configs_are_one_line(kwargs, words):
     with pytest.raises(ValueError, match=words):
         BenchConfig(**kwargs)
+
+
+def test_against_infertrace_serve_token_counts_are_exact(served_tiny, tiny_model_dir, tmp_path):
+    """Random inputs built to an exact length in the served model's tokenizer: the server's usage agrees with
+    every one, and the figures add up from the records."""
+    out, reqs = tmp_path / "r.json", tmp_path / "r.jsonl"
+    res = invoke("--base-url", served_tiny, "--endpoint", "embeddings", "--tokenizer", tiny_model_dir,
+                 "--input-len", 24, "--random-batch-size", 4, "--num-prompts", 5, "--warmup", 1, "--concurrency", 2,
+                 "--scrape-interval", 0, "--result-json", out, "--requests-jsonl", reqs)
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    lines = [json.loads(x) for x in reqs.read_text().splitlines()]
+    assert [x["phase"] for x in lines] == ["warmup"] + ["measured"] * 5
+    lines = lines[1:]
+    assert data["completed"] == 5 and data["total_input_sequences"] == 20
+    assert data["input_tokens_compared"] == 5 and data["input_token_mismatches"] == 0
+    assert [x["prompt_tokens"] for x in lines] == [x["expected_prompt_tokens"] for x in lines] == [96] * 5
+    assert data["total_input_tokens"] == 480
+    assert data["input_sequence_throughput"] == pytest.approx(20 / data["duration"])
+    e2el = sorted(x["e2el_ms"] for x in lines)
+    assert data["median_e2el_ms"] == pytest.approx(e2el[2]) and data["mean_e2el_ms"] == pytest.approx(sum(e2el) / 5)
