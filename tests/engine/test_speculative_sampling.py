@@ -113,7 +113,8 @@ def _sampled_pairs(model_dir, n: int, speculative: dict | None):
     from infertrace.engine import Engine, EngineConfig
 
     engine = Engine(model_dir, EngineConfig.from_overrides(
-        {"speculative_config": speculative, "max_num_seqs": n, "max_num_batched_tokens": 16384}))
+        {"speculative_config": speculative, "max_num_seqs": n, "max_num_batched_tokens": 16384,
+         "kv_cache_tokens": 65536}))
     prompt = [11, 22, 33, 44, 55, 66, 11, 22]
     for i in range(n):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=i,
