@@ -280,3 +280,26 @@ def test_request_log_records_drafted_and_accepted_per_step_per_request(tiny_mode
         rows = {row[0]: row for row in r["steps"]}
         for step, n, kept in r["drafts"]:
             assert 0 <= kept <= n and rows[step][1] == n + 1 and by_step[step]["kind"] == "verify"
+
+
+# ----- profiles -----
+
+def test_analyze_tells_draft_steps_from_verify_steps(tiny_model_dir, tmp_path):
+    """A profile of a draft-model run: the draft engine's steps read as DRAFT (without the request log's step
+    numbers, which belong to the target's steps), the target's verify steps as VERIFY."""
+    from infertrace.analyze.capture import load_capture
+    from infertrace.analyze.phases import find_steps
+    from infertrace.engine import Engine, EngineConfig
+
+    engine = Engine(tiny_model_dir, EngineConfig.from_overrides({"speculative_config": self_draft(tiny_model_dir)}))
+    for i, p in enumerate(repeating_prompts(16, 2)):
+        engine.add_request(str(i), p, greedy(12))
+    engine.start_profile(tmp_path, activities=("CPU",))
+    while engine.has_unfinished():
+        engine.step()
+    engine.stop_profile()
+    steps = find_steps(load_capture(tmp_path).ranks[0].events)
+    types = steps["type"].value_counts().to_dict()
+    assert types.get("VERIFY", 0) > 0 and types.get("DRAFT", 0) > 0
+    assert not steps.loc[steps["type"] == "DRAFT", "label"].str.contains("#").any()
+    assert steps.loc[steps["type"] == "VERIFY", "label"].str.contains("#").all()
