@@ -91,6 +91,16 @@ def _input_tokens(s: ScheduledSeq) -> list[int]:
     return tokens
 
 
+def _with_drafts(last: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+    """Logits indices of the rows that sample, `last` their last positions: a row whose tokens run `drafts` past the
+    end of its sequence (its drafts) takes logits at its last token and at each draft."""
+    if not (drafts > 0).any():
+        return last
+    counts = drafts + 1
+    first = np.repeat(last - drafts, counts)
+    return first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 def _padded(tables: list[list[int]]) -> np.ndarray:
     """Block tables as one [requests, longest table] int64 array, padded with 0."""
     widths = np.fromiter(map(len, tables), np.int64, len(tables))
@@ -445,7 +455,11 @@ class ModelRunner:
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(qlens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        input_ids = np.fromiter(chain.from_iterable([_input_tokens(s) for s in scheduled]), np.int64, num_tokens)
+        # only a verify or mixed step can hold drafts: decode steps, the hot path, keep the plain slices
+        drafting = plan.kind in (StepKind.VERIFY, StepKind.MIXED)
+        pieces = ([_input_tokens(s) for s in scheduled] if drafting
+                  else [s.seq.token_ids[s.start : s.start + s.num_new_tokens] for s in scheduled])
+        input_ids = np.fromiter(chain.from_iterable(pieces), np.int64, num_tokens)
         token_seq = np.repeat(np.arange(num_seqs), qlens)  # request of each token
         positions = np.arange(num_tokens) + (starts - query_start_loc[:-1])[token_seq]
         block_tables = _padded([s.seq.block_table for s in scheduled])
@@ -453,13 +467,9 @@ class ModelRunner:
         slot_mapping = block_tables[token_seq, positions // bs] * bs + positions % bs
         samples = np.fromiter((s.samples for s in scheduled), bool, num_seqs)
         logits_indices = query_start_loc[1:][samples] - 1
-        # a row's drafts are its tokens past the end of the sequence; it takes logits at its last token and each
-        drafts = starts + qlens - np.fromiter((len(s.seq.token_ids) for s in scheduled), np.int64, num_seqs)
-        if (drafts > 0).any():
-            drafts = drafts[samples]
-            counts = drafts + 1
-            first = np.repeat(logits_indices - drafts, counts)
-            logits_indices = first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        if drafting:
+            lengths = np.fromiter((len(s.seq.token_ids) for s in scheduled), np.int64, num_seqs)
+            logits_indices = _with_drafts(logits_indices, (starts + qlens - lengths)[samples])
         return StepInputs(input_ids, positions, slot_mapping, query_start_loc, (starts + qlens).tolist(), query_lens,
                           logits_indices, block_tables, plan.kind is StepKind.DECODE)
 
