@@ -554,7 +554,10 @@ def _drafter(spec, config: EngineConfig, model_dir: Path, hf_config: dict) -> Dr
     (more requests at a time when shorter: its scheduler queues the rest)."""
     if spec is None or spec.method != "draft_model":
         return None
-    draft_dir = check_model_dir(draft_model_dir(spec.model))
+    try:
+        draft_dir = check_model_dir(draft_model_dir(spec.model))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"speculative_config draft model: {exc}") from None
     check_same_vocabulary(model_dir, draft_dir)
     context = config.max_model_len or hf_config.get("max_position_embeddings") or 0
     draft_positions = read_json(draft_dir / "config.json").get("max_position_embeddings") or context

@@ -90,6 +90,13 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_model_dir, tmp_path
         Engine(tiny_model_dir, EngineConfig.from_overrides({"speculative_config": self_draft(other)}))
 
 
+def test_a_missing_draft_model_is_named(tiny_model_dir, tmp_path):
+    from infertrace.engine import Engine, EngineConfig
+
+    with pytest.raises(ValueError, match="speculative_config draft model: .*nowhere"):
+        Engine(tiny_model_dir, EngineConfig.from_overrides({"speculative_config": self_draft(tmp_path / "nowhere")}))
+
+
 def test_serve_takes_speculative_config_as_vllm_spells_it():
     from infertrace.engine.config import ENGINE_FLAGS
 
