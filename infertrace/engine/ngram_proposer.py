@@ -5,7 +5,6 @@ earliest (vLLM 0.33.0 vllm/v1/spec_decode/ngram_proposer.py chooses the same way
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -13,12 +12,21 @@ def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[
     total = len(token_ids)
     if k < 1 or total < min_n + 1:
         return []
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
-        # windows that start early enough to have a token after them, compared with the last n tokens
-        windows = sliding_window_view(tokens[: total - 1], n)
-        hits = np.flatnonzero((windows == tokens[total - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[0]) + n
-            return token_ids[start : start + k]
-    return []
+    tokens = np.fromiter(token_ids, np.int64, total)
+    # where an earlier occurrence of the last token ends a window with a token after it; each is then extended
+    # backwards while it matches the tokens before the last (one pass over the request for any n)
+    ends = np.flatnonzero(tokens[: total - 1] == tokens[total - 1])
+    if not ends.size:
+        return []
+    matched = np.ones(ends.size, dtype=np.int64)
+    for j in range(1, min(max_n, total - 1)):
+        before = ends - j
+        extends = (matched == j) & (before >= 0) & (tokens[np.maximum(before, 0)] == tokens[total - 1 - j])
+        if not extends.any():
+            break
+        matched += extends
+    longest = int(matched.max())
+    if longest < min_n:
+        return []
+    start = int(ends[np.argmax(matched == longest)]) + 1  # the earliest of the longest
+    return token_ids[start : start + k]

@@ -104,6 +104,35 @@ def test_serve_takes_speculative_config_as_vllm_spells_it():
     assert "--speculative-config" in flags
 
 
+# ----- drafting -----
+
+def _lookup_by_definition(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The longest n in [min_n, max_n] whose last n tokens occur earlier with a token after them; the earliest such
+    occurrence's following tokens."""
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_lookup_matches_its_definition():
+    from infertrace.engine.ngram_proposer import propose_ngram
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        tokens = [rng.randrange(rng.randrange(1, 6)) for _ in range(rng.randrange(1, 40))]
+        lo = rng.randrange(1, 4)
+        hi, k = rng.randrange(lo, 6), rng.randrange(1, 5)
+        assert propose_ngram(tokens, lo, hi, k) == _lookup_by_definition(tokens, lo, hi, k), (tokens, lo, hi, k)
+    assert propose_ngram([1, 2, 3, 4, 1, 2], 1, 4, 3) == [3, 4, 1]
+    assert propose_ngram([9, 1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 1) == [7]  # the earliest of equal matches
+    assert propose_ngram([5, 6, 7], 1, 4, 2) == []
+
+
 # ----- greedy parity -----
 
 def test_ngram_parity_over_many_prompts_in_mixed_batches(tiny_model_dir):
