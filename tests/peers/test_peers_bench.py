@@ -80,7 +80,9 @@ def _workloads(root: Path) -> dict[str, tuple[list[str], list[str], dict]]:
     random_theirs = ["--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len",
                      str(OUTPUT_LEN), "--random-range-ratio", "0"]
     common_ours = ["--num-prompts", str(N), "--warmup", "0", "--ignore-eos", "--seed", "0"]
-    common_theirs = ["--num-prompts", str(N), "--ignore-eos", "--seed", "0"]
+    # greedy, as infertrace bench samples by default: vllm bench serve 0.32 sends no temperature unless told, and the
+    # server then samples at 1.0
+    common_theirs = ["--num-prompts", str(N), "--ignore-eos", "--seed", "0", "--temperature", "0"]
     n_trace = len(lines)
     return {
         "closed loop, concurrency 4": (
@@ -101,7 +103,8 @@ def _workloads(root: Path) -> dict[str, tuple[list[str], list[str], dict]]:
             ["--num-prompts", str(n_trace), "--warmup", "0", "--ignore-eos", "--dataset", "trace",
              "--dataset-path", str(original), "--token-scale", str(TRACE_TOKEN_SCALE), "--time-scale",
              str(TRACE_TIME_SCALE)],
-            ["--num-prompts", str(n_trace), "--dataset-name", "timed_trace", "--dataset-path", str(scaled),
+            ["--num-prompts", str(n_trace), "--temperature", "0", "--dataset-name", "timed_trace", "--dataset-path",
+             str(scaled),
              "--timed-trace-chunk-hash-size", "16", "--timed-trace-sec-multiplier", str(0.001 * TRACE_TIME_SCALE)],
             {"requests": n_trace, "input_tokens": sum(r["input_length"] for r in scaled_lines),
              "output_tokens": sum(r["output_length"] for r in scaled_lines)}),
@@ -127,6 +130,9 @@ def side_by_side(vllm_server, tmp_path_factory):
         for i in range(RUNS):
             for client in ("ours", "theirs"):
                 tag = f"{len(out)}-{client}-{i}"
+                # every run finds an empty prefix cache: infertrace sends the same prompts each run, vLLM's
+                # timed_trace new ones (its token ids are seeded by Python's salted str hash)
+                vllm_server.reset_prefix_cache()
                 before = vllm_server.counters()
                 result = run_infertrace_bench(vllm_server, root, tag, *ours_args) if client == "ours" \
                     else run_vllm_bench(vllm_server, root, tag, *theirs_args)
