@@ -8,10 +8,8 @@ decode steps, every request of the round batched together. Its steps are named `
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
-from infertrace.engine.config import EngineConfig
 from infertrace.engine.sampling_params import SamplingParams
 from infertrace.engine.sequence import Sequence
 
@@ -37,12 +35,9 @@ def check_same_vocabulary(target_dir: Path, draft_dir: Path) -> None:
 
 
 class DraftModelProposer:
-    def __init__(self, model_dir: Path, config: EngineConfig, kv_cache_tokens: int):
-        from infertrace.engine.engine import Engine
-
-        draft_config = dataclasses.replace(
-            config, speculative_config=None, request_log_size=0, prefix_caching=True, kv_cache_tokens=kv_cache_tokens)
-        self.engine = Engine(model_dir, draft_config, step_label="draft")
+    def __init__(self, engine):
+        """`engine`: the draft model's Engine (see engine.py), its steps named DRAFT, its request log off."""
+        self.engine = engine
         self._round = 0
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:

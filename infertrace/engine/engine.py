@@ -562,7 +562,9 @@ def _drafter(spec, config: EngineConfig, model_dir: Path, hf_config: dict) -> Dr
     context = config.max_model_len or hf_config.get("max_position_embeddings") or 0
     draft_positions = read_json(draft_dir / "config.json").get("max_position_embeddings") or context
     tokens = -(-min(context, draft_positions) // config.block_size) * config.block_size
-    return DraftModelProposer(draft_dir, config, max(tokens, config.block_size))
+    draft_config = dataclasses.replace(config, speculative_config=None, request_log_size=0, prefix_caching=True,
+                                       kv_cache_tokens=max(tokens, config.block_size))
+    return DraftModelProposer(Engine(draft_dir, draft_config, step_label="draft"))
 
 
 def _offload_budgets(config: EngineConfig, hf_config: dict) -> tuple[int, EngineConfig]:
