@@ -101,6 +101,10 @@ def make_load(cfg: BenchConfig, tokenizer, point: int = 0,
         return TraceReplay(cfg, tokenizer, max_model_len)
     if cfg.dataset == "conversation":
         return ConversationLoad(cfg, tokenizer, DEFAULT_OUTPUT_LEN, point)
+    if cfg.dataset == "agent-trace":
+        from infertrace.load.workloads.agent_trace import AgentTraceLoad
+
+        return AgentTraceLoad(cfg, tokenizer, point)
     if cfg.endpoint == "embeddings":
         from infertrace.load.workloads.embedding_batches import EmbeddingLoad
 

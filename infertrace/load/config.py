@@ -10,7 +10,7 @@ from infertrace import config_fields
 
 ENDPOINTS = ("completions", "chat", "embeddings")
 SERVER_METRICS_MODES = ("auto", "on", "off")  # --server-metrics
-DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl", "trace", "conversation")
+DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl", "trace", "conversation", "agent-trace")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")  # per-request bounds: goodput
 SLO_STATS = {"median": 50, "p90": 90, "p95": 95, "p99": 99}  # run-level bounds, e.g. p99_ttft_ms: --find-max
 SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -126,7 +126,7 @@ class BenchConfig:
                              f"got {self.server_metrics!r}")
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
-        if self.dataset in ("sharegpt", "jsonl") and not self.dataset_path:
+        if self.dataset in ("sharegpt", "jsonl", "agent-trace") and not self.dataset_path:
             raise ValueError(f"--dataset {self.dataset} needs --dataset-path FILE")
         self._check_trace_and_sessions()
         self._check_embeddings()
@@ -280,7 +280,8 @@ class BenchConfig:
     @property
     def open_loop(self) -> bool:
         """Requests go out on a schedule (a rate, a ramp, or a trace's own times), not when one ends."""
-        return self.request_rate is not None or self.ramp_up_strategy is not None or self.dataset == "trace"
+        return (self.request_rate is not None or self.ramp_up_strategy is not None
+                or self.dataset in ("trace", "agent-trace"))
 
     @property
     def request_slo(self) -> dict[str, float]:
@@ -301,6 +302,15 @@ class BenchConfig:
                                  "--time-scale); drop --request-rate")
             if self.duration_s is not None:
                 raise ValueError("trace replay sends --num-prompts requests of the trace; drop --duration")
+        if self.dataset == "agent-trace":
+            for name, value in (("--request-rate", self.request_rate), ("--duration", self.duration_s),
+                                ("--concurrency", self.concurrency), ("--ramp-up-strategy", self.ramp_up_strategy)):
+                if value is not None:
+                    raise ValueError(f"agent-trace replay starts each session at its time in the trace (scale them "
+                                     f"with --time-scale); drop {name}")
+            if self.base_url is not None and self.endpoint != "chat":
+                raise ValueError("--dataset agent-trace sends each model call with its history over chat: use "
+                                 "--endpoint chat")
         for name in ("turns", "turn_input_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -317,7 +327,7 @@ class BenchConfig:
         """--warmup, else DEFAULT_WARMUP; trace replay warms up only when asked."""
         if self.warmup is not None:
             return self.warmup
-        return 0 if self.dataset == "trace" else DEFAULT_WARMUP
+        return 0 if self.dataset in ("trace", "agent-trace") else DEFAULT_WARMUP
 
     @property
     def effective_concurrency(self) -> int | None:

@@ -86,13 +86,15 @@ _OPTIONS = (  # in the order --help lists them
                   "--prefix-len tokens shared by the requests; sharegpt: a ShareGPT-format JSON file; jsonl: one "
                   f"{{\"prompt\": ..., \"max_tokens\": ...}} per line; trace: replay a Mooncake JSONL, Azure or "
                   "BurstGPT CSV trace at its times; conversation: multi-turn sessions over chat (a ShareGPT file, "
-                  f"else synthetic). {_d('dataset')}"),
-    click.option("--dataset-path", type=click.Path(dir_okay=False), help="The file for --dataset sharegpt/jsonl/trace "
-                  "(and conversation, optional)."),
-    click.option("--time-scale", type=float, help="Trace: multiply every timestamp by this (0.5 replays twice as "
-                  f"fast). {_d('time_scale')}"),
-    click.option("--token-scale", callback=_parsed(_fraction), metavar="F", help="Trace: multiply input and output "
-                  f"lengths and the 512-token hash block by F, e.g. 1/32 for 16-token blocks. {_d('token_scale')}"),
+                  "else synthetic); agent-trace: replay an agent's OpenTelemetry GenAI spans (OTLP JSON), each "
+                  f"trace and subagent a chat session at its times. {_d('dataset')}"),
+    click.option("--dataset-path", type=click.Path(dir_okay=False), help="The file for --dataset "
+                  "sharegpt/jsonl/trace/agent-trace (and conversation, optional)."),
+    click.option("--time-scale", type=float, help="Trace, agent-trace: multiply every timestamp by this (0.5 "
+                  f"replays twice as fast). {_d('time_scale')}"),
+    click.option("--token-scale", callback=_parsed(_fraction), metavar="F", help="Trace, agent-trace: multiply "
+                  "input and output lengths and the 512-token hash block by F, e.g. 1/32 for 16-token blocks. "
+                  f"{_d('token_scale')}"),
     click.option("--turns", type=int, help=f"Conversation without a file: turns of each session. {_d('turns')}"),
     click.option("--turn-input-len", type=int, help="Conversation without a file: tokens of each user message. "
                   f"{_d('turn_input_len')}"),
@@ -225,6 +227,6 @@ def bench_config(options: dict) -> BenchConfig:
     if sweep is not None:
         options["sweep_param"], options["sweep_values"] = sweep
     given = {k: v for k, v in options.items() if v is not None}
-    if given.get("dataset") == "conversation":
+    if given.get("dataset") in ("conversation", "agent-trace"):
         given.setdefault("endpoint", "chat")  # every turn goes with its history; completions has no messages
     return BenchConfig(**given)

@@ -171,6 +171,8 @@ def summary_table(record: PointRecord) -> Table:
         else f"closed loop, concurrency {cfg.effective_concurrency}"
     if cfg.dataset == "trace":
         shape = "trace replay at the trace's times" + (f", cap {cfg.concurrency}" if cfg.concurrency else "")
+    elif cfg.dataset == "agent-trace":
+        shape = "agent-trace replay: sessions at the trace's times, calls after the traced tool time"
     elif cfg.dataset == "conversation":
         shape = shape.replace("concurrency", "users").replace("req/s", "sessions/s")
     rows = [

@@ -32,6 +32,7 @@ from infertrace.load.workloads.schedule import arrival_offsets
 class Turn:
     user: str  # the user's message
     output_len: int  # max_tokens for the reply
+    pause_s: float = 0.0  # before this turn, after the previous reply, beside --think-time (an agent's tool time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +127,9 @@ class SessionDriver:
                 return outcome
             outcome.turns_done += 1
             history.append({"role": "assistant", "content": result.text or ""})
-            ready = self.clock.now() + self.think_time_s
-            if k + 1 < len(session.turns) and self.think_time_s > 0:
+            pause = self.think_time_s + (session.turns[k + 1].pause_s if k + 1 < len(session.turns) else 0.0)
+            ready = self.clock.now() + pause
+            if k + 1 < len(session.turns) and pause > 0:
                 await self.clock.sleep_until(ready)
         return outcome
 
