@@ -219,3 +219,14 @@ def test_against_infertrace_serve_token_counts_are_exact(served_tiny, tiny_model
     assert data["input_sequence_throughput"] == pytest.approx(20 / data["duration"])
     e2el = sorted(x["e2el_ms"] for x in lines)
     assert data["median_e2el_ms"] == pytest.approx(e2el[2]) and data["mean_e2el_ms"] == pytest.approx(sum(e2el) / 5)
+
+
+def test_an_input_as_long_as_the_context_is_not_refused_for_an_output_it_never_has():
+    from infertrace.load.client.targets import check_context
+    from infertrace.load.client.timing import TargetError
+
+    check_context(BenchConfig(endpoint="embeddings", base_url="http://x", input_len=2048), 2048)
+    with pytest.raises(TargetError, match="2049 prompt"):
+        check_context(BenchConfig(endpoint="embeddings", base_url="http://x", input_len=2049), 2048)
+    with pytest.raises(TargetError, match="2048 prompt \\+ 64 output"):
+        check_context(BenchConfig(endpoint="completions", base_url="http://x", input_len=2048), 2048)

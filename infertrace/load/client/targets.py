@@ -75,7 +75,8 @@ def check_context(cfg: BenchConfig, max_model_len: int | None) -> None:
         return
     longest_in = int(cfg.input_len * (1 + cfg.range_ratio)) + (cfg.prefix_len if cfg.dataset == "shared-prefix"
                                                                else 0)
-    longest_out = int(cfg.effective_output_len * (1 + cfg.range_ratio))
+    # an embedding is computed over the input alone: nothing is generated after it
+    longest_out = 0 if cfg.endpoint == "embeddings" else int(cfg.effective_output_len * (1 + cfg.range_ratio))
     if longest_in + longest_out > max_model_len:
         parts = "--prefix-len + --input-len" if cfg.dataset == "shared-prefix" else "--input-len"
         raise TargetError(f"the longest request is {longest_in} prompt + {longest_out} output tokens, above the "
