@@ -124,11 +124,20 @@ def waterfall_table(title: str, rows: list[WaterfallRow]) -> Table:
     for header in (*headers, "kernels/\ndecode step", "GPU\nidle"):
         t.add_column(header, justify="right", no_wrap=True)
     for row in rows:
-        cells = [_num(row.median_ttft_ms, "{:.1f}"), _num(row.median_itl_ms, "{:.2f}")]
+        cells = [_num(row.median_ttft_ms, "{:.1f}"), _itl(row)]
         cells += [_acceptance(row)] if drafted else []
         t.add_row(_phase(row), _num(row.output_throughput, "{:.1f}"), _change(row.change_vs_previous),
                   _change(row.change_vs_first), *cells, _kernels(row), _num(row.gpu_idle_share, "{:.0%}"))
     return t
+
+
+def _itl(row: WaterfallRow) -> Text:
+    """The ITL between chunks; under it, where chunks carry several tokens (speculative decoding), per token."""
+    cell = Text(_num(row.median_itl_ms, "{:.2f}"))
+    chunk, token = row.median_itl_ms, row.median_itl_per_token_ms
+    if chunk is not None and token is not None and abs(token - chunk) > 0.01 * chunk:
+        cell.append(f"\n{token:.2f}/tok", style="dim")
+    return cell
 
 
 def _acceptance(row: WaterfallRow) -> Text:

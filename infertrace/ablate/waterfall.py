@@ -19,7 +19,10 @@ class WaterfallRow:
     change_vs_previous: float | None
     change_vs_first: float | None
     median_ttft_ms: float | None
-    median_itl_ms: float | None
+    median_itl_ms: float | None  # between a stream's chunks
+    # each chunk's gap divided over its tokens: below the chunk ITL where a step gives a request several tokens
+    # (speculative decoding)
+    median_itl_per_token_ms: float | None
     kernels_per_decode_step: float | None
     launches_per_decode_step: float | None
     attention_kernels_per_decode_step: float | None
@@ -46,6 +49,7 @@ def waterfall(results: list[PhaseResult]) -> list[WaterfallRow]:
             phase=r.name, status=r.status.value, output_throughput=tput,
             change_vs_previous=_change(tput, previous), change_vs_first=_change(tput, first),
             median_ttft_ms=m.ttft.median if m else None, median_itl_ms=m.itl.median if m else None,
+            median_itl_per_token_ms=m.itl_per_token.median if m else None,
             kernels_per_decode_step=p.kernels_per_decode_step if p else None,
             launches_per_decode_step=p.launches_per_decode_step if p else None,
             attention_kernels_per_decode_step=p.attention_kernels_per_decode_step if p else None,

@@ -22,6 +22,10 @@ def test_speculative_recipe_runs_quick_with_acceptance_columns(tiny_model_dir, t
     phases = {p["name"]: p for p in doc["phases"]}
     assert [p["status"] for p in doc["phases"]] == ["ok"] * 4
     assert rows["off"]["acceptance_rate"] is None and phases["off"]["spec_decode"] is None
+    # several tokens a chunk with every draft accepted: less time per token than per chunk
+    assert rows["off"]["median_itl_per_token_ms"] <= rows["off"]["median_itl_ms"]
+    drafted = rows["draft model K=4"]
+    assert drafted["median_itl_per_token_ms"] < drafted["median_itl_ms"]
     for name, k in (("n-gram K=2", 2), ("n-gram K=4", 4), ("draft model K=4", 4)):
         row, spec = rows[name], phases[name]["spec_decode"]
         assert row["output_throughput"] > 0 and row["median_itl_ms"] > 0

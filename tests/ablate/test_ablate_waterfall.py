@@ -13,7 +13,7 @@ def _result(i, tput, status=PhaseStatus.OK, error=None, profile=None):
     record = None
     if tput is not None:
         metrics = types.SimpleNamespace(completed=4, output_throughput=tput, ttft=Stats(median=10.0 + i),
-                                        itl=Stats(median=2.0))
+                                        itl=Stats(median=2.0), itl_per_token=Stats(median=2.0))
         record = types.SimpleNamespace(metrics=metrics)
     return PhaseResult(i, f"p{i}", {}, {}, status, error=error, record=record, profile=profile)
 
