@@ -40,6 +40,7 @@ from infertrace.engine.request_log import RequestLog
 from infertrace.engine.sampling_params import SamplingParams
 from infertrace.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from infertrace.engine.sequence import Sequence
+from infertrace.engine.spec_config import SpeculativeConfig
 
 COUNTER_NAMES = (
     "prompt_tokens",
@@ -72,9 +73,9 @@ class Engine:
         self.model_dir = check_model_dir(model_dir)
         self._step_label = step_label
         hf_config = read_json(self.model_dir / "config.json")
-        self.spec = config.speculative
+        self.speculative = config.speculative
         # the draft model's engine starts first: on a GPU the target's KV cache is then sized from what it left
-        self.drafter = _drafter(self.spec, config, self.model_dir, hf_config)
+        self.drafter = _drafter(self.speculative, config, self.model_dir, hf_config)
         host_blocks, runner_config = _offload_budgets(config, hf_config)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.other_ranks = None
@@ -89,8 +90,6 @@ class Engine:
             tp = TensorParallel(0, config.tensor_parallel_size)
         try:
             self.runner = ModelRunner(runner_config, self.model_dir, hf_config, tp, self.other_ranks)
-            if self.drafter is not None and self.drafter.engine.vocab_size != self.runner.spec.vocab_size:
-                raise ValueError("the draft model's vocabulary differs from the target model's")
             if self.other_ranks is not None:
                 self.other_ranks.wait_ready()
         except BaseException:
@@ -141,16 +140,16 @@ class Engine:
         # async scheduling: the step queued on the device whose tokens the host has not seen yet
         self._async = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.runner.device.type == "cuda")
-        self._async = self._async and config.offload == "off" and self.spec is None
+        self._async = self._async and config.offload == "off" and self.speculative is None
         # with more ranks, rank 0 broadcasts each step's tokens on the device: the next step may be fed from them
         self.runner.share_tokens = self._async and config.tensor_parallel_size > 1
         self._inflight: _Step | None = None
         self._profiler = None
         # each request's life by id (arrival, the steps it rode, its end): always on, bounded, read by the server
-        self.request_log = RequestLog(config.request_log_size, speculative=self.spec is not None) \
+        self.request_log = RequestLog(config.request_log_size, speculative=self.speculative is not None) \
             if config.request_log_size else None
         # accepted draft tokens by their position among a step's drafts (vLLM's per-position counter)
-        self.spec_accepted_per_pos = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
+        self.spec_accepted_per_pos = [0] * (self.speculative.num_speculative_tokens if self.speculative else 0)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank); the engine cannot step afterwards."""
@@ -266,7 +265,7 @@ class Engine:
         if offload is not None:
             offload.poll()
             before = offload.counters()
-        if self.spec is not None:
+        if self.speculative is not None:
             self._propose()
         plan = self.scheduler.plan()
         if not plan.scheduled:
@@ -414,7 +413,7 @@ class Engine:
     def _propose(self) -> None:
         """Draft tokens for every running request about to decode, as many as it can still take (its max_tokens
         and the context bound the tokens a verify step adds: its accepted drafts and one more)."""
-        spec = self.spec
+        spec = self.speculative
         wanted, ks = [], []
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
@@ -549,7 +548,7 @@ class _Step:
     published: list = dataclasses.field(default_factory=list)
 
 
-def _drafter(spec, config: EngineConfig, model_dir: Path, hf_config: dict) -> DraftModelProposer | None:
+def _drafter(spec: SpeculativeConfig | None, config: EngineConfig, model_dir: Path, hf_config: dict) -> DraftModelProposer | None:
     """The draft model's engine (None for n-gram drafting or none), with KV for one request of the longest context
     (more requests at a time when shorter: its scheduler queues the rest)."""
     if spec is None or spec.method != "draft_model":

@@ -55,7 +55,7 @@ class EngineServices:
         e = self.engine
         return {"running": e.num_running, "waiting": e.num_waiting, "kv_blocks_used": e.kv_blocks_used,
                 "kv_blocks_total": e.kv_blocks_total, "counters": dict(e.counters),
-                "spec_accepted_per_pos": list(e.spec_accepted_per_pos) if e.spec is not None else None,
+                "spec_accepted_per_pos": list(e.spec_accepted_per_pos) if e.speculative is not None else None,
                 "last_step": dataclasses.asdict(e.last_step) if e.last_step is not None else None}
 
     def command(self, name: str, args: dict[str, Any]) -> Any:
