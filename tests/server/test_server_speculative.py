@@ -20,8 +20,9 @@ def spec_samples(text: str) -> dict[tuple[str, str | None], float]:
     return out
 
 
-async def test_metrics_expose_vllm_spec_decode_counters(serve_tiny, wait_metrics):
-    async with serve_tiny({"speculative_config": NGRAM}) as client:
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+async def test_metrics_expose_vllm_spec_decode_counters(serve_tiny, wait_metrics, engine_process):
+    async with serve_tiny({"speculative_config": NGRAM}, engine_process=engine_process) as client:
         for _ in range(2):
             resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24,
                                                                "temperature": 0, "ignore_eos": True})
@@ -29,18 +30,21 @@ async def test_metrics_expose_vllm_spec_decode_counters(serve_tiny, wait_metrics
         await wait_metrics(client, lambda m: m.get("infertrace:generation_tokens_total") == 48)
         text = await (await client.get("/metrics")).text()
         got = spec_samples(text)
-        counters = client.engine.counters
-        assert got[("vllm:spec_decode_num_drafts_total", None)] == counters["spec_decode_num_drafts"] > 0
-        assert got[("vllm:spec_decode_num_draft_tokens_total", None)] == counters["spec_decode_num_draft_tokens"]
-        assert got[("vllm:spec_decode_num_accepted_tokens_total", None)] == \
-            counters["spec_decode_num_accepted_tokens"] > 0
+        drafts, draft_tokens, accepted = (got[(f"vllm:spec_decode_num_{k}_total", None)]
+                                          for k in ("drafts", "draft_tokens", "accepted_tokens"))
         per_pos = [got[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(3)]
-        assert per_pos == client.engine.spec_accepted_per_pos
-        assert sum(per_pos) == counters["spec_decode_num_accepted_tokens"]
+        assert 0 < drafts <= draft_tokens <= 3 * drafts and 0 < accepted <= draft_tokens
+        assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
         assert "infertrace:spec_decode_num_drafts_total" not in text  # one name for each figure
-
+        # the request log, kept apart from the counters, gives the same figures
         log = await (await client.get("/v1/request_log")).json()
-        assert sum(d[2] for r in log["requests"] for d in r["drafts"]) == counters["spec_decode_num_accepted_tokens"]
+        rows = [d for r in log["requests"] for d in r["drafts"]]
+        assert (len(rows), sum(d[1] for d in rows), sum(d[2] for d in rows)) == (drafts, draft_tokens, accepted)
+        if client.engine is not None:  # the engine on a thread: its own counters
+            c = client.engine.counters
+            assert (c["spec_decode_num_drafts"], c["spec_decode_num_draft_tokens"],
+                    c["spec_decode_num_accepted_tokens"]) == (drafts, draft_tokens, accepted)
+            assert per_pos == client.engine.spec_accepted_per_pos
 
 
 async def test_no_spec_decode_counters_without_speculative_decoding(serve_tiny):
