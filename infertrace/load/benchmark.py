@@ -14,8 +14,8 @@ from infertrace.load.client.target import Target
 from infertrace.load.client.timing import TargetError, resolve_output_tokens
 from infertrace.load.clock import Clock
 from infertrace.load.config import DEFAULT_OUTPUT_LEN, BenchConfig
+from infertrace.load.observe import otlp_receiver
 from infertrace.load.observe.observer import Observer
-from infertrace.load.observe.otlp_receiver import SpanReceiver
 from infertrace.load.observe.server_counters import read_prefix_cache, run_hit_rate
 from infertrace.load.records import RequestResult
 from infertrace.load.results import response_metrics, spans_out
@@ -130,7 +130,7 @@ class Hooks:
 
 
 async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter: Interrupter, hooks: Hooks,
-                    point: int = 0, receiver: SpanReceiver | None = None) -> PointRecord:
+                    point: int = 0, receiver: otlp_receiver.SpanReceiver | None = None) -> PointRecord:
     """Warmup (excluded), profiler start, the measured load, profiler stop, then the figures. `receiver` is the
     run's OTLP receiver (--otlp-receiver), listening since before the first point."""
     tokenizer = target.tokenizer
@@ -180,7 +180,7 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
             interrupted = True
     if joined is None:  # else the figures vLLM put in each response, read while they streamed
         joined = response_metrics.summary(runner.results, cfg.server_metrics == "on")
-    if target.kind == "http":  # the trace context each send carried, kept in its record
+    if cfg.base_url is not None:  # a server: each send carried a trace context, kept in its record
         for r in [*warm.results, *runner.results]:
             if r.request_id is not None:
                 r.trace_id, r.span_id = trace_context.ids(r.request_id)
@@ -235,8 +235,8 @@ async def join_request_log(target: Target, cursor: int | None, results: list[Req
     return join(results, log, warmup)
 
 
-async def join_server_spans(cfg: BenchConfig, receiver: SpanReceiver | None, results: list[RequestResult],
-                            warmup: list[RequestResult], joined: dict | None) -> dict | None:
+async def join_server_spans(cfg: BenchConfig, receiver: otlp_receiver.SpanReceiver | None,
+                            results: list[RequestResult], warmup: list[RequestResult], joined: dict | None) -> dict | None:
     """The server's spans (the receiver's, or --peer-log's file) joined to the requests; the summary that stands.
 
     Where the requests were joined already (infertrace serve's request log, vLLM's in-response metrics), each keeps
@@ -244,7 +244,8 @@ async def join_server_spans(cfg: BenchConfig, receiver: SpanReceiver | None, res
     stands, the other's inside it under its source's name."""
     warnings: list[str] = []
     if receiver is not None:
-        peer = await receiver.collect({r.request_id for r in results if r.success and r.request_id is not None})
+        records = await receiver.collect({r.request_id for r in results if r.success and r.request_id is not None})
+        peer = PeerLog(otlp_receiver.SOURCE, records)
         warnings = receiver.warnings()
     else:
         try:
@@ -295,7 +296,7 @@ async def profiled_window(cfg: BenchConfig, target, clock: Clock, hooks: Hooks, 
 
 
 async def run_benchmark(cfg: BenchConfig, target, clock: Clock, interrupter: Interrupter,
-                        hooks: Hooks, receiver: SpanReceiver | None = None) -> list[PointRecord]:
+                        hooks: Hooks, receiver: otlp_receiver.SpanReceiver | None = None) -> list[PointRecord]:
     """Every sweep point in order (one point without a sweep); stops early when interrupted."""
     records = []
     for i, point_cfg in enumerate(cfg.points()):

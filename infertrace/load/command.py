@@ -100,8 +100,9 @@ async def span_receiver(cfg: BenchConfig):
         return
     from infertrace.load.client.timing import TargetError
     from infertrace.load.observe.otlp_receiver import SpanReceiver
+    from infertrace.load.results.peer_logs import VLLM_SPAN, vllm_proto_record
 
-    receiver = SpanReceiver(cfg.otlp_receiver)
+    receiver = SpanReceiver(cfg.otlp_receiver, VLLM_SPAN, vllm_proto_record)
     try:
         await receiver.start()
     except ValueError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from infertrace import config_fields
 
@@ -206,12 +207,8 @@ class BenchConfig:
                                  "bound e2el_ms instead")
 
     def _check_tracing(self) -> None:
-        from infertrace.load.observe.otlp_receiver import parse_url
-
         self.otlp_receiver = tuple(self.otlp_receiver)
-        for url in self.otlp_receiver:
-            parse_url(url)
-        if len({parse_url(u)[2] for u in self.otlp_receiver}) < len(self.otlp_receiver):
+        if len({parse_receiver_url(u)[2] for u in self.otlp_receiver}) < len(self.otlp_receiver):
             raise ValueError("--otlp-receiver: each URL needs a port of its own")
         if self.otlp_receiver and self.find_max is not None:
             raise ValueError("--otlp-receiver joins the spans of one run or a sweep; use --peer-log with --find-max")
@@ -381,6 +378,20 @@ class BenchConfig:
     def from_json(cls, data: dict) -> BenchConfig:
         """The config `to_json` wrote (with "headers" put back where they are wanted); ValueError as for flags."""
         return cls(**config_fields.from_json(cls, data))
+
+
+def parse_receiver_url(url: str) -> tuple[str, str, int]:
+    """--otlp-receiver's `grpc://HOST:PORT` or `http://HOST:PORT` (the path, if any, OTLP/HTTP's /v1/traces) ->
+    (scheme, host, port); ValueError naming what is wrong."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("grpc", "http") or not parts.hostname or port is None \
+            or parts.path not in ("", "/", "/v1/traces"):
+        raise ValueError(f"--otlp-receiver {url!r}: expected grpc://HOST:PORT or http://HOST:PORT")
+    return parts.scheme, parts.hostname, port
 
 
 def parse_slo(text: str) -> dict[str, float]:

@@ -25,10 +25,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from infertrace.load.client import trace_context  # noqa: E402
 from infertrace.load.command import bench  # noqa: E402
+from infertrace.load.config import parse_receiver_url  # noqa: E402
 from infertrace.load.observe import otlp_receiver  # noqa: E402
 from infertrace.load.observe.otlp_receiver import SpanReceiver  # noqa: E402
 from infertrace.load.records import RequestResult  # noqa: E402
-from infertrace.load.results.peer_logs import PeerRecord, join_results  # noqa: E402
+from infertrace.load.results.peer_logs import VLLM_SPAN, PeerRecord, join_results, vllm_proto_record  # noqa: E402
 from tests.load.conftest import StandInServer  # noqa: E402
 
 WALL_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
@@ -38,6 +39,10 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _receiver(urls: list[str]) -> SpanReceiver:
+    return SpanReceiver(urls, VLLM_SPAN, vllm_proto_record)
 
 
 def _exporter(scheme: str, port: int):
@@ -71,33 +76,33 @@ def _vllm_spans(n: int, traceparent: str | None = None) -> list:
 @pytest.mark.parametrize("scheme", ["grpc", "http"])
 async def test_the_receiver_takes_vllm_s_spans_over_either_protocol(scheme):
     port = _port()
-    receiver = SpanReceiver([f"{scheme}://127.0.0.1:{port}"])
+    receiver = _receiver([f"{scheme}://127.0.0.1:{port}"])
     await receiver.start()
     try:
         parent = trace_context.traceparent("run-0")
         result = await asyncio.to_thread(_exporter(scheme, port).export, _vllm_spans(4, parent))
         assert result.name == "SUCCESS"
-        log = await receiver.collect({"run-0", "run-1", "run-2"}, grace_s=5)
+        records = await receiver.collect({"run-0", "run-1", "run-2"}, grace_s=5)
     finally:
         await receiver.close()
-    assert sorted(r.request_id for r in log.records) == ["run-0", "run-1", "run-2"]
-    first = next(r for r in log.records if r.request_id == "run-0")
+    assert sorted(r.request_id for r in records) == ["run-0", "run-1", "run-2"]
+    first = next(r for r in records if r.request_id == "run-0")
     assert (first.queue, first.prefill, first.ttft) == (0.0, 0.01, 0.02)
     assert (first.trace_id, first.parent_span_id) == trace_context.ids("run-0")
-    assert receiver.received.exports == 1 and log.skipped == 1  # the span without gen_ai.request.id
-    assert "gen_ai.request.id" in log.first_problem
+    assert receiver.received.exports == 1 and receiver.received.skipped_spans == 1  # no gen_ai.request.id
+    assert "gen_ai.request.id" in receiver.received.first_problem
 
 
 async def test_collect_stops_at_the_grace_when_a_span_never_comes():
-    receiver = SpanReceiver([f"http://127.0.0.1:{_port()}"])
+    receiver = _receiver([f"http://127.0.0.1:{_port()}"])
     await receiver.start()
     try:
         started = time.monotonic()
-        log = await receiver.collect({"never-sent"}, grace_s=0.3)
+        records = await receiver.collect({"never-sent"}, grace_s=0.3)
         waited = time.monotonic() - started
     finally:
         await receiver.close()
-    assert log.records == [] and 0.3 <= waited < 2
+    assert records == [] and 0.3 <= waited < 2
     assert "no OTLP export reached" in receiver.warnings()[0]
 
 
@@ -107,7 +112,7 @@ async def test_malformed_exports_are_refused_with_the_protocol_s_error_and_count
 
     monkeypatch.setattr(otlp_receiver, "MAX_EXPORT_BYTES", 1 << 16)
     http_port, grpc_port = _port(), _port()
-    receiver = SpanReceiver([f"http://127.0.0.1:{http_port}", f"grpc://127.0.0.1:{grpc_port}"])
+    receiver = _receiver([f"http://127.0.0.1:{http_port}", f"grpc://127.0.0.1:{grpc_port}"])
     await receiver.start()
     url = f"http://127.0.0.1:{http_port}/v1/traces"
     proto = {"Content-Type": "application/x-protobuf"}
@@ -135,17 +140,17 @@ async def test_malformed_exports_are_refused_with_the_protocol_s_error_and_count
     finally:
         await receiver.close()
     assert receiver.received.malformed_exports == 4  # two undecodable, two too large over HTTP
-    assert [r.request_id for r in (await receiver.collect(set(), grace_s=0)).records] == ["run-0"]
+    assert [r.request_id for r in await receiver.collect(set(), grace_s=0)] == ["run-0"]
 
 
 async def test_exports_are_held_in_the_window_and_read_after_it():
     port = _port()
-    receiver = SpanReceiver([f"grpc://127.0.0.1:{port}"])
+    receiver = _receiver([f"grpc://127.0.0.1:{port}"])
     await receiver.start()
     try:
         await asyncio.to_thread(_exporter("grpc", port).export, _vllm_spans(3))
         assert receiver.received.exports == 1 and receiver.received.records == {}  # parsed, not read
-        assert [r.request_id for r in (await receiver.collect({"run-0"}, grace_s=5)).records] == ["run-0", "run-1"]
+        assert [r.request_id for r in await receiver.collect({"run-0"}, grace_s=5)] == ["run-0", "run-1"]
         # past `collect` the next window holds again
         await asyncio.to_thread(_exporter("grpc", port).export, _vllm_spans(1, trace_context.traceparent("x")))
         assert len(receiver.received.records) == 2
@@ -156,7 +161,7 @@ async def test_exports_are_held_in_the_window_and_read_after_it():
 async def test_spans_past_the_bound_are_dropped_and_counted(monkeypatch):
     monkeypatch.setattr(otlp_receiver, "MAX_SPANS", 8)
     port = _port()
-    receiver = SpanReceiver([f"grpc://127.0.0.1:{port}"])
+    receiver = _receiver([f"grpc://127.0.0.1:{port}"])
     await receiver.start()
     try:
         export = _exporter("grpc", port).export
@@ -179,14 +184,14 @@ async def test_a_taken_port_is_one_line():
         port = s.getsockname()[1]
         for scheme in ("grpc", "http"):
             with pytest.raises(ValueError, match=f"--otlp-receiver {scheme}://127.0.0.1:{port}: cannot listen"):
-                await SpanReceiver([f"{scheme}://127.0.0.1:{port}"]).start()
+                await _receiver([f"{scheme}://127.0.0.1:{port}"]).start()
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:4317", "https://127.0.0.1:4317", "grpc://127.0.0.1", "grpc://h:99999",
                                  "http://127.0.0.1:4318/v2/other"])
 def test_a_bad_receiver_url_is_refused(url):
     with pytest.raises(ValueError, match="expected grpc://HOST:PORT or http://HOST:PORT"):
-        otlp_receiver.parse_url(url)
+        parse_receiver_url(url)
 
 
 def test_traceparent_is_w3c_and_the_same_ids_as_the_record():
@@ -334,7 +339,7 @@ def test_bench_exports_its_request_spans_with_the_ids_it_sent(standin, prompts_j
 
     port = _port()
     scheme = "grpc" if protocol == "grpc" else "http"
-    collector = Collector([f"{scheme}://127.0.0.1:{port}"])
+    collector = Collector([f"{scheme}://127.0.0.1:{port}"], VLLM_SPAN, vllm_proto_record)
     loop = asyncio.new_event_loop()
     import threading
 

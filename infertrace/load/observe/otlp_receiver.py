@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from typing import Any
 
-from infertrace.load.results.peer_logs import VLLM_SPAN, PeerLog, PeerRecord, vllm_proto_record
+from infertrace.load.config import parse_receiver_url
 
 SOURCE = "vllm_otlp"
-SCHEMES = ("grpc", "http")
 # After the last measured request, how long the receiver waits for the spans still in the server's exporter: the
 # OpenTelemetry SDK's BatchSpanProcessor (vLLM's) sends every 5 s by default (OTEL_BSP_SCHEDULE_DELAY), so twice
 # that covers one late batch and its send. The wait ends as soon as every measured request has its span.
@@ -34,23 +34,11 @@ _GRPC_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 HTTP_PATH = "/v1/traces"
 
 
-def parse_url(url: str) -> tuple[str, str, int]:
-    """`grpc://HOST:PORT` or `http://HOST:PORT` -> (scheme, host, port); ValueError naming what is wrong."""
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme not in SCHEMES or not parts.hostname or port is None or parts.path not in ("", "/", HTTP_PATH):
-        raise ValueError(f"--otlp-receiver {url!r}: expected grpc://HOST:PORT or http://HOST:PORT")
-    return parts.scheme, parts.hostname, port
-
-
 @dataclass(slots=True)
 class Received:
     """What the receiver has taken so far: the spans by request id, and what it could not use."""
 
-    records: dict[str, PeerRecord] = field(default_factory=dict)
+    records: dict[str, Any] = field(default_factory=dict)  # what `read_span` made, by its request_id
     exports: int = 0
     malformed_exports: int = 0
     skipped_spans: int = 0  # llm_request spans that could not be read
@@ -59,11 +47,15 @@ class Received:
 
 
 class SpanReceiver:
-    """Listens on every URL from `start` to `close`; `collect` waits for the measured requests' spans."""
+    """Listens on every URL from `start` to `close`; `collect` waits for the measured requests' spans. The spans
+    named `span_name` are kept, each as `read_span` makes it from the protobuf Span: a record with a `request_id`
+    (load/results/peer_logs.py `vllm_proto_record`), or ValueError for one that cannot be read."""
 
-    def __init__(self, urls: list[str] | tuple[str, ...]) -> None:
-        self.endpoints = [parse_url(u) for u in urls]
+    def __init__(self, urls: list[str] | tuple[str, ...], span_name: str, read_span: Callable[[Any], Any]) -> None:
+        self.endpoints = [parse_receiver_url(u) for u in urls]
         self.urls = list(urls)
+        self.span_name = span_name
+        self.read_span = read_span
         self.received = Received()
         self._arrived = asyncio.Event()
         self._servers: list = []  # a grpc.aio server or an aiohttp AppRunner per URL
@@ -117,13 +109,13 @@ class SpanReceiver:
         for resource in request.resource_spans:
             for scope in resource.scope_spans:
                 for span in scope.spans:
-                    if span.name == VLLM_SPAN:
+                    if span.name == self.span_name:
                         self._keep(span)
 
     def _keep(self, span) -> None:
         got = self.received
         try:
-            record = vllm_proto_record(span)
+            record = self.read_span(span)
         except ValueError as e:
             got.skipped_spans += 1
             got.first_problem = got.first_problem or str(e)
@@ -133,8 +125,8 @@ class SpanReceiver:
             return
         got.records[record.request_id] = record
 
-    async def collect(self, request_ids: set[str], grace_s: float = SPAN_GRACE_S) -> PeerLog:
-        """The spans so far, once every id in `request_ids` has one or `grace_s` has passed since the call."""
+    async def collect(self, request_ids: set[str], grace_s: float = SPAN_GRACE_S) -> list:
+        """The records so far, once every id in `request_ids` has one or `grace_s` has passed since the call."""
         deadline = time.monotonic() + grace_s
         self._reading = True
         held, self._held, self._held_spans = self._held, [], 0
@@ -152,15 +144,7 @@ class SpanReceiver:
                     break
         finally:
             self._reading = False  # the next sweep point's window: held again
-        return self.log()
-
-    def log(self) -> PeerLog:
-        got = self.received
-        problem = got.first_problem
-        if got.dropped_spans:
-            problem = problem or f"more than {MAX_SPANS:,} spans"
-        return PeerLog(SOURCE, list(got.records.values()), got.skipped_spans + got.dropped_spans
-                       + got.malformed_exports, problem)
+        return list(self.received.records.values())
 
     def warnings(self) -> list[str]:
         """What the receiver took and could not use, for the join's summary."""
