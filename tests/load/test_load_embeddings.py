@@ -82,6 +82,17 @@ def invoke(*args, command=bench):
     return CliRunner().invoke(command, [str(a) for a in args], catch_exceptions=False)
 
 
+def test_the_run_report_renders_without_errors(embedder, texts_jsonl, tmp_path, browse):
+    report = tmp_path / "r.html"
+    res = invoke("--base-url", embedder.url, "--endpoint", "embeddings", "--random-batch-size", 2, "--dataset",
+                 "jsonl", "--dataset-path", texts_jsonl, "--num-prompts", 3, "--warmup", 0, "--scrape-interval", 0,
+                 "--report", report)
+    assert res.exit_code == 0, res.output
+    result, done = browse(report)
+    assert result["errors"] == [] and "Uncaught" not in done.stderr
+    assert result["svgs"] >= 1  # the client latencies' chart drew (E2EL; its TTFT traces stay empty)
+
+
 def test_batches_figures_and_records_against_a_server(embedder, texts_jsonl, tmp_path):
     out, reqs, report = tmp_path / "r.json", tmp_path / "r.jsonl", tmp_path / "r.html"
     res = invoke("--base-url", embedder.url, "--endpoint", "embeddings", "--random-batch-size", 3, "--dataset",
