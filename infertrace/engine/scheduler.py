@@ -150,6 +150,9 @@ class Scheduler:
                 i += 1
                 continue
             need = bm.num_new_blocks(seq, n)
+            if drafts and need > free:  # drafts never cost another request its KV: the plain decode instead
+                n, drafts = 1, 0
+                need = bm.num_new_blocks(seq, n)
             while need > free and running[-1] is not seq:
                 victim = running.pop()
                 plan.preempted.append(victim)

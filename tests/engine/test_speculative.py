@@ -297,6 +297,32 @@ def _run(engine, prompts, params) -> list[list[int]]:
     return list(out.values())
 
 
+def test_drafts_that_do_not_fit_are_dropped_rather_than_preempt():
+    """Two running requests, no free block: the first one's drafts would need a new block, so it decodes its one
+    token without them, and the second keeps its KV."""
+    from infertrace.engine.block_manager import BlockManager
+    from infertrace.engine.config import EngineConfig
+    from infertrace.engine.scheduler import Scheduler, StepKind
+    from infertrace.engine.sequence import Sequence
+
+    bm = BlockManager(4, 4)
+    sched = Scheduler(EngineConfig.from_overrides({"block_size": 4, "speculative_config": NGRAM}), bm)
+    a, b = Sequence("a", list(range(6)), greedy()), Sequence("b", list(range(10, 16)), greedy())
+    for seq in (a, b):
+        sched.add(seq)
+    sched.update_computed(sched.schedule())  # both prompts' KV: two blocks each, their last two slots free
+    for seq in (a, b):
+        seq.append_token(99)
+    assert bm.num_free_blocks == 0
+    a.spec_token_ids = [1, 2, 3]
+    plan = sched.plan()
+    assert not plan.preempted and plan.kind is StepKind.DECODE
+    assert [(s.seq.request_id, s.num_new_tokens, s.num_draft_tokens) for s in plan.scheduled] == [("a", 1, 0),
+                                                                                                 ("b", 1, 0)]
+    a.spec_token_ids = [1]  # one draft fits the block's last slot
+    assert [s.num_draft_tokens for s in sched.plan().scheduled] == [1, 0]
+
+
 # ----- the request log -----
 
 def test_request_log_records_drafted_and_accepted_per_step_per_request(tiny_model_dir):
