@@ -11,6 +11,7 @@ import pytest
 
 from infertrace.load.client.http_target import HttpTarget
 from infertrace.load.client.timing import measure, resolve_output_tokens
+from infertrace.load.client.trace_context import traceparent
 from infertrace.load.clock import ScriptedClock
 from infertrace.load.records import RequestResult, RequestSpec, TokenSource
 
@@ -361,7 +362,8 @@ async def test_an_oversized_line_is_a_malformed_stream(monkeypatch):
 async def test_every_send_names_its_request_for_the_server_log():
     reads = [(T0 + 0.010, {"choices": [{"text": "a", "finish_reason": "length"}]}), (T0 + 0.011, DONE)]
     result, transport = await run(reads)
-    assert result.request_id and transport.headers == {"X-Request-Id": result.request_id}
+    assert result.request_id and transport.headers == {"X-Request-Id": result.request_id,
+                                                       "traceparent": traceparent(result.request_id)}
     second, _ = await run(reads)
     assert second.request_id != result.request_id  # a new target, a new run prefix
     assert result.to_json()["request_id"] == result.request_id
