@@ -301,7 +301,8 @@ class BenchConfig:
                 raise ValueError("trace replay sends --num-prompts requests of the trace; drop --duration")
         if self.dataset == "agent-trace":
             for name, value in (("--request-rate", self.request_rate), ("--duration", self.duration_s),
-                                ("--concurrency", self.concurrency), ("--ramp-up-strategy", self.ramp_up_strategy)):
+                                ("--concurrency", self.concurrency), ("--ramp-up-strategy", self.ramp_up_strategy),
+                                ("--sweep", self.sweep_param), ("--find-max", self.find_max)):
                 if value is not None:
                     raise ValueError(f"agent-trace replay starts each session at its time in the trace (scale them "
                                      f"with --time-scale); drop {name}")

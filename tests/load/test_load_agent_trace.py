@@ -162,6 +162,8 @@ def test_a_line_per_document_is_read_as_a_collector_writes_it(tmp_path):
     ({"request_rate": 2.0}, "drop --request-rate"),
     ({"concurrency": 2}, "drop --concurrency"),
     ({"duration_s": 5.0}, "drop --duration"),
+    ({"sweep_param": "request_rate", "sweep_values": (1.0, 2.0)}, "drop --sweep"),
+    ({"find_max": "request_rate", "slo": {"p99_ttft_ms": 500}}, "drop --find-max"),
     ({"base_url": "http://x", "endpoint": "completions"}, "use --endpoint chat"),
     ({"dataset_path": None}, "needs --dataset-path"),
 ])
