@@ -2,7 +2,7 @@
 
 The steps, their kernels and their GPU busy time come from `infertrace analyze` (inference phases). A CPU-only
 trace has no kernels; there the count that stands in for them is the CPU operators per decode step (leaf aten
-ops, the ones that would each be a kernel on a GPU).
+ops, the ones that would each be a kernel on a GPU). With speculative decoding, verify steps count as decode steps.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 DECODE = "DECODE"
+VERIFY = "VERIFY"  # a decode step with draft tokens verified (speculative decoding): counted with the decode steps
 
 
 @dataclass(slots=True)
@@ -55,7 +56,7 @@ def analyze_profile(trace_dir: str | Path) -> ProfileFigures:
     steps = step_metrics(events, found)
     has_gpu = bool(events["kind"].isin(GPU_WORK).any())
     summary = phase_summary(steps, has_gpu)
-    decode = (steps["type"] == DECODE).to_numpy()
+    decode = steps["type"].isin((DECODE, VERIFY)).to_numpy()
     n_decode = int(decode.sum())
 
     def per_decode(counts: np.ndarray) -> float | None:

@@ -197,8 +197,11 @@ def judge(record: PointRecord) -> tuple[PhaseStatus, str | None, str | None]:
     return PhaseStatus.OK, None, None
 
 
+DECODE_KINDS = ("decode", "verify")  # a verify step is a decode step with drafts (speculative decoding)
+
+
 class StepWindow:
-    """Opens a capture at the first decode step of a full batch and closes it `num_steps` steps later.
+    """Opens a capture at the first decode (or verify) step of a full batch and closes it `num_steps` steps later.
 
     Its methods run on the engine thread (step callbacks and `AsyncEngine.call`), where torch.profiler must be
     started and stopped; an exception here must not reach the engine loop, so it is kept for the caller.
@@ -217,7 +220,7 @@ class StepWindow:
             return
         try:
             if not self.session.active:
-                if stats.kind == "decode" and stats.batch_size >= self.full_batch:
+                if stats.kind in DECODE_KINDS and stats.batch_size >= self.full_batch:
                     self.session.start()
             elif self.session.on_step(stats):
                 self.paths, self.closed = self.session.stop(), True

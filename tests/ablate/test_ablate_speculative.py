@@ -13,8 +13,8 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "speculative.yaml"
 
 def test_speculative_recipe_runs_quick_with_acceptance_columns(tiny_model_dir, tmp_path):
     out = tmp_path / "r.json"
-    res = CliRunner().invoke(ablate, [str(RECIPE), "--quick", "--model", str(tiny_model_dir), "--json", str(out)],
-                             catch_exceptions=False)
+    res = CliRunner().invoke(ablate, [str(RECIPE), "--quick", "--profile", "--model", str(tiny_model_dir),
+                                      "--json", str(out)], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     assert doc["complete"]
@@ -36,3 +36,8 @@ def test_speculative_recipe_runs_quick_with_acceptance_columns(tiny_model_dir, t
     # the tiny preset drafting for the tiny model is the model itself: every draft is accepted
     assert rows["draft model K=4"]["acceptance_rate"] == 1.0
     assert "draft" in res.stdout and "accepted" in res.stdout
+    # each phase's profile: verify steps count as decode steps; the draft model's steps are a type of their own
+    for name, phase in phases.items():
+        types = {p["type"] for p in phase["profile"]["phases"]}
+        assert phase["profile"]["decode_steps"] > 0 and rows[name]["cpu_ops_per_decode_step"] > 0, name
+        assert ("VERIFY" in types) == (name != "off") and ("DRAFT" in types) == name.startswith("draft"), types
