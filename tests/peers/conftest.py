@@ -308,3 +308,21 @@ def run_infertrace_bench(server: VllmServer, out_dir: Path, name: str, *args: st
     assert done.returncode == 0, f"infertrace bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n" \
                                  f"{done.stderr[-3000:]}"
     return json.loads(result.read_text())
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tier's tests that share the default server run first, those that start a server of their own
+    (`vllm_servers.get(other args)`) after them, module by module: each restart costs 1-3 min on 2 cores."""
+    here = Path(__file__).parent
+    tier = [i for i, item in enumerate(items) if here in Path(str(item.path)).parents]
+    if not tier:
+        return
+    own = [items[i] for i in tier if _starts_its_own(items[i])]
+    rest = [items[i] for i in tier if not _starts_its_own(items[i])]
+    for i, item in zip(tier, rest + own):
+        items[i] = item
+
+
+def _starts_its_own(item) -> bool:
+    names = getattr(item, "fixturenames", ())  # every fixture the test needs, through other fixtures too
+    return "vllm_servers" in names and "vllm_server" not in names
