@@ -122,6 +122,8 @@ def _figure_html(fig: go.Figure, div_id: str) -> str:
 
 SUMMARY = (  # the run's headline figures, as (label, result key, unit, scale)
     ("output throughput", "output_throughput", "tok/s", 1.0),
+    ("input throughput", "input_sequence_throughput", "inputs/s", 1.0),  # embeddings
+    ("E2EL median / p99", ("median_e2el_ms", "p99_e2el_ms"), "ms", 1.0),
     ("TTFT median / p99", ("median_ttft_ms", "p99_ttft_ms"), "ms", 1.0),
     ("TTFCT median / p99 (to the answer, after reasoning)", ("median_ttfct_ms", "p99_ttfct_ms"), "ms", 1.0),
     ("TPOT median", "median_tpot_ms", "ms", 1.0),

@@ -111,6 +111,13 @@ def test_the_summary_shows_headline_figures_energy_reasoning_and_warnings(run):
     assert "TTFCT" not in plain[:plain.index("<h2>Findings</h2>")] and "energy per output token" not in plain
 
 
+def test_an_embeddings_summary_shows_its_input_throughput_and_latency(run):
+    result = {"input_sequence_throughput": 94.8, "median_e2el_ms": 339.0, "p99_e2el_ms": 544.25}
+    html = render_html(_doc(run, result=result))
+    summary = html[html.index("<h2>Summary</h2>"):html.index("<h2>Findings</h2>")]
+    assert "94.8 inputs/s" in summary and "339.0 / 544.2 ms" in summary and "tok/s" not in summary
+
+
 def test_the_summary_says_what_of_the_server_s_log_was_not_joined(run):
     result = {"output_throughput": 1.0, "request_log": {"warnings": ["the server's request log had 2 malformed "
                                                                      "request records, skipped"]}}
