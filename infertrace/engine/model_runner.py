@@ -25,8 +25,8 @@ from infertrace.engine.kernels.tiles import attention_tile_array, decode_order
 from infertrace.engine.models.loader import load_weights
 from infertrace.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from infertrace.engine.parallel import SINGLE, TensorParallel
-from infertrace.engine.sampler import Sampler, greedy_tokens
 from infertrace.engine.rejection_sampler import verify
+from infertrace.engine.sampler import Sampler, greedy_tokens
 from infertrace.engine.scheduler import ScheduledSeq, StepKind, StepPlan
 from infertrace.engine.step_buffers import StepBuffers
 
