@@ -25,10 +25,16 @@ def model() -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the random weights and the tokenizer corpus.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
               help="Weight dtype [default: float32 for tiny, bfloat16 otherwise].")
-def init(preset: str, out_dir: Path, seed: int, dtype: str | None) -> None:
+@click.option("--lora", "lora_count", type=int, default=0, show_default=True, metavar="N",
+              help="Also write N LoRA adapters (PEFT format, seeded random weights on q/k/v/o_proj) into "
+              "OUT/loras/lora-1 ... lora-N, for `vllm serve --enable-lora --lora-modules`.")
+@click.option("--lora-rank", type=int, default=8, show_default=True, help="The rank of each --lora adapter.")
+def init(preset: str, out_dir: Path, seed: int, dtype: str | None, lora_count: int, lora_rank: int) -> None:
     """Write a Hugging Face Qwen3 model directory: config.json, seeded random
     safetensors weights and a locally trained byte-level BPE tokenizer with
     Qwen's special tokens and chat template. A real checkpoint loads the same way."""
+    if lora_count < 0 or lora_rank < 1:
+        fail(f"--lora must be >= 0 and --lora-rank >= 1, got {lora_count} and {lora_rank}", code=BAD_INPUT)
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from infertrace.modelgen import PRESETS, hf_config, init_model, parameter_count
@@ -47,3 +53,11 @@ def init(preset: str, out_dir: Path, seed: int, dtype: str | None) -> None:
         except (ValueError, OSError) as e:
             fail(str(e), code=BAD_INPUT)
     out_console.print(f"wrote {preset} ({parameter_label(n_params)} parameters) to {path}")
+    if lora_count:
+        from infertrace.modelgen.lora import init_adapters
+
+        try:
+            adapters = init_adapters(path, lora_count, lora_rank, seed=seed)
+        except (ValueError, OSError) as e:
+            fail(str(e), code=BAD_INPUT)
+        out_console.print(f"wrote {lora_count} LoRA adapter(s) of rank {lora_rank} to {adapters[0].parent}")
