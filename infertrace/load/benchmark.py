@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from infertrace.load.client import trace_context
+from infertrace.load.client.adapters import AdapterMix
 from infertrace.load.client.target import Target
 from infertrace.load.client.timing import TargetError, resolve_output_tokens
 from infertrace.load.clock import Clock
@@ -19,6 +20,7 @@ from infertrace.load.observe.observer import Observer
 from infertrace.load.observe.server_counters import read_prefix_cache, run_hit_rate
 from infertrace.load.records import RequestResult
 from infertrace.load.results import response_metrics, spans_out
+from infertrace.load.results.adapters import gate_keys, per_adapter
 from infertrace.load.results.join import join
 from infertrace.load.results.metrics import compute_metrics, token_count_checks
 from infertrace.load.results.peer_logs import PeerLog, join_results, read_peer_log
@@ -201,6 +203,8 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
         workload.update(run_hit_rate(cache_before, await read_prefix_cache(target)))
     resolve_output_tokens(results, tokenizer, check_usage=target.counts_with_own_tokenizer)
     resolve_output_tokens(warm.results, tokenizer)
+    if cfg.lora_modules:  # docs/bench.md, "LoRA adapters"
+        workload.update(adapter_figures(cfg, results, warm.results))
     if cfg.otlp_traces_endpoint and not interrupted:
         hooks.on_info(await asyncio.to_thread(spans_out.export, cfg.otlp_traces_endpoint, results,
                                               epoch_offset_ns))
@@ -216,6 +220,16 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
         client_lag=Stats.of([max(0.0, r.schedule_lag - r.slot_wait) for r in results]),
         interrupted=interrupted, profile=profile, workload=workload or None, stopped_early=stopped_early,
         observed=observed, steady=steady_state(results, None if cfg.open_loop else cfg.effective_concurrency))
+
+
+def adapter_figures(cfg: BenchConfig, results: list[RequestResult], warmup: list[RequestResult]) -> dict:
+    """Each request tagged with the adapter its body named (the same draw from its index), and the figures of each
+    adapter: a `per_adapter` block and its keys for the gate."""
+    mix = AdapterMix.of(cfg.lora_modules, cfg.seed)
+    for r in (*warmup, *results):
+        r.adapter = mix.pick(r.index)
+    figures = per_adapter(results, cfg.lora_modules)
+    return {"per_adapter": figures, **gate_keys(figures)}
 
 
 def worker_config(cfg: BenchConfig, target: Target) -> BenchConfig:

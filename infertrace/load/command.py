@@ -66,6 +66,10 @@ async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
     from infertrace.load.results.render import progress_for
 
     target = make_target(cfg, _info)
+    if cfg.lora_modules:  # a server's target (config checks --base-url): each request names its adapter
+        from infertrace.load.client.adapters import AdapterMix
+
+        target.adapters = AdapterMix.of(cfg.lora_modules, cfg.seed)
     interrupter = Interrupter()
 
     def announce() -> None:
@@ -186,6 +190,10 @@ def execute(cfg: BenchConfig) -> int:
         return finish_capacity(records, cfg, target)
     if cfg.sweep_param is None:
         out_console.print(summary_table(records[0]))
+        if figures := (records[0].workload or {}).get("per_adapter"):
+            from infertrace.load.results.adapters import adapter_table
+
+            out_console.print(adapter_table(figures))
     else:
         out_console.print(sweep_table(records, cfg.sweep_param))
     print_warnings(records)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -35,7 +36,8 @@ RESERVED_BODY_KEYS = {  # request-body keys bench sets itself, and the option th
     "input": "the dataset gives the inputs (--random-batch-size of them a request)",
 }
 EMBEDDINGS_DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl")  # one answer a request: no session, no trace
-STREAMED_SLO_METRICS = ("ttft", "tpot", "itl")  # an embeddings answer comes whole: only E2EL is measured
+STREAMED_SLO_METRICS = ("ttft", "tpot", "itl")
+LORA_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")  # an embeddings answer comes whole: only E2EL is measured
 
 
 def _finite_positive(name: str, value: float | None, unit: str = "") -> None:
@@ -67,6 +69,7 @@ class BenchConfig:
     turn_input_len: int = 128  # conversation without a file: tokens of each user message
     think_time_s: float = 0.0  # conversation: pause between a reply and the next turn
     embed_batch_size: int = 1  # embeddings: inputs each request carries (vLLM's --random-batch-size)
+    lora_modules: dict = field(default_factory=dict)  # LoRA adapter name -> its share of the requests (relative)
     # load shape
     num_prompts: int = 32
     duration_s: float | None = None
@@ -131,6 +134,7 @@ class BenchConfig:
             raise ValueError(f"--dataset {self.dataset} needs --dataset-path FILE")
         self._check_trace_and_sessions()
         self._check_embeddings()
+        self._check_lora()
         for name in ("input_len", "prefix_len", "num_prefixes", "num_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -205,6 +209,20 @@ class BenchConfig:
             if metric in STREAMED_SLO_METRICS:
                 raise ValueError(f"SLO {key}: an embeddings answer comes whole, so there is no {metric.upper()}; "
                                  "bound e2el_ms instead")
+
+    def _check_lora(self) -> None:
+        if not self.lora_modules:
+            return
+        for name, share in self.lora_modules.items():
+            if not (isinstance(name, str) and LORA_NAME.fullmatch(name)):
+                raise ValueError(f"--lora-modules: adapter name {name!r} must be letters, digits, '.', '_' or '-'")
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not (0 < share < math.inf):
+                raise ValueError(f"--lora-modules: the share of {name} must be a positive number, got {share!r}")
+        if self.base_url is None:
+            raise ValueError("--lora-modules names adapters a server serves: pass --base-url (the bundled engine "
+                             "serves no LoRA adapters)")
+        if self.workers > 1 or self.ray_address:
+            raise ValueError("--lora-modules runs in one load generator process: drop --workers and --ray")
 
     def _check_tracing(self) -> None:
         self.otlp_receiver = tuple(self.otlp_receiver)
@@ -416,6 +434,24 @@ def percentile_slo(key: str) -> tuple[int, str] | None:
     if stat in SLO_STATS and metric in SLO_METRICS and unit == "ms":
         return SLO_STATS[stat], metric
     return None
+
+
+def parse_lora_modules(text: str) -> dict[str, float]:
+    """`a=3,b=1,c` -> {"a": 3.0, "b": 1.0, "c": 1.0}: each adapter's share of the requests (relative; 1 when not
+    given)."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, share = (x.strip() for x in part.partition("="))
+        if name in out:
+            raise ValueError(f"adapter {name!r} is named twice")
+        try:
+            out[name] = float(share) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"{name}={share!r}: expected NAME or NAME=SHARE (a number; the server, not bench, "
+                             "takes the adapter's path)") from None
+    if not out:
+        raise ValueError("expected NAME[=SHARE],...")
+    return out
 
 
 def parse_sweep(text: str) -> tuple[str, tuple]:

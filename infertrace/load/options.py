@@ -20,6 +20,7 @@ from infertrace.load.config import (
     RAMP_UP_STRATEGIES,
     SERVER_METRICS_MODES,
     BenchConfig,
+    parse_lora_modules,
     parse_slo,
     parse_sweep,
 )
@@ -72,6 +73,10 @@ _OPTIONS = (  # in the order --help lists them
     click.option("--random-batch-size", "--embed-batch-size", "embed_batch_size", type=int, metavar="N",
                   help="Embeddings: inputs each request carries, as `vllm bench serve --random-batch-size` batches "
                   f"them (--num-prompts still counts requests). {_d('embed_batch_size')}"),
+    click.option("--lora-modules", callback=_parsed(parse_lora_modules), metavar="NAME[=SHARE],...",
+                  help="Send each request to one of these LoRA adapters (its name as the request's model), drawn by "
+                  "the shares (default 1 each) from --seed and the request's index; the result gets per_adapter "
+                  "figures. The server must serve them (vLLM: --enable-lora --lora-modules NAME=DIR)."),
     click.option("--model", metavar="NAME|DIR", help="Server: the model name to send (default: the first one the "
                   "server lists), or its local directory, which then also gives the tokenizer. Embedded: a model "
                   f"directory or a preset ({', '.join(PRESETS)}; default: tiny), made on first use under "

@@ -92,6 +92,7 @@ class RequestResult:
     trace_id: str | None = None
     span_id: str | None = None
     num_inputs: int | None = None  # /v1/embeddings: the inputs the request carried and got a vector for
+    adapter: str | None = None  # --lora-modules: the LoRA adapter it named as its model
 
     @property
     def success(self) -> bool:
@@ -135,6 +136,7 @@ class RequestResult:
             **({"session": self.session, "turn": self.turn} if self.session is not None else {}),
             **({"text_cut": True} if self.text_cut else {}),
             **({"num_inputs": self.num_inputs} if self.num_inputs is not None else {}),
+            **({"adapter": self.adapter} if self.adapter is not None else {}),
             "request_id": self.request_id,
             **({"trace_id": self.trace_id, "span_id": self.span_id} if self.trace_id is not None else {}),
             **_server_json(self.server),

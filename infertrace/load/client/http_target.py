@@ -16,6 +16,7 @@ import aiohttp
 import msgspec
 
 from infertrace.load.client import request_log
+from infertrace.load.client.adapters import AdapterMix
 from infertrace.load.client.sse import SSELineTooLong, SSEParser
 from infertrace.load.client.timing import TargetError
 from infertrace.load.client.trace_context import traceparent
@@ -418,6 +419,7 @@ class HttpTarget:
         self.tokenizer = tokenizer
         self.server_info: dict | None = None
         self.max_model_len: int | None = None  # the served model's context length, when /v1/models gives it
+        self.adapters: AdapterMix | None = None  # --lora-modules: each request names an adapter as its model
         self.prompt_salt = prompt_salt  # --prompt-salt: a line before every prompt, so no earlier run's cache fits
         self._salt_tokens: int | None = None
         self.tokenizer_dir = tokenizer_dir  # where a load worker, which loads no tokenizer, counts the salt's tokens
@@ -448,6 +450,10 @@ class HttpTarget:
             shown = ", ".join(repr(m) for m in listed[:5]) + (f" and {len(listed) - 5} more" if len(listed) > 5 else "")
             raise TargetError(f"model {self.model!r} is not served at {self.base_url}: /v1/models lists {shown}; "
                               "pass one of them as --model or --served-model-name")
+        if self.adapters is not None and listed and (missing := [n for n in self.adapters.names if n not in listed]):
+            raise TargetError(f"the server refuses LoRA adapter {', '.join(map(repr, missing))}: {self.base_url}"
+                              f"/v1/models lists {', '.join(map(repr, listed[:5]))}; serve it (vLLM: --enable-lora "
+                              "--lora-modules NAME=DIR; infertrace serve serves no adapters)")
         card = next((m for m in data if isinstance(m, dict) and m.get("id") == self.model), None) if listed else None
         length = card.get("max_model_len") if card else None  # vLLM's and SGLang's model card carry it
         self.max_model_len = length if isinstance(length, int) and not isinstance(length, bool) and length > 0 \
@@ -513,8 +519,8 @@ class HttpTarget:
         stream_options = {"include_usage": True}
         if self.continuous_usage:  # left out, not sent as false: some servers reject the key itself
             stream_options["continuous_usage_stats"] = True
-        body: dict[str, Any] = {"model": self.model, "max_tokens": spec.output_len, "temperature": self.temperature,
-                                "stream": True, "stream_options": stream_options}
+        body: dict[str, Any] = {"model": self.model_of(spec), "max_tokens": spec.output_len,
+                                "temperature": self.temperature, "stream": True, "stream_options": stream_options}
         if self.endpoint == "chat":
             messages = spec.messages or [{"role": "user", "content": spec.prompt}]
             if self.prompt_salt and isinstance(messages[0].get("content"), str):  # the first: a session's every turn
@@ -542,7 +548,11 @@ class HttpTarget:
                                                               else spec.prompt_ids]
         if self.prompt_salt:
             inputs = [self.salt_line + x if isinstance(x, str) else x for x in inputs]
-        return {"model": self.model, "input": inputs, **self.extra_body}
+        return {"model": self.model_of(spec), "input": inputs, **self.extra_body}
+
+    def model_of(self, spec: RequestSpec) -> str | None:
+        """The model a request names: its LoRA adapter under --lora-modules, else the served model."""
+        return self.adapters.pick(spec.index) if self.adapters is not None else self.model
 
     def new_request_id(self) -> str:
         return next(self._request_ids)
