@@ -1,6 +1,7 @@
 """A stand-in OpenAI-compatible server on loopback, in a background thread, whose faults the tests choose."""
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
@@ -187,10 +188,17 @@ def _free_port() -> int:
 def served_tiny(tiny_model_dir, tmp_path):
     """`infertrace serve` on the tiny model (random weights) in a subprocess, with KV room for a whole trace replay
     (no eviction)."""
+    with serve_subprocess(tiny_model_dir, tmp_path) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serve_subprocess(model_dir, tmp_path, *args: str):
+    """`infertrace serve --model model_dir ARGS` in a subprocess, its URL once /health answers; stopped on exit."""
     port = _free_port()
     log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "infertrace", "serve", "--model", str(tiny_model_dir), "--port",
-                             str(port), "--kv-cache-tokens", "131072"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "infertrace", "serve", "--model", str(model_dir), "--port",
+                             str(port), "--kv-cache-tokens", "131072", *args], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
