@@ -205,6 +205,10 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
     resolve_output_tokens(warm.results, tokenizer)
     if cfg.lora_modules:  # docs/bench.md, "LoRA adapters"
         workload.update(adapter_figures(cfg, results, warm.results))
+    if cfg.structured is not None:  # docs/bench.md, "Structured output and tool calls"
+        from infertrace.load.workloads.structured import structured_figures
+
+        workload.update(structured_figures(target.structured, results))
     if cfg.otlp_traces_endpoint and not interrupted:
         hooks.on_info(await asyncio.to_thread(spans_out.export, cfg.otlp_traces_endpoint, results,
                                               epoch_offset_ns))

@@ -70,6 +70,10 @@ async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
         from infertrace.load.client.adapters import AdapterMix
 
         target.adapters = AdapterMix.of(cfg.lora_modules, cfg.seed)
+    if cfg.structured is not None:  # a server's target too: constrained requests carry their schema
+        from infertrace.load.workloads.structured import structured_plan
+
+        target.structured = structured_plan(cfg)
     interrupter = Interrupter()
 
     def announce() -> None:
@@ -194,6 +198,10 @@ def execute(cfg: BenchConfig) -> int:
             from infertrace.load.results.adapters import adapter_table
 
             out_console.print(adapter_table(figures))
+        if figures := (records[0].workload or {}).get("structured"):
+            from infertrace.load.workloads.structured import structured_table
+
+            out_console.print(structured_table(figures))
     else:
         out_console.print(sweep_table(records, cfg.sweep_param))
     print_warnings(records)

@@ -37,6 +37,8 @@ RESERVED_BODY_KEYS = {  # request-body keys bench sets itself, and the option th
 }
 EMBEDDINGS_DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl")  # one answer a request: no session, no trace
 STREAMED_SLO_METRICS = ("ttft", "tpot", "itl")
+STRUCTURED_MODES = ("json-schema", "tools")  # --structured
+TOOL_CHOICES = ("required", "named")
 LORA_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")  # an embeddings answer comes whole: only E2EL is measured
 
 
@@ -70,6 +72,10 @@ class BenchConfig:
     think_time_s: float = 0.0  # conversation: pause between a reply and the next turn
     embed_batch_size: int = 1  # embeddings: inputs each request carries (vLLM's --random-batch-size)
     lora_modules: dict = field(default_factory=dict)  # LoRA adapter name -> its share of the requests (relative)
+    structured: str | None = None  # "json-schema" (response_format) or "tools" (tools + tool_choice)
+    schemas_path: str | None = None  # --schemas: a JSONL of JSON schemas (None: generated ones)
+    structured_share: float = 1.0  # the share of requests constrained; the rest are the run's unconstrained baseline
+    tool_choice: str = "required"  # tools: "required" (any offered tool) or "named" (the offered tool, by name)
     # load shape
     num_prompts: int = 32
     duration_s: float | None = None
@@ -135,6 +141,7 @@ class BenchConfig:
         self._check_trace_and_sessions()
         self._check_embeddings()
         self._check_lora()
+        self._check_structured()
         for name in ("input_len", "prefix_len", "num_prefixes", "num_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -223,6 +230,30 @@ class BenchConfig:
                              "serves no LoRA adapters)")
         if self.workers > 1 or self.ray_address:
             raise ValueError("--lora-modules runs in one load generator process: drop --workers and --ray")
+
+    def _check_structured(self) -> None:
+        if self.structured is None:
+            for flag, value, default in (("--schemas", self.schemas_path, None),
+                                         ("--structured-share", self.structured_share, 1.0),
+                                         ("--tool-choice", self.tool_choice, "required")):
+                if value != default:
+                    raise ValueError(f"{flag} needs --structured json-schema|tools")
+            return
+        if self.structured not in STRUCTURED_MODES:
+            raise ValueError(f"structured must be one of {', '.join(STRUCTURED_MODES)}, got {self.structured!r}")
+        if self.tool_choice not in TOOL_CHOICES:
+            raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {self.tool_choice!r}")
+        if not 0 < self.structured_share <= 1:
+            raise ValueError(f"--structured-share must be in (0, 1], got {self.structured_share}")
+        if self.base_url is None:
+            raise ValueError("--structured constrains a server's output: pass --base-url (infertrace serve refuses "
+                             "response_format and tools)")
+        if self.endpoint == "embeddings" or (self.structured == "tools" and self.endpoint != "chat"):
+            raise ValueError(f"--structured {self.structured} needs --endpoint chat"
+                             + (" or completions" if self.structured == "json-schema" else ""))
+        for key in ("response_format", "tools", "tool_choice"):
+            if key in self.extra_body:
+                raise ValueError(f"--extra-body may not set {key!r} with --structured, which sets it")
 
     def _check_tracing(self) -> None:
         self.otlp_receiver = tuple(self.otlp_receiver)

@@ -19,6 +19,8 @@ from infertrace.load.config import (
     FIND_MAX_PARAMS,
     RAMP_UP_STRATEGIES,
     SERVER_METRICS_MODES,
+    STRUCTURED_MODES,
+    TOOL_CHOICES,
     BenchConfig,
     parse_lora_modules,
     parse_slo,
@@ -77,6 +79,18 @@ _OPTIONS = (  # in the order --help lists them
                   help="Send each request to one of these LoRA adapters (its name as the request's model), drawn by "
                   "the shares (default 1 each) from --seed and the request's index; the result gets per_adapter "
                   "figures. The server must serve them (vLLM: --enable-lora --lora-modules NAME=DIR)."),
+    click.option("--structured", type=click.Choice(STRUCTURED_MODES),
+                  help="Constrain the output: json-schema sends response_format {type: json_schema}; tools sends "
+                  "one tool (its parameters the schema) with --tool-choice. The result counts the outputs that "
+                  "parse and hold to their schema, and TTFT/ITL of constrained against unconstrained requests."),
+    click.option("--schemas", "schemas_path", type=click.Path(dir_okay=False), help="With --structured: a JSONL "
+                  "file of JSON schemas, one per line, cycled over the requests [default: generated object "
+                  "schemas of booleans and string enums]."),
+    click.option("--structured-share", type=float, help="With --structured: the share of requests constrained, "
+                  f"drawn from --seed; the rest run unconstrained beside them, for comparison. "
+                  f"{_d('structured_share')}"),
+    click.option("--tool-choice", type=click.Choice(TOOL_CHOICES), help="With --structured tools: tool_choice "
+                  f"\"required\", or the offered function named. {_d('tool_choice')}"),
     click.option("--model", metavar="NAME|DIR", help="Server: the model name to send (default: the first one the "
                   "server lists), or its local directory, which then also gives the tokenizer. Embedded: a model "
                   f"directory or a preset ({', '.join(PRESETS)}; default: tiny), made on first use under "

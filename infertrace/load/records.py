@@ -57,6 +57,7 @@ class StreamEvent:
     reasoning_only: bool = False  # output of reasoning alone (`reasoning_content` / `reasoning`), no answer text
     server_metrics: dict | None = None  # the server's own figures for the request (vLLM's `metrics` object)
     embeddings: int | None = None  # a whole /v1/embeddings answer: how many vectors it held (it ends the request)
+    tool_calls: list | None = None  # a chat delta's tool-call pieces, as streamed (index, function name, arguments)
 
 
 @dataclass(slots=True)
@@ -93,6 +94,8 @@ class RequestResult:
     span_id: str | None = None
     num_inputs: int | None = None  # /v1/embeddings: the inputs the request carried and got a vector for
     adapter: str | None = None  # --lora-modules: the LoRA adapter it named as its model
+    tool_calls: list[dict] | None = None  # the tool calls streamed, each {"name", "arguments"} put together
+    structured_violation: str | None = None  # --structured: "" when the output holds to its schema, else why not
 
     @property
     def success(self) -> bool:
@@ -137,6 +140,9 @@ class RequestResult:
             **({"text_cut": True} if self.text_cut else {}),
             **({"num_inputs": self.num_inputs} if self.num_inputs is not None else {}),
             **({"adapter": self.adapter} if self.adapter is not None else {}),
+            **({"tool_calls": self.tool_calls} if self.tool_calls is not None else {}),
+            **({"structured_valid": not self.structured_violation, "structured_violation":
+                self.structured_violation or None} if self.structured_violation is not None else {}),
             "request_id": self.request_id,
             **({"trace_id": self.trace_id, "span_id": self.span_id} if self.trace_id is not None else {}),
             **_server_json(self.server),

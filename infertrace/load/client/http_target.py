@@ -236,7 +236,8 @@ def _fast(data: str) -> StreamEvent | None:
                 delta.content == "" and delta.role is msgspec.UNSET)
             return StreamEvent(text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                finish_reason=choice.finish_reason, output=output,
-                               reasoning_only=bool(reasoning) and not answer)
+                               reasoning_only=bool(reasoning) and not answer,
+                               tool_calls=delta.tool_calls if isinstance(delta.tool_calls, list) else None)
         return StreamEvent(text=choice.text or "", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                            finish_reason=choice.finish_reason, output=True)
     if chunk.error is not None or chunk.object == "error":
@@ -313,6 +314,10 @@ def _decode(obj: dict) -> StreamEvent:
                     reasoning_only = not (content or delta.get("tool_calls") or delta.get("function_call"))
                     break
             output = _chat_has_output(delta, text)
+            calls = delta.get("tool_calls")
+            return StreamEvent(text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                               finish_reason=finish_reason, output=output, reasoning_only=reasoning_only,
+                               tool_calls=calls if isinstance(calls, list) else None)
         else:
             text = _field(choice, "text", (str,), "choices[0].") or ""
             output, reasoning_only = True, False
@@ -420,6 +425,7 @@ class HttpTarget:
         self.server_info: dict | None = None
         self.max_model_len: int | None = None  # the served model's context length, when /v1/models gives it
         self.adapters: AdapterMix | None = None  # --lora-modules: each request names an adapter as its model
+        self.structured = None  # --structured: a StructuredPlan, which constrains some requests' output
         self.prompt_salt = prompt_salt  # --prompt-salt: a line before every prompt, so no earlier run's cache fits
         self._salt_tokens: int | None = None
         self.tokenizer_dir = tokenizer_dir  # where a load worker, which loads no tokenizer, counts the salt's tokens
@@ -538,6 +544,8 @@ class HttpTarget:
             body["include_metrics"] = True
         if spec.request_id is not None and _names_by_rid(self.server_info):
             body["rid"] = spec.request_id  # SGLang names a request by the body's rid, not X-Request-Id
+        if self.structured is not None:
+            body.update(self.structured.body(spec.index))
         body.update(self.extra_body)
         return body
 

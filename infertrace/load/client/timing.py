@@ -78,6 +78,8 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
                             result.ttfct = t - t0
                         last_text_t = t
                         result.chunk_tokens.append(n)
+                        if ev.tool_calls:
+                            room = _add_tool_calls(result, ev.tool_calls, room)
                         if ev.text:
                             if len(ev.text) <= room:  # the usual case: kept whole, no copy
                                 texts.append(ev.text)
@@ -112,6 +114,30 @@ async def measure(result: RequestResult, target: Target, spec: RequestSpec, cloc
     elif result.error is None and last_text_t is None and result.num_inputs is None:  # as `vllm bench serve`
         result.error = "empty response: the stream finished without any generated output"
     return result
+
+
+def _add_tool_calls(result: RequestResult, pieces: list, room: int) -> int:
+    """Put streamed tool-call pieces together on `result` (a call's `index` says which, its name comes once, its
+    arguments in parts, as the OpenAI stream sends them); the characters kept count against `room`, which is
+    returned."""
+    calls = result.tool_calls if result.tool_calls is not None else []
+    for piece in pieces:
+        if not isinstance(piece, dict):
+            continue
+        index = piece.get("index")
+        index = index if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < 64 else len(calls)
+        while len(calls) <= index:
+            calls.append({"name": None, "arguments": ""})
+        function = piece.get("function") if isinstance(piece.get("function"), dict) else {}
+        if isinstance(name := function.get("name"), str):
+            calls[index]["name"] = name
+        if isinstance(part := function.get("arguments"), str):
+            kept = part[:room]
+            calls[index]["arguments"] += kept
+            room -= len(kept)
+            result.text_cut = result.text_cut or len(kept) < len(part)
+    result.tool_calls = calls
+    return room
 
 
 def resolve_output_tokens(results: list[RequestResult], tokenizer=None, check_usage: bool = False) -> None:
