@@ -199,9 +199,11 @@ def execute(cfg: BenchConfig) -> int:
 
             out_console.print(adapter_table(figures))
         if figures := (records[0].workload or {}).get("structured"):
-            from infertrace.load.workloads.structured import structured_table
+            from infertrace.load.workloads.structured import refusal_line, structured_table
 
             out_console.print(structured_table(figures))
+            if line := refusal_line(figures):
+                err_console.print(f"[yellow]{line}[/]", highlight=False)
     else:
         out_console.print(sweep_table(records, cfg.sweep_param))
     print_warnings(records)

@@ -228,3 +228,24 @@ def test_a_bad_schema_file_stops_the_run_in_one_line(server, tmp_path):
 def test_config_refuses_what_cannot_run(fields, message):
     with pytest.raises(ValueError, match=message):
         BenchConfig(**fields)
+
+
+def test_infertrace_serve_refuses_structured_output_and_bench_says_so(served_tiny, tiny_model_dir, tmp_path):
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(bench, [str(a) for a in (
+        "--base-url", served_tiny, "--endpoint", "chat", "--tokenizer", tiny_model_dir, "--input-len", 8,
+        "--output-len", 4, "--num-prompts", 6, "--warmup", 0, "--scrape-interval", 0, "--structured", "json-schema",
+        "--structured-share", 0.5, "--result-json", out)], catch_exceptions=False)
+    s = json.loads(out.read_text())["structured"]
+    assert s["refused"] == s["constrained"]["requests"] > 0 and s["total"] == 0
+    assert s["unconstrained"]["completed"] == s["unconstrained"]["requests"] > 0  # unconstrained ones are served
+    assert "HTTP 400: structured output is not supported" in s["refused_example"]
+    line = f"the server refused structured output (json-schema) on {s['refused']} of {s['refused']} constrained"
+    assert line in " ".join(res.output.split())
+
+
+def test_infertrace_serve_serves_no_adapter_and_bench_says_so_in_one_line(served_tiny):
+    res = CliRunner().invoke(bench, ["--base-url", served_tiny, "--lora-modules", "a", "--num-prompts", "2",
+                                     "--scrape-interval", "0"])
+    assert res.exit_code == BAD_INPUT and "the server refuses LoRA adapter 'a'" in res.output
+    assert "infertrace serve serves no adapters" in " ".join(res.output.split())

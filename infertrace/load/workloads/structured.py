@@ -201,7 +201,7 @@ def structured_plan(cfg) -> StructuredPlan | None:
 def structured_figures(plan: StructuredPlan, results: list[RequestResult]) -> dict:
     """Valid, invalid and total constrained outputs, the first reasons, and TTFT and ITL of the constrained requests
     beside the unconstrained ones of the same run (docs/bench.md, "Structured output and tool calls")."""
-    constrained, free, reasons = [], [], {}
+    constrained, free, reasons, refusals = [], [], {}, []
     valid = invalid = 0
     for r in results:
         verdict = plan.verdict(r)
@@ -210,6 +210,8 @@ def structured_figures(plan: StructuredPlan, results: list[RequestResult]) -> di
             continue
         constrained.append(r)
         if not r.success:
+            if r.error.startswith("HTTP 4"):  # the server would not constrain it (infertrace serve: 400)
+                refusals.append(r.error)
             continue
         r.structured_violation = verdict
         if verdict:
@@ -229,8 +231,17 @@ def structured_figures(plan: StructuredPlan, results: list[RequestResult]) -> di
         "schemas": "generated" if not plan.schemas else len(plan.schemas), "share": plan.share,
         "valid": valid, "invalid": invalid, "total": valid + invalid,
         "invalid_examples": dict(list(reasons.items())[:5]),
+        "refused": len(refusals), "refused_example": refusals[0] if refusals else None,
         "constrained": latencies(constrained), "unconstrained": latencies(free),
     }, "structured_valid": valid, "structured_invalid": invalid, "structured_total": valid + invalid}
+
+
+def refusal_line(figures: dict) -> str | None:
+    """One line when the server refused constrained requests, in its own words."""
+    if not figures["refused"]:
+        return None
+    return (f"the server refused structured output ({figures['mode']}) on {figures['refused']} of "
+            f"{figures['constrained']['requests']} constrained requests: {figures['refused_example']}")
 
 
 def structured_table(figures: dict):

@@ -320,8 +320,13 @@ def _content_text(content: Any, i: int, most_parts: int | None) -> str:
 # that is accepted.
 _UNSUPPORTED = {
     "n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
-    "repetition_penalty": 1, "min_tokens": 0, "logit_bias": None, "tools": None, "functions": None,
+    "repetition_penalty": 1, "min_tokens": 0, "logit_bias": None,
 }
+# Fields that constrain the output (OpenAI's, and vLLM's own spellings): the engine has no grammar backend, so each
+# is refused, never answered with unconstrained output.
+_CONSTRAINING = ("response_format", "tools", "functions", "tool_choice", "function_call", "structured_outputs",
+                 "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_NOT_CONSTRAINING = (None, {}, [], "none", "auto", {"type": "text"})
 
 
 def _reject_unsupported(body: dict, endpoint: Endpoint) -> None:
@@ -335,9 +340,10 @@ def _reject_unsupported(body: dict, endpoint: Endpoint) -> None:
     logprobs = body.get("logprobs")
     if logprobs not in (None, False) or body.get("top_logprobs") not in (None, 0):
         raise bad_request("logprobs are not supported by this server", "logprobs", code="unsupported")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise bad_request("response_format other than text is not supported", "response_format", code="unsupported")
+    for name in _CONSTRAINING:
+        if body.get(name) not in _NOT_CONSTRAINING:
+            raise bad_request(f"structured output is not supported: this server cannot honour {name}="
+                              f"{brief(body[name])} (its engine has no grammar backend)", name, code="unsupported")
 
 
 def _optional(body: dict, name: str, kind: type | tuple[type, ...], param: str | None = None) -> Any:
