@@ -7,17 +7,20 @@ drafting on (one start, a few small runs)."""
 from __future__ import annotations
 
 import json
+import random
+import urllib.request
 
 import pytest
 
-from tests.peers.conftest import DEFAULT_ARGS, run_infertrace_bench
+from tests.peers.conftest import DEFAULT_ARGS, SERVED_NAME, run_infertrace_bench
 
 pytestmark = pytest.mark.vllm
 
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 # `detailed` adds each verify step's accepted and drafted counts to the response (vllm/config/observability.py)
-ARGS = (*DEFAULT_ARGS, "--speculative-config", json.dumps(SPECULATIVE), "--per-request-spec-decode-metrics",
-        "detailed")
+# float32, the tiny model's own dtype, so that vLLM's greedy tokens are the bundled engine's (same weights)
+ARGS = (*DEFAULT_ARGS, "--dtype", "float32", "--speculative-config", json.dumps(SPECULATIVE),
+        "--per-request-spec-decode-metrics", "detailed")
 N = 12  # small: the tier must stay fast
 # the random model's greedy output soon repeats itself, and n-gram drafting proposes from the text so far: drafts
 # get accepted without a prompt written for it
@@ -103,3 +106,48 @@ def test_without_usage_on_each_chunk_no_per_token_itl_is_claimed(drafting_server
         assert result["mean_itl_per_token_ms"] is None
     assert result["mean_itl_ms"] is not None  # per chunk: the gaps are measured whatever the chunks hold
     assert result["speculative_decoding"]["drafts"] == grown["spec_decode_drafts"] > 0
+
+
+def _complete(server, prompt: list[int], max_tokens: int) -> dict:
+    body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                       "temperature": 0.0, "return_token_ids": True}).encode()
+    request = urllib.request.Request(server.base_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_the_bundled_engine_drafts_and_accepts_as_vllm_does(drafting_server):
+    """The same prompts, greedy, n-gram K=3 with the same lookup bounds, through vLLM and the bundled engine on the
+    same float32 weights: the same tokens, and verify step for verify step the same drafted and accepted counts,
+    but for each request's last step. There vLLM drafts K whatever the request can still take (its scheduler caps
+    drafts by the context, not max_tokens: vllm/v1/core/sched/scheduler.py and v1/spec_decode/ngram_proposer.py,
+    0.32.0) and counts the accepted ones past max_tokens that its output then drops; the bundled engine drafts at
+    most the tokens the request can still take after the bonus token."""
+    from infertrace.engine.llm import LLM
+    from infertrace.engine.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(32)] for _ in range(6)]
+    max_tokens = 48
+    theirs = [_complete(drafting_server, p, max_tokens) for p in prompts]
+    llm = LLM(drafting_server.model_dir, speculative_config=SPECULATIVE, dtype="float32")
+    ours = [llm.generate([p], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0] for p in prompts]
+    logged = llm.engine.request_log.read(0)["requests"]
+    assert len(logged) == len(prompts)
+    capped = 0
+    for answer, completion, record in zip(theirs, ours, logged):
+        assert answer["choices"][0]["token_ids"] == list(completion.token_ids)
+        spec = answer["metrics"]["speculative_decoding"]
+        drafted, accepted = spec["per_step_drafted"], spec["per_step_accepted"]
+        rows = record["drafts"]  # [step, drafted, accepted] per verify step with drafts
+        assert len(rows) == len(drafted) == spec["num_spec_steps"]
+        assert [r[1] for r in rows[:-1]] == drafted[:-1] and [r[2] for r in rows[:-1]] == accepted[:-1]
+        if rows[-1][1:] == [drafted[-1], accepted[-1]]:
+            continue
+        # the last verify step ended the request: the engine drafted what it could still take after its bonus
+        # token, vLLM drafted K
+        capped += 1
+        room = max_tokens - (len(completion.token_ids) - (rows[-1][2] + 1)) - 1
+        assert rows[-1][1] == room < drafted[-1] and rows[-1][2] == min(accepted[-1], room)
+    assert capped, "no request ended on a verify step: the difference in counting was not exercised"
