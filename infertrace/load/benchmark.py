@@ -209,6 +209,11 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
         from infertrace.load.workloads.structured import structured_figures
 
         workload.update(structured_figures(target.structured, results))
+    if cfg.images:  # docs/bench.md, "Images"
+        from infertrace.load.workloads.images import measure_images
+
+        workload.update(await measure_images(target, target.images, results, next(iter(getattr(load, "specs", [])),
+                                                                                    None)))
     if cfg.otlp_traces_endpoint and not interrupted:
         hooks.on_info(await asyncio.to_thread(spans_out.export, cfg.otlp_traces_endpoint, results,
                                               epoch_offset_ns))

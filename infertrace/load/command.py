@@ -74,6 +74,10 @@ async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
         from infertrace.load.workloads.structured import structured_plan
 
         target.structured = structured_plan(cfg)
+    if cfg.images:  # a server's target (config checks --base-url): encoded before the run, off its clock
+        from infertrace.load.workloads.images import plan_of
+
+        target.images = plan_of(cfg)
     interrupter = Interrupter()
 
     def announce() -> None:
@@ -204,6 +208,10 @@ def execute(cfg: BenchConfig) -> int:
             out_console.print(structured_table(figures))
             if line := refusal_line(figures):
                 err_console.print(f"[yellow]{line}[/]", highlight=False)
+        if figures := (records[0].workload or {}).get("images"):
+            from infertrace.load.workloads.images import image_table
+
+            out_console.print(image_table(figures))
     else:
         out_console.print(sweep_table(records, cfg.sweep_param))
     print_warnings(records)

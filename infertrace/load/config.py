@@ -38,6 +38,7 @@ RESERVED_BODY_KEYS = {  # request-body keys bench sets itself, and the option th
 EMBEDDINGS_DATASETS = ("random", "shared-prefix", "sharegpt", "jsonl")  # one answer a request: no session, no trace
 STREAMED_SLO_METRICS = ("ttft", "tpot", "itl")
 STRUCTURED_MODES = ("json-schema", "tools")  # --structured
+DEFAULT_IMAGE_SIZE = (512, 512)  # generated images, width x height
 TOOL_CHOICES = ("required", "named")
 LORA_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")  # an embeddings answer comes whole: only E2EL is measured
 
@@ -76,6 +77,9 @@ class BenchConfig:
     schemas_path: str | None = None  # --schemas: a JSONL of JSON schemas (None: generated ones)
     structured_share: float = 1.0  # the share of requests constrained; the rest are the run's unconstrained baseline
     tool_choice: str = "required"  # tools: "required" (any offered tool) or "named" (the offered tool, by name)
+    images: int = 0  # chat: images each request carries (vLLM's --random-mm-base-items-per-request)
+    image_size: tuple = DEFAULT_IMAGE_SIZE  # generated images: width, height in pixels
+    image_dir: str | None = None  # images from this folder's files instead of generated ones
     # load shape
     num_prompts: int = 32
     duration_s: float | None = None
@@ -142,6 +146,7 @@ class BenchConfig:
         self._check_embeddings()
         self._check_lora()
         self._check_structured()
+        self._check_images()
         for name in ("input_len", "prefix_len", "num_prefixes", "num_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -254,6 +259,22 @@ class BenchConfig:
         for key in ("response_format", "tools", "tool_choice"):
             if key in self.extra_body:
                 raise ValueError(f"--extra-body may not set {key!r} with --structured, which sets it")
+
+    def _check_images(self) -> None:
+        if not self.images:
+            if self.image_dir is not None or tuple(self.image_size) != DEFAULT_IMAGE_SIZE:
+                raise ValueError("--image-size and --image-dir need --random-mm-base-items-per-request N (--images)")
+            return
+        self.image_size = tuple(self.image_size)
+        if self.images < 0:
+            raise ValueError(f"--images must be at least 0, got {self.images}")
+        if self.base_url is None:
+            raise ValueError("images are not supported by the bundled engine: pass --base-url of a server that "
+                             "serves a vision-language model")
+        if self.endpoint != "chat" or self.dataset not in EMBEDDINGS_DATASETS:
+            raise ValueError("--images needs --endpoint chat and --dataset random, shared-prefix, sharegpt or jsonl")
+        if self.workers > 1 or self.ray_address:
+            raise ValueError("--images runs in one load generator process: drop --workers and --ray")
 
     def _check_tracing(self) -> None:
         self.otlp_receiver = tuple(self.otlp_receiver)
@@ -465,6 +486,18 @@ def percentile_slo(key: str) -> tuple[int, str] | None:
     if stat in SLO_STATS and metric in SLO_METRICS and unit == "ms":
         return SLO_STATS[stat], metric
     return None
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """`512x384` -> (512, 384): width and height in pixels."""
+    w, sep, h = text.lower().partition("x")
+    try:
+        size = int(w), int(h)
+    except ValueError:
+        size = None
+    if not sep or size is None or not all(1 <= v <= 8192 for v in size):
+        raise ValueError(f"expected WIDTHxHEIGHT in pixels (1 to 8192 each), got {text!r}")
+    return size
 
 
 def parse_lora_modules(text: str) -> dict[str, float]:

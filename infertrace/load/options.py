@@ -22,6 +22,7 @@ from infertrace.load.config import (
     STRUCTURED_MODES,
     TOOL_CHOICES,
     BenchConfig,
+    parse_image_size,
     parse_lora_modules,
     parse_slo,
     parse_sweep,
@@ -91,6 +92,15 @@ _OPTIONS = (  # in the order --help lists them
                   f"{_d('structured_share')}"),
     click.option("--tool-choice", type=click.Choice(TOOL_CHOICES), help="With --structured tools: tool_choice "
                   f"\"required\", or the offered function named. {_d('tool_choice')}"),
+    click.option("--random-mm-base-items-per-request", "--images", "images", type=int, metavar="N",
+                  help="Chat: images each request carries, as `image_url` parts with base64 data URLs before its "
+                  "text (vLLM's random-mm option name); the result counts the image tokens the server reports. "
+                  f"{_d('images')}"),
+    click.option("--image-size", callback=_parsed(parse_image_size), metavar="WxH",
+                  help="With --images: generated random-pixel JPEGs of this size, as vLLM's random-mm makes them "
+                  f"[default: {'x'.join(map(str, _DEFAULTS['image_size']))}]."),
+    click.option("--image-dir", type=click.Path(file_okay=False), help="With --images: send the image files of "
+                  "this folder (JPEG, PNG, GIF, WEBP, BMP; cycled over the requests) instead of generated ones."),
     click.option("--model", metavar="NAME|DIR", help="Server: the model name to send (default: the first one the "
                   "server lists), or its local directory, which then also gives the tokenizer. Embedded: a model "
                   f"directory or a preset ({', '.join(PRESETS)}; default: tiny), made on first use under "

@@ -96,6 +96,8 @@ class RequestResult:
     adapter: str | None = None  # --lora-modules: the LoRA adapter it named as its model
     tool_calls: list[dict] | None = None  # the tool calls streamed, each {"name", "arguments"} put together
     structured_violation: str | None = None  # --structured: "" when the output holds to its schema, else why not
+    images: int | None = None  # --images: the images it carried
+    image_tokens: int | None = None  # of its prompt tokens, those the server counted for its images (None: unknown)
 
     @property
     def success(self) -> bool:
@@ -143,6 +145,7 @@ class RequestResult:
             **({"tool_calls": self.tool_calls} if self.tool_calls is not None else {}),
             **({"structured_valid": not self.structured_violation, "structured_violation":
                 self.structured_violation or None} if self.structured_violation is not None else {}),
+            **({"images": self.images, "image_tokens": self.image_tokens} if self.images is not None else {}),
             "request_id": self.request_id,
             **({"trace_id": self.trace_id, "span_id": self.span_id} if self.trace_id is not None else {}),
             **_server_json(self.server),

@@ -426,6 +426,7 @@ class HttpTarget:
         self.max_model_len: int | None = None  # the served model's context length, when /v1/models gives it
         self.adapters: AdapterMix | None = None  # --lora-modules: each request names an adapter as its model
         self.structured = None  # --structured: a StructuredPlan, which constrains some requests' output
+        self.images = None  # --images: an ImagePlan, whose images each chat request carries before its text
         self.prompt_salt = prompt_salt  # --prompt-salt: a line before every prompt, so no earlier run's cache fits
         self._salt_tokens: int | None = None
         self.tokenizer_dir = tokenizer_dir  # where a load worker, which loads no tokenizer, counts the salt's tokens
@@ -531,7 +532,7 @@ class HttpTarget:
             messages = spec.messages or [{"role": "user", "content": spec.prompt}]
             if self.prompt_salt and isinstance(messages[0].get("content"), str):  # the first: a session's every turn
                 messages = [{**messages[0], "content": self.salt_line + messages[0]["content"]}, *messages[1:]]
-            body["messages"] = messages
+            body["messages"] = self.images.messages(messages, spec.index) if self.images is not None else messages
         elif spec.prompt or spec.prompt_ids is None:
             body["prompt"] = self.salt_line + spec.prompt if self.prompt_salt else spec.prompt
         else:  # a prompt built as token ids without a tokenizer goes as ids (no text was made)

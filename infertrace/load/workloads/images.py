@@ -1,0 +1,230 @@
+"""Chat requests that carry images (--random-mm-base-items-per-request): generated random-pixel JPEGs or the files
+of a folder, sent as OpenAI `image_url` content parts with base64 data URLs, and the image tokens the server counted.
+
+Generated images follow `vllm bench serve --dataset-name random-mm` (vLLM 0.32.0,
+vllm/benchmarks/datasets/datasets.py `generate_synthetic_image` and `transform_image`): i.i.d. RGB pixels, JPEG,
+`data:image/jpeg;base64,...`. They are encoded before the run, so that no request's TTFT holds the client's
+encoding; each request's images are distinct up to MAX_POOL_BYTES of them, after which they repeat (and a server's
+multimodal cache may serve a repeat without preprocessing it: the result says how many were distinct).
+
+Image tokens: a server counts them inside `usage.prompt_tokens`. After the run one text-only request (request 0's
+messages without their images, max_tokens 1) gives what the server counts for that text wrapped in its chat
+template; a request's image tokens are its prompt tokens less that count, moved by the difference between its
+text's tokens and request 0's by our tokenizer. Without our tokenizer's counts or the server's usage they are
+unknown, and the result says why.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.table import Table
+
+from infertrace.input_files import InputFileError, read_bytes
+from infertrace.load.records import RequestResult
+from infertrace.load.workloads.dataset import DatasetError
+
+MAX_POOL_BYTES = 256 << 20  # encoded images kept for a run; past this they repeat
+MAX_IMAGE_BYTES = 64 << 20  # one --image-dir file
+MAX_DIR_FILES = 10_000
+JPEG_QUALITY = 90
+IMAGE_MIME = {"JPEG": "image/jpeg", "PNG": "image/png", "GIF": "image/gif", "WEBP": "image/webp", "BMP": "image/bmp"}
+
+
+class ImageError(DatasetError):
+    """A --image-dir file that is no image, or a folder without images: one line for the user."""
+
+
+@dataclass(slots=True)
+class ImagePlan:
+    """Each request's `per_request` images, cycled from `urls` (data URLs) by the request's index."""
+
+    per_request: int
+    urls: list[str]
+    source: str  # "generated WxH" or the folder
+
+    def urls_of(self, index: int) -> list[str]:
+        n = len(self.urls)
+        return [self.urls[(index * self.per_request + k) % n] for k in range(self.per_request)]
+
+    def messages(self, messages: list[dict], index: int) -> list[dict]:
+        """The chat's last user message with this request's images before its text (as vLLM's random-mm does)."""
+        last = messages[-1]
+        text = last.get("content")
+        parts = [{"type": "image_url", "image_url": {"url": url}} for url in self.urls_of(index)]
+        if isinstance(text, str):
+            parts.append({"type": "text", "text": text})
+        elif isinstance(text, list):
+            parts.extend(text)
+        return [*messages[:-1], {**last, "content": parts}]
+
+
+def plan_of(cfg) -> ImagePlan:
+    """The run's images: --image-dir's files, or generated ones for --num-prompts requests from --seed."""
+    if cfg.image_dir is not None:
+        return folder_plan(cfg.images, cfg.image_dir)
+    return generated_plan(cfg.images, cfg.image_size, cfg.num_prompts, cfg.seed)
+
+
+def data_url(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def generated_plan(per_request: int, size: tuple[int, int], requests: int, seed: int) -> ImagePlan:
+    """Distinct random-pixel JPEGs for `requests` requests, as many as MAX_POOL_BYTES holds (at least one)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    width, height = size
+    urls: list[str] = []
+    total = 0
+    for _ in range(max(1, requests * per_request)):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(
+            buf, format="JPEG", quality=JPEG_QUALITY)
+        url = data_url("image/jpeg", buf.getvalue())
+        if urls and total + len(url) > MAX_POOL_BYTES:
+            break
+        urls.append(url)
+        total += len(url)
+    return ImagePlan(per_request, urls, f"generated {width}x{height}")
+
+
+def folder_plan(per_request: int, folder: str | Path) -> ImagePlan:
+    """The image files of `folder` (by name, hidden files left out), each checked to open as an image."""
+    from PIL import Image, UnidentifiedImageError
+
+    root = Path(folder)
+    if not root.is_dir():
+        raise ImageError(f"--image-dir {root}: not a folder")
+    files = sorted(p for p in root.iterdir() if not p.name.startswith(".") and not p.is_dir())
+    if not files:
+        raise ImageError(f"--image-dir {root}: no files in it")
+    if len(files) > MAX_DIR_FILES:
+        raise ImageError(f"--image-dir {root}: {len(files)} files, above the {MAX_DIR_FILES} a run reads")
+    urls, total = [], 0
+    for path in files:
+        try:
+            data = read_bytes(path, MAX_IMAGE_BYTES)
+        except InputFileError as e:
+            raise ImageError(f"cannot read {path}: {e}") from None
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                kind = im.format
+                im.verify()
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+            raise ImageError(f"{path} is not an image Pillow can read ({e})") from None
+        if kind not in IMAGE_MIME:
+            raise ImageError(f"{path} is a {kind} image; servers take {', '.join(IMAGE_MIME)}")
+        total += len(data)
+        if total > MAX_POOL_BYTES:
+            raise ImageError(f"--image-dir {root}: its images pass {MAX_POOL_BYTES >> 20} MiB; use fewer")
+        urls.append(data_url(IMAGE_MIME[kind], data))
+    return ImagePlan(per_request, urls, str(root))
+
+
+def text_only(body: dict) -> dict:
+    """A chat body with its image parts left out, answered with one token and not streamed: the probe for what the
+    server counts for the text alone."""
+    messages = []
+    for m in body["messages"]:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        messages.append({**m, "content": content})
+    out = {**body, "messages": messages, "max_tokens": 1, "stream": False}
+    out.pop("stream_options", None)
+    return out
+
+
+async def probe_text_tokens(target, spec) -> tuple[int | None, str | None]:
+    """(the server's prompt tokens for `spec`'s text alone, None) or (None, why not)."""
+    from infertrace.load.client.timing import TargetError
+
+    try:
+        status, answer = await target.transport.request_json("POST", target.path, text_only(target.body(spec)))
+    except TargetError as e:
+        return None, f"the text-only probe failed: {e}"
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if status != 200 or isinstance(tokens, bool) or not isinstance(tokens, int):
+        return None, f"the text-only probe got HTTP {status} without usage.prompt_tokens"
+    return tokens, None
+
+
+def count_image_tokens(results: list[RequestResult], per_request: int, overhead: int | None) -> int:
+    """Set each result's `images`, and its `image_tokens` where its usage and our tokenizer's count of its text
+    are known and `overhead` (the chat template's tokens around the text, from the probe) is; returns how many
+    successful requests stay unknown."""
+    unknown = 0
+    for r in results:
+        r.images = per_request
+        if overhead is not None and r.success and r.prompt_tokens is not None \
+                and r.expected_prompt_tokens is not None:
+            r.image_tokens = r.prompt_tokens - r.expected_prompt_tokens - overhead
+        elif r.success:
+            unknown += 1
+    return unknown
+
+
+async def measure_images(target, plan: ImagePlan, results: list[RequestResult], first_spec) -> dict:
+    """After the run: the probe, each request's image tokens, and the figures."""
+    why = None
+    overhead = None
+    if first_spec is None:
+        why = "no request was built"
+    elif first_spec.prompt_len is None:
+        why = "no tokenizer counted the requests' text (pass --tokenizer)"
+    else:
+        probe, why = await probe_text_tokens(target, first_spec)
+        if probe is not None:
+            overhead = probe - first_spec.prompt_len
+    unknown = count_image_tokens(results, plan.per_request, overhead)
+    if why is None and unknown:
+        why = f"{unknown} successful requests had no usage.prompt_tokens"
+    return image_figures(plan, results, why)
+
+
+def image_figures(plan: ImagePlan, results: list[RequestResult], unknown_why: str | None) -> dict:
+    """The result's `images` block, and its figures as top-level keys for the gate."""
+    counted = [r.image_tokens for r in results if r.image_tokens is not None]
+    if not counted and unknown_why is None:
+        unknown_why = "no request succeeded"
+    tokens = np.asarray(counted, dtype=np.float64)
+    figures = {
+        "source": plan.source, "images_per_request": plan.per_request, "distinct_images": len(plan.urls),
+        "images_sent": plan.per_request * len(results), "requests_counted": len(counted),
+        "mean_image_tokens": float(tokens.mean()) if counted else None,
+        "median_image_tokens": float(np.median(tokens)) if counted else None,
+        "max_image_tokens": int(tokens.max()) if counted else None,
+        "mean_tokens_per_image": float(tokens.mean()) / plan.per_request if counted else None,
+        "image_tokens_unknown": unknown_why,
+        # vLLM 0.32's per-request metrics (PerRequestMetrics, vllm/entrypoints/generate/base/protocol.py) carry no
+        # multimodal preprocessing time: it lies inside TTFT's network_and_api_server part where those are on
+        "preprocessing_ms": None,
+    }
+    gate = {"images_per_request": plan.per_request, "mean_image_tokens": figures["mean_image_tokens"],
+            "median_image_tokens": figures["median_image_tokens"],
+            "mean_tokens_per_image": figures["mean_tokens_per_image"]}
+    return {"images": figures, **gate}
+
+
+def image_table(figures: dict) -> Table:
+    t = Table(title=f"images ({figures['source']})", title_justify="left")
+    for column in ("per request", "distinct", "sent", "image tokens mean / median / max", "tokens per image"):
+        t.add_column(column, justify="right")
+
+    def num(v) -> str:
+        return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.1f}"
+
+    tokens = (f"{num(figures['mean_image_tokens'])} / {num(figures['median_image_tokens'])} / "
+              f"{num(figures['max_image_tokens'])}") if figures["requests_counted"] else \
+        f"unknown: {figures['image_tokens_unknown']}"
+    t.add_row(str(figures["images_per_request"]), str(figures["distinct_images"]), str(figures["images_sent"]),
+              tokens, num(figures["mean_tokens_per_image"]))
+    return t
