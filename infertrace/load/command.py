@@ -209,9 +209,11 @@ def execute(cfg: BenchConfig) -> int:
             if line := refusal_line(figures):
                 err_console.print(f"[yellow]{line}[/]", highlight=False)
         if figures := (records[0].workload or {}).get("images"):
-            from infertrace.load.workloads.images import image_table
+            from infertrace.load.workloads import images
 
-            out_console.print(image_table(figures))
+            out_console.print(images.image_table(figures))
+            if line := images.refusal_line(figures):
+                err_console.print(f"[yellow]{line}[/]", highlight=False)
     else:
         out_console.print(sweep_table(records, cfg.sweep_param))
     print_warnings(records)

@@ -226,3 +226,15 @@ def test_config_refuses_what_cannot_run(fields, message):
 def test_the_bundled_engine_refusal_is_one_line():
     res = invoke("--images", "1", "--num-prompts", "1")
     assert res.exit_code == BAD_INPUT and "images are not supported by the bundled engine" in res.output
+
+
+def test_infertrace_serve_refuses_images_and_bench_says_so_in_one_line(served_tiny, tiny_model_dir, tmp_path):
+    out = tmp_path / "r.json"
+    res = invoke("--base-url", served_tiny, "--endpoint", "chat", "--tokenizer", tiny_model_dir, "--input-len", 8,
+                 "--output-len", 2, "--num-prompts", 3, "--warmup", 0, "--scrape-interval", 0, "--images", 1,
+                 "--image-size", "16x16", "--result-json", out)
+    img = json.loads(out.read_text())["images"]
+    assert img["refused"] == 3 and img["requests_counted"] == 0 and img["image_tokens_unknown"] == "no request succeeded"
+    assert "HTTP 400: images are not supported by the bundled engine" in img["refused_example"]
+    line = "the server refused 3 of 3 requests with images: HTTP 400: images are not supported by the bundled engine"
+    assert line in " ".join(res.output.split())

@@ -193,6 +193,7 @@ async def measure_images(target, plan: ImagePlan, results: list[RequestResult], 
 def image_figures(plan: ImagePlan, results: list[RequestResult], unknown_why: str | None) -> dict:
     """The result's `images` block, and its figures as top-level keys for the gate."""
     counted = [r.image_tokens for r in results if r.image_tokens is not None]
+    refused = [r.error for r in results if r.error is not None and r.error.startswith("HTTP 4")]
     if not counted and unknown_why is None:
         unknown_why = "no request succeeded"
     tokens = np.asarray(counted, dtype=np.float64)
@@ -204,6 +205,7 @@ def image_figures(plan: ImagePlan, results: list[RequestResult], unknown_why: st
         "max_image_tokens": int(tokens.max()) if counted else None,
         "mean_tokens_per_image": float(tokens.mean()) / plan.per_request if counted else None,
         "image_tokens_unknown": unknown_why,
+        "refused": len(refused), "refused_example": refused[0] if refused else None,
         # vLLM 0.32's per-request metrics (PerRequestMetrics, vllm/entrypoints/generate/base/protocol.py) carry no
         # multimodal preprocessing time: it lies inside TTFT's network_and_api_server part where those are on
         "preprocessing_ms": None,
@@ -212,6 +214,14 @@ def image_figures(plan: ImagePlan, results: list[RequestResult], unknown_why: st
             "median_image_tokens": figures["median_image_tokens"],
             "mean_tokens_per_image": figures["mean_tokens_per_image"]}
     return {"images": figures, **gate}
+
+
+def refusal_line(figures: dict) -> str | None:
+    """One line when the server refused requests with images, in its own words."""
+    if not figures["refused"]:
+        return None
+    return (f"the server refused {figures['refused']} of {figures['images_sent'] // figures['images_per_request']} "
+            f"requests with images: {figures['refused_example']}")
 
 
 def image_table(figures: dict) -> Table:

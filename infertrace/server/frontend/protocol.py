@@ -300,6 +300,10 @@ def _messages(body: dict, limits: ContextLimits | None) -> list[dict[str, str]]:
     return out
 
 
+# content parts that carry an image, in OpenAI's spellings and vLLM 0.32's own (vllm/renderers/chat_utils.py)
+_IMAGE_PARTS = ("image_url", "input_image", "image_embeds", "image_pil")
+
+
 def _content_text(content: Any, i: int, most_parts: int | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -309,6 +313,9 @@ def _content_text(content: Any, i: int, most_parts: int | None) -> str:
                               "of the context", "messages", code="context_length_exceeded")
         parts = []
         for part in content:
+            if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
+                raise bad_request(f"images are not supported by the bundled engine: messages[{i}].content has an "
+                                  f"{part['type']} part (its models read text only)", "messages", code="unsupported")
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise bad_request(f"messages[{i}].content: only text parts are supported", "messages")
             parts.append(part["text"])
