@@ -28,18 +28,22 @@ def init_model(
     weights on the GPU (seconds instead of minutes for 14B parameters; other values than the CPU's for one seed).
     """
     from infertrace.modelgen.tokenizer import write_tokenizer
+    from infertrace.modelgen.vl import VL_PRESETS, write_vl_model
     from infertrace.modelgen.weights import write_weights
 
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    spec = PRESETS[preset]
-    dtype = dtype or spec.dtype
+    if preset not in PRESETS and preset not in VL_PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join([*PRESETS, *VL_PRESETS])}")
+    dtype = dtype or (PRESETS[preset].dtype if preset in PRESETS else VL_PRESETS[preset]["dtype"])
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
+    if preset in VL_PRESETS:  # a vision-language model for servers that read images; the bundled engine does not
+        write_vl_model(preset, out, seed, dtype)
+        return out
+    spec = PRESETS[preset]
 
     config = hf_config(spec, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -9,7 +9,7 @@ import click
 from infertrace.console import SuggestingGroup, err_console, fail, out_console
 from infertrace.exits import BAD_INPUT
 
-PRESET_NAMES = ("tiny", "qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
+PRESET_NAMES = ("tiny", "qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen2.5-vl-tiny")
 
 
 @click.group(cls=SuggestingGroup)
@@ -19,7 +19,8 @@ def model() -> None:
 
 @model.command("init")
 @click.option("--preset", type=click.Choice(PRESET_NAMES), required=True,
-              help="Qwen3 shapes to use: tiny (CPU tests) or a real model's shapes.")
+              help="Qwen3 shapes to use: tiny (CPU tests) or a real model's shapes; qwen2.5-vl-tiny is a "
+              "vision-language model (Qwen2.5-VL's layout, scaled down) for servers that take images.")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
               help="Directory to write the model into (created if missing).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the random weights and the tokenizer corpus.")
@@ -39,8 +40,12 @@ def init(preset: str, out_dir: Path, seed: int, dtype: str | None, lora_count: i
 
     from infertrace.modelgen import PRESETS, hf_config, init_model, parameter_count
     from infertrace.modelgen.presets import parameter_label
+    from infertrace.modelgen.vl import VL_PRESETS, vl_parameter_count
 
-    n_params = parameter_count(hf_config(PRESETS[preset], dtype or PRESETS[preset].dtype))
+    if preset in VL_PRESETS and lora_count:
+        fail(f"--lora writes adapters for the Qwen3 presets, not {preset}", code=BAD_INPUT)
+    n_params = vl_parameter_count(preset) if preset in VL_PRESETS else \
+        parameter_count(hf_config(PRESETS[preset], dtype or PRESETS[preset].dtype))
     with Progress(TextColumn("[bold]writing weights"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                   console=err_console, transient=True) as progress:
         task = progress.add_task("weights", total=None)
