@@ -30,8 +30,9 @@ def qwen_image_tokens(width: int, height: int) -> int:
 
 class VisionServer:
     """/v1/chat/completions as vLLM 0.32's chat route answers a vision-language model
-    (vllm/entrypoints/openai/chat_completion/serving.py): `usage.prompt_tokens` counts the text, the chat template
-    and each image's placeholder tokens; streamed with stream_options.include_usage, or whole when not streamed.
+    (vllm/entrypoints/openai/chat_completion/serving.py: `usage.prompt_tokens` is `len(res.prompt_token_ids)`, the
+    prompt after each image's placeholder was expanded, so it counts the text, the chat template and the image
+    tokens); streamed with stream_options.include_usage, or whole when not streamed.
     Every image part must be a data URL Pillow opens; `images_seen` keeps each request's image sizes."""
 
     def __init__(self, tokenizer) -> None:
