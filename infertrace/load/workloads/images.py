@@ -206,8 +206,10 @@ def image_figures(plan: ImagePlan, results: list[RequestResult], unknown_why: st
         "mean_tokens_per_image": float(tokens.mean()) / plan.per_request if counted else None,
         "image_tokens_unknown": unknown_why,
         "refused": len(refused), "refused_example": refused[0] if refused else None,
-        # vLLM 0.32's per-request metrics (PerRequestMetrics, vllm/entrypoints/generate/base/protocol.py) carry no
-        # multimodal preprocessing time: it lies inside TTFT's network_and_api_server part where those are on
+        # no server says it over HTTP: vLLM 0.32's per-request metrics (PerRequestMetrics,
+        # vllm/entrypoints/generate/base/protocol.py) have no such figure, and its processor timings
+        # (ObservabilityConfig.enable_mm_processor_stats, "not exposed as a CLI argument") are read in-process by
+        # `vllm bench mm-processor` only; the time lies inside TTFT's network_and_api_server part
         "preprocessing_ms": None,
     }
     gate = {"images_per_request": plan.per_request, "mean_image_tokens": figures["mean_image_tokens"],
