@@ -142,6 +142,7 @@ def test_valid_and_invalid_outputs_are_counted_as_the_server_made_them(server, p
     assert len(constrained) == s["total"]
     if mode == "tools":
         assert all(b["tool_choice"] == "required" for b in constrained)
+        assert all(b["tools"][0]["function"]["strict"] is True for b in constrained)
         assert all(x["tool_calls"][0]["name"].startswith("record_") for x in lines if x.get("tool_calls"))
     else:
         assert all(b["response_format"]["type"] == "json_schema" for b in constrained)
@@ -249,3 +250,18 @@ def test_infertrace_serve_serves_no_adapter_and_bench_says_so_in_one_line(served
                                      "--scrape-interval", "0"])
     assert res.exit_code == BAD_INPUT and "the server refuses LoRA adapter 'a'" in res.output
     assert "infertrace serve serves no adapters" in " ".join(res.output.split())
+
+
+def test_an_output_cut_at_max_tokens_says_so():
+    from infertrace.load.records import RequestResult
+
+    plan = StructuredPlan("json-schema", 1.0, seed=0)
+    cut = RequestResult(0, 0.0, 0.0, 1.0, text='{"field_0": ', finish_reason="length")
+    assert plan.verdict(cut).startswith("cut at max_tokens")
+    broken = RequestResult(0, 0.0, 0.0, 1.0, text='{"field_0": ', finish_reason="stop")
+    assert plan.verdict(broken) == "not JSON"
+    tools = StructuredPlan("tools", 1.0, seed=0)
+    call = RequestResult(1, 0.0, 0.0, 1.0, finish_reason="length", tool_calls=[{"name": "record_1", "arguments": "{"}])
+    assert tools.verdict(call).startswith("cut at max_tokens")
+    assert tools.verdict(RequestResult(1, 0.0, 0.0, 1.0, tool_calls=[{"name": "other", "arguments": "{}"}])) \
+        == "called 'other', not the tool offered"

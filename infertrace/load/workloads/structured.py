@@ -160,8 +160,9 @@ class StructuredPlan:
                                         "json_schema": {"name": "answer", "schema": schema, "strict": True}}}
         name = f"record_{index}"
         choice = "required" if self.tool_choice == "required" else {"type": "function", "function": {"name": name}}
+        # strict: OpenAI's ask to hold the arguments to the parameters (vLLM 0.32 constrains them only then)
         return {"tools": [{"type": "function", "function": {"name": name, "description": "Record the answer.",
-                                                            "parameters": schema}}],
+                                                            "parameters": schema, "strict": True}}],
                 "tool_choice": choice}
 
     def verdict(self, r: RequestResult) -> str | None:
@@ -170,7 +171,7 @@ class StructuredPlan:
         if schema is None:
             return None
         if self.mode == "json-schema":
-            return _parsed_violation(r.text, schema) or ""
+            return _cut(r, _parsed_violation(r.text, schema)) or ""
         calls = r.tool_calls or []
         if not calls:
             return "no tool call"
@@ -178,8 +179,15 @@ class StructuredPlan:
             if call.get("name") != f"record_{r.index}":
                 return f"called {call.get('name')!r}, not the tool offered"
             if (problem := _parsed_violation(call.get("arguments") or "", schema)) is not None:
-                return problem
+                return _cut(r, problem)
         return ""
+
+
+def _cut(r: RequestResult, problem: str | None) -> str | None:
+    """A value cut off at max_tokens says so: its schema may hold, the length did not."""
+    if problem == "not JSON" and r.finish_reason == "length":
+        return "cut at max_tokens before the JSON ended (raise --output-len)"
+    return problem
 
 
 def _parsed_violation(text: str, schema: dict) -> str | None:
