@@ -161,3 +161,10 @@ def test_config_refuses_what_cannot_run(fields, message):
 def test_the_cli_gives_one_line_for_a_path_where_a_share_goes(server):
     res = CliRunner().invoke(bench, ["--base-url", server.url, "--lora-modules", "a=./loras/lora-1"])
     assert res.exit_code == BAD_INPUT and "NAME=SHARE" in res.output
+
+
+def test_infertrace_serve_serves_no_adapter_and_bench_says_so_in_one_line(served_tiny):
+    res = CliRunner().invoke(bench, ["--base-url", served_tiny, "--lora-modules", "a", "--num-prompts", "2",
+                                     "--scrape-interval", "0"])
+    assert res.exit_code == BAD_INPUT and "the server refuses LoRA adapter 'a'" in res.output
+    assert "infertrace serve serves no adapters" in " ".join(res.output.split())

@@ -245,13 +245,6 @@ def test_infertrace_serve_refuses_structured_output_and_bench_says_so(served_tin
     assert line in " ".join(res.output.split())
 
 
-def test_infertrace_serve_serves_no_adapter_and_bench_says_so_in_one_line(served_tiny):
-    res = CliRunner().invoke(bench, ["--base-url", served_tiny, "--lora-modules", "a", "--num-prompts", "2",
-                                     "--scrape-interval", "0"])
-    assert res.exit_code == BAD_INPUT and "the server refuses LoRA adapter 'a'" in res.output
-    assert "infertrace serve serves no adapters" in " ".join(res.output.split())
-
-
 def test_an_output_cut_at_max_tokens_says_so():
     from infertrace.load.records import RequestResult
 
