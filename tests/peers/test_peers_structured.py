@@ -68,3 +68,14 @@ def test_tool_calls_are_put_together_from_the_stream_and_judged(structured_serve
         assert x["structured_valid"] or x["structured_violation"].startswith("cut at max_tokens")
         assert x["structured_valid"] == (x["finish_reason"] != "length")
     assert s["valid"] + s["invalid"] == s["total"]
+
+
+def test_the_default_server_refuses_tool_choice_and_bench_counts_the_refusals(vllm_server, tmp_path):
+    """Without a tool parser vLLM 0.32 answers every non-auto tool_choice with 400: bench counts each refusal, in the
+    server's words, and the unconstrained half of the run still stands."""
+    result, lines, finished = _run(vllm_server, tmp_path, "--structured", "tools")
+    s = result["structured"]
+    assert s["refused"] == s["constrained"]["requests"] == result["failed"] > 0 and s["total"] == 0
+    assert "requires --tool-call-parser" in s["refused_example"] and s["refused_example"].startswith("HTTP 400")
+    assert s["unconstrained"]["completed"] == REQUESTS - s["refused"] == finished
+
