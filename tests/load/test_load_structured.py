@@ -258,3 +258,18 @@ def test_an_output_cut_at_max_tokens_says_so():
     assert tools.verdict(call).startswith("cut at max_tokens")
     assert tools.verdict(RequestResult(1, 0.0, 0.0, 1.0, tool_calls=[{"name": "other", "arguments": "{}"}])) \
         == "called 'other', not the tool offered"
+
+
+def test_tool_call_pieces_join_by_index_within_the_text_cap():
+    from infertrace.load.client.timing import _add_tool_calls
+    from infertrace.load.records import RequestResult
+
+    r = RequestResult(0, 0.0, 0.0, 0.0)
+    room = _add_tool_calls(r, [{"index": 0, "function": {"name": "f", "arguments": ""}},
+                               {"index": 1, "function": {"name": "g", "arguments": "{\"b\""}}], 100)
+    room = _add_tool_calls(r, [{"index": 0, "function": {"arguments": "{}"}}, "junk",
+                               {"index": 1, "function": {"arguments": ": 1}"}}], room)
+    assert r.tool_calls == [{"name": "f", "arguments": "{}"}, {"name": "g", "arguments": "{\"b\": 1}"}]
+    assert room == 100 - 2 - 4 - 4 and not r.text_cut
+    _add_tool_calls(r, [{"index": 0, "function": {"arguments": "x" * 200}}], room)
+    assert len(r.tool_calls[0]["arguments"]) == 2 + room and r.text_cut
