@@ -206,7 +206,7 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
     if cfg.lora_modules:  # docs/bench.md, "LoRA adapters"
         workload.update(adapter_figures(cfg, results, warm.results))
     if cfg.structured is not None:  # docs/bench.md, "Structured output and tool calls"
-        from infertrace.load.workloads.structured import structured_figures
+        from infertrace.load.results.structured import structured_figures
 
         workload.update(structured_figures(target.structured, results))
     if cfg.images:  # docs/bench.md, "Images"

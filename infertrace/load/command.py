@@ -203,7 +203,7 @@ def execute(cfg: BenchConfig) -> int:
 
             out_console.print(adapter_table(figures))
         if figures := (records[0].workload or {}).get("structured"):
-            from infertrace.load.workloads.structured import refusal_line, structured_table
+            from infertrace.load.results.structured import refusal_line, structured_table
 
             out_console.print(structured_table(figures))
             if line := refusal_line(figures):
