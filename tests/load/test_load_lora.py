@@ -3,6 +3,8 @@
 import asyncio
 import json
 import threading
+import urllib.error
+import urllib.request
 from collections import Counter
 
 import pytest
@@ -168,3 +170,12 @@ def test_infertrace_serve_serves_no_adapter_and_bench_says_so_in_one_line(served
                                      "--scrape-interval", "0"])
     assert res.exit_code == BAD_INPUT and "the server refuses LoRA adapter 'a'" in res.output
     assert "infertrace serve serves no adapters" in " ".join(res.output.split())
+    # a request that names an adapter anyway gets vLLM's answer for a model it does not serve: 404, naming both
+    request = urllib.request.Request(f"{served_tiny}/v1/completions", method="POST",
+                                     data=json.dumps({"model": "a", "prompt": "x", "max_tokens": 1}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    error = json.loads(refused.value.read())["error"]
+    assert refused.value.code == 404 and error["code"] == "model_not_found" and error["param"] == "model"
+    assert error["message"].startswith("the model 'a' does not exist; this server serves")
