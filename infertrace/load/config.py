@@ -253,6 +253,8 @@ class BenchConfig:
         if self.base_url is None:
             raise ValueError("--structured constrains a server's output: pass --base-url (infertrace serve refuses "
                              "response_format and tools)")
+        if self.workers > 1 or self.ray_address:
+            raise ValueError("--structured runs in one load generator process: drop --workers and --ray")
         if self.endpoint == "embeddings" or (self.structured == "tools" and self.endpoint != "chat"):
             raise ValueError(f"--structured {self.structured} needs --endpoint chat"
                              + (" or completions" if self.structured == "json-schema" else ""))
