@@ -210,10 +210,11 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
 
         workload.update(structured_figures(target.structured, results))
     if cfg.images:  # docs/bench.md, "Images"
-        from infertrace.load.workloads.images import measure_images
+        from infertrace.load.client.images import probe_for
+        from infertrace.load.results.images import image_measurement
 
-        workload.update(await measure_images(target, target.images, results, next(iter(getattr(load, "specs", [])),
-                                                                                    None)))
+        first_spec = next(iter(getattr(load, "specs", [])), None)
+        workload.update(image_measurement(target.images, results, first_spec, *await probe_for(target, first_spec)))
     if cfg.otlp_traces_endpoint and not interrupted:
         hooks.on_info(await asyncio.to_thread(spans_out.export, cfg.otlp_traces_endpoint, results,
                                               epoch_offset_ns))

@@ -209,7 +209,7 @@ def execute(cfg: BenchConfig) -> int:
             if line := refusal_line(figures):
                 err_console.print(f"[yellow]{line}[/]", highlight=False)
         if figures := (records[0].workload or {}).get("images"):
-            from infertrace.load.workloads import images
+            from infertrace.load.results import images
 
             out_console.print(images.image_table(figures))
             if line := images.refusal_line(figures):

@@ -14,10 +14,12 @@ from PIL import Image
 
 from infertrace.exits import BAD_INPUT
 from infertrace.gate.command import gate
+from infertrace.load.client.images import text_only
 from infertrace.load.command import bench
 from infertrace.load.config import BenchConfig, parse_image_size
 from infertrace.load.records import RequestResult
-from infertrace.load.workloads.images import folder_plan, generated_plan, image_figures, text_only
+from infertrace.load.results.images import image_figures
+from infertrace.load.workloads.images import folder_plan, generated_plan
 
 TEMPLATE_TOKENS = 7  # what the stand-in's chat template adds around a message's text
 
