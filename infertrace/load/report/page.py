@@ -90,6 +90,7 @@ def render_html(doc: dict) -> str:
         parts.append(_summary_html(doc["result"]))
     if (spec := (doc.get("result") or {}).get("speculative_decoding")) is not None:
         parts.append("<h2>Speculative decoding</h2>" + _table_html(_speculative_rows(spec)))
+    parts.extend(_workload_html(doc.get("result") or {}))
     parts.append("<h2>Findings</h2>" + _findings_html(doc["findings"]))
     if doc["notes"]:
         parts.append("".join(f'<p class="note">{escape(n)}</p>' for n in doc["notes"]))
@@ -150,6 +151,29 @@ def _summary_html(result: dict) -> str:
     warnings += (result.get("request_log") or {}).get("warnings") or []  # what of the server's log was not joined
     return ("<h2>Summary</h2>" + _table_html(rows)
             + "".join(f'<p class="note">warning: {escape(w)}</p>' for w in warnings))
+
+
+def _workload_html(result: dict) -> list[str]:
+    """The figures of a load shape that has its own (per LoRA adapter, structured output, images): the tables the
+    terminal prints after the summary, the same function drawing both."""
+    from infertrace.load.results.adapters import adapter_table
+    from infertrace.load.results.images import image_table
+    from infertrace.load.results.structured import structured_table
+
+    out = []
+    for key, heading, table in (("per_adapter", "Per LoRA adapter", adapter_table),
+                                ("structured", "Structured output", structured_table),
+                                ("images", "Images", image_table)):
+        if figures := result.get(key):
+            out.append(f"<h2>{heading}</h2>" + _rich_table_html(table(figures)))
+    return out
+
+
+def _rich_table_html(table) -> str:
+    """A rich Table as the page's table: its headers and cells as the terminal shows them."""
+    columns = [str(c.header) for c in table.columns]
+    cells = [list(c.cells) for c in table.columns]
+    return _table_html([{name: str(col[i]) for name, col in zip(columns, cells)} for i in range(table.row_count)])
 
 
 def _speculative_rows(spec: dict) -> list[dict]:

@@ -118,6 +118,36 @@ def test_an_embeddings_summary_shows_its_input_throughput_and_latency(run):
     assert "94.8 inputs/s" in summary and "339.0 / 544.2 ms" in summary and "tok/s" not in summary
 
 
+def test_a_load_shape_s_own_figures_are_the_terminal_s_tables(run, tmp_path, browse):
+    """Per LoRA adapter, structured output and images: the page shows the tables bench prints, cell for cell."""
+    latencies = {f"{s}_{m}_ms": 10.0 + i for i, m in enumerate(("ttft", "tpot", "itl", "e2el"))
+                 for s in ("median", "p99")}
+    group = {"requests": 4, "completed": 4, "median_ttft_ms": 12.5, "p99_ttft_ms": 30.25, "median_itl_ms": 2.0,
+             "p99_itl_ms": 4.0}
+    result = {"output_throughput": 100.0,
+              "per_adapter": {"sql": {"share": 0.75, "requests": 6, "completed": 6, "failed": 0,
+                                      "request_throughput": 1.5, "output_throughput": 48.0, **latencies},
+                              "chat": {"share": 0.25, "requests": 2, "completed": 1, "failed": 1,
+                                       "request_throughput": 0.25, "output_throughput": 8.0, **latencies}},
+              "structured": {"mode": "json-schema", "valid": 3, "invalid": 1, "total": 4, "constrained": group,
+                             "unconstrained": {**group, "median_ttft_ms": 11.0}},
+              "images": {"source": "generated 64x64", "images_per_request": 2, "distinct_images": 16,
+                         "images_sent": 16, "requests_counted": 8, "mean_image_tokens": 12.0,
+                         "median_image_tokens": 12.0, "max_image_tokens": 12, "mean_tokens_per_image": 6.0,
+                         "image_tokens_unknown": None}}
+    html = render_html(_doc(run, result=result))
+    for heading in ("Per LoRA adapter", "Structured output", "Images"):
+        assert f"<h2>{heading}</h2>" in html
+    assert "<td>6 (6/0)</td>" in html and "<td>2 (1/1)</td>" in html and "<td>75%</td>" in html
+    assert "<td>3 / 1 / 4</td>" in html and "<td>12.50 / 30.25</td>" in html
+    assert "<td>12.0 / 12.0 / 12.0</td>" in html
+    assert "<h2>Per LoRA adapter</h2>" not in render_html(_doc(run, result={"output_throughput": 1.0}))
+    page = tmp_path / "shapes.html"
+    page.write_text(html)
+    probe, _ = browse(page)
+    assert probe["errors"] == []
+
+
 def test_the_summary_says_what_of_the_server_s_log_was_not_joined(run):
     result = {"output_throughput": 1.0, "request_log": {"warnings": ["the server's request log had 2 malformed "
                                                                      "request records, skipped"]}}
