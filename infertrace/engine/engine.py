@@ -41,6 +41,7 @@ from infertrace.engine.sampling_params import SamplingParams
 from infertrace.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from infertrace.engine.sequence import Sequence
 from infertrace.engine.spec_config import SpeculativeConfig
+from infertrace.engine.structured import advance
 
 COUNTER_NAMES = (
     "prompt_tokens",
@@ -144,6 +145,7 @@ class Engine:
         # with more ranks, rank 0 broadcasts each step's tokens on the device: the next step may be fed from them
         self.runner.share_tokens = self._async and config.tensor_parallel_size > 1
         self._inflight: _Step | None = None
+        self._grammars = None  # built by the first request with a grammar
         self._profiler = None
         # each request's life by id (arrival, the steps it rode, its end): always on, bounded, read by the server
         self.request_log = RequestLog(config.request_log_size, speculative=self.speculative is not None) \
@@ -216,6 +218,8 @@ class Engine:
             raise ValueError(f"prompt has {len(token_ids)} tokens; the maximum context is {self.max_model_len}")
         seq = Sequence(request_id, token_ids, params, arrival=self._arrivals)
         self._arrivals += 1
+        if params.grammar is not None:
+            seq.matcher = self._grammar_matcher(params.grammar)
         if params.seed is not None:
             seq.generator = self.runner.sampler.make_generator(params.seed)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
@@ -228,6 +232,17 @@ class Engine:
         self.scheduler.add(seq)
         self.counters["requests_added"] += 1
         self.counters["prompt_tokens"] += len(token_ids)
+
+    def _grammar_matcher(self, grammar: str):
+        if self.speculative is not None:
+            raise ValueError("structured output is not supported with speculative decoding")
+        if self.config.offload_long:
+            raise ValueError("structured output is not supported with offload of long contexts")
+        if self._grammars is None:
+            from infertrace.engine.structured import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.eos_token_ids, self.vocab_size)
+        return self._grammars.matcher(grammar)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drop a request now and free its KV blocks; returns its final output (None for unknown or finished ids)."""
@@ -352,6 +367,8 @@ class Engine:
         # certain to end (by length) gets none and is not scheduled again
         rows: dict[Sequence, int] = {}
         sampled = [s.seq for s, x in zip(plan_prev.scheduled, prev.launched.samples) if x]
+        if any(seq.matcher is not None and not seq.is_finished for seq in sampled):
+            return None  # its next mask needs the token still in flight
         for i, seq in enumerate(sampled):
             if seq.is_finished or self._ends_by_length(seq, pending=1):
                 continue
@@ -517,11 +534,12 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
+        complete = seq.matcher is not None and advance(seq.matcher, token)
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if p.stop_token_ids and token in p.stop_token_ids:
             return "stop"
-        if seq.detokenizer.add(token):
+        if seq.detokenizer.add(token) or complete:  # a complete grammar ends the output, even with ignore_eos
             return "stop"
         if self._ends_by_length(seq):
             return "length"

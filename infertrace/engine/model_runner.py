@@ -368,7 +368,8 @@ class ModelRunner:
             if self.other_ranks is not None:
                 inputs.name = step_range_name(plan.kind.value, plan.batch_size, plan.num_tokens)
                 inputs.share_tokens = self.share_tokens
-                inputs.greedy = all(s.seq.params.greedy for s in plan.scheduled if s.samples)
+                # a masked row's token is rank 0's to choose: the other ranks' argmax would not see the grammar
+                inputs.greedy = all(s.seq.params.greedy and s.seq.matcher is None for s in plan.scheduled if s.samples)
                 if feed is not None:
                     inputs.feed_rows, inputs.feed_sources = feed[1], feed[2]
                 self.other_ranks.step(inputs)
@@ -381,7 +382,8 @@ class ModelRunner:
                 return LaunchedStep(plan, samples, None, None, None)
             if plan.verifies:  # waits for the step: the next one is planned from its outcome
                 return LaunchedStep(plan, samples, None, None, None, verified=verify(self.sampler, logits, sampling))
-            tokens = self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
+            tokens = self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling],
+                                  [s.seq.matcher for s in sampling])
             if self.other_ranks is not None and self.share_tokens and not inputs.greedy:
                 self._broadcast_tokens(tokens)
             if not self._landing:

@@ -27,6 +27,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
+    grammar: str | None = None  # llguidance's grammar (JSON text) the output must hold to; None: unconstrained
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

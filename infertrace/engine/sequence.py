@@ -37,6 +37,7 @@ class Sequence:
         self.num_registered_blocks = 0  # leading full blocks published to the prefix cache
         self._block_hashes: list[int] = []
         self.generator: Any = None  # torch.Generator for a seeded request
+        self.matcher: Any = None  # llguidance's LLMatcher for a request with a grammar, at its committed tokens
         self.detokenizer: Any = None  # set by the engine
 
     def __len__(self) -> int:
