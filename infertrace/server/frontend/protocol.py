@@ -179,6 +179,7 @@ def parse_generate_request(body: dict, endpoint: Endpoint, defaults: dict[str, A
             _optional(options, "continuous_usage_stats", bool, "stream_options.continuous_usage_stats")),
     )
     sampling = _sampling(body, defaults or {})
+    sampling["grammar"] = _grammar(body)
     try:  # value ranges are the engine's to define: check them once, there, before any work is done
         SamplingParams(max_tokens=max_tokens or 1, **sampling)
     except SamplingParamsError as e:
@@ -329,9 +330,10 @@ _UNSUPPORTED = {
     "n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
     "repetition_penalty": 1, "min_tokens": 0, "logit_bias": None,
 }
-# Fields that constrain the output (OpenAI's, and vLLM's own spellings): the engine has no grammar backend, so each
-# is refused, never answered with unconstrained output.
-_CONSTRAINING = ("response_format", "tools", "functions", "tool_choice", "function_call", "structured_outputs",
+# Fields that constrain the output beyond response_format (tool calls, and vLLM's own spellings): the engine
+# honours only a JSON schema or object through response_format, so each is refused, never answered with
+# unconstrained output.
+_CONSTRAINING = ("tools", "functions", "tool_choice", "function_call", "structured_outputs",
                  "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _NOT_CONSTRAINING = (None, {}, [], "none", "auto", {"type": "text"})
 
@@ -350,7 +352,26 @@ def _reject_unsupported(body: dict, endpoint: Endpoint) -> None:
     for name in _CONSTRAINING:
         if body.get(name) not in _NOT_CONSTRAINING:
             raise bad_request(f"structured output is not supported: this server cannot honour {name}="
-                              f"{brief(body[name])} (its engine has no grammar backend)", name, code="unsupported")
+                              f"{brief(body[name])} (it honours response_format json_schema and json_object only)",
+                              name, code="unsupported")
+
+
+def _grammar(body: dict) -> str | None:
+    """llguidance's grammar for the request's response_format (None for text), compiled and validated here so that a
+    bad schema is a 400 before any work is done."""
+    response_format = body.get("response_format")
+    if response_format is None or response_format == {}:
+        return None
+    if not isinstance(response_format, dict):
+        raise bad_request(f"response_format must be an object, got {brief(response_format)}", "response_format")
+    if response_format.get("type") in (None, "text"):
+        return None
+    from infertrace.engine.structured import grammar_from_response_format  # loads llguidance only when asked
+
+    try:
+        return grammar_from_response_format(response_format)
+    except ValueError as e:
+        raise bad_request(str(e), "response_format") from None
 
 
 def _optional(body: dict, name: str, kind: type | tuple[type, ...], param: str | None = None) -> Any:
