@@ -37,12 +37,10 @@ RUNS = 2  # per client, alternating
 # by up to 3x between back-to-back runs; docs/peers.md)
 BASE_TOLERANCE = 0.35
 MEASURED = ("median_ttft_ms", "median_tpot_ms", "median_itl_ms", "median_e2el_ms", "output_throughput")
-# Trace replay: the throughputs agree (1.7% on a quiet 2-core machine) but the latencies do not, and not by noise:
-# infertrace's TTFT median 150 ms against vLLM's 94, its TPOT median 10.7 ms against 25.9, steady over two runs each
-# (docs/peers.md, "Trace replay's latencies"). Until that is explained, the latencies are checked on their own below,
-# as a known difference.
-MEASURED_TRACE = ("output_throughput",)
-TRACE_LATENCIES = ("median_ttft_ms", "median_tpot_ms", "median_itl_ms", "median_e2el_ms")
+# Trace replay once differed steadily (infertrace's TPOT lower in every run): its runs after the first found 78% of
+# their prompt tokens cached while vLLM's timed_trace draws new prompts each run, and vLLM's client sampled at
+# temperature 1 against infertrace's greedy. With the cache emptied before each run and both greedy, they agree
+# within the machine's noise (docs/peers.md, "Trace replay").
 DEFINED = tuple(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p99")) + (
     "completed", "total_input_tokens", "total_output_tokens")
 
@@ -209,13 +207,7 @@ def _spread(values: list[float]) -> float:
 def test_measured_figures_agree(side_by_side, name):
     """The two clients' measured medians and throughput on the same server agree within the base tolerance plus
     the scatter each showed between its own runs."""
-    _assert_agree(side_by_side[name], MEASURED_TRACE if name == TRACE_REPLAY else MEASURED)
-
-
-@pytest.mark.xfail(reason="trace replay's latencies differ between the two clients on the same server (infertrace's "
-                          "TTFT higher, TPOT lower, steady over runs): not explained yet, docs/peers.md", strict=False)
-def test_trace_replay_latencies_agree(side_by_side):
-    _assert_agree(side_by_side[TRACE_REPLAY], TRACE_LATENCIES)
+    _assert_agree(side_by_side[name], MEASURED)
 
 
 def _assert_agree(runs: dict, keys: tuple[str, ...]) -> None:
