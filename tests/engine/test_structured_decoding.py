@@ -36,14 +36,16 @@ def run_mixed(engine, prompts, plain: SamplingParams, constrained: SamplingParam
     return [got[f"r{i}"] for i in range(len(prompts))]
 
 
+@pytest.mark.parametrize("scheduling", ["off", "on"])
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}])
-def test_grammar_rows_hold_to_the_schema_and_plain_rows_are_unchanged(make_engine, sampling):
+def test_grammar_rows_hold_to_the_schema_and_plain_rows_are_unchanged(make_engine, sampling, scheduling):
+    """With async scheduling on, a constrained row's next mask needs its last token: those steps wait for it."""
     schemas = [SCHEMA, generated_schema(1, seed=0)]
     prompts = random_prompts([5, 9, 7, 12])
     plain = SamplingParams(max_tokens=6, ignore_eos=True, **sampling)  # seeded when sampled: its own generator
-    alone, _ = run_to_completion(make_engine(), prompts[1::2], plain)
+    alone, _ = run_to_completion(make_engine(async_scheduling=scheduling), prompts[1::2], plain)
     for schema in schemas:
-        engine = make_engine()
+        engine = make_engine(async_scheduling=scheduling)
         constrained = SamplingParams(max_tokens=64, grammar=grammar_from_response_format(schema_format(schema)),
                                      **sampling)
         rows = run_mixed(engine, prompts, plain, constrained)
