@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import numpy as np
-
 # Compact JSON: no whitespace between tokens and the default "," / ":" separators. With flexible whitespace a model
 # (random weights above all) can spend its whole max_tokens on blanks the grammar allows.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -71,7 +69,8 @@ class Grammars:
 
 def mask_logits(logits, matchers: list) -> None:
     """Set to -inf, in place, the logits of tokens the grammar of their row does not allow (rows whose matcher is
-    None are left as they are). logits [B, V] on any device; one host-to-device copy for the constrained rows."""
+    None are left as they are). logits [B, V] on any device; the packed bitmask (V/32 words a row) is what crosses
+    to the device, and is unpacked there."""
     import torch
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
@@ -80,12 +79,11 @@ def mask_logits(logits, matchers: list) -> None:
     bitmask = allocate_token_bitmask(len(rows), vocab)
     for j, i in enumerate(rows):
         fill_next_token_bitmask(matchers[i], bitmask, j)
-    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    if allowed.shape[1] < vocab:  # ids past the tokenizer's vocabulary (a padded embedding) are never allowed
-        allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
+    words = torch.from_numpy(bitmask).to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
     index = torch.tensor(rows, device=logits.device)
-    forbidden = torch.from_numpy(allowed == 0).to(logits.device, non_blocking=True)
-    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def advance(matcher, token: int) -> bool:
