@@ -27,6 +27,7 @@ from infertrace.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from infertrace.engine.parallel import SINGLE, TensorParallel
 from infertrace.engine.rejection_sampler import verify
 from infertrace.engine.sampler import Sampler, greedy_tokens
+from infertrace.engine.structured import mask_logits
 from infertrace.engine.scheduler import ScheduledSeq, StepKind, StepPlan
 from infertrace.engine.step_buffers import StepBuffers
 
@@ -382,8 +383,10 @@ class ModelRunner:
                 return LaunchedStep(plan, samples, None, None, None)
             if plan.verifies:  # waits for the step: the next one is planned from its outcome
                 return LaunchedStep(plan, samples, None, None, None, verified=verify(self.sampler, logits, sampling))
-            tokens = self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling],
-                                  [s.seq.matcher for s in sampling])
+            matchers = [s.seq.matcher for s in sampling]
+            if any(m is not None for m in matchers):  # rows without a grammar pay nothing more
+                mask_logits(logits, matchers)
+            tokens = self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
             if self.other_ranks is not None and self.share_tokens and not inputs.greedy:
                 self._broadcast_tokens(tokens)
             if not self._landing:

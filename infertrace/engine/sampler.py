@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from infertrace.engine.sampling_params import SamplingParams
-from infertrace.engine.structured import mask_logits
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -28,16 +27,11 @@ class Sampler:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-        matchers: list | None = None,
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> torch.Tensor:
         """logits [B, V] in the model's dtype; one token id per row, as a long tensor on the logits' device (no host
         sync for greedy rows, so a step's tokens can feed the next step before the host has seen them). Greedy rows
-        take the argmax of the logits as they are; a row that samples is widened to float32 first. A row with a
-        grammar (its llguidance matcher in `matchers`) chooses among the tokens the grammar allows, greedy or not;
-        without one, no row pays for masking."""
-        if matchers is not None and any(m is not None for m in matchers):
-            mask_logits(logits, matchers)
+        take the argmax of the logits as they are; a row that samples is widened to float32 first."""
         tokens = greedy_tokens(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
