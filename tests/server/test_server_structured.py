@@ -95,3 +95,15 @@ async def test_speculative_decoding_refuses_a_schema_with_a_400(serve_tiny):
         resp = await client.post("/v1/chat/completions", json={"messages": USER, "response_format": JSON_SCHEMA})
         body = await resp.json()
         assert resp.status == 400 and "not supported with speculative decoding" in body["error"]["message"], body
+
+
+def test_serving_without_structured_output_never_loads_llguidance():
+    import subprocess
+    import sys
+
+    code = ("import sys, infertrace.server.frontend.app, infertrace.engine.engine; "
+            "from infertrace.server.frontend.protocol import Endpoint, parse_generate_request; "
+            "parse_generate_request({'prompt': 'hi', 'response_format': {'type': 'text'}}, Endpoint.COMPLETIONS); "
+            "print('llguidance' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
