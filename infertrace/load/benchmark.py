@@ -17,7 +17,7 @@ from infertrace.load.clock import Clock
 from infertrace.load.config import DEFAULT_OUTPUT_LEN, BenchConfig
 from infertrace.load.observe import otlp_receiver
 from infertrace.load.observe.observer import Observer
-from infertrace.load.observe.server_counters import read_prefix_cache, run_hit_rate
+from infertrace.load.observe.server_counters import engine_spec_growth, read_prefix_cache, run_hit_rate
 from infertrace.load.records import RequestResult
 from infertrace.load.results import response_metrics, spans_out
 from infertrace.load.results.adapters import gate_keys, per_adapter
@@ -156,12 +156,13 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
     window = min((s for s in (cfg.duration_s, cfg.profile_seconds) if s), default=None)
     runner = Runner(target, clock, hooks.on_result) if cfg.workers == 1 and cfg.ray_address is None \
         else Fleet(worker_config(cfg, target), clock, hooks.on_result, cfg.ray_address)
-    cache_before = None
+    cache_before = engine_before = None
     epoch_offset_ns = spans_out.epoch_offset_ns()  # the run's clock -> the epoch, for the exported spans
     try:  # the observer's scrapes and session end however the phase does (a lost Ray cluster, a bad input)
         async with profiled_window(cfg, target, clock, hooks, observed, cfg.profile and not interrupted) as profile:
             if not interrupted:
                 hooks.on_phase("measure", load.total, window)
+                engine_before = target.engine_counters()  # the bundled engine in-process: its own counters
                 if load.reads_prefix_cache:
                     # the server's counters now: the run's own hit rate
                     cache_before = await read_prefix_cache(target)
@@ -201,6 +202,8 @@ async def run_point(cfg: BenchConfig, target: Target, clock: Clock, interrupter:
         workload.update(prompt_salt_tokens=salt, prompt_salt_cached_tokens=salt // block * block)
     if load.reads_prefix_cache:
         workload.update(run_hit_rate(cache_before, await read_prefix_cache(target)))
+    if engine_before is not None and (grown := engine_spec_growth(engine_before, target.engine_counters())):
+        workload["engine_spec_decode"] = grown  # docs/bench.md, "Speculative decoding": the embedded engine's
     resolve_output_tokens(results, tokenizer, check_usage=target.counts_with_own_tokenizer)
     resolve_output_tokens(warm.results, tokenizer)
     if cfg.lora_modules:  # docs/bench.md, "LoRA adapters"

@@ -1,5 +1,6 @@
-"""bench against `infertrace serve` drafting with n-gram lookup: the run's acceptance figures are the growth of the
-engine's own counters over the run, and equal to the drafts its request log recorded."""
+"""bench against `infertrace serve` drafting with n-gram lookup, and against the bundled engine drafting in-process:
+the run's acceptance figures are the growth of the engine's own counters over the run, and equal to the drafts its
+request log recorded."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
+from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
+from infertrace.cli import main
+from infertrace.load.client.embedded_target import EmbeddedTarget
 from tests.load.conftest import serve_subprocess
 
 K = 3
@@ -65,3 +70,37 @@ def test_bench_acceptance_equals_the_engines_counters(tiny_model_dir, tmp_path):
     assert len(ok) == 8 and all(sum(r["chunk_tokens"]) == r["output_tokens"] == 32 for r in ok)
     assert any(n > 1 for r in ok for n in r["chunk_tokens"])
     assert result["itl_per_token_requests"] == 8
+
+
+def test_the_embedded_engine_s_acceptance_is_its_own_counters(tmp_path):
+    """bench without --base-url, the bundled engine drafting in-process: the run's acceptance figures are the growth
+    of the engine's own counters over the measured requests (warmup left out), under the same definitions."""
+    seen: list[EmbeddedTarget] = []
+    original = EmbeddedTarget.engine_counters
+
+    def spy(self):
+        seen.append(self)
+        return original(self)
+
+    result_path = tmp_path / "run.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EmbeddedTarget, "engine_counters", spy)
+        done = CliRunner().invoke(main, [
+            "bench", "--num-prompts", "6", "--concurrency", "2", "--input-len", "48", "--output-len", "32",
+            "--warmup", "2", "--ignore-eos", "--speculative-config", json.dumps({"method": "ngram",
+                                                                                 "num_speculative_tokens": K}),
+            "--result-json", str(result_path)])
+    assert done.exit_code == 0, done.output
+    spec = json.loads(result_path.read_text())["speculative_decoding"]
+    engine = seen[-1].engine
+    assert spec["source"] == "engine counters" and spec["drafts"] > 0 and spec["accepted_tokens"] > 0
+    # every verify row is the run's or the warmup's: the run's are its measured requests' own
+    log = engine.request_log.read(0)["requests"]
+    measured = log[2:]  # the two warmup requests went first
+    rows = [d for r in measured for d in r["drafts"]]
+    assert (spec["drafts"], spec["draft_tokens"], spec["accepted_tokens"]) == (
+        len(rows), sum(d[1] for d in rows), sum(d[2] for d in rows))
+    assert spec["acceptance_rate"] == spec["accepted_tokens"] / spec["draft_tokens"]
+    assert spec["mean_acceptance_length"] == 1 + spec["accepted_tokens"] / spec["drafts"]
+    assert len(spec["per_position_acceptance_rate"]) == K
+    assert sum(spec["per_position_acceptance_rate"]) * spec["drafts"] == pytest.approx(spec["accepted_tokens"])

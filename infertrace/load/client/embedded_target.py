@@ -82,7 +82,11 @@ class EmbeddedTarget:
         return (self.engine.config.block_size, "engine config") if self.engine is not None else None
 
     def engine_counters(self) -> dict | None:
-        return dict(self.engine.counters) if self.engine is not None else None
+        if self.engine is None:
+            return None
+        per_position = {f"spec_decode_num_accepted_tokens_per_pos[{i}]": n
+                        for i, n in enumerate(self.engine.spec_accepted_per_pos)}  # empty without drafting
+        return {**self.engine.counters, **per_position}
 
     async def read_metrics(self) -> None:
         return None

@@ -155,9 +155,39 @@ def speculative_decoding(scrape, results) -> dict | None:
 
 
 def run_speculative_decoding(record) -> dict | None:
-    """speculative_decoding of a measured run (a PointRecord): its scrapes and its requests."""
+    """speculative_decoding of a measured run (a PointRecord): its scrapes and its requests, or the bundled
+    engine's own counters when it ran in-process."""
     scrape = record.observed.scrape if record.observed is not None else None
+    engine = (record.workload or {}).get("engine_spec_decode")
+    if scrape is None and engine is not None:
+        return {**_spec_figures(engine["drafts"], engine["draft_tokens"], engine["accepted_tokens"],
+                                engine["accepted_per_position"], "engine counters"),
+                "requests": speculative_summary(record.results)}
     return speculative_decoding(scrape, record.results)
+
+
+ENGINE_SPEC = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+def engine_spec_growth(before: dict, after: dict | None) -> dict | None:
+    """The in-process engine's drafting over the run: drafts, draft and accepted tokens, accepted by position
+    (the growth of its counters); None where it did not draft."""
+    if after is None or not after.get(ENGINE_SPEC[0]):
+        return None
+    drafts, drafted, accepted = (after.get(k, 0) - before.get(k, 0) for k in ENGINE_SPEC)
+    positions = sorted((k for k in after if k.startswith("spec_decode_num_accepted_tokens_per_pos[")),
+                       key=lambda k: int(k[k.index("[") + 1:-1]))
+    return {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "accepted_per_position": [after[k] - before.get(k, 0) for k in positions]}
+
+
+def _spec_figures(drafts: int, drafted: int, accepted: int, per_position: list | None, source: str) -> dict:
+    """The figures of the run's drafting as vLLM defines them, from its counts."""
+    return {"source": source, "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "per_position_acceptance_rate": [None if a is None else a / drafts for a in per_position]
+            if drafts and per_position else None}
 
 
 def _spec_counters(scrape) -> dict | None:
@@ -173,11 +203,7 @@ def _spec_counters(scrape) -> dict | None:
         return None
     positions = sorted(labelled(scrape.counters, "spec_decode_accepted_per_pos"), key=_position)
     per_position = [scrape.increase(f"spec_decode_accepted_per_pos[{p}]") for p in positions]
-    return {"source": "counters", "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-            "per_position_acceptance_rate": [None if a is None else a / drafts for a in per_position]
-            if drafts and per_position else None}  # None: not counted by position (infertrace serve)
+    return _spec_figures(drafts, drafted, accepted, per_position, "counters")
 
 
 def _whole(count: float | None) -> int | None:
