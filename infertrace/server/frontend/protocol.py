@@ -179,7 +179,8 @@ def parse_generate_request(body: dict, endpoint: Endpoint, defaults: dict[str, A
             _optional(options, "continuous_usage_stats", bool, "stream_options.continuous_usage_stats")),
     )
     sampling = _sampling(body, defaults or {})
-    sampling["grammar"] = _grammar(body)
+    if (grammar := _grammar(body)) is not None:  # response_format: the engine constrains this request
+        sampling["grammar"] = grammar
     try:  # value ranges are the engine's to define: check them once, there, before any work is done
         SamplingParams(max_tokens=max_tokens or 1, **sampling)
     except SamplingParamsError as e:
