@@ -27,9 +27,9 @@ from infertrace.engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from infertrace.engine.parallel import SINGLE, TensorParallel
 from infertrace.engine.rejection_sampler import verify
 from infertrace.engine.sampler import Sampler, greedy_tokens
-from infertrace.engine.structured import mask_logits
 from infertrace.engine.scheduler import ScheduledSeq, StepKind, StepPlan
 from infertrace.engine.step_buffers import StepBuffers
+from infertrace.engine.structured import mask_logits
 
 _CPU_FLOAT16_FALLBACK = torch.float32  # float16 matmuls are slow or missing on CPUs
 
