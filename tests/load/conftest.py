@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -18,11 +19,48 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
-class StandInServer:
+class ThreadedServer:
+    """A stand-in HTTP server on its own event loop in a thread, on a free port: `with Server() as s:` gives
+    `s.url`; a subclass says what it serves in `make_app`."""
+
+    def __init__(self) -> None:
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def make_app(self) -> web.Application:
+        raise NotImplementedError
+
+    async def _start(self) -> None:
+        self._runner = web.AppRunner(self.make_app())
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    def start(self):
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class StandInServer(ThreadedServer):
     """Streams max_tokens chunks of one token each with continuous usage; `mode(i)` picks request i's fate:
     "ok", "500" (an HTTP error), "close" (the connection drops halfway) or "nan-usage" (NaN token counts)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.mode = lambda i: "ok"
         self.token_delay = 0.0
         self.first_token_delay = 0.0  # a fixed prefill time before the first token
@@ -43,9 +81,6 @@ class StandInServer:
         # request) that returns the web.Response the test chooses
         self.request_log = None
         self.log_reads: list[str] = []  # the query string of every GET /v1/request_log
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         arrived = time.perf_counter()
@@ -136,7 +171,7 @@ class StandInServer:
         self.calls.append((request.path, request.headers.get("Authorization"), request.headers.get("X-Team")))
         return await handler(request)
 
-    async def _start(self) -> None:
+    def make_app(self) -> web.Application:
         app = web.Application(middlewares=[self._record])
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_post("/v1/chat/completions", self.generate)
@@ -146,22 +181,7 @@ class StandInServer:
         app.router.add_post("/start_profile", self.start_profile)
         app.router.add_post("/stop_profile", self.stop_profile)
         app.router.add_get("/v1/request_log", self.read_request_log)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def start(self) -> "StandInServer":
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        return app
 
 
 @pytest.fixture
@@ -178,7 +198,7 @@ def prompts_jsonl(tmp_path):
     return path
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -193,12 +213,14 @@ def served_tiny(tiny_model_dir, tmp_path):
 
 
 @contextlib.contextmanager
-def serve_subprocess(model_dir, tmp_path, *args: str):
-    """`infertrace serve --model model_dir ARGS` in a subprocess, its URL once /health answers; stopped on exit."""
-    port = _free_port()
+def serve_subprocess(model_dir, tmp_path, *args: str, env: dict | None = None):
+    """`infertrace serve --model model_dir ARGS` in a subprocess (with `env` added to ours), its URL once /health
+    answers; stopped on exit."""
+    port = free_port()
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "infertrace", "serve", "--model", str(model_dir), "--port",
-                             str(port), "--kv-cache-tokens", "131072", *args], stdout=log, stderr=subprocess.STDOUT)
+                             str(port), "--kv-cache-tokens", "131072", *args], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import threading
 
 import pytest
 from aiohttp import web
@@ -15,18 +14,17 @@ from infertrace.load.command import bench
 from infertrace.load.config import BenchConfig
 from infertrace.load.records import RequestResult, RequestSpec, StreamEvent
 from infertrace.load.workloads.embedding_batches import batched
+from tests.load.conftest import ThreadedServer
 
 
-class EmbeddingServer:
+class EmbeddingServer(ThreadedServer):
     """/v1/embeddings that counts one token per word of each input (a list of ids: one per id), answers one vector
     per input, and keeps every body it was sent; `mode` can make it misbehave."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.bodies: list[dict] = []
         self.mode = "ok"
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     async def embeddings(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -44,25 +42,12 @@ class EmbeddingServer:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "m"}]})
 
-    async def _start(self) -> None:
+    def make_app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.models)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return app
 
-    def __enter__(self):
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc):
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 @pytest.fixture

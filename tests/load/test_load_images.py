@@ -1,11 +1,9 @@
 """bench --images: chat requests carry images as base64 data URLs, and the image tokens the server counted come back
 per request and in the result."""
 
-import asyncio
 import base64
 import io
 import json
-import threading
 
 import pytest
 from aiohttp import web
@@ -20,6 +18,7 @@ from infertrace.load.config import BenchConfig, parse_image_size
 from infertrace.load.records import RequestResult
 from infertrace.load.results.images import image_figures
 from infertrace.load.workloads.images import folder_plan, generated_plan
+from tests.load.conftest import ThreadedServer
 
 TEMPLATE_TOKENS = 7  # what the stand-in's chat template adds around a message's text
 
@@ -30,7 +29,7 @@ def qwen_image_tokens(width: int, height: int) -> int:
     return (width // 28) * (height // 28) + 2
 
 
-class VisionServer:
+class VisionServer(ThreadedServer):
     """/v1/chat/completions as vLLM 0.32's chat route answers a vision-language model
     (vllm/entrypoints/openai/chat_completion/serving.py: `usage.prompt_tokens` is `len(res.prompt_token_ids)`, the
     prompt after each image's placeholder was expanded, so it counts the text, the chat template and the image
@@ -38,12 +37,10 @@ class VisionServer:
     Every image part must be a data URL Pillow opens; `images_seen` keeps each request's image sizes."""
 
     def __init__(self, tokenizer) -> None:
+        super().__init__()
         self.tokenizer = tokenizer
         self.images_seen: list[list[tuple[int, int]]] = []
         self.probes = 0
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -80,25 +77,12 @@ class VisionServer:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "vl"}]})
 
-    async def _start(self) -> None:
+    def make_app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return app
 
-    def __enter__(self):
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc):
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,6 @@
 """bench --lora-modules: each request names a LoRA adapter drawn by the shares, and the run is split per adapter."""
 
-import asyncio
 import json
-import threading
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -16,20 +14,19 @@ from infertrace.gate.command import gate
 from infertrace.load.client.adapters import AdapterMix
 from infertrace.load.command import bench
 from infertrace.load.config import BenchConfig, parse_lora_modules
+from tests.load.conftest import ThreadedServer
 
 TOKENS = {"base": 2, "a": 3, "b": 5}  # output tokens the stand-in streams for each model: a per-adapter signature
 
 
-class LoraServer:
+class LoraServer(ThreadedServer):
     """/v1/completions that streams TOKENS[model] one-token chunks, refuses a model it does not serve with vLLM's
     404, and keeps (request id, model, prompt length) of every request."""
 
     def __init__(self, served=("base", "a", "b")) -> None:
+        super().__init__()
         self.served = served
         self.seen: list[tuple[str, str, int]] = []
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -50,25 +47,12 @@ class LoraServer:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": m} for m in self.served]})
 
-    async def _start(self) -> None:
+    def make_app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return app
 
-    def __enter__(self):
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc):
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 @pytest.fixture

@@ -1,9 +1,7 @@
 """bench --structured: constrained requests carry their schema, each output is judged against it, and the run
 reports valid / invalid / total beside TTFT and ITL of constrained and unconstrained requests."""
 
-import asyncio
 import json
-import threading
 
 import pytest
 from aiohttp import web
@@ -20,6 +18,7 @@ from infertrace.load.workloads.structured import (
     unsupported,
     violation,
 )
+from tests.load.conftest import ThreadedServer
 
 
 def instance(schema: dict):
@@ -32,17 +31,15 @@ def instance(schema: dict):
     return {"boolean": True, "integer": schema.get("minimum", 3), "string": "s", "array": []}[kind]
 
 
-class ChatServer:
+class ChatServer(ThreadedServer):
     """Chat completions: an unconstrained request streams text; a constrained one streams a value of its schema, or
     (every third constrained request) one that breaks it. Keeps, by X-Request-Id, what it made of each request."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.made: dict[str, str] = {}  # request id -> "free", "valid" or "invalid"
         self.bodies: list[dict] = []
-        self.url = ""
         self._constrained = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -81,25 +78,12 @@ class ChatServer:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "m"}]})
 
-    async def _start(self) -> None:
+    def make_app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return app
 
-    def __enter__(self):
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc):
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 @pytest.fixture

@@ -259,49 +259,22 @@ def test_bench_s_traceparent_parents_serve_s_spans_received_by_bench(tiny_model_
     """`infertrace serve --otlp-traces-endpoint` pointed at `infertrace bench --otlp-receiver`: every request's
     llm_request span is the child of the traceparent bench sent, in bench's trace, and joined to its record."""
     import json
-    import os
-    import subprocess
-    import sys
-    import urllib.request
 
     from click.testing import CliRunner
 
     from infertrace.load.command import bench
+    from tests.load.conftest import free_port, serve_subprocess
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    port, otlp_port = free_port(), free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "infertrace", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-         "--kv-cache-tokens", "16384", "--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_port}/v1/traces"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, tracing.PROTOCOL_ENV: "http/protobuf"})
+    otlp_port = free_port()
     lines = tmp_path / "r.jsonl"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.5)
+    with serve_subprocess(tiny_model_dir, tmp_path, "--otlp-traces-endpoint",
+                          f"http://127.0.0.1:{otlp_port}/v1/traces",
+                          env={tracing.PROTOCOL_ENV: "http/protobuf"}) as url:
         res = CliRunner().invoke(bench, [
             "--base-url", url, "--model", str(tiny_model_dir), "--num-prompts", "8", "--concurrency", "4",
             "--input-len", "16", "--output-len", "4", "--warmup", "1", "--requests-jsonl", str(lines),
             "--result-json", str(tmp_path / "r.json"), "--otlp-receiver", f"http://127.0.0.1:{otlp_port}"],
             catch_exceptions=False)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
     assert res.exit_code == 0, res.output
     records = [json.loads(x) for x in lines.read_text().splitlines() if json.loads(x)["phase"] == "measured"]
     assert len(records) == 8
