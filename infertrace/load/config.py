@@ -233,8 +233,6 @@ class BenchConfig:
         if self.base_url is None:
             raise ValueError("--lora-modules names adapters a server serves: pass --base-url (the bundled engine "
                              "serves no LoRA adapters)")
-        if self.workers > 1 or self.ray_address:
-            raise ValueError("--lora-modules runs in one load generator process: drop --workers and --ray")
 
     def _check_structured(self) -> None:
         if self.structured is None:
@@ -253,8 +251,6 @@ class BenchConfig:
         if self.base_url is None:
             raise ValueError("--structured constrains a server's output: pass --base-url (infertrace serve refuses "
                              "response_format and tools)")
-        if self.workers > 1 or self.ray_address:
-            raise ValueError("--structured runs in one load generator process: drop --workers and --ray")
         if self.endpoint == "embeddings" or (self.structured == "tools" and self.endpoint != "chat"):
             raise ValueError(f"--structured {self.structured} needs --endpoint chat"
                              + (" or completions" if self.structured == "json-schema" else ""))
@@ -275,8 +271,6 @@ class BenchConfig:
                              "serves a vision-language model")
         if self.endpoint != "chat" or self.dataset not in EMBEDDINGS_DATASETS:
             raise ValueError("--images needs --endpoint chat and --dataset random, shared-prefix, sharegpt or jsonl")
-        if self.workers > 1 or self.ray_address:
-            raise ValueError("--images runs in one load generator process: drop --workers and --ray")
 
     def _check_tracing(self) -> None:
         self.otlp_receiver = tuple(self.otlp_receiver)

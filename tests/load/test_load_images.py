@@ -201,7 +201,6 @@ def test_parse_image_size():
 @pytest.mark.parametrize("fields, message", [
     ({"images": 1}, "images are not supported by the bundled engine"),
     ({"images": 1, "base_url": "http://x", "endpoint": "completions"}, "--endpoint chat"),
-    ({"images": 1, "base_url": "http://x", "endpoint": "chat", "workers": 2}, "one load generator"),
     ({"image_dir": "x"}, "need --random-mm-base-items-per-request"),
     ({"images": -1, "base_url": "http://x", "endpoint": "chat"}, "at least 0"),
 ])

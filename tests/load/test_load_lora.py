@@ -137,7 +137,6 @@ def test_bad_lora_modules_are_refused(text, message):
     ({"lora_modules": {"a": 1.0}}, "--base-url"),
     ({"lora_modules": {"a": 0.0}, "base_url": "http://x"}, "positive"),
     ({"lora_modules": {"a b": 1.0}, "base_url": "http://x"}, "letters, digits"),
-    ({"lora_modules": {"a": 1.0}, "base_url": "http://x", "workers": 2}, "--workers"),
 ])
 def test_config_refuses_what_cannot_run(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -208,7 +208,6 @@ def test_a_bad_schema_file_stops_the_run_in_one_line(server, tmp_path):
     ({"structured": "tools", "base_url": "http://x"}, "--endpoint chat"),
     ({"structured": "json-schema"}, "--base-url"),
     ({"structured": "json-schema", "base_url": "http://x", "structured_share": 0}, "structured-share"),
-    ({"structured": "json-schema", "base_url": "http://x", "endpoint": "chat", "workers": 2}, "--workers"),
     ({"structured": "json-schema", "base_url": "http://x", "extra_body": {"response_format": {}}}, "sets it"),
 ])
 def test_config_refuses_what_cannot_run(fields, message):

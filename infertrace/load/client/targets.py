@@ -34,26 +34,7 @@ def make_target(cfg: BenchConfig, on_info: Callable[[str], None]):
     """The HTTP target for --base-url, else the bundled engine (on the built-in tiny model without --model, or on
     a preset named by --model, made in the cache on first use)."""
     if cfg.base_url is not None:
-        from infertrace.load.client.http_target import (
-            AiohttpTransport,
-            HttpTarget,
-            normalize_base_url,
-        )
-
-        try:
-            check_url(cfg.base_url)
-            if cfg.metrics_url is not None:
-                check_url(cfg.metrics_url, "--metrics-url")
-        except ValueError as e:
-            raise TargetError(str(e)) from None
-        model_dir = resolve_model_dir(cfg.model)
-        transport = AiohttpTransport(normalize_base_url(cfg.base_url), cfg.request_timeout_s, cfg.headers)
-        return HttpTarget(cfg.base_url, cfg.endpoint, cfg.served_model_name or cfg.model, transport,
-                          model_is_path=model_dir is not None and cfg.served_model_name is None,
-                          ignore_eos=cfg.ignore_eos, temperature=cfg.temperature,
-                          continuous_usage=cfg.continuous_usage, extra_body=cfg.extra_body,
-                          prompt_salt=cfg.prompt_salt, server_metrics=cfg.server_metrics,
-                          tokenizer_dir=tokenizer_source(cfg) if cfg.workers > 1 or cfg.ray_address else None)
+        return _http_target(cfg)
     from infertrace.load.client.embedded_target import TINY_PRESET, EmbeddedTarget
     from infertrace.modelgen.cached import is_preset, preset_model_dir
     from infertrace.modelgen.presets import PRESETS
@@ -65,6 +46,41 @@ def make_target(cfg: BenchConfig, on_info: Callable[[str], None]):
         cfg.model or TINY_PRESET, lambda out: on_info(f"building the {cfg.model or 'built-in tiny'} model into "
                                                       f"{out} (first use only)"))
     return EmbeddedTarget(model_dir, cfg.engine_overrides, ignore_eos=cfg.ignore_eos, temperature=cfg.temperature)
+
+
+def _http_target(cfg: BenchConfig):
+    """The server's target, with what its requests carry beyond their prompts (--lora-modules, --structured,
+    --images) built from the config: a load worker makes its own target here, so its bodies are the ones one
+    process would send, every draw made from the seed and the request's index."""
+    from infertrace.load.client.adapters import AdapterMix
+    from infertrace.load.client.http_target import (
+        AiohttpTransport,
+        HttpTarget,
+        normalize_base_url,
+    )
+    from infertrace.load.workloads.structured import structured_plan
+
+    try:
+        check_url(cfg.base_url)
+        if cfg.metrics_url is not None:
+            check_url(cfg.metrics_url, "--metrics-url")
+    except ValueError as e:
+        raise TargetError(str(e)) from None
+    model_dir = resolve_model_dir(cfg.model)
+    transport = AiohttpTransport(normalize_base_url(cfg.base_url), cfg.request_timeout_s, cfg.headers)
+    target = HttpTarget(cfg.base_url, cfg.endpoint, cfg.served_model_name or cfg.model, transport,
+                        model_is_path=model_dir is not None and cfg.served_model_name is None,
+                        ignore_eos=cfg.ignore_eos, temperature=cfg.temperature,
+                        continuous_usage=cfg.continuous_usage, extra_body=cfg.extra_body,
+                        prompt_salt=cfg.prompt_salt, server_metrics=cfg.server_metrics,
+                        tokenizer_dir=tokenizer_source(cfg) if cfg.workers > 1 or cfg.ray_address else None)
+    target.adapters = AdapterMix.of(cfg.lora_modules, cfg.seed)
+    target.structured = structured_plan(cfg)
+    if cfg.images:  # encoded now, before the run and off its clock
+        from infertrace.load.workloads.images import plan_of
+
+        target.images = plan_of(cfg)
+    return target
 
 
 def check_context(cfg: BenchConfig, max_model_len: int | None) -> None:

@@ -1,0 +1,97 @@
+"""LoRA adapters, structured output and images over load workers (local processes, Ray actors): each worker sends
+the bodies one process would, and the merged run gives the same per-adapter, valid-output and image-token figures as
+one process of the same seed."""
+
+import json
+from collections import Counter
+
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from infertrace.load.command import bench
+from tests.load.test_load_images import VisionServer, qwen_image_tokens
+from tests.load.test_load_lora import TOKENS, LoraServer
+from tests.load.test_load_structured import ChatServer
+
+
+def run(url, tmp_path, name, *args):
+    out, reqs = tmp_path / f"{name}.json", tmp_path / f"{name}.jsonl"
+    res = CliRunner().invoke(bench, [str(a) for a in ("--base-url", url, "--warmup", 0, "--scrape-interval", 0,
+                                                      "--result-json", out, "--requests-jsonl", reqs, *args)],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return json.loads(out.read_text()), [json.loads(x) for x in reqs.read_text().splitlines()]
+
+
+def lora_run(server, tmp_path, name, *workers):
+    data, lines = run(server.url, tmp_path, name, "--model", "base", "--lora-modules", "a=3,b=1", "--input-len", 8,
+                      "--output-len", 8, "--num-prompts", 24, "--seed", 5, *workers)
+    sent = {rid: model for rid, model, _ in server.seen}
+    assert all(x["adapter"] == sent[x["request_id"]] for x in lines)  # each record names what its body named
+    return data
+
+
+def test_lora_adapters_over_two_workers_split_as_one_process_does(tmp_path):
+    with LoraServer() as server:
+        one = lora_run(server, tmp_path, "one")
+        two = lora_run(server, tmp_path, "two", "--workers", 2)
+    assert two["workers"] == 2
+    for name in ("a", "b"):
+        counts = [(d["per_adapter"][name]["requests"], d["per_adapter"][name]["completed"],
+                   d["per_adapter"][name]["total_output_tokens"]) for d in (one, two)]
+        assert counts[0] == counts[1] and counts[0][2] == TOKENS[name] * counts[0][0] > 0, name
+
+
+@pytest.mark.parametrize("mode", ["json-schema", "tools"])
+def test_structured_output_over_two_workers_is_judged_as_one_process_does(tmp_path, mode):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(8)))
+    runs = []
+    for workers in (1, 2):
+        with ChatServer() as server:
+            data, lines = run(server.url, tmp_path, f"w{workers}", "--endpoint", "chat", "--dataset", "jsonl",
+                              "--dataset-path", prompts, "--num-prompts", 24, "--structured", mode,
+                              "--structured-share", 0.5, "--workers", workers)
+        made = Counter(server.made[x["request_id"]] for x in lines)
+        s = data["structured"]
+        assert (s["valid"], s["invalid"], s["unconstrained"]["requests"]) == \
+            (made["valid"], made["invalid"], made["free"])
+        runs.append((s["valid"], s["invalid"], s["total"], s["constrained"]["requests"]))
+    one, two = runs
+    assert one == two and one[0] > 0 and one[1] > 0
+
+
+def test_image_tokens_over_two_workers_are_those_of_one_process(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    Image.new("RGB", (56, 56), "red").save(folder / "a.png")  # two sizes: each request's count shows which it got
+    Image.new("RGB", (112, 56), "blue").save(folder / "b.jpg")
+    tokens = {}
+    with VisionServer(AutoTokenizer.from_pretrained(tiny_model_dir)) as server:
+        for workers in (1, 2):
+            data, lines = run(server.url, tmp_path, f"w{workers}", "--endpoint", "chat", "--tokenizer",
+                              tiny_model_dir, "--input-len", 16, "--output-len", 3, "--num-prompts", 6, "--images", 1,
+                              "--image-dir", folder, "--workers", workers)
+            tokens[workers] = ({x["index"]: x["image_tokens"] for x in lines}, data["images"]["mean_image_tokens"])
+    expected = {i: qwen_image_tokens(*((56, 56) if i % 2 == 0 else (112, 56))) for i in range(6)}
+    assert tokens[1] == tokens[2] == (expected, sum(expected.values()) / 6)
+    assert sorted(map(tuple, server.images_seen)) == sorted([((56, 56),), ((112, 56),)] * 6)
+
+
+def test_lora_adapters_over_ray_actors_split_as_one_process_does(tmp_path):
+    ray = pytest.importorskip("ray", reason="Ray is the optional [distributed] extra")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with LoraServer() as server:
+            one = lora_run(server, tmp_path, "one")
+            two = lora_run(server, tmp_path, "ray", "--workers", 2, "--ray", "auto")
+    finally:
+        ray.shutdown()
+    assert two["workers"] == 2 and two["ray_nodes"] == 1
+    assert {n: f["requests"] for n, f in one["per_adapter"].items()} == \
+        {n: f["requests"] for n, f in two["per_adapter"].items()}
+    assert [two["per_adapter"][n]["total_output_tokens"] for n in ("a", "b")] == \
+        [TOKENS[n] * two["per_adapter"][n]["requests"] for n in ("a", "b")]
