@@ -35,6 +35,7 @@ TOKENIZER_WORKERS = 2
 # for about 1-2 ms. Longer prompts and chat templates go to the threads.
 INLINE_TOKENIZE_CHARS = 4096
 IN_FLIGHT_TIMEOUT_S = 2.0
+LORA_DIR = "loras"  # where `infertrace model init --lora N` writes a model's adapters (infertrace/modelgen/lora.py)
 
 
 class ServerState:
@@ -52,6 +53,7 @@ class ServerState:
         self.settings = settings
         self.frontend = frontend or {}
         self.sampling_defaults = load_sampling_defaults(settings.model_dir)
+        self.lora_adapters = lora_adapters(settings.model_dir)  # read once: answered with a 400, never served
         self.started = int(time.time())
         self.in_flight: set[str] = set()
         self.draining = False
@@ -165,8 +167,15 @@ class ServerState:
 
     # ----- requests -----
     def check_model(self, model: str | None) -> str:
+        """The served model's name for a request's `model`. Another name is vLLM 0.33's 404
+        (vllm/entrypoints/serve/engine/serving.py, `_check_model`), except an adapter written beside the model:
+        vLLM would serve that one with --enable-lora, so its refusal says what does."""
         name = self.settings.served_model_name
         if model is not None and model != name:
+            if model in self.lora_adapters:
+                raise ApiError(400, f"the model {model!r} is a LoRA adapter of {name!r} ({LORA_DIR}/{model} beside "
+                               "it), and this server serves no LoRA adapters: vllm serve --enable-lora "
+                               f"--lora-modules {model}=DIR does", param="model", code="lora_not_supported")
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {name!r}",
                            param="model", code="model_not_found")
         return name
@@ -237,3 +246,13 @@ def longest_token_chars(tokenizer: Any) -> int:
     max_model_len times this many characters cannot fit, whatever it holds."""
     vocab = tokenizer.get_vocab()
     return max(map(len, vocab), default=1) or 1
+
+
+def lora_adapters(model_dir: str | Path) -> frozenset[str]:
+    """The names of the LoRA adapters beside a model: the folders of MODEL_DIR/loras that hold an
+    adapter_config.json, as `infertrace model init --lora N` writes them."""
+    try:
+        return frozenset(p.name for p in (Path(model_dir) / LORA_DIR).iterdir()
+                         if (p / "adapter_config.json").is_file())
+    except OSError:  # no loras folder (or one that cannot be read): no adapters to name
+        return frozenset()
