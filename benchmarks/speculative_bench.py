@@ -10,9 +10,9 @@ Two workloads, 256 prompt and 256 output tokens a request:
   near-flat distribution over the vocabulary, so no output repeats and a draft is accepted with probability about
   1 / vocabulary: every drafter's worst case, which shows what drafting and verifying cost when nothing is won.
 
-Drafters: none, n-gram K=2 and K=4, the draft preset with K=4, and the target as its own draft with K=4 (every greedy
-draft accepted: the drafting cost at full acceptance). One engine per drafter, both batch sizes and both workloads on
-it. Every figure printed goes into docs/benchmarks.md with the device, the date and this command.
+Drafters (--drafters): none, none with async scheduling off (which drafting needs), n-gram K=2 and K=4, the draft
+preset with K=4, and the target as its own draft with K=4 (in float32 every greedy draft is accepted: the drafting
+cost at full acceptance). One engine per drafter, both batch sizes and both workloads on it. Every figure printed goes into docs/benchmarks.md with the device, the date and this command.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-4b")
     ap.add_argument("--draft", default="qwen3-0.6b", help="the draft model's preset")
     ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--drafters", default="none,async-off,ngram2,ngram4,draft,self")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3, help="runs per point; the median run's figures are printed")
@@ -99,18 +100,28 @@ def main() -> None:
     target = model_dir(args.models_dir, args.preset, dtype=dtype, device=device)
     draft = model_dir(args.models_dir, args.draft, dtype=dtype, device=device)
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    # (label, engine overrides) by the name --drafters takes; "async-off" is plain decoding without async
+    # scheduling, which speculative decoding turns off: the share of a drafter's cost that is not its own
     drafters = {
-        "none": None,
-        "n-gram K=2": {"method": "ngram", "num_speculative_tokens": 2},
-        "n-gram K=4": {"method": "ngram", "num_speculative_tokens": 4},
-        f"{args.draft} K=4": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4},
-        "self K=4": {"method": "draft_model", "model": str(target), "num_speculative_tokens": 4},
+        "none": ("none", {}),
+        "async-off": ("none, async scheduling off", {"async_scheduling": "off"}),
+        "ngram2": ("n-gram K=2", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}),
+        "ngram4": ("n-gram K=4", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}),
+        "draft": (f"{args.draft} K=4", {"speculative_config": {"method": "draft_model", "model": str(draft),
+                                                               "num_speculative_tokens": 4}}),
+        "self": ("self K=4", {"speculative_config": {"method": "draft_model", "model": str(target),
+                                                     "num_speculative_tokens": 4}}),
     }
+    chosen = args.drafters.split(",")
+    if chosen[0] != "none" or not set(chosen) <= set(drafters):
+        ap.error(f"--drafters: names from {', '.join(drafters)}, starting with none (the baseline)")
     batches = [int(b) for b in args.batch.split(",")]
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}")
     plain: dict[tuple[int, str], float] = {}
-    for name, spec in drafters.items():
-        llm = LLM(target, max_num_seqs=max(batches), speculative_config=spec)
+    for key in chosen:
+        name, overrides = drafters[key]
+        spec = overrides.get("speculative_config")
+        llm = LLM(target, max_num_seqs=max(batches), **overrides)
         warm = workload("repeating", max(batches), args.input_len, 16, vocab, seed=99)
         run(llm, *warm)
         for batch in batches:
@@ -119,7 +130,7 @@ def main() -> None:
                 runs = sorted((run(llm, prompts, params) for _ in range(args.repeats)), key=lambda r: r["decode_tok_s"])
                 r = runs[len(runs) // 2]
                 spread = f"{runs[0]['decode_tok_s']:.0f}..{runs[-1]['decode_tok_s']:.0f}"
-                if spec is None:
+                if key == "none":
                     plain[batch, kind] = r["decode_tok_s"]
                 speedup = r["decode_tok_s"] / plain[batch, kind]
                 if r["spec_decode_num_draft_tokens"]:
