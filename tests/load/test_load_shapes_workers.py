@@ -81,17 +81,64 @@ def test_image_tokens_over_two_workers_are_those_of_one_process(tiny_model_dir, 
     assert sorted(map(tuple, server.images_seen)) == sorted([((56, 56),), ((112, 56),)] * 6)
 
 
-def test_lora_adapters_over_ray_actors_split_as_one_process_does(tmp_path):
+@pytest.fixture(scope="module")
+def cluster():
     ray = pytest.importorskip("ray", reason="Ray is the optional [distributed] extra")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        with LoraServer() as server:
-            one = lora_run(server, tmp_path, "one")
-            two = lora_run(server, tmp_path, "ray", "--workers", 2, "--ray", "auto")
-    finally:
-        ray.shutdown()
+    yield
+    ray.shutdown()
+
+
+def test_lora_adapters_over_ray_actors_split_as_one_process_does(cluster, tmp_path):
+    with LoraServer() as server:
+        one = lora_run(server, tmp_path, "one")
+        two = lora_run(server, tmp_path, "ray", "--workers", 2, "--ray", "auto")
     assert two["workers"] == 2 and two["ray_nodes"] == 1
     assert {n: f["requests"] for n, f in one["per_adapter"].items()} == \
         {n: f["requests"] for n, f in two["per_adapter"].items()}
     assert [two["per_adapter"][n]["total_output_tokens"] for n in ("a", "b")] == \
         [TOKENS[n] * two["per_adapter"][n]["requests"] for n in ("a", "b")]
+
+
+def test_ray_actors_encode_their_images_before_the_start(cluster, tiny_model_dir, tmp_path):
+    """Each actor encodes the run's images (about a second here) before it says it is ready: the start waits for
+    every actor, so none starts late."""
+    from transformers import AutoTokenizer
+
+    with VisionServer(AutoTokenizer.from_pretrained(tiny_model_dir)) as server:
+        data, lines = run(server.url, tmp_path, "ray", "--endpoint", "chat", "--tokenizer", tiny_model_dir,
+                          "--input-len", 8, "--output-len", 2, "--num-prompts", 50, "--request-rate", 200,
+                          "--images", 4, "--image-size", "512x512", "--workers", 2, "--ray", "auto")
+    assert data["workers"] == 2 and data["worker_start_skew_max_ms"] < 250
+    assert sorted(x["index"] for x in lines) == list(range(50))
+    assert {x["image_tokens"] for x in lines} == {4 * qwen_image_tokens(512, 512)}
+    assert data["images"]["distinct_images"] == 200 and len(server.images_seen) == 50
+
+
+def test_a_ray_run_stopped_before_its_start_keeps_what_its_actors_sent(cluster, standin):
+    """Ctrl-C while the actors still encode their images: each is told to stop, begins at once, and what it sent
+    comes back on the parent's clock."""
+    import asyncio
+
+    from infertrace.load.clock import MonotonicClock
+    from infertrace.load.config import BenchConfig
+    from infertrace.load.records import RequestSpec
+    from infertrace.load.run.fleet import Fleet
+
+    cfg = BenchConfig(base_url=standin.url, endpoint="chat", num_prompts=200, images=1, image_size=(512, 512),
+                      workers=2, ray_address="auto", warmup=0)
+    fleet = Fleet(cfg, MonotonicClock(), ray_address="auto")
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(fleet.closed_loop([RequestSpec(i, "q", 2) for i in range(8)], 4))
+        while not fleet.clock_offsets_s:  # the actors are up and now build their targets (about a second)
+            assert not task.done(), task
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert len(fleet.start_skew_s) == 2  # both actors ended with their final batch
+    assert len(fleet.results) <= 4  # at most the requests in flight (2 users an actor), each cut short
+    assert all(r.error == "interrupted" and r.end >= r.t0 >= r.scheduled >= 0 for r in fleet.results)

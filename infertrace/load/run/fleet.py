@@ -20,8 +20,6 @@ from infertrace.load.run.worker import (
 )
 from infertrace.load.workloads.conversation import SessionDriver
 
-BARRIER_LEAD_S = 1.0  # Ray: the start is set this far ahead, so that every worker is waiting when it comes
-
 
 class Fleet:
     """Runner-shaped: the same open_loop / closed_loop / open_sessions / closed_sessions calls as Runner, each
@@ -89,7 +87,7 @@ class Fleet:
         if self.ray_address is None:
             await local_launcher.run_local(self, parts)
             return
-        await ray_launcher.run_on_ray(self, parts, self.barrier(BARRIER_LEAD_S))
+        await ray_launcher.run_on_ray(self, parts)
 
     def barrier(self, lead_s: float) -> float:
         """Set the start `lead_s` from now; its wall-clock time for the workers."""

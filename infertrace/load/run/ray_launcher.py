@@ -3,7 +3,8 @@ worker.run_slice, holding no logic of its own.
 
 Each actor's clock is read against the driver's a few times before the start (the offset of the round trip with
 the least delay is kept and reported), so that every actor starts at the same instant on its own clock; after
-that each actor times its own requests, and no two hosts' clocks are compared.
+that each actor times its own requests, and no two hosts' clocks are compared. The start is set once every actor
+is ready (its target built and open: images encoded, a schema file read), so a slow set-up costs no measured time.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from infertrace.load.run.worker import Batch, Slice, run_slice
 
 CLOCK_PROBES = 5
 POLL_S = 0.2
+START_LEAD_S = 0.25  # the start, once all are ready, is this far ahead (one actor call to each)
 
 
 CONNECT_TIMEOUT_S = 5.0  # a cluster's GCS port that does not accept in this long is not there (Ray itself waits
@@ -80,23 +82,45 @@ class LoadActor:
 
     def __init__(self) -> None:
         self.batches: list[bytes] = []
-        self.stop: asyncio.Event | None = None
+        self.ready = False  # set up and waiting for the start
+        self._stop: asyncio.Event | None = None
+        self._start: asyncio.Future | None = None  # the start, on this actor's clock
+
+    def _signals(self) -> tuple[asyncio.Event, asyncio.Future]:
+        """The stop and the start, made by whichever call comes first: Ray may run a halt before the run."""
+        if self._stop is None:
+            self._stop, self._start = asyncio.Event(), asyncio.get_running_loop().create_future()
+        return self._stop, self._start
 
     def clock(self) -> float:
         return time.time()
 
-    async def run(self, cfg_json: dict, part: Slice, start_at: float) -> None:
-        self.stop = asyncio.Event()
-        await run_slice(cfg_json, part, start_at, lambda b: self.batches.append(msgspec.msgpack.encode(b)),
-                        self.stop)
+    async def run(self, cfg_json: dict, part: Slice) -> None:
+        stop, start = self._signals()
+
+        async def wait_start() -> float:
+            self.ready = True
+            return await start
+
+        await run_slice(cfg_json, part, None, lambda b: self.batches.append(msgspec.msgpack.encode(b)), stop,
+                        wait_start)
+
+    async def is_ready(self) -> bool:
+        return self.ready
+
+    async def begin(self, start_at: float) -> None:
+        _, start = self._signals()
+        if not start.done():
+            start.set_result(start_at)
 
     def drain(self) -> list[bytes]:
         out, self.batches = self.batches, []
         return out
 
-    def halt(self) -> None:
-        if self.stop is not None:
-            self.stop.set()
+    async def halt(self) -> None:
+        """Stop, even before the start: the actor then ends as soon as it begins."""
+        self._signals()[0].set()
+        await self.begin(time.time())
 
 
 _ACTOR = None
@@ -109,7 +133,9 @@ def _actor_class():
     return _ACTOR
 
 
-async def run_on_ray(fleet, parts: list[Slice], start_at: float) -> None:
+async def run_on_ray(fleet, parts: list[Slice]) -> None:
+    """Every slice on an actor of its own; each batch goes to `fleet.take` (a Fleet), the start barrier, once every
+    actor is ready, to `fleet.barrier`."""
     ray = connect(fleet.ray_address)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -118,10 +144,10 @@ async def run_on_ray(fleet, parts: list[Slice], start_at: float) -> None:
         nodes[k % len(nodes)], soft=False)).remote() for k in range(len(parts))]
     offsets = [await asyncio.to_thread(_clock_offset, ray, actor) for actor in actors]
     fleet.clock_offsets_s = offsets
-    start_at = max(start_at, time.time() + 0.5)  # actors take a moment to come up
-    runs = [actor.run.remote(fleet.cfg.to_json() | {"headers": dict(fleet.cfg.headers)}, part, start_at + offset)
-            for actor, part, offset in zip(actors, parts, offsets)]
+    runs = [actor.run.remote(fleet.cfg.to_json() | {"headers": dict(fleet.cfg.headers)}, part)
+            for actor, part in zip(actors, parts)]
     decoder = msgspec.msgpack.Decoder(Batch)
+    started = False
 
     lost: set[int] = set()
 
@@ -137,6 +163,11 @@ async def run_on_ray(fleet, parts: list[Slice], start_at: float) -> None:
                 fleet.take(decoder.decode(blob), k)
 
     try:
+        await _until_ready(ray, actors, runs)
+        start_at = fleet.barrier(START_LEAD_S)
+        started = True
+        for actor, offset in zip(actors, offsets):
+            actor.begin.remote(start_at + offset)
         pending = list(runs)
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
@@ -152,6 +183,8 @@ async def run_on_ray(fleet, parts: list[Slice], start_at: float) -> None:
                 fleet.lose(k, len(actors), parts[k], f"failed: {type(e).__name__}: {str(e).splitlines()[0]}"
                            if str(e) else f"failed: {type(e).__name__}")
     except asyncio.CancelledError:  # Ctrl-C: every actor stops and sends what it measured
+        if not started:  # an actor told to stop before the start begins now: its records are timed from here
+            fleet.barrier(0.0)
         for actor in actors:
             actor.halt.remote()
         await asyncio.to_thread(ray.wait, runs, num_returns=len(runs), timeout=30)
@@ -160,6 +193,22 @@ async def run_on_ray(fleet, parts: list[Slice], start_at: float) -> None:
     finally:
         for actor in actors:
             ray.kill(actor)
+
+
+async def _until_ready(ray, actors, runs) -> None:
+    """Until every actor is set up and waiting for the start, or has ended (a run that raised is lost, below)."""
+    waiting = set(range(len(actors)))
+    while waiting:
+        for k in sorted(waiting):
+            ended, _ = ray.wait([runs[k]], timeout=0)
+            try:
+                ready = bool(ended) or await actors[k].is_ready.remote()
+            except Exception:  # noqa: BLE001 - the actor died: its run's reference says how
+                ready = True
+            if ready:
+                waiting.discard(k)
+        if waiting:
+            await asyncio.sleep(POLL_S)
 
 
 def _clock_offset(ray, actor) -> float:
