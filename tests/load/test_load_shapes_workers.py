@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from infertrace.load.command import bench
+from infertrace.load.records import RequestSpec
 from tests.load.test_load_images import VisionServer, qwen_image_tokens
 from tests.load.test_load_lora import TOKENS, LoraServer
 from tests.load.test_load_structured import ChatServer
@@ -122,7 +123,6 @@ def test_a_ray_run_stopped_before_its_start_keeps_what_its_actors_sent(cluster, 
 
     from infertrace.load.clock import MonotonicClock
     from infertrace.load.config import BenchConfig
-    from infertrace.load.records import RequestSpec
     from infertrace.load.run.fleet import Fleet
 
     cfg = BenchConfig(base_url=standin.url, endpoint="chat", num_prompts=200, images=1, image_size=(512, 512),
@@ -142,3 +142,29 @@ def test_a_ray_run_stopped_before_its_start_keeps_what_its_actors_sent(cluster, 
     assert len(fleet.start_skew_s) == 2  # both actors ended with their final batch
     assert len(fleet.results) <= 4  # at most the requests in flight (2 users an actor), each cut short
     assert all(r.error == "interrupted" and r.end >= r.t0 >= r.scheduled >= 0 for r in fleet.results)
+
+
+def test_a_worker_elsewhere_builds_the_same_plans_from_relative_paths(tmp_path, monkeypatch):
+    """A Ray actor's working directory is not the driver's: the files the run names relative to the driver's reach
+    every worker by absolute path, and its target carries the same schemas and images."""
+    from infertrace.load.client.targets import make_target
+    from infertrace.load.clock import MonotonicClock
+    from infertrace.load.config import BenchConfig
+    from infertrace.load.run.fleet import Fleet
+
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (28, 28), "red").save(tmp_path / "imgs" / "a.png")
+    (tmp_path / "s.jsonl").write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = BenchConfig(base_url="http://127.0.0.1:9", endpoint="chat", structured="json-schema",
+                      schemas_path="s.jsonl", images=1, image_dir="imgs", tokenizer="tok", workers=2,
+                      headers={"Authorization": "Bearer k"})
+    here = make_target(cfg, print)
+    sent = Fleet(cfg, MonotonicClock()).worker_json()
+    assert (sent["schemas_path"], sent["image_dir"], sent["tokenizer"]) == \
+        (str(tmp_path / "s.jsonl"), str(tmp_path / "imgs"), str(tmp_path / "tok"))
+    assert sent["headers"] == {"Authorization": "Bearer k"}
+    monkeypatch.chdir("/")
+    there = make_target(BenchConfig.from_json(sent), print)
+    assert there.structured == here.structured and there.images.urls == here.images.urls
+    assert there.body(RequestSpec(3, "q", 2)) == here.body(RequestSpec(3, "q", 2))

@@ -5,6 +5,7 @@ that exists."""
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable
 
@@ -19,6 +20,8 @@ from infertrace.load.run.worker import (
     unreported,
 )
 from infertrace.load.workloads.conversation import SessionDriver
+
+WORKER_FILES = ("schemas_path", "image_dir", "tokenizer")  # config fields naming files a worker reads itself
 
 
 class Fleet:
@@ -88,6 +91,16 @@ class Fleet:
             await local_launcher.run_local(self, parts)
             return
         await ray_launcher.run_on_ray(self, parts)
+
+    def worker_json(self) -> dict:
+        """The config every worker opens its own target from: with the headers (which `to_json` leaves out of
+        result files), and the files a worker reads itself by absolute path, since a Ray actor's working directory
+        is not this process's (on another node the file must be at that path too)."""
+        data = self.cfg.to_json() | {"headers": dict(self.cfg.headers)}
+        for key in WORKER_FILES:
+            if data.get(key):
+                data[key] = os.path.abspath(data[key])
+        return data
 
     def barrier(self, lead_s: float) -> float:
         """Set the start `lead_s` from now; its wall-clock time for the workers."""

@@ -54,8 +54,7 @@ async def run_local(fleet, parts: list[Slice]) -> None:
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    cfg_json = fleet.cfg.to_json()
-    cfg_json["headers"] = dict(fleet.cfg.headers)
+    cfg_json = fleet.worker_json()
     procs, conns = [], []
     for part in parts:
         parent, child = ctx.Pipe()

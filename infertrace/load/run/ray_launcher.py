@@ -144,8 +144,8 @@ async def run_on_ray(fleet, parts: list[Slice]) -> None:
         nodes[k % len(nodes)], soft=False)).remote() for k in range(len(parts))]
     offsets = [await asyncio.to_thread(_clock_offset, ray, actor) for actor in actors]
     fleet.clock_offsets_s = offsets
-    runs = [actor.run.remote(fleet.cfg.to_json() | {"headers": dict(fleet.cfg.headers)}, part)
-            for actor, part in zip(actors, parts)]
+    cfg_json = fleet.worker_json()
+    runs = [actor.run.remote(cfg_json, part) for actor, part in zip(actors, parts)]
     decoder = msgspec.msgpack.Decoder(Batch)
     started = False
 
