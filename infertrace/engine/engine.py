@@ -37,7 +37,7 @@ from infertrace.engine.offload.long_context import ring_budget_tokens
 from infertrace.engine.outputs import RequestOutput, StepStats
 from infertrace.engine.parallel import SINGLE, TensorParallel, check_divisible
 from infertrace.engine.request_log import RequestLog
-from infertrace.engine.sampling_params import SamplingParams
+from infertrace.engine.sampling_params import SamplingParams, SamplingParamsError
 from infertrace.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from infertrace.engine.sequence import Sequence
 from infertrace.engine.spec_config import SpeculativeConfig
@@ -235,9 +235,9 @@ class Engine:
 
     def _grammar_matcher(self, grammar: str):
         if self.speculative is not None:
-            raise ValueError("structured output is not supported with speculative decoding")
+            raise SamplingParamsError("grammar", "structured output is not supported with speculative decoding")
         if self.config.offload_long:
-            raise ValueError("structured output is not supported with offload of long contexts")
+            raise SamplingParamsError("grammar", "structured output is not supported with offload of long contexts")
         if self._grammars is None:
             from infertrace.engine.structured import Grammars
 

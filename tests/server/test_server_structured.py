@@ -90,11 +90,14 @@ async def test_an_invalid_schema_is_a_400_from_the_server(serve_tiny):
         assert resp.status == 400 and body["error"]["param"] == "response_format", body
 
 
-async def test_speculative_decoding_refuses_a_schema_with_a_400(serve_tiny):
-    async with serve_tiny({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}) as client:
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+async def test_speculative_decoding_refuses_a_schema_with_a_400_naming_response_format(serve_tiny, engine_process):
+    async with serve_tiny({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+                          engine_process=engine_process) as client:
         resp = await client.post("/v1/chat/completions", json={"messages": USER, "response_format": JSON_SCHEMA})
         body = await resp.json()
         assert resp.status == 400 and "not supported with speculative decoding" in body["error"]["message"], body
+        assert body["error"]["param"] == "response_format", body
 
 
 def test_serving_without_structured_output_never_loads_llguidance():

@@ -33,6 +33,14 @@ log = logging.getLogger("infertrace.server")
 HEARTBEAT_S = 1.0
 
 
+class RequestRefused(ValueError):
+    """The engine refused a request; `field` names the sampling field at fault, when it named one."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class EngineStartError(RuntimeError):
     """The engine process ended before it was ready (the message says why); `bad_input` when what it was given
     (a setting, the model's files) is why."""
@@ -181,7 +189,8 @@ class ProcessEngine:
             stream = self._streams.get(msg.request_id)
             if stream is not None:
                 stream.finished = True  # never taken, so there is nothing to abort when its generator closes
-                stream.put(ValueError((msg.error or {}).get("message", "the engine refused the request")))
+                error = msg.error or {}
+                stream.put(RequestRefused(error.get("message", "the engine refused the request"), error.get("field")))
         elif kind == "trace_stop":
             if self.on_trace_stop is not None:
                 self.on_trace_stop((msg.value or {}).get("output_dir"))

@@ -340,7 +340,8 @@ class EngineLoop:
             try:
                 self.engine.add_request(engine_id, msg.prompt, msg.params, label=msg.request_id)
             except ValueError as e:
-                self._send(peer, FromEngine("refused", request_id=msg.request_id, error={"message": str(e)}))
+                self._send(peer, FromEngine("refused", request_id=msg.request_id,
+                                            error={"message": str(e), "field": getattr(e, "field", None)}))
                 return
             peer.requests.add(engine_id)
             self.owner[engine_id] = (peer, msg.request_id)

@@ -44,6 +44,8 @@ from infertrace.server.settings import ServerSettings
 
 log = logging.getLogger("infertrace.server")
 HEALTH_TIMEOUT_S = 10.0
+# the request field to name in a 400 when the engine refuses a sampling field (a grammar comes from response_format)
+REFUSED_FIELD_PARAM = {"grammar": "response_format"}
 
 
 STATE = web.AppKey("state", ServerState)
@@ -169,7 +171,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
             try:
                 first = await anext(outputs, None)
             except ValueError as e:  # the engine refused the request (token ids out of range, ...)
-                raise bad_request(str(e), req.prompt_param) from None
+                raise bad_request(str(e), REFUSED_FIELD_PARAM.get(getattr(e, "field", None), req.prompt_param)) from None
             except asyncio.CancelledError:
                 state.count(client_disconnects=1)
                 raise
