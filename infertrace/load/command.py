@@ -66,18 +66,6 @@ async def _run(cfg: BenchConfig) -> tuple[list[PointRecord], object]:
     from infertrace.load.results.render import progress_for
 
     target = make_target(cfg, _info)
-    if cfg.lora_modules:  # a server's target (config checks --base-url): each request names its adapter
-        from infertrace.load.client.adapters import AdapterMix
-
-        target.adapters = AdapterMix.of(cfg.lora_modules, cfg.seed)
-    if cfg.structured is not None:  # a server's target too: constrained requests carry their schema
-        from infertrace.load.workloads.structured import structured_plan
-
-        target.structured = structured_plan(cfg)
-    if cfg.images:  # a server's target (config checks --base-url): encoded before the run, off its clock
-        from infertrace.load.workloads.images import plan_of
-
-        target.images = plan_of(cfg)
     interrupter = Interrupter()
 
     def announce() -> None:

@@ -249,8 +249,8 @@ class BenchConfig:
         if not 0 < self.structured_share <= 1:
             raise ValueError(f"--structured-share must be in (0, 1], got {self.structured_share}")
         if self.base_url is None:
-            raise ValueError("--structured constrains a server's output: pass --base-url (infertrace serve refuses "
-                             "response_format and tools)")
+            raise ValueError("--structured constrains a server's output: pass --base-url (`infertrace serve` "
+                             "honours json-schema; no server of ours serves tools)")
         if self.endpoint == "embeddings" or (self.structured == "tools" and self.endpoint != "chat"):
             raise ValueError(f"--structured {self.structured} needs --endpoint chat"
                              + (" or completions" if self.structured == "json-schema" else ""))
