@@ -8,6 +8,8 @@ Two workloads, 256 prompt and 256 output tokens a request:
   presets' random weights (tiny, qwen3-0.6b) falls into loops of a few tokens, so the output repeats what came
   before: prompt lookup's best case. qwen3-4b's does not (92 distinct tokens in 96 in bf16), so there this workload
   is only a second non-repeating one.
+- random greedy: prompts of random tokens, greedy (`--workloads` adds it): the output repeats only once the model's
+  own loop begins, as in `recipes/speculative.yaml` and `infertrace bench`'s random dataset.
 - non-repeating: prompts of random tokens, sampled at temperature 1.0 (a seed per request). Random weights give a
   near-flat distribution over the vocabulary, so no output repeats and a draft is accepted with probability about
   1 / vocabulary: every drafter's worst case, which shows what drafting and verifying cost when nothing is won.
@@ -46,6 +48,8 @@ def workload(kind: str, batch: int, input_len: int, output_len: int, vocab: int,
             prompts.append((phrase * (input_len // 16 + 1))[:input_len])
         return prompts, [SamplingParams(max_tokens=output_len, ignore_eos=True) for _ in prompts]
     prompts = [[rng.randrange(1000, vocab) for _ in range(input_len)] for _ in range(batch)]
+    if kind == "random-greedy":
+        return prompts, [SamplingParams(max_tokens=output_len, ignore_eos=True) for _ in prompts]
     return prompts, [SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0, seed=seed + i)
                      for i in range(batch)]
 
@@ -93,6 +97,7 @@ def main() -> None:
     ap.add_argument("--draft", default="qwen3-0.6b", help="the draft model's preset")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--drafters", default="none,async-off,ngram2,ngram4,draft,self")
+    ap.add_argument("--workloads", default="repeating,non-repeating", help="of repeating, random-greedy, non-repeating")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3, help="runs per point; the median run's figures are printed")
@@ -127,7 +132,7 @@ def main() -> None:
         warm = workload("repeating", max(batches), args.input_len, 16, vocab, seed=99)
         run(llm, *warm)
         for batch in batches:
-            for kind in ("repeating", "non-repeating"):
+            for kind in args.workloads.split(","):
                 prompts, params = workload(kind, batch, args.input_len, args.output_len, vocab, seed=batch)
                 runs = sorted((run(llm, prompts, params) for _ in range(args.repeats)), key=lambda r: r["decode_tok_s"])
                 r = runs[len(runs) // 2]
