@@ -29,7 +29,7 @@ from infertrace.engine.model_runner import (
 )
 from infertrace.engine.models.loader import check_model_dir, read_json
 from infertrace.engine.models.qwen3 import Qwen3Spec
-from infertrace.engine.ngram_proposer import propose_ngram
+from infertrace.engine.ngram_proposer import TokenMirror, propose_ngram
 from infertrace.engine.offload.host_pool import check_host_budget
 from infertrace.engine.offload.kv_offload import COUNTER_NAMES as OFFLOAD_COUNTER_NAMES
 from infertrace.engine.offload.kv_offload import KVOffload
@@ -447,8 +447,12 @@ class Engine:
             if self.drafter is not None:
                 drafts = self.drafter.propose(wanted, ks)
             else:
-                drafts = [propose_ngram(seq.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
-                          for seq, k in zip(wanted, ks)]
+                drafts = []
+                for seq, k in zip(wanted, ks):
+                    if seq.token_mirror is None:
+                        seq.token_mirror = TokenMirror()
+                    tokens = seq.token_mirror.of(seq.token_ids)
+                    drafts.append(propose_ngram(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, k))
         for seq, draft in zip(wanted, drafts):
             seq.spec_token_ids = draft
 

@@ -34,6 +34,7 @@ class Sequence:
         # draft tokens proposed for the next step, which verifies them; never part of token_ids, so that only
         # committed tokens are ever hashed into the prefix cache
         self.spec_token_ids: list[int] = []
+        self.token_mirror: Any = None  # n-gram drafting's numpy copy of token_ids (a TokenMirror)
         self.num_registered_blocks = 0  # leading full blocks published to the prefix cache
         self._block_hashes: list[int] = []
         self.generator: Any = None  # torch.Generator for a seeded request

@@ -119,18 +119,39 @@ def _lookup_by_definition(tokens: list[int], min_n: int, max_n: int, k: int) -> 
     return []
 
 
-def test_ngram_lookup_matches_its_definition():
-    from infertrace.engine.ngram_proposer import propose_ngram
+def _lookup(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+    from infertrace.engine.ngram_proposer import TokenMirror, propose_ngram
 
+    return propose_ngram(TokenMirror().of(tokens), lo, hi, k)
+
+
+def test_ngram_lookup_matches_its_definition():
     rng = random.Random(0)
     for _ in range(5000):
         tokens = [rng.randrange(rng.randrange(1, 6)) for _ in range(rng.randrange(1, 40))]
         lo = rng.randrange(1, 4)
         hi, k = rng.randrange(lo, 6), rng.randrange(1, 5)
-        assert propose_ngram(tokens, lo, hi, k) == _lookup_by_definition(tokens, lo, hi, k), (tokens, lo, hi, k)
-    assert propose_ngram([1, 2, 3, 4, 1, 2], 1, 4, 3) == [3, 4, 1]
-    assert propose_ngram([9, 1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 1) == [7]  # the earliest of equal matches
-    assert propose_ngram([5, 6, 7], 1, 4, 2) == []
+        assert _lookup(tokens, lo, hi, k) == _lookup_by_definition(tokens, lo, hi, k), (tokens, lo, hi, k)
+    assert _lookup([1, 2, 3, 4, 1, 2], 1, 4, 3) == [3, 4, 1]
+    assert _lookup([9, 1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 1) == [7]  # the earliest of equal matches
+    assert _lookup([5, 6, 7], 1, 4, 2) == []
+
+
+def test_a_request_mirrored_as_it_grows_looks_up_as_its_whole_copy_does():
+    """A mirror updated token by token (and across its growth past 256 tokens) holds what a fresh copy holds, and a
+    request found shorter than its mirror is copied again."""
+    from infertrace.engine.ngram_proposer import TokenMirror, propose_ngram
+
+    rng = random.Random(1)
+    tokens, mirror = [], TokenMirror()
+    for _ in range(700):
+        tokens.append(rng.randrange(4))
+        if rng.random() < 0.3:
+            assert mirror.of(tokens).tolist() == tokens
+            assert propose_ngram(mirror.of(tokens), 1, 3, 4) == _lookup_by_definition(tokens, 1, 3, 4)
+    del tokens[100:]
+    tokens.append(9)
+    assert mirror.of(tokens).tolist() == tokens
 
 
 # ----- greedy parity -----
