@@ -8,7 +8,7 @@ import os
 import zlib
 from pathlib import Path
 
-from infertrace.modelgen.weights import _new_file_mode
+from infertrace.modelgen.weights import new_file_mode
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")  # the attention projections every LoRA server takes
 MAX_ADAPTERS = 64
@@ -69,7 +69,7 @@ def init_adapters(model_dir: str | Path, count: int, rank: int, seed: int = 0,
             tensors[name] = torch.empty(shape).normal_(0.0, 0.02, generator=gen)
         weights = path / "adapter_model.safetensors"
         save_file(tensors, str(weights), metadata={"format": "pt"})
-        os.chmod(weights, _new_file_mode())
+        os.chmod(weights, new_file_mode())
         (path / "adapter_config.json").write_text(json.dumps(adapter_config(rank, str(model)), indent=2))
         written.append(path)
     return written

@@ -106,7 +106,7 @@ def write_vl_model(name: str, out: Path, seed: int, dtype: str) -> None:
     from safetensors.torch import save_file
 
     from infertrace.modelgen.tokenizer import write_tokenizer
-    from infertrace.modelgen.weights import _new_file_mode, _tensor
+    from infertrace.modelgen.weights import new_file_mode, seeded_tensor
 
     config = vl_config(name, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -116,8 +116,8 @@ def write_vl_model(name: str, out: Path, seed: int, dtype: str) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
     torch_dtype = getattr(torch, dtype)
-    tensors = {k: _tensor(k, shape, torch_dtype, seed, config["initializer_range"])
+    tensors = {k: seeded_tensor(k, shape, torch_dtype, seed, config["initializer_range"])
                for k, shape in weight_shapes(config)}
     path = out / "model.safetensors"
     save_file(tensors, str(path), metadata={"format": "pt"})
-    os.chmod(path, _new_file_mode())
+    os.chmod(path, new_file_mode())

@@ -13,7 +13,8 @@ from infertrace.modelgen.presets import weight_shapes
 SHARD_BYTES = 2 * 1024**3
 
 
-def _tensor(name: str, shape: tuple[int, ...], dtype, seed: int, std: float, device: str = "cpu"):
+def seeded_tensor(name: str, shape: tuple[int, ...], dtype, seed: int, std: float, device: str = "cpu"):
+    """The tensor `name` of a checkpoint drawn from `seed` (norm weights are ones), the same wherever it is drawn."""
     import torch
 
     if name.endswith("norm.weight"):
@@ -48,14 +49,14 @@ def write_weights(
         name = "model.safetensors" if single else f"model-{index:05d}-of-NNNNN.safetensors"
         path = out_dir / name
         save_file(shards[-1], str(path), metadata={"format": "pt"})
-        os.chmod(path, _new_file_mode())  # safetensors leaves 0600 where config.json and the rest get the umask's
+        os.chmod(path, new_file_mode())  # safetensors leaves 0600 where config.json and the rest get the umask's
         for key in shards[-1]:
             weight_map[key] = name
         files.append(path)
         shards[-1] = {}
 
     for name, shape in shapes:
-        t = _tensor(name, shape, dtype, seed, std, device)
+        t = seeded_tensor(name, shape, dtype, seed, std, device)
         nbytes = t.numel() * t.element_size()
         if shards[-1] and shard_bytes + nbytes > SHARD_BYTES:
             flush()
@@ -82,7 +83,7 @@ def write_weights(
     return files
 
 
-def _new_file_mode() -> int:
+def new_file_mode() -> int:
     """The permissions open() gives a new file here: 0666 less the umask (read by setting it back at once)."""
     umask = os.umask(0o022)
     os.umask(umask)
