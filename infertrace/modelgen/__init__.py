@@ -27,13 +27,15 @@ def init_model(
     `on_progress(done_bytes, total_bytes)` is called as weights are written. `device="cuda"` draws the random
     weights on the GPU (seconds instead of minutes for 14B parameters; other values than the CPU's for one seed).
     """
+    from infertrace.modelgen.blip2 import BLIP2_PRESETS, write_blip2_model
     from infertrace.modelgen.tokenizer import write_tokenizer
     from infertrace.modelgen.vl import VL_PRESETS, write_vl_model
     from infertrace.modelgen.weights import write_weights
 
-    if preset not in PRESETS and preset not in VL_PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join([*PRESETS, *VL_PRESETS])}")
-    dtype = dtype or (PRESETS[preset].dtype if preset in PRESETS else VL_PRESETS[preset]["dtype"])
+    multimodal = {**VL_PRESETS, **BLIP2_PRESETS}
+    if preset not in PRESETS and preset not in multimodal:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join([*PRESETS, *multimodal])}")
+    dtype = dtype or (PRESETS[preset].dtype if preset in PRESETS else multimodal[preset]["dtype"])
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     out = Path(out_dir)
@@ -42,6 +44,9 @@ def init_model(
     out.mkdir(parents=True, exist_ok=True)
     if preset in VL_PRESETS:  # a vision-language model for servers that read images; the bundled engine does not
         write_vl_model(preset, out, seed, dtype)
+        return out
+    if preset in BLIP2_PRESETS:
+        write_blip2_model(preset, out, seed, dtype)
         return out
     spec = PRESETS[preset]
 

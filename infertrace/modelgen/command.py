@@ -9,7 +9,8 @@ import click
 from infertrace.console import SuggestingGroup, err_console, fail, out_console
 from infertrace.exits import BAD_INPUT
 
-PRESET_NAMES = ("tiny", "qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen2.5-vl-tiny")
+PRESET_NAMES = ("tiny", "qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen2.5-vl-tiny",
+                "blip2-qwen3-tiny")
 
 
 @click.group(cls=SuggestingGroup)
@@ -20,7 +21,8 @@ def model() -> None:
 @model.command("init")
 @click.option("--preset", type=click.Choice(PRESET_NAMES), required=True,
               help="Qwen3 shapes to use: tiny (CPU tests) or a real model's shapes; qwen2.5-vl-tiny is a "
-              "vision-language model (Qwen2.5-VL's layout, scaled down) for servers that take images.")
+              "vision-language model (Qwen2.5-VL's layout, scaled down) for servers that take images; "
+              "blip2-qwen3-tiny is BLIP-2 with the tiny Qwen3 as its language model (vLLM serves it without torchvision).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
               help="Directory to write the model into (created if missing).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the random weights and the tokenizer corpus.")
@@ -39,13 +41,18 @@ def init(preset: str, out_dir: Path, seed: int, dtype: str | None, lora_count: i
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from infertrace.modelgen import PRESETS, hf_config, init_model, parameter_count
+    from infertrace.modelgen.blip2 import BLIP2_PRESETS, blip2_parameter_count
     from infertrace.modelgen.presets import parameter_label
     from infertrace.modelgen.vl import VL_PRESETS, vl_parameter_count
 
-    if preset in VL_PRESETS and lora_count:
+    if preset not in PRESETS and lora_count:
         fail(f"--lora writes adapters for the Qwen3 presets, not {preset}", code=BAD_INPUT)
-    n_params = vl_parameter_count(preset) if preset in VL_PRESETS else \
-        parameter_count(hf_config(PRESETS[preset], dtype or PRESETS[preset].dtype))
+    if preset in VL_PRESETS:
+        n_params = vl_parameter_count(preset)
+    elif preset in BLIP2_PRESETS:
+        n_params = blip2_parameter_count(preset)
+    else:
+        n_params = parameter_count(hf_config(PRESETS[preset], dtype or PRESETS[preset].dtype))
     with Progress(TextColumn("[bold]writing weights"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                   console=err_console, transient=True) as progress:
         task = progress.add_task("weights", total=None)
