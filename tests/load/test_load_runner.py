@@ -82,6 +82,29 @@ async def test_interrupt_keeps_finished_and_marks_inflight_requests():
     assert all(r.error == "interrupted" and r.ttft is not None for r in cut)
 
 
+class SwallowingTarget(FakeTarget):
+    """A target whose client turns a cancellation into a dropped connection, as client libraries may."""
+
+    async def stream(self, spec):
+        try:
+            async for events in super().stream(spec):
+                yield events
+        except asyncio.CancelledError:
+            yield [StreamEvent(error="disconnect: cancelled")]
+
+
+@pytest.mark.skipif(not hasattr(asyncio.Task, "cancelling"), reason="Python 3.10 tasks do not count cancel requests")
+async def test_an_interrupt_sends_no_new_request_even_when_the_client_swallows_the_cancel():
+    runner = Runner(SwallowingTarget(tokens=20, gap=0.01), MonotonicClock())
+    interrupter = Interrupter()
+    asyncio.get_running_loop().call_later(0.35, interrupter.trigger)
+    with pytest.raises(Interrupted):
+        await asyncio.wait_for(interrupter.run(runner.closed_loop(specs(50), concurrency=2)), timeout=10)
+    # ~0.2 s a request, two at a time: about 4 done by the interrupt, the 2 in flight cut, none sent after it
+    assert len(runner.results) <= 8
+    assert sum(r.error == "disconnect: cancelled" for r in runner.results) == 2
+
+
 async def test_client_cpu_is_measured_over_exactly_the_measured_window(monkeypatch, tmp_path):
     from infertrace.load import benchmark
     from infertrace.load.benchmark import Hooks, run_point
