@@ -30,10 +30,10 @@ TRACE_TIME_SCALE = 0.5
 TRACE_MAX_INPUT = 30000  # unscaled tokens: a longer line would exceed the server's --max-model-len
 N = 16
 INPUT_LEN, OUTPUT_LEN = 64, 16
-RUNS = 2  # per client, alternating
+RUNS = 3  # per client, alternating: two runs made too small a sample of a client's own scatter on trace replay
 
 # the relative difference allowed between the two clients' measured figures: a base, plus the relative scatter
-# each client showed between its own two runs (a busy shared 2-core machine moved the same client's median TPOT
+# each client showed between its own runs (a busy shared 2-core machine moved the same client's median TPOT
 # by up to 3x between back-to-back runs; docs/peers.md)
 BASE_TOLERANCE = 0.35
 MEASURED = ("median_ttft_ms", "median_tpot_ms", "median_itl_ms", "median_e2el_ms", "output_throughput")
