@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 from infertrace.modelgen.presets import ENDOFTEXT_ID, PRESETS, hf_config
@@ -79,11 +78,9 @@ def blip2_parameter_count(name: str) -> int:
 def write_blip2_model(name: str, out: Path, seed: int, dtype: str) -> None:
     """config.json, the tokenizer with `<image>`, preprocessor_config.json, processor_config.json and the
     weights."""
-    import torch
-    from safetensors.torch import save_file
 
     from infertrace.modelgen.tokenizer import write_tokenizer
-    from infertrace.modelgen.weights import new_file_mode, seeded_tensor
+    from infertrace.modelgen.weights import write_single_checkpoint
 
     config = blip2_config(name, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -93,12 +90,7 @@ def write_blip2_model(name: str, out: Path, seed: int, dtype: str) -> None:
     # Blip2Processor puts num_query_tokens `<image>` tokens before the text; vLLM inserts the same when it does not
     (out / "processor_config.json").write_text(json.dumps(
         {"processor_class": "Blip2Processor", "num_query_tokens": config["num_query_tokens"]}, indent=2))
-    torch_dtype = getattr(torch, dtype)
-    tensors = {k: seeded_tensor(k, shape, torch_dtype, seed, config["initializer_range"])
-               for k, shape in weight_shapes(config)}
-    path = out / "model.safetensors"
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    os.chmod(path, new_file_mode())
+    write_single_checkpoint(out, weight_shapes(config), dtype, seed, config["initializer_range"])
 
 
 def _add_image_token(out: Path) -> None:

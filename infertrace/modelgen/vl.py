@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 from infertrace.modelgen.presets import ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE
@@ -102,11 +101,9 @@ def vl_parameter_count(name: str) -> int:
 
 def write_vl_model(name: str, out: Path, seed: int, dtype: str) -> None:
     """config.json, the tokenizer (with the vision chat template), preprocessor_config.json and the weights."""
-    import torch
-    from safetensors.torch import save_file
 
     from infertrace.modelgen.tokenizer import write_tokenizer
-    from infertrace.modelgen.weights import new_file_mode, seeded_tensor
+    from infertrace.modelgen.weights import write_single_checkpoint
 
     config = vl_config(name, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -115,9 +112,4 @@ def write_vl_model(name: str, out: Path, seed: int, dtype: str) -> None:
     tok_config.update(chat_template=CHAT_TEMPLATE, processor_class="Qwen2_5_VLProcessor")
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
-    torch_dtype = getattr(torch, dtype)
-    tensors = {k: seeded_tensor(k, shape, torch_dtype, seed, config["initializer_range"])
-               for k, shape in weight_shapes(config)}
-    path = out / "model.safetensors"
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    os.chmod(path, new_file_mode())
+    write_single_checkpoint(out, weight_shapes(config), dtype, seed, config["initializer_range"])

@@ -83,6 +83,17 @@ def write_weights(
     return files
 
 
+def write_single_checkpoint(out: Path, shapes, dtype_name: str, seed: int, std: float) -> None:
+    """`out/model.safetensors`: every (name, shape) of `shapes` drawn by `seeded_tensor`, in one file."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {name: seeded_tensor(name, shape, getattr(torch, dtype_name), seed, std) for name, shape in shapes}
+    path = out / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, new_file_mode())
+
+
 def new_file_mode() -> int:
     """The permissions open() gives a new file here: 0666 less the umask (read by setting it back at once)."""
     umask = os.umask(0o022)
