@@ -516,6 +516,21 @@ def render_wins(results: dict, backends: list[str], top: int = 2) -> str:
     return "\n".join(out)
 
 
+def flash_from(results: dict) -> int | None:
+    """The smallest prefill size measured from which FlashAttention-4's step takes less GPU time than the Triton
+    kernel's at every larger size measured too: the bound `auto` should take (engine/attention.py's
+    FLASH_PREFILL_FROM). None when both were not measured or FA4 never wins at the largest size."""
+    by = results["backends"]
+    triton, flash = _get(by.get("triton", {}), "prefill") or {}, _get(by.get("flash", {}), "prefill") or {}
+    sizes = sorted((int(n) for n in triton if n in flash and "busy_us" in triton[n] and "busy_us" in flash[n]))
+    bound = None
+    for n in reversed(sizes):
+        if flash[str(n)]["busy_us"] >= triton[str(n)]["busy_us"]:
+            break
+        bound = n
+    return bound
+
+
 def case_errors(key: str, value) -> list[tuple[str, str]]:
     """(case, error) of every case of an engine process's result `key` that failed (prefill: per size)."""
     if not isinstance(value, dict):
@@ -600,8 +615,10 @@ def main_run(args: argparse.Namespace) -> int:
     table, wins = render_table(results, args.backends), render_wins(results, args.backends)
     results["table"], results["wins"] = table, wins
     save()
+    results["flash_from"] = flash_from(results)
+    save()
     print(f"\n{results.get('device', '')}, torch {results.get('torch', '')}, {results['wall_s']:.0f} s\n{table}\n\n"
-          f"{wins}")
+          f"{wins}\nFA4's prefill step faster from (every larger size measured too): {results['flash_from']}")
     for e in results["errors"]:
         print(f"error in {e['phase']}: {e.get('error') or e.get('exit')}")
     print(f"\nwritten: {args.out}")

@@ -136,9 +136,22 @@ def _in_effect(config: dict, tuning: dict, device: str, machine: Machine) -> dic
     if effective.get("async_scheduling") == "auto":
         effective["async_scheduling"] = "on" if device == "cuda" else "off"
     if effective.get("attention_backend") == "auto":
-        effective["attention_backend"] = "triton" if device == "cuda" else "torch"
+        effective["attention_backend"] = _auto_attention(config, tuning, machine) if device == "cuda" else "torch"
     effective["kernel rules"] = {k: v for k, v in tuning.items() if k not in ignored}
     return effective
+
+
+def _auto_attention(config: dict, tuning: dict, machine: Machine) -> str:
+    """What `attention_backend=auto` runs on `machine` (engine/attention.py's `make_attention_backend`)."""
+    from infertrace.engine.attention import flash_prefill_rule
+
+    chosen = tuning.get("flash_prefill_from")
+    if chosen is None and machine.capability is not None:
+        chosen = flash_prefill_rule(machine.capability)
+    runs_flash = (chosen not in (None, "off") and machine.capability is not None and machine.capability >= HOPPER
+                  and config["kv_cache_dtype"] == "auto" and config["attention"] == "batched"
+                  and config["dtype"] != "float32" and importlib.util.find_spec("flash_attn") is not None)
+    return f"triton, flash for prefill and mixed steps of {chosen}+ tokens" if runs_flash else "triton"
 
 
 def _no_effect(changed: list[str], config: dict, tuning: dict, device: str, machine: Machine) -> str:

@@ -196,6 +196,13 @@ class TritonAttention:
         parts, lse = self._workspace
         return parts[:splits, : q.shape[0]], lse[:splits, : q.shape[0]]
 
+    def describe(self) -> str:
+        return self.name
+
+    def uses_tiles(self, num_tokens: int) -> bool:
+        """Whether a token-count graph of `num_tokens` tokens runs this backend over a tile list (see TokenGraphs)."""
+        return True
+
     def prepare(self, meta: AttentionMetadata) -> None:
         pass
 
@@ -289,6 +296,12 @@ class FlashAttention:
         self._varlen = load_flash_attn()
         self.block_size = config.block_size
 
+    def describe(self) -> str:
+        return self.name
+
+    def uses_tiles(self, num_tokens: int) -> bool:
+        return False
+
     def prepare(self, meta: AttentionMetadata) -> None:
         pass
 
@@ -313,14 +326,91 @@ class FlashAttention:
         return out
 
 
-def make_attention_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16):
-    """The attention backend `config` asks for on `device`: Triton kernels on CUDA (`auto`), FlashAttention-4 with
-    `flash`, the torch reference elsewhere."""
+# Where FlashAttention-4's prefill overtakes the Triton kernel, by the GPU's compute capability major: `auto` runs a
+# prefill or mixed step of at least this many tokens with FlashAttention-4 (when it is installed and the step can use
+# it) and every other step with the Triton kernels. Measured on an H100 (docs/benchmarks.md, "Attention backends"):
+# FA4 is slower at 512 tokens (2.04 against 0.90 ms of attention a qwen3-4b step) and in decode (457 against 404 us a
+# batch-8 step), faster from 2,048 tokens on (4.82 against 6.79 ms), 2.2x at 32,768.
+FLASH_PREFILL_FROM = {9: 1536}
+
+
+def flash_prefill_rule(capability: tuple[int, int]) -> int | None:
+    """The fewest tokens of a prefill or mixed step that `auto` gives to FlashAttention-4 on a GPU of `capability`
+    (None: never; overridden by kernels/tuning.py's "flash_prefill_from")."""
+    return FLASH_PREFILL_FROM.get(capability[0])
+
+
+class PhasedAttention:
+    """`auto` on a GPU where both backends run: each step's attention from the backend measured faster for its phase
+    and size (`flash_prefill_rule`). Decode steps, and prefill or mixed steps below `flash_from` tokens, run the Triton
+    kernels; larger prefill and mixed steps run FlashAttention-4. Both read and write the same paged cache, so steps of
+    either kind follow each other freely.
+
+    The choice depends only on the step's token count and longest query, host integers a CUDA graph fixes, so each
+    decode and token-count graph captures one backend: a token-count bucket of `flash_from` tokens or more holds FA4's
+    call, a smaller one the Triton kernel over its tile list (`uses_tiles`)."""
+
+    name = "auto"
+    mode = "batched"
+    fuses_kv_store = True
+
+    def __init__(self, triton: TritonAttention, flash: FlashAttention, flash_from: int):
+        self.triton = triton
+        self.flash = flash
+        self.flash_from = flash_from
+
+    def describe(self) -> str:
+        return f"triton, flash for prefill and mixed steps of {self.flash_from}+ tokens"
+
+    def uses_tiles(self, num_tokens: int) -> bool:
+        return num_tokens < self.flash_from
+
+    def backend_for(self, meta: AttentionMetadata):
+        """The backend of a step: by its token count (a graph's bucket) and whether any query is longer than one."""
+        if meta.max_query_len > 1 and meta.slot_mapping.shape[0] >= self.flash_from:
+            return self.flash
+        return self.triton
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        pass
+
+    def begin_forward(self, meta: AttentionMetadata) -> None:
+        backend = self.backend_for(meta)
+        if backend is self.flash:
+            backend.begin_forward(meta)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                kv_stored: bool = False) -> torch.Tensor:
+        return self.backend_for(meta).forward(q, k, v, k_cache, v_cache, meta, scale, kv_stored=kv_stored)
+
+
+def make_attention_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                           overrides: dict | None = None):
+    """The attention backend `config` asks for on `device`: on CUDA, `auto` is the Triton kernels, with
+    FlashAttention-4 for the prefill sizes where it was measured faster (`PhasedAttention`) when it is installed and
+    the engine's settings let it run; `flash` is FlashAttention-4 alone; elsewhere the torch reference.
+    `overrides`: an experiment's rule values (kernels/tuning.py)."""
     backend = config.attention_backend
     if backend == "triton" and device.type != "cuda":
         raise ValueError(f"attention_backend={backend!r} needs a CUDA device; this engine runs on {device.type}")
     if backend == "flash":
         return FlashAttention(config, device, dtype)
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
-        return TritonAttention(config.attention, config.block_size, config.cuda_graph_batch_sizes, config.max_num_seqs)
+        triton = TritonAttention(config.attention, config.block_size, config.cuda_graph_batch_sizes,
+                                 config.max_num_seqs)
+        if backend == "triton":
+            return triton
+        chosen = (overrides or {}).get("flash_prefill_from")
+        flash_from = (None if chosen == "off" else chosen) if chosen is not None else \
+            flash_prefill_rule(torch.cuda.get_device_capability(device))
+        flash = _flash_if_usable(config, device, dtype) if flash_from is not None else None
+        return triton if flash is None else PhasedAttention(triton, flash, flash_from)
     return TorchAttention(config.attention)
+
+
+def _flash_if_usable(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> FlashAttention | None:
+    """FlashAttention-4 for `auto`, or None where it is not installed or the engine's settings keep it out."""
+    try:
+        return FlashAttention(config, device, dtype)
+    except (ValueError, ImportError):
+        return None

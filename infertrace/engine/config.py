@@ -60,8 +60,8 @@ class EngineConfig:
     attention: str = setting(
         "batched", "batched: one attention kernel for the batch; looped: one request at a time (ablation).")
     attention_backend: str = setting(
-        "auto", "Attention kernels: auto (triton on CUDA, torch elsewhere), torch, triton, or flash (FlashAttention-4, "
-        "Hopper and later; pip install 'infertrace[flash]').")
+        "auto", "Attention kernels: auto (triton on CUDA, with FlashAttention-4 for long prefills where installed; torch "
+        "elsewhere), torch, triton, or flash (FlashAttention-4, Hopper and later; pip install 'infertrace[flash]').")
     cuda_graphs: bool = setting(True, "Capture decode steps in CUDA graphs per batch-size bucket (no effect on CPU).")
     # prefill and mixed steps replay CUDA graphs per token-count bucket (cuda_graph_token_sizes, up to
     # max_num_batched_tokens; larger steps run eagerly), the paged attention inside them over a grid fixed by the

@@ -103,15 +103,15 @@ class TokenGraphs:
     """
 
     def __init__(self, model, buffers: StepBuffers, bucket_sizes: tuple[int, ...], max_tokens: int, max_seqs: int,
-                 block_size: int, group: int, tile_list: bool = True):
+                 block_size: int, group: int, uses_tiles=lambda bucket: True):
         self.model = model
         self.buffers = buffers
         self.block_size = block_size
         self.max_seqs = max_seqs
         self.group = group  # query heads per KV head
-        # the attention runs over a tile list (Triton); otherwise over the bucket's `batch_rows` requests, those past
-        # the step's empty
-        self.tile_list = tile_list
+        # by bucket: whether the attention runs over a tile list (Triton) or over the bucket's `batch_rows` requests,
+        # those past the step's empty (FlashAttention-4), as the attention backend runs a step of that many tokens
+        self.uses_tiles = uses_tiles
         below = [b for b in bucket_sizes if b < max_tokens]
         self.buckets = below + [max_tokens] if max(bucket_sizes) >= max_tokens else below
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -138,7 +138,8 @@ class TokenGraphs:
     def meta(self, bucket: int) -> AttentionMetadata:
         b = self.buffers
         seqs = self.batch_rows(bucket)
-        n = self.num_tiles(bucket) if self.tile_list else 0
+        tiled = self.uses_tiles(bucket)
+        n = self.num_tiles(bucket) if tiled else 0
         return AttentionMetadata(
             slot_mapping=b.slot_mapping[:bucket],
             query_start_loc=b.query_start_loc[: seqs + 1],
@@ -149,7 +150,7 @@ class TokenGraphs:
             max_query_len=bucket,
             max_seq_len=bucket,
             block_size=self.block_size,
-            tiles=(b.attn_tile_seq[:n], b.attn_tile_index[:n], self.block_m(bucket)) if self.tile_list else None,
+            tiles=(b.attn_tile_seq[:n], b.attn_tile_index[:n], self.block_m(bucket)) if tiled else None,
         )
 
     @torch.inference_mode()

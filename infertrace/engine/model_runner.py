@@ -162,6 +162,11 @@ class LaunchedStep:
         return [next(it) if sampled else None for sampled in self.samples]
 
 
+def _describe(attention) -> str:
+    describe = getattr(attention, "describe", None)
+    return attention.name if describe is None else describe()
+
+
 def _all_reduce_path(reduce, note: str | None) -> dict:
     """DecodePath's all-reduce fields: what `make_all_reduce` made (None with one rank)."""
     from infertrace.engine.allreduce import PeerMemoryAllReduce
@@ -208,9 +213,10 @@ class ModelRunner:
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype.startswith("fp8") else self.dtype
         self.num_kv_heads = self.spec.num_key_value_heads // tp.size  # this rank's
         self.block_size = config.block_size
-        self.attention = make_attention_backend(config, self.device, self.dtype)
-        # decode attention launched longest context first (the Triton kernel's `seq_order`)
-        self._ordered_decode = config.decode_longest_first and self.attention.name == "triton"
+        self.attention = make_attention_backend(config, self.device, self.dtype, tuned)
+        # decode attention launched longest context first (the Triton kernel's `seq_order`, which runs decode in
+        # `auto` too)
+        self._ordered_decode = config.decode_longest_first and self.attention.name in ("triton", "auto")
 
         pdl = early = False
         if on_cuda:  # both switches are process-wide; a CUDA graph keeps the kernels as they were at its capture
@@ -220,7 +226,7 @@ class ModelRunner:
             wanted = {"on": True, "off": False}.get(tuned.get("gemm_early_weights"), skinny_gemm.early_rule(tp.size))
             early = skinny_gemm.set_early(wanted and skinny and pdl)
         self.decode_path = DecodePath(
-            attention_backend=f"{self.attention.name} ({self.attention.mode})", fused_norm=fused, skinny_gemm=skinny,
+            attention_backend=f"{_describe(self.attention)} ({self.attention.mode})", fused_norm=fused, skinny_gemm=skinny,
             fused_projections=skinny and config.fused_projections, pdl=pdl, gemm_early_weights=early,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."), **_all_reduce_path(reduce, all_reduce_note))
 
@@ -251,19 +257,19 @@ class ModelRunner:
         self._turn = 0
 
         # the backends whose calls are captured in CUDA graphs; the Triton one's token-count graphs run the batched
-        # kernel over a tile list (`tile_list`), FlashAttention's over the step's padded cu_seqlens
-        capturable = on_cuda and self.attention.name in ("triton", "flash")
+        # kernel over a tile list (`uses_tiles`), FlashAttention's over the step's padded cu_seqlens
+        capturable = on_cuda and self.attention.name in ("triton", "flash", "auto")
         use_graphs = config.cuda_graphs and capturable
         use_token_graphs = config.prefill_cuda_graphs and capturable and self.attention.mode == "batched"
-        self._tile_list = use_token_graphs and self.attention.name == "triton"
+        tiled = [t for t in config.cuda_graph_token_sizes if self.attention.uses_tiles(t)] if use_token_graphs else []
         group = self.spec.num_attention_heads // self.spec.num_key_value_heads
         self.buffers = None
         if config.static_buffers or use_graphs or use_token_graphs:
             from infertrace.engine.cuda_graph import TokenGraphs
 
             max_tokens = max(config.max_num_batched_tokens, max_positions, config.max_num_seqs)
-            max_tiles = TokenGraphs.max_tiles(config.cuda_graph_token_sizes, config.max_num_batched_tokens,
-                                              config.max_num_seqs, group) if self._tile_list else 1
+            max_tiles = TokenGraphs.max_tiles(tiled, config.max_num_batched_tokens, config.max_num_seqs,
+                                              group) if tiled else 1
             self.buffers = StepBuffers(max_tokens, config.max_num_seqs, -(-max_positions // self.block_size),
                                        self.device, max_tiles)
         self.graphs = None
@@ -286,7 +292,7 @@ class ModelRunner:
         if tokens:
             self.token_graphs = TokenGraphs(self.model, self.buffers, config.cuda_graph_token_sizes,
                                             config.max_num_batched_tokens, config.max_num_seqs, self.block_size, group,
-                                            tile_list=self._tile_list)
+                                            uses_tiles=self.attention.uses_tiles)
             pool = self.token_graphs.capture(pool)
         if decode:
             self.graphs = DecodeGraphs(self.model, self.buffers, config.cuda_graph_batch_sizes, config.max_num_seqs,
@@ -523,7 +529,7 @@ class ModelRunner:
             # padding tokens write no KV; their ids and positions are whatever earlier steps left (valid values)
             buffers.put("slot_mapping", np.full(bucket - num_tokens, -1, dtype=np.int64), num_tokens)
             graphs = self.token_graphs
-            if graphs.tile_list:
+            if graphs.uses_tiles(bucket):
                 tiles = attention_tile_array(np.asarray(inputs.query_lens, dtype=np.int64), graphs.group,
                                              graphs.block_m(bucket), graphs.num_tiles(bucket))
                 buffers.put("attn_tile_seq", tiles[0])

@@ -74,22 +74,32 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
+@pytest.mark.parametrize("backend", ["flash", "auto"])
 @pytest.mark.parametrize("scenario", list(MIXED_SCENARIOS))
-def test_engine_logits_within_rounding_of_triton(qwen06_bf16, scenario):
+def test_engine_logits_within_rounding_of_triton(qwen06_bf16, scenario, backend, monkeypatch):
     """The same step kinds as the Triton engine, and logits as close to the torch reference attention's (plain
     matmul and float32 softmax, in bfloat16 like the others) as the Triton engine's are: every step is compared
-    until the first one whose greedy tokens differ (random weights leave near-ties that rounding flips)."""
+    until the first one whose greedy tokens differ (random weights leave near-ties that rounding flips). `auto`
+    runs here with FA4 from 256 tokens, so its steps and token-count graphs take both backends."""
     import torch
 
     from infertrace.engine import SamplingParams
+    from infertrace.engine.kernels import tuning
 
+    if backend == "auto":
+        monkeypatch.setenv(tuning.ENV, tuning.with_rules({"flash_prefill_from": 256}))
     overrides, waves = MIXED_SCENARIOS[scenario]
     overrides = {"kv_cache_tokens": 16384, **overrides}
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    _, kinds, logits, engine = run_in_waves(qwen06_bf16, waves, params, attention_backend="flash", **overrides)
+    _, kinds, logits, engine = run_in_waves(qwen06_bf16, waves, params, attention_backend=backend, **overrides)
     path = engine.decode_path()
-    assert engine.runner.attention.name == "flash"
+    assert engine.runner.attention.name == backend
     assert path["cuda_graphs_captured"] and path["prefill_cuda_graphs_captured"]
+    if backend == "auto":
+        tiled = {b: engine.runner.token_graphs.uses_tiles(b) for b in engine.runner.token_graphs.buckets}
+        assert {b for b, t in tiled.items() if not t} == {b for b in tiled if b >= 256} != set()
+        assert any(tiled.values())
+    monkeypatch.delenv(tuning.ENV, raising=False)  # the reference engines below run without the experiment
     assert engine.runner.token_graphs.replays > 0
     if scenario == "mixed with prefix hits":
         assert "mixed" in kinds and engine.counters["prefix_cache_hits"] > 0

@@ -35,6 +35,8 @@ RULES: dict[str, tuple] = {
     "all_reduce_push": ("on", "off"),
     # skinny_gemm.early_rule: whether the decode GEMMs copy their first weights before their wait
     "gemm_early_weights": ("on", "off"),
+    # attention.flash_prefill_rule: the fewest tokens of a prefill or mixed step `auto` gives to FlashAttention-4
+    "flash_prefill_from": (256, 512, 768, 1024, 1280, 1536, 2048, 3072, 4096, 8192, "off"),
 }
 
 

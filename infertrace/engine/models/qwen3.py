@@ -355,8 +355,11 @@ class Qwen3Model(nn.Module):
 
     def forward(self, input_ids, positions, rope, attn, meta, step: StepKernels = EAGER) -> torch.Tensor:
         h, residual = self.embed(input_ids, step)
-        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, norm in zip(self.layers, norms):  # each layer's output added and normed by the next's input norm
+        # each layer's output added and normed by the next's input norm (zip stops short: a ModuleList's slice is a
+        # new ModuleList, milliseconds on the host every forward)
+        norms = [layer.input_layernorm for layer in self.layers]
+        norms.append(self.norm)
+        for layer, norm in zip(self.layers, norms[1:]):
             h, residual = norm(*layer(h, residual, positions, rope, attn, meta, step), step)
         return h
 
