@@ -209,3 +209,36 @@ def test_front_end_stamps_wait_for_their_request_and_stay_bounded():
 
 def test_off_when_sized_zero(make_engine):
     assert make_engine(kv_cache_tokens=1024, request_log_size=0).request_log is None
+
+
+def test_each_kind_of_step_is_logged_with_its_plans_kind_and_rows():
+    """The scheduler's own plans: prefill, mixed and decode steps (a decode step's rows are kept as one shared
+    record per batch size), a decode row that sampled nothing, and rows whose tokens differ."""
+    from infertrace.engine.sampling_params import SamplingParams as Params
+    from infertrace.engine.scheduler import ScheduledSeq, StepPlan
+    from infertrace.engine.sequence import Sequence
+
+    seqs = {name: Sequence(name, [1] * 40, Params(max_tokens=8)) for name in ("a", "b", "c")}
+    steps = [  # (plan rows as (request, tokens, prefill), sampled)
+        ([("a", 32, True), ("b", 40, True)], [None, 5]),
+        ([("a", 8, True), ("b", 1, False)], [6, 7]),
+        ([("a", 1, False), ("b", 1, False)], [8, 9]),
+        ([("a", 1, False), ("b", 1, False), ("c", 1, False)], [3, None, 4]),
+        ([("a", 1, False), ("b", 1, False)], [1, 2]),
+    ]
+    log = RequestLog(max_requests=10)
+    for name in seqs:
+        log.arrived(name, 0.0, 40, 0, 0)
+    for number, (rows, sampled) in enumerate(steps):
+        plan = StepPlan(scheduled=[ScheduledSeq(seqs[r], 0, n, p) for r, n, p in rows])
+        log.step(number, plan, 1.0 + number, 0.5, sampled)
+        assert log.read()["steps"][-1]["kind"] == plan.kind.value
+    out = log.read()
+    assert [s["kind"] for s in out["steps"]] == ["prefill", "mixed", "decode", "decode", "decode"]
+    assert [(s["batch_size"], s["num_tokens"], s["prefill_tokens"], s["prefill_rows"]) for s in out["steps"]] == [
+        (2, 72, 72, 2), (2, 9, 8, 1), (2, 2, 0, 0), (3, 3, 0, 0), (2, 2, 0, 0)]
+    for rec in out["requests"]:
+        expected = [[number, n, int(p), int(sampled[i] is not None)]
+                    for number, (rows, sampled) in enumerate(steps)
+                    for i, (r, n, p) in enumerate(rows) if r == rec["request_id"]]
+        assert rec["steps"] == expected
