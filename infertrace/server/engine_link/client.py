@@ -70,6 +70,8 @@ class ProcessEngine:
         self._bad_input = False  # the engine could not start because of what it was given
         self._closing = False
         self._heartbeat: asyncio.TimerHandle | None = None
+        self._request_log = True  # whether the engine keeps a request log (from its info): else no stamps go
+        self._stamps: list[list] = []  # [request id, times] of requests ended this turn of the event loop
 
     async def connect(self) -> None:
         """Wait for the engine's handshake; EngineStartError if it ended instead."""
@@ -82,6 +84,7 @@ class ProcessEngine:
             self.info = await self._ready
         except EngineDeadError as e:
             raise EngineStartError(str(e), self._bad_input) from None
+        self._request_log = bool((self.info.get("engine_config") or {}).get("request_log_size", True))
 
     def _beat(self) -> None:
         """Tell the engine this front end is alive, now and every HEARTBEAT_S until it closes or the link dies."""
@@ -101,6 +104,7 @@ class ProcessEngine:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         if self._transport is not None:
+            self._send_stamps()
             self._transport.close()
 
     # ----- requests -----
@@ -142,9 +146,23 @@ class ProcessEngine:
             self._send(ToEngine("count", args=deltas))
 
     def stamp(self, request_id: str, times: dict[str, float]) -> None:
-        """The front end's times of a request, for the engine's request log."""
-        if self.error is None:
-            self._send(ToEngine("stamp", request_id=request_id, args=times))
+        """The front end's times of a request, for the engine's request log (dropped when the engine keeps none).
+        They never take a write of their own: they go in front of the next message this front end sends (the
+        request's end sends its counter update right after), or at the end of this turn of the event loop, with
+        those of every other request that ended in it."""
+        if self.error is not None or not self._request_log:
+            return
+        if not self._stamps:
+            asyncio.get_running_loop().call_soon(self._send_stamps)
+        self._stamps.append([request_id, times])
+
+    def _send_stamps(self) -> None:
+        if self._stamps and self.error is None and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(self._take_stamps())
+
+    def _take_stamps(self) -> bytes:
+        stamps, self._stamps = self._stamps, []
+        return frame(ToEngine("stamp", args={"requests": stamps}))
 
     # ----- plumbing -----
     async def _call(self, message: ToEngine) -> Any:
@@ -160,7 +178,10 @@ class ProcessEngine:
     def _send(self, message: ToEngine) -> None:
         if self.error is not None:
             raise self._dead()
-        self._transport.write(frame(message))
+        data = frame(message)
+        if self._stamps:  # in the same write, and before it: a request-log read sent now sees them
+            data = self._take_stamps() + data
+        self._transport.write(data)
 
     def _dead(self) -> EngineDeadError:
         """The engine's death for one more waiter: an exception of its own, since one instance raised in many tasks

@@ -358,9 +358,13 @@ class EngineLoop:
         elif kind == "hello":
             peer.pid = msg.args.get("pid")
             peer.heard = time.monotonic()
-        elif kind == "stamp":
-            if self.engine.request_log is not None:
-                self.engine.request_log.stamp(peer.engine_id(msg.request_id), msg.args)
+        elif kind == "stamp":  # the front end's times of requests it ended: [[its request id, times], ...]
+            log = self.engine.request_log
+            if log is not None:
+                for entry in msg.args.get("requests", ()):
+                    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) \
+                            and isinstance(entry[1], dict):
+                        log.stamp(peer.engine_id(entry[0]), entry[1])
         elif kind == "call":
             self._send(peer, self._profiled_call(peer, msg) if msg.name in PROFILE_CALLS else self._call(msg))
         else:

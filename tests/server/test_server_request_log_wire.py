@@ -1,0 +1,52 @@
+"""What the request log puts on the front end's link to the engine process: the front end's times of a request
+ride in front of a message sent anyway (never a write of their own), and nothing crosses for a log switched off."""
+
+from __future__ import annotations
+
+import asyncio
+
+from infertrace.server.engine_link.messages import FrameReader, decode_to_engine
+
+BODY = {"model": "tiny", "prompt": "the model token batch", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+
+
+def spy_on_writes(engine) -> list[list[str]]:
+    """The kinds of the messages in each write the front end makes to the engine process from now on."""
+    transport, writes = engine._transport, []
+    write = transport.write
+
+    def recorded(data):
+        writes.append([decode_to_engine(body).kind for body in FrameReader().feed(bytes(data))])
+        return write(data)
+
+    transport.write = recorded
+    return writes
+
+
+async def test_stamps_never_take_a_write_of_their_own_and_reach_the_log(serve_tiny):
+    async with serve_tiny(engine_process=True) as client:
+        writes = spy_on_writes(client.state.engine)
+        names = [f"w{i}" for i in range(6)]
+        answers = await asyncio.gather(*(client.post("/v1/completions", json=BODY, headers={"X-Request-Id": name})
+                                         for name in names))
+        assert [a.status for a in answers] == [200] * 6
+        # read through the same link at once, without waiting: the times went ahead of this read
+        log = await (await client.get("/v1/request_log")).json()
+    stamped = [w for w in writes if "stamp" in w]
+    assert stamped and all(len(w) > 1 for w in stamped), writes
+    by_id = {r["request_id"]: r for r in log["requests"]}
+    for name in names:
+        rec = by_id[name]
+        assert rec["received"] <= rec["tokenized"] <= rec["first_output"] <= rec["sent"], rec
+
+
+async def test_no_stamps_cross_when_the_engine_keeps_no_log(serve_tiny):
+    async with serve_tiny({"request_log_size": 0}, engine_process=True) as client:
+        writes = spy_on_writes(client.state.engine)
+        for i in range(3):
+            resp = await client.post("/v1/completions", json=BODY)
+            assert resp.status == 200
+            await resp.read()
+        await asyncio.sleep(0.05)  # a turn of the event loop for anything still to go out
+    kinds = [kind for w in writes for kind in w]
+    assert "add" in kinds and "stamp" not in kinds, kinds
