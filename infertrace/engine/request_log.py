@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import bisect
 import time
-from array import array
 from typing import Any
 
-# The defaults bound memory to a few tens of MB: a row is an id reference, a 4-byte token count and a flag byte.
+import msgspec
+
+# The defaults bound memory to a few tens of MB: a row is an id reference, a token count and a flag byte.
 DEFAULT_MAX_STEP_ROWS = 1_000_000
 PENDING_STAMPS = 4096  # front-end stamps of requests the log has not seen arrive (refused ones), kept at most
 FRONTEND_STAMPS = ("received", "tokenized", "first_output", "sent")
@@ -31,51 +32,42 @@ _KIND_CODE = {"prefill": "P", "decode": "D", "mixed": "M", "verify": "V"}
 _KIND_NAME = {v: k for k, v in _KIND_CODE.items()}
 
 
-class _Request:
-    __slots__ = ("seq", "key", "request_id", "arrival", "prompt_tokens", "waiting_ahead", "running", "stamps",
-                 "preempted", "finished", "finish_step", "finish_reason", "output_tokens", "cached_tokens")
-
-    def __init__(self, seq: int, key: str, request_id: str, arrival: float, prompt_tokens: int,
-                 waiting_ahead: int, running: int) -> None:
-        self.seq = seq
-        self.key = key  # the engine's id of the request, which its steps' rows carry
-        self.request_id = request_id  # the id its client gave, which a read reports
-        self.arrival = arrival
-        self.prompt_tokens = prompt_tokens
-        self.waiting_ahead = waiting_ahead
-        self.running = running
-        self.stamps: dict[str, float] = {}
-        # a tuple, grown on the rare preemption: an empty list would be one more object per request for the
-        # collector to walk in every full collection, for as long as the ring keeps the request
-        self.preempted: tuple[int, ...] = ()
-        self.finished: float | None = None
-        self.finish_step: int | None = None
-        self.finish_reason: str | None = None
-        self.output_tokens = 0
-        self.cached_tokens = 0
+# The ring's records are structs the garbage collector does not track (they hold no references that could form a
+# cycle: strings, numbers, a dict of floats, tuples, bytes): a full ring is 100,000 requests and their steps, and
+# every full collection of the engine process would walk them (36 ms a collection with plain objects, on the
+# 2-core development machine).
+class _Request(msgspec.Struct, gc=False):
+    seq: int
+    key: str  # the engine's id of the request, which its steps' rows carry
+    request_id: str  # the id its client gave, which a read reports
+    arrival: float
+    prompt_tokens: int
+    waiting_ahead: int
+    running: int
+    stamps: dict[str, float] = {}
+    preempted: tuple[int, ...] = ()  # grown on the rare preemption
+    finished: float | None = None
+    finish_step: int | None = None
+    finish_reason: str | None = None
+    output_tokens: int = 0
+    cached_tokens: int = 0
 
 
-class _Step:
-    __slots__ = ("number", "kind", "start", "end", "duration", "ids", "tokens", "prefill", "sampled", "preempted",
-                 "rows_before", "drafted", "accepted")
-
-    def __init__(self, number: int, kind: str, start: float, duration: float, ids: tuple[str, ...],
-                 tokens: array, prefill: bytes, sampled: bytes, preempted: int, rows_before: int,
-                 drafted: bytes | None = None, accepted: bytes | None = None) -> None:
-        self.number = number
-        self.kind = kind
-        self.start = start
-        self.end = start + duration
-        self.duration = duration
-        self.ids = ids
-        self.tokens = tokens
-        self.prefill = prefill  # per row: 1 where it computes prompt tokens (or recomputes them after a preemption)
-        self.sampled = sampled  # per row: 1 where a token was sampled from it
-        self.preempted = preempted
-        self.rows_before = rows_before  # rows of every step logged before this one: rows between two steps
-        # a verify step's rows: draft tokens verified, and those accepted (None in other steps)
-        self.drafted = drafted
-        self.accepted = accepted
+class _Step(msgspec.Struct, gc=False):
+    number: int
+    kind: str
+    start: float
+    end: float
+    duration: float
+    ids: tuple[str, ...]
+    tokens: tuple[int, ...]  # a tuple of ints, not an array: the collector tracks arrays
+    prefill: bytes  # per row: 1 where it computes prompt tokens (or recomputes them after a preemption)
+    sampled: bytes  # per row: 1 where a token was sampled from it
+    preempted: int
+    rows_before: int  # rows of every step logged before this one: rows between two steps
+    # a verify step's rows: draft tokens verified, and those accepted (None in other steps)
+    drafted: bytes | None = None
+    accepted: bytes | None = None
 
 
 class RequestLog:
@@ -102,7 +94,7 @@ class RequestLog:
         self._dropped_start: float | None = None  # start of the latest step dropped from the ring
         self._count = 0  # requests ever logged: the next one's sequence number
         self._pending: dict[str, dict[str, float]] = {}
-        self._uniform: dict[int, tuple[array, bytes]] = {}  # per batch size: one token a row, every row sampled
+        self._uniform: dict[int, tuple[tuple[int, ...], bytes]] = {}  # per batch size: one token a row, every row sampled
 
     # ----- written by the engine, between steps -----
     def arrived(self, request_id: str, t: float, prompt_tokens: int, waiting_ahead: int, running: int,
@@ -139,7 +131,7 @@ class RequestLog:
         # record per batch size, which costs nothing to build or keep (the hook took 48 us a step at batch 256
         # building them, 23 us without: benchmarks/request_log_cost.py on the 2-core development machine).
         ones, all_sampled = self._uniform.get(rows) or self._uniform_rows(rows)
-        tokens = ones if kind == "D" else array("i", [s.num_new_tokens for s in scheduled])
+        tokens = ones if kind == "D" else tuple([s.num_new_tokens for s in scheduled])
         took = all_sampled if None not in sampled else bytes([t is not None for t in sampled])
         drafted = accepted = None
         if verifies:  # a verify row's tokens: its accepted drafts, then one more
@@ -148,8 +140,8 @@ class RequestLog:
         if plan.preempted:
             self.preempted([seq.request_id for seq in plan.preempted], number)
         steps = self._steps
-        steps.append(_Step(number, kind, start, duration, ids, tokens, prefill, took, len(plan.preempted),
-                           self._rows_total, drafted, accepted))
+        steps.append(_Step(number, kind, start, start + duration, duration, ids, tokens, prefill, took,
+                           len(plan.preempted), self._rows_total, drafted, accepted))
         self._rows += len(ids)
         self._rows_total += len(ids)
         while self._rows > self.max_step_rows and len(steps) - self._head > 1:
@@ -161,8 +153,8 @@ class RequestLog:
             del steps[:self._head]
             self._head = 0
 
-    def _uniform_rows(self, rows: int) -> tuple[array, bytes]:
-        self._uniform[rows] = array("i", [1]) * rows, b"\x01" * rows
+    def _uniform_rows(self, rows: int) -> tuple[tuple[int, ...], bytes]:
+        self._uniform[rows] = (1,) * rows, b"\x01" * rows
         return self._uniform[rows]
 
     def preempted(self, request_ids: list[str], number: int) -> None:

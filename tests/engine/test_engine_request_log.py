@@ -242,3 +242,24 @@ def test_each_kind_of_step_is_logged_with_its_plans_kind_and_rows():
                     for number, (rows, sampled) in enumerate(steps)
                     for i, (r, n, p) in enumerate(rows) if r == rec["request_id"]]
         assert rec["steps"] == expected
+
+
+def test_the_collector_does_not_walk_the_ring():
+    """A full ring holds 100,000 requests and their steps: a full collection of the engine process must not walk
+    them (tens of ms a collection, a pause of the step loop)."""
+    import gc
+
+    log = RequestLog(max_requests=50)
+    for i in range(60):
+        log.arrived(f"q{i}", float(i), 10, 0, 0)
+        log.stamp(f"q{i}", {"received": 0.5, "sent": 2.0})
+        log.step(i, _Plan([f"q{i}", f"q{max(0, i - 1)}"]), i + 0.5, 0.1, [7, None])
+        if i % 7 == 0:
+            log.preempted([f"q{i}"], i)
+        log.finished(f"q{i}", i + 0.7, "length", 1, 0, step=i)
+    gc.collect()
+    records = [*log._ring, *log._steps[log._head:]]
+    held = [x for r in log._ring for x in (r.stamps, r.preempted)]
+    held += [x for st in log._steps[log._head:] for x in (st.ids, st.tokens, st.prefill, st.sampled)]
+    assert not [x for x in records + held if gc.is_tracked(x)]
+    assert log.read(since=14, limit=1)["requests"][0]["preempted"] == [14]
