@@ -32,7 +32,7 @@ def test_overrides_by_name_and_from_strings():
 
 
 TUNING_RULES = ("all_reduce_fusion", "all_reduce_spread", "all_reduce_pull", "all_reduce_payload", "all_reduce_push",
-                "gemm_early_weights")
+                "gemm_early_weights", "flash_prefill_from")
 
 
 def test_serve_lists_only_choices_a_user_makes_not_the_kernels_tuning_rules():
