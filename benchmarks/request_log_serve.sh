@@ -16,7 +16,8 @@
 #   bash benchmarks/request_log_serve.sh [PRESET] [OUTDIR]
 #   (env: PORT 8000, RATE 60, NUM_PROMPTS 1200, INPUT_LEN 512, OUTPUT_LEN 128, SAT_CONCURRENCY 256, SAT_PROMPTS 1024,
 #    PAIRS 2: servers in the order "on off" that many times, or ORDER, e.g. "on off off on";
-#    OPEN_LOOP 1, or 0: the closed loop at SAT_CONCURRENCY only)
+#    OPEN_LOOP 1, or 0: the closed loop at SAT_CONCURRENCY only;
+#    SUMMARY_ONLY 1: no servers, only the table of the runs already in OUTDIR, e.g. after a run cut short)
 #   e.g. the cost at saturation alone, four pairs: OPEN_LOOP=0 PAIRS=4 bash benchmarks/request_log_serve.sh
 set -euo pipefail
 preset=${1:-qwen3-0.6b}
@@ -26,7 +27,6 @@ here=$(dirname "$0")
 warmup=8
 mkdir -p "$out"
 source "$here/serve_lib.sh"
-model=$(model_of "$preset" "$out")
 order=${ORDER:-$(for _ in $(seq "${PAIRS:-2}"); do printf 'on off '; done)}
 
 watcher=""
@@ -53,6 +53,7 @@ measured() {
 }
 
 i=0
+[ "${SUMMARY_ONLY:-0}" = 1 ] && order="" || model=$(model_of "$preset" "$out")
 for log in $order; do
   i=$((i + 1)); name="$i-$log"
   flags=(); [ "$log" = off ] && flags=(--request-log-size 0)
@@ -71,7 +72,7 @@ for log in $order; do
   measured sat "$name" --concurrency "${SAT_CONCURRENCY:-256}" --num-prompts "${SAT_PROMPTS:-1024}" --seed 1
   stop_server
 done
-stamp "done"
+[ -z "$order" ] || stamp "done"
 
 python3 - "$out" "$warmup" <<'PY'
 import json, pathlib, statistics, sys
