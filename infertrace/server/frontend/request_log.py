@@ -1,9 +1,10 @@
 """The front end's part of the request log: the client's request id (`X-Request-Id`), the front end's times of a
 request (received, tokenized, first output, sent), and `GET /v1/request_log`, which reads the engine's log.
 
-The front end's times travel to the engine in one small message when the request ends, so the engine process
-holds each request's whole life whichever front end served it. They are `time.perf_counter()` seconds, the
-clock the engine's steps are timed with (one host, one CLOCK_MONOTONIC).
+The front end's times go to the engine when the request ends, in front of the next message the front end sends
+anyway (never a write of their own; none at all when the engine keeps no log), so the engine process holds each
+request's whole life whichever front end served it. They are `time.perf_counter()` seconds, the clock the
+engine's steps are timed with (one host, one CLOCK_MONOTONIC).
 """
 
 from __future__ import annotations
