@@ -36,7 +36,8 @@ class ToEngine(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Front end to engine. kind: "add" (request_id, prompt, params), "abort" (request_id; call_id > 0 asks for a
     reply once its KV is free), "call" (name, args, call_id: an engine-side command such as start_profile, ping or
     metrics), "count" (args: server counter deltas, e.g. {"finished:stop": 1, "in_flight": -1}), "stamp"
-    (request_id, args: the front end's times of a request for the request log, e.g. {"received": t, "sent": t}),
+    (args: {"requests": [[request_id, times], ...]}: the front end's times of the requests it ended, e.g.
+    {"received": t, "sent": t}, for the request log; sent only while the engine keeps one),
     "hello" (args: {"pid": the front end's process id}, sent first), "beat" (nothing: the front end's heartbeat,
     every HEARTBEAT_S, so that the engine can tell a stopped front end from an idle one)."""
 
