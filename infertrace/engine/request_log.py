@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from itertools import compress
 from typing import Any
 
 import msgspec
@@ -21,8 +22,10 @@ DEFAULT_MAX_STEP_ROWS = 1_000_000
 PENDING_STAMPS = 4096  # front-end stamps of requests the log has not seen arrive (refused ones), kept at most
 FRONTEND_STAMPS = ("received", "tokenized", "first_output", "sent")
 # Upper bounds of the JSON of a read's parts, for its byte bound: a request without its step rows (its client's id
-# up to 128 characters, ten numbers of up to 20 characters), a step, and a row, one of a request's own or, as the
-# read walks every row of the steps it gives, any of theirs.
+# up to 128 characters, ten numbers of up to 20 characters), a step, and one of a request's rows (at most one per
+# step of its span). Other requests' rows in those steps are not sent, and the read finds its own among them at C
+# speed, so they cost neither bytes nor Python time: at saturation a request's span holds a few hundred steps of
+# 256 rows each, and counting those rows too left room for about one request a page, with its steps cut.
 REQUEST_JSON_BYTES = 720
 STEP_JSON_BYTES = 300
 ROW_JSON_BYTES = 32
@@ -64,7 +67,6 @@ class _Step(msgspec.Struct, gc=False):
     prefill: bytes  # per row: 1 where it computes prompt tokens (or recomputes them after a preemption)
     sampled: bytes  # per row: 1 where a token was sampled from it
     preempted: int
-    rows_before: int  # rows of every step logged before this one: rows between two steps
     # a verify step's rows: draft tokens verified, and those accepted (None in other steps)
     drafted: bytes | None = None
     accepted: bytes | None = None
@@ -90,7 +92,6 @@ class RequestLog:
         self._steps: list[_Step] = []  # completion order, in which start and end times never go back
         self._head = 0  # steps before this index were dropped (removed from the list in batches)
         self._rows = 0  # rows of the kept steps
-        self._rows_total = 0  # rows of every step ever logged
         self._dropped_start: float | None = None  # start of the latest step dropped from the ring
         self._count = 0  # requests ever logged: the next one's sequence number
         self._pending: dict[str, dict[str, float]] = {}
@@ -141,9 +142,8 @@ class RequestLog:
             self.preempted([seq.request_id for seq in plan.preempted], number)
         steps = self._steps
         steps.append(_Step(number, kind, start, start + duration, duration, ids, tokens, prefill, took,
-                           len(plan.preempted), self._rows_total, drafted, accepted))
+                           len(plan.preempted), drafted, accepted))
         self._rows += len(ids)
-        self._rows_total += len(ids)
         while self._rows > self.max_step_rows and len(steps) - self._head > 1:
             old = steps[self._head]
             self._head += 1
@@ -215,21 +215,25 @@ class RequestLog:
         by_key: dict[str, _Request] = {}
         for rec in chosen:  # a reused id: the later record owns the steps after its arrival
             by_key[rec.key] = rec
+        keys = by_key.keys()
+        arrivals = {key: rec.arrival - 1e-9 for key, rec in by_key.items()}
         steps_out = []
         for st in self._steps[lo:hi]:
-            prefill_tokens = prefill_rows = 0
-            for key, n, prefill, took in zip(st.ids, st.tokens, st.prefill, st.sampled):
-                if prefill:
-                    prefill_tokens += n
-                    prefill_rows += 1
-                rec = by_key.get(key)
-                if rec is not None and st.start >= rec.arrival - 1e-9:
-                    rows.setdefault(key, []).append([st.number, n, prefill, took])
-            if st.drafted is not None:
-                for key, drafted, accepted in zip(st.ids, st.drafted, st.accepted):
-                    rec = by_key.get(key)
-                    if drafted and rec is not None and st.start >= rec.arrival - 1e-9:
-                        drafts.setdefault(key, []).append([st.number, drafted, accepted])
+            # Every row of the step is looked at only in C (counts, sums, a set intersection): the Python work is
+            # the chosen requests' own rows, what the page sends.
+            prefill_rows = st.prefill.count(1)
+            prefill_tokens = sum(compress(st.tokens, st.prefill)) if prefill_rows else 0
+            ours = keys & st.ids
+            if ours:
+                # a few rows: a scan in C each; more: one map of the step's rows
+                at = st.ids.index if len(ours) < 16 else dict(zip(st.ids, range(len(st.ids)))).__getitem__
+                number, start, tokens, prefill, took = st.number, st.start, st.tokens, st.prefill, st.sampled
+                for key in ours:
+                    if start >= arrivals[key]:
+                        i = at(key)
+                        rows.setdefault(key, []).append([number, tokens[i], prefill[i], took[i]])
+                        if st.drafted is not None and st.drafted[i]:
+                            drafts.setdefault(key, []).append([number, st.drafted[i], st.accepted[i]])
             steps_out.append({"step": st.number, "kind": _KIND_NAME[st.kind], "start": st.start,
                               "duration": st.duration, "batch_size": len(st.ids), "num_tokens": sum(st.tokens),
                               "prefill_tokens": prefill_tokens, "prefill_rows": prefill_rows,
@@ -268,25 +272,25 @@ class RequestLog:
             return self._span(first, stop), None
         chosen: list[_Request] = []
         lo = hi = self._head
+        own = 0  # the chosen requests' rows, at most one per step of each one's span
         for seq in range(first, stop):
             rec = self._ring[seq % self.max_requests]
             rec_lo, rec_hi = self._window([rec])
             new_lo = rec_lo if not chosen else lo  # arrivals come in sequence order: the first one starts it
             new_hi = max(hi, rec_hi)
-            if self._size(len(chosen) + 1, new_lo, new_hi) > max_bytes:
+            if self._size(len(chosen) + 1, new_hi - new_lo, own + rec_hi - rec_lo) > max_bytes:
                 if chosen:
                     break
                 ends = range(new_lo, new_hi + 1)  # the most of its steps that fit, none if not even one does
-                fit = bisect.bisect_right(ends, max_bytes, key=lambda end: self._size(1, new_lo, end))
+                fit = bisect.bisect_right(ends, max_bytes, key=lambda end: self._size(1, end - new_lo, end - new_lo))
                 return [rec], new_lo + max(0, fit - 1)
             chosen.append(rec)
-            lo, hi = new_lo, new_hi
+            lo, hi, own = new_lo, new_hi, own + rec_hi - rec_lo
         return chosen, None
 
-    def _size(self, requests: int, lo: int, hi: int) -> int:
-        """An upper bound of the JSON of `requests` requests and the steps lo..hi (excluded)."""
-        return (REQUEST_JSON_BYTES * requests + STEP_JSON_BYTES * (hi - lo)
-                + self.row_json_bytes * self._rows_between(lo, hi))
+    def _size(self, requests: int, steps: int, rows: int) -> int:
+        """An upper bound of the JSON of `requests` requests with `rows` rows of theirs, and `steps` steps."""
+        return REQUEST_JSON_BYTES * requests + STEP_JSON_BYTES * steps + self.row_json_bytes * rows
 
     def _window(self, chosen: list[_Request]) -> tuple[int, int]:
         """The indices of the steps `chosen` may have ridden: from the first one that ended after the first
@@ -298,12 +302,6 @@ class RequestLog:
         ends = [r.finished for r in chosen]
         hi = len(steps) if None in ends else bisect.bisect_right(steps, max(ends), lo=lo, key=_start)
         return lo, max(lo, hi)
-
-    def _rows_between(self, lo: int, hi: int) -> int:
-        if hi <= lo:
-            return 0
-        last = self._steps[hi - 1]
-        return last.rows_before + len(last.ids) - self._steps[lo].rows_before
 
 
 def _start(step: _Step) -> float:

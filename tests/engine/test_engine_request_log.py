@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from infertrace.engine import SamplingParams
 from infertrace.engine.request_log import RequestLog
+from infertrace.server.frontend.request_log import MAX_PAGE_BYTES
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -81,16 +83,18 @@ def test_profiler_step_ranges_carry_the_log_step_numbers(make_engine, make_promp
 
 
 class _Plan:  # the scheduler's StepPlan, as much of it as the log reads
-    def __init__(self, request_ids):
+    def __init__(self, request_ids, prompts=()):
+        """Decode rows of `request_ids`, then a prefill row of each (request id, prompt tokens) in `prompts`."""
         self.scheduled = [_Row(request_id) for request_id in request_ids]
+        self.scheduled += [_Row(request_id, tokens, True) for request_id, tokens in prompts]
         self.preempted = []
         self.kind = type("K", (), {"value": "decode"})
 
 
 class _Row:
-    def __init__(self, request_id):
-        self.seq = type("S", (), {"request_id": request_id})
-        self.num_new_tokens, self.is_prefill = 1, False
+    def __init__(self, request_id, tokens=1, prefill=False):
+        self.seq = SimpleNamespace(request_id=request_id)
+        self.num_new_tokens, self.is_prefill = tokens, prefill
 
 
 def test_the_log_is_bounded_and_reads_from_a_cursor():
@@ -263,3 +267,72 @@ def test_the_collector_does_not_walk_the_ring():
     held += [x for st in log._steps[log._head:] for x in (st.ids, st.tokens, st.prefill, st.sampled)]
     assert not [x for x in records + held if gc.is_tracked(x)]
     assert log.read(since=14, limit=1)["requests"][0]["preempted"] == [14]
+
+
+def saturated_log(streams=256, requests=1024, prompt=512, out=128, budget=8192):
+    """A closed loop at saturation, as one GPU serves a small model: `streams` requests at once, each replaced as it
+    ends, so every step carries a row of each and a request spans out+ steps of `streams` rows; new prompts ride
+    mixed steps, up to `budget` tokens a step. Returns the log and, per request id, its arrival and the end of each
+    step that sampled a token of it (the first one its first token)."""
+    log = RequestLog(max_requests=requests)
+    waiting, running, ends = [], {}, {}
+    t, number, arrived = 0.0, 0, 0
+
+    def arrive():
+        nonlocal arrived
+        rid = f"req-{arrived}"
+        log.arrived(rid, t, prompt, len(waiting), len(running))
+        log.stamp(rid, {"received": t - 0.002, "tokenized": t - 0.001})
+        waiting.append(rid)
+        ends[rid] = (t, [])
+        arrived += 1
+
+    for _ in range(streams):
+        arrive()
+    while waiting or running:
+        decoding = list(running)
+        starting = waiting[:max(0, (budget - len(decoding)) // prompt)]
+        del waiting[:len(starting)]
+        running.update((rid, 0) for rid in starting)
+        rows = len(decoding) + len(starting)
+        duration = 0.004 + 1e-6 * (len(decoding) + prompt * len(starting))
+        log.step(number, _Plan(decoding, [(rid, prompt) for rid in starting]), t, duration, [7] * rows)
+        t += duration
+        for rid in [*decoding, *starting]:
+            running[rid] += 1
+            ends[rid][1].append(t)
+            if running[rid] == 1:
+                log.stamp(rid, {"first_output": t + 0.0005})
+            if running[rid] == out:
+                del running[rid]
+                log.finished(rid, t, "length", out, 0, step=number)
+                log.stamp(rid, {"sent": t + 0.001})
+                if arrived < requests:
+                    arrive()
+        number += 1
+    return log, ends
+
+
+def read_pages(log, max_bytes=MAX_PAGE_BYTES):
+    """Every page from the start, following `next`, as the front end reads them."""
+    pages, since = [], 0
+    while (page := log.read(since=since, limit=1000, max_bytes=max_bytes))["requests"]:
+        pages.append(page)
+        since = page["next"]
+    return pages
+
+
+def test_at_saturation_a_page_holds_many_whole_requests():
+    """At saturation a request's span is a few hundred steps of 256 rows each: the page's bound counts what it
+    sends (each request's own rows), so every request comes whole, many a page."""
+    log, _ = saturated_log()
+    whole = log.read()["requests"]
+    assert min(len(r["steps"]) for r in whole) == 128 and len(log.read()["steps"]) > 500
+    pages = read_pages(log)
+    for page in pages:
+        assert len(json.dumps({"requests": page["requests"], "steps": page["steps"]})) <= MAX_PAGE_BYTES
+    got = [r for page in pages for r in page["requests"]]
+    assert [r["seq"] for r in got] == list(range(1024))
+    assert all(r["steps_complete"] for r in got)
+    assert [r["steps"] for r in got] == [r["steps"] for r in whole]
+    assert len(pages) < 20  # about 200 requests a page, not one
