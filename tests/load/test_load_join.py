@@ -389,3 +389,36 @@ def test_fetch_keeps_only_checked_rows_page_by_page():
     assert log["malformed"]["requests"][0] == 2 and log["malformed"]["steps"][0] == 1
     summary = join([_result(0, 0.0, 0.1, request_id="q2")], log)
     assert summary["matched"] == 1 and len(summary["warnings"]) == 2
+
+
+def test_every_request_of_a_saturated_run_is_read_whole_and_explained():
+    """256 streams of 128 output tokens: each request spans ~130 steps of 256 rows. Read as bench reads it (pages
+    of the front end's bound, following `next`), every request comes whole and the join explains each one."""
+    import asyncio
+    from urllib.parse import parse_qsl, urlsplit
+
+    from infertrace.load.client.http_target import HttpTarget
+    from infertrace.server.frontend.request_log import read_args
+    from tests.engine.test_engine_request_log import saturated_log
+
+    server, ends = saturated_log(requests=512)
+    pages = []
+
+    class Transport:
+        async def request_json_sized(self, method, path, timeout_s, max_bytes):
+            answer = json.loads(json.dumps(server.read(**read_args(dict(parse_qsl(urlsplit(path).query))))))
+            pages.append(len(answer["requests"]))
+            return 200, answer, 0
+
+    log = asyncio.run(HttpTarget("http://x", "completions", "m", Transport()).fetch_request_log(0))
+    assert len(log["requests"]) == 512 and log["fetch_warnings"] == []
+    results = []
+    for index, rec in enumerate(log["requests"]):  # the client's clock is the server's; 1 ms each way
+        arrival, sampled = ends[rec["request_id"]]
+        t0 = rec["received"] - 0.001
+        gaps = [b - a for a, b in zip(sampled, sampled[1:])]
+        results.append(_result(index, t0, rec["first_output"] + 0.001 - t0, gaps, rec["request_id"]))
+    summary = join(results, log)
+    assert (summary["matched"], summary["explained"], summary["warnings"]) == (512, 512, [])
+    assert all(len(r.server["itl_steps"]) == 127 for r in results)
+    assert len(pages) < 10  # many requests a page, then the empty page that ends the read
