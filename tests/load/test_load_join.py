@@ -75,10 +75,11 @@ def _step(n, start, dur, kind="decode", prefill_tokens=0, prefill_rows=0, batch=
             "prefill_tokens": prefill_tokens, "prefill_rows": prefill_rows, "preempted": 0}
 
 
-def test_parts_add_up_and_gaps_name_their_steps():
-    # server = client + 100. The request waits behind step 0 (another request's 512-token prefill), is prefilled
-    # in two chunks (steps 1 and 3; step 2 it sat out), then decodes in step 4 (beside someone's 1,024-token
-    # prefill: a mixed step), is preempted at step 5, recomputed in step 6 and decodes in step 7.
+def _explainable():
+    """One request's record and the steps it rode, on a server clock 100 s ahead of the client's. The request
+    waits behind step 0 (another request's 512-token prefill), is prefilled in two chunks (steps 1 and 3; step 2 it
+    sat out), then decodes in step 4 (beside someone's 1,024-token prefill: a mixed step), is preempted at step 5,
+    recomputed in step 6 and decodes in step 7."""
     steps = [_step(0, 100.010, 0.020, "prefill", 512, 1, 1), _step(1, 100.030, 0.010, "prefill", 64, 1, 1),
              _step(2, 100.040, 0.005, "decode", 0, 0, 1), _step(3, 100.045, 0.010, "prefill", 32, 1, 1),
              _step(4, 100.055, 0.012, "mixed", 1024, 1, 2), _step(5, 100.067, 0.003),
@@ -87,9 +88,14 @@ def test_parts_add_up_and_gaps_name_their_steps():
            "first_output": 100.0560, "sent": 100.090, "finished": 100.083, "preempted": [5], "waiting_ahead": 1,
            "running_at_arrival": 1, "steps_complete": True,
            "steps": [[1, 64, 1, 0], [3, 32, 1, 1], [4, 1, 0, 1], [6, 97, 1, 1], [7, 1, 0, 1]]}
+    return rec, steps
+
+
+def test_parts_add_up_and_gaps_name_their_steps():
+    rec, steps = _explainable()
     r = _result(0, 0.0, ttft=0.0565, itl=[0.0125, 0.0150, 0.0050])
     summary = join([r], _log([rec], steps))
-    assert summary["matched"] == summary["explained"] == 1
+    assert summary["matched"] == summary["explained"] == 1 and summary["warnings"] == []
     assert summary["offset_ms"] == pytest.approx(100_000.0, abs=1.0)
     offset = summary["offset_ms"] / 1e3
     parts = r.server["ttft_parts"]
@@ -111,6 +117,18 @@ def test_unmatched_and_unexplainable_requests_are_counted_not_guessed():
     summary = join([a, b], _log([rec], []))
     assert (summary["requests"], summary["matched"], summary["explained"]) == (2, 1, 0)
     assert summary["offset_ms"] is None and b.server is None and "ttft_parts" not in a.server
+
+
+def test_requests_whose_steps_the_log_does_not_hold_whole_are_said_so():
+    rec, steps = _explainable()
+    cut = {**rec, "request_id": "q1", "steps_complete": False}
+    a = _result(0, 0.0, ttft=0.0565, itl=[0.0125, 0.0150, 0.0050])
+    b = _result(1, 0.0, ttft=0.0565, itl=[0.0125, 0.0150, 0.0050])
+    summary = join([a, b], _log([rec, cut], steps))
+    assert (summary["matched"], summary["explained"]) == (2, 1)
+    assert "ttft_parts" not in b.server and "itl_steps" not in b.server
+    [warning] = summary["warnings"]
+    assert warning.startswith("1 of 2 matched requests have steps the server's request log no longer held")
 
 
 def test_the_bundled_engine_in_process_is_joined_on_one_clock(tiny_model_dir, tmp_path):

@@ -100,7 +100,14 @@ def join(results: list[RequestResult], log: dict, warmup: list[RequestResult] = 
     for r, rec in matched:
         r.server = explain(r, rec, steps, offset.offset_s if usable else None, index)
     explained = sum(r.server is not None and r.server.get("ttft_parts") is not None for r in results)
-    summary = {"source": source, "requests": len(results), "matched": sum(r.server is not None for r in results),
+    matched_measured = [by_id[r.request_id] for r in results if r.request_id is not None and r.request_id in by_id]
+    partial = sum(rec.get("steps_complete") is False for rec in matched_measured)
+    if partial:
+        # otherwise a short count of explained requests would not say why
+        warnings.append(f"{partial:,} of {len(matched_measured):,} matched requests have "
+                        "steps the server's request log no longer held (its step ring had moved past them) or did "
+                        "not send whole; their TTFT is not split into parts")
+    summary = {"source": source, "requests": len(results), "matched": len(matched_measured),
                "explained": explained, "warnings": warnings,
                "offset_ms": None, "offset_error_ms": None, "offset_pairs": 0, "offset_consistent": None}
     if offset is not None:
