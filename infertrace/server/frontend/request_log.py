@@ -21,8 +21,9 @@ MAX_REQUEST_ID_CHARS = 128
 # letters, digits and the punctuation of UUIDs, ULIDs and the ids load generators build (vLLM's "cmpl-..." too)
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,%d}" % MAX_REQUEST_ID_CHARS)
 # One answer's bounds. The engine builds it between two steps, so a page must cost about what a step costs, however
-# full the log: with 64 streams of 200 tokens, a page of 1 MiB (an upper bound of its JSON, here 0.35 MB) took 15-21
-# ms to build on a CPU core, one of 4 MiB 140-260 ms. A reader follows `next` for the rest.
+# full the log: on a CPU core, a page of 1 MiB (an upper bound of its JSON) took 12 ms with 64 streams of 200
+# tokens (128 whole requests, 0.55 MB) and 16 ms at 256 streams of 128 tokens (199 requests, 0.50 MB); one of 4 MiB
+# 26 and 54 ms. A reader follows `next` for the rest.
 MAX_PAGE_REQUESTS = 1_000
 MAX_PAGE_BYTES = 1 << 20
 MAX_SEQ = (1 << 63) - 1  # a cursor beyond any log (and beyond what crosses to the engine process)
