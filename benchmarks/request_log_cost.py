@@ -13,9 +13,8 @@ round each first), on one torch thread; each round's output tokens per second (w
 token (process time, which a busy shared host disturbs far less than the wall clock) are printed, then the medians
 and their ratios.
 With --serve, two `infertrace serve` processes of the model, the log on and off, take closed-loop rounds in turn
-(on off, off on, ...) of --requests streamed completions at --streams in flight, after one warm-up round each. The
-model's forward pass is replaced by a fixed table of logits in the engine process, so a step costs what the
-engine's host work costs (scheduling, inputs, sampling, detokenizing, the log) and not the model's on this CPU.
+(on off, off on, ...) of --requests streamed completions at --streams in flight, after one warm-up round each (the
+tiny model keeps the model's share of a step small on a CPU; the servers run unchanged).
 Each round prints the CPU seconds per request of the front end and of the engine process (utime + stime of
 /proc/PID/stat, read just before the first request and after the last), then the medians with their range.
 With --watch, a running server's CPU and finished requests are sampled into a file until SIGTERM (watch_server).
@@ -107,31 +106,6 @@ def engine_rounds(model_dir: str, rounds: int, prompts: int, input_len: int, out
             "cpu_ms_per_token_off": cpu_off, "cpu_on_over_off": cpu_on / cpu_off, "rounds": rounds}
 
 
-# The engine process is spawned: it imports this file again as "__mp_main__", and there (only there: the front end
-# never loads torch) the forward pass is replaced when the server was started by `serve_rounds`.
-STAND_IN_ENV = "INFERTRACE_BENCH_STAND_IN_FORWARD"
-
-
-def _stand_in_forward(self, inputs, input_ids, positions, meta, logits_indices):
-    """The model runner's forward without the model: rows of a fixed table of logits over the first 1,024 token ids
-    (argmax over the whole vocabulary would be the model's cost too, on a CPU), one per request that samples."""
-    rows = logits_indices.numel()
-    if not rows:
-        return None
-    table = getattr(self, "_stand_in_logits", None)
-    if table is None or table.shape[0] < rows:
-        import torch
-
-        table = self._stand_in_logits = torch.randn(max(rows, 256), 1024, generator=torch.Generator().manual_seed(0))
-    return table[:rows]
-
-
-if __name__ == "__mp_main__" and os.environ.get(STAND_IN_ENV) == "1":
-    from infertrace.engine.model_runner import ModelRunner
-
-    ModelRunner.forward = _stand_in_forward
-
-
 def server_cpu_s(frontend_pid: int, engine_pid: int) -> dict[str, float]:
     """CPU seconds (utime + stime, every thread) so far of a server's front end alone and of its engine process
     with the engine's own children (tensor-parallel ranks)."""
@@ -165,13 +139,13 @@ async def _round(session, url: str, model: str, prompts: list[list[int]], output
 
 
 def _start_server(model_dir: str, port: int, log_on: bool, out_dir: str) -> tuple[subprocess.Popen, str]:
-    args = [sys.executable, os.path.abspath(__file__), "--serve-child", "serve", "--model", model_dir, "--port",
+    args = [sys.executable, "-c", "from infertrace.cli import main; main()", "serve", "--model", model_dir, "--port",
             str(port), "--served-model-name", "m", "--max-queue", "100000"]
     if not log_on:
         args += ["--request-log-size", "0"]
     log_path = os.path.join(out_dir, f"server-{'on' if log_on else 'off'}.log")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, STAND_IN_ENV: "1"})
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -276,12 +250,6 @@ def main() -> None:
     parser.add_argument("--watch", metavar="URL", help="sample a running server's CPU into --watch-out until SIGTERM")
     parser.add_argument("--watch-out", default="server_cpu.jsonl")
     parser.add_argument("--watch-period", type=float, default=0.2)
-    if sys.argv[1:2] == ["--serve-child"]:  # a server of --serve: this file is its main module (see STAND_IN_ENV)
-        from infertrace.cli import main as cli
-
-        sys.argv = ["infertrace", *sys.argv[2:]]
-        cli()
-        return
     args = parser.parse_args()
     if args.watch:
         watch_server(args.watch, args.watch_out, args.watch_period)
