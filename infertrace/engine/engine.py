@@ -14,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
+from array import array
 from pathlib import Path
+
+import numpy as np
 
 from infertrace.engine.annotate import annotate, step_range_name
 from infertrace.engine.block_manager import BlockManager
@@ -209,11 +212,9 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt, self.vocab_size)
         if not token_ids:
             raise ValueError("prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; the maximum context is {self.max_model_len}")
         seq = Sequence(request_id, token_ids, params, arrival=self._arrivals)
@@ -223,8 +224,6 @@ class Engine:
         if params.seed is not None:
             seq.generator = self.runner.sampler.make_generator(params.seed)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
-        if self.config.prefix_caching and len(seq) > self.config.block_size:
-            seq.block_hash((len(seq) - 1) // self.config.block_size - 1, self.config.block_size)  # hash up front
         self._requests[request_id] = seq
         if self.request_log is not None:
             self.request_log.arrived(request_id, time.perf_counter(), len(token_ids), len(self.scheduler.waiting),
@@ -629,3 +628,17 @@ def _eos_token_ids(model_dir: Path, hf_config: dict, tokenizer) -> frozenset[int
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
 
+
+def _token_ids(prompt: list[int], vocab_size: int) -> list[int]:
+    """A prompt's token ids as Python ints, each checked to be an integer in [0, vocab_size): through a 64-bit array,
+    which refuses anything that is not an integer, at a tenth of the cost of checking them one by one."""
+    message = f"prompt token ids must be integers in [0, {vocab_size})"
+    try:
+        ids = array("q", prompt)
+    except (TypeError, OverflowError):
+        raise ValueError(message) from None
+    if ids:
+        values = np.frombuffer(ids, dtype=np.int64)
+        if values.min() < 0 or values.max() >= vocab_size:
+            raise ValueError(message)
+    return ids.tolist()

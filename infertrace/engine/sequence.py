@@ -73,14 +73,20 @@ class Sequence:
         return self.token_ids[index * block_size : (index + 1) * block_size]
 
     def block_hash(self, index: int, block_size: int) -> int:
-        """Hash of full block `index`, chained with the hashes of all blocks before it."""
-        while len(self._block_hashes) <= index:
-            i = len(self._block_hashes)
-            tokens = self.token_ids[i * block_size : (i + 1) * block_size]
-            assert len(tokens) == block_size, "only full blocks are hashed"
-            prev = self._block_hashes[-1] if self._block_hashes else 0
-            self._block_hashes.append(xxhash.xxh3_64_intdigest(prev.to_bytes(8, "little") + array("q", tokens).tobytes()))
-        return self._block_hashes[index]
+        """Hash of full block `index`, chained with the hashes of all blocks before it. Computed when first asked
+        for: a prompt's lookup stops at its first block the cache lacks, and the rest are hashed when published,
+        after the step that computes them is queued."""
+        hashes = self._block_hashes
+        first = len(hashes)
+        if first <= index:
+            assert (index + 1) * block_size <= len(self.token_ids), "only full blocks are hashed"
+            raw = array("q", self.token_ids[first * block_size : (index + 1) * block_size]).tobytes()
+            width = 8 * block_size
+            prev = hashes[-1] if hashes else 0
+            for at in range(0, len(raw), width):
+                prev = xxhash.xxh3_64_intdigest(prev.to_bytes(8, "little") + raw[at : at + width])
+                hashes.append(prev)
+        return hashes[index]
 
     def reset_for_recompute(self) -> None:
         """Forget KV state after preemption; the tokens stay and are recomputed when rescheduled."""

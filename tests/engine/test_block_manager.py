@@ -140,3 +140,22 @@ def test_random_workload_never_double_allocates():
         bm.free(s)
     assert bm.num_free_blocks == 64
     bm.check_consistency([])
+
+
+def test_block_hashes_are_chained_and_computed_when_first_asked_for():
+    """Hashing blocks in one go (as a lookup or a publish asks for several) gives the chain of hashing them one at
+    a time; a prompt that misses the cache at its first block has only that block hashed before it runs."""
+    tokens = [random.Random(3).randrange(1000) for _ in range(8 * BS + 2)]
+    one_by_one, in_one_go = seq(tokens), seq(tokens)
+    chain = [one_by_one.block_hash(i, BS) for i in range(8)]
+    assert in_one_go.block_hash(5, BS) == chain[5] and in_one_go.block_hash(7, BS) == chain[7]
+    assert [in_one_go.block_hash(i, BS) for i in range(8)] == chain and len(set(chain)) == 8
+    assert seq(tokens[:BS] + [t + 1 for t in tokens[BS:]]).block_hash(7, BS) != chain[7]  # a later block differs
+
+    bm = BlockManager(16, BS)
+    fresh = seq(tokens, "fresh")
+    assert bm.match_prefix(fresh) == [] and len(fresh._block_hashes) == 1
+    admit(bm, fresh)
+    assert len(fresh._block_hashes) == 8  # published: every full block hashed
+    again = seq(tokens, "again")
+    assert bm.match_prefix(again) == fresh.block_table[:8]

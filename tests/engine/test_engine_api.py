@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from infertrace.engine import Engine, EngineConfig, SamplingParams
@@ -115,6 +116,21 @@ def test_bad_requests(make_engine):
         engine.add_request("b", [], SamplingParams())
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request("c", [151936], SamplingParams())
+    for bad in ([1, -1], [1, 2.0], [1, "2"], [1, None], [2**64]):
+        with pytest.raises(ValueError, match=r"prompt token ids must be integers in \[0, 151936\)"):
+            engine.add_request("d", bad, SamplingParams())
+    assert engine.unfinished_request_ids() == ["a"]  # nothing refused was kept
+
+
+def test_prompt_ids_are_kept_as_python_ints(make_engine):
+    """Any integers the caller passes (numpy's too) become plain ints, the type every later step and message
+    expects; the prefix cache hashes them alike."""
+    engine = make_engine(kv_cache_tokens=1024)
+    engine.add_request("a", np.arange(40, dtype=np.int32), SamplingParams())
+    engine.add_request("b", list(range(40)), SamplingParams())
+    a, b = (engine._requests[r] for r in ("a", "b"))
+    assert a.token_ids == b.token_ids == list(range(40)) and all(type(t) is int for t in a.token_ids)
+    assert a.block_hash(1, 16) == b.block_hash(1, 16)
 
 
 def test_step_stats_and_counters(make_engine, run_engine, make_prompts):
