@@ -143,14 +143,16 @@ def _in_effect(config: dict, tuning: dict, device: str, machine: Machine) -> dic
 
 def _auto_attention(config: dict, tuning: dict, machine: Machine) -> str:
     """What `attention_backend=auto` runs on `machine` (engine/attention.py's `make_attention_backend`)."""
-    from infertrace.engine.attention import flash_prefill_rule
+    from infertrace.engine.attention import flash_blocker, flash_prefill_rule
 
     chosen = tuning.get("flash_prefill_from")
     if chosen is None and machine.capability is not None:
         chosen = flash_prefill_rule(machine.capability)
-    runs_flash = (chosen not in (None, "off") and machine.capability is not None and machine.capability >= HOPPER
-                  and config["kv_cache_dtype"] == "auto" and config["attention"] == "batched"
-                  and config["dtype"] != "float32" and importlib.util.find_spec("flash_attn") is not None)
+    dtype = None if config["dtype"] == "auto" else config["dtype"]  # the checkpoint's, not read here
+    runs_flash = (chosen not in (None, "off") and machine.capability is not None
+                  and flash_blocker("cuda", machine.capability, dtype, config["kv_cache_dtype"],
+                                    config["attention"]) is None
+                  and importlib.util.find_spec("flash_attn") is not None)
     return f"triton, flash for prefill and mixed steps of {chosen}+ tokens" if runs_flash else "triton"
 
 

@@ -253,21 +253,32 @@ def load_flash_attn():
 
 def check_flash_supported(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
     """ValueError naming the first thing that keeps the flash backend from running on `device`."""
-    if device.type != "cuda":
-        raise ValueError(f"attention_backend='flash' needs a CUDA device; this engine runs on {device.type}")
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        raise ValueError(f"attention_backend='flash' needs a Hopper or later GPU (compute capability 9.0+); "
-                         f"this one is {major}.{minor}: use 'triton'")
-    if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"attention_backend='flash' runs in bfloat16 or float16, not {str(dtype).split('.')[-1]}: "
-                         f"use dtype=bfloat16 or attention_backend='triton'")
-    if config.kv_cache_dtype != "auto":
-        raise ValueError(f"attention_backend='flash' reads a cache of the model's dtype; "
-                         f"kv_cache_dtype={config.kv_cache_dtype!r} needs attention_backend='triton'")
-    if config.attention != "batched":
-        raise ValueError("attention_backend='flash' computes the whole batch in one call: attention='looped' needs "
-                         "attention_backend='triton' or 'torch'")
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    reason = flash_blocker(device.type, capability, str(dtype).split(".")[-1], config.kv_cache_dtype, config.attention)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def flash_blocker(device_type: str, capability: tuple[int, int] | None, dtype: str | None, kv_cache_dtype: str,
+                  attention: str) -> str | None:
+    """The first thing that keeps the flash backend from running under these settings, in a sentence; None when
+    nothing does (whether flash-attn-4 is installed is asked elsewhere). `dtype`: the model's, None when not known
+    yet. Used where an engine starts (`check_flash_supported`) and where `ablate` says what `auto` resolves to."""
+    if device_type != "cuda":
+        return f"attention_backend='flash' needs a CUDA device; this engine runs on {device_type}"
+    if capability is not None and capability[0] < 9:
+        return (f"attention_backend='flash' needs a Hopper or later GPU (compute capability 9.0+); "
+                f"this one is {capability[0]}.{capability[1]}: use 'triton'")
+    if dtype is not None and dtype not in ("bfloat16", "float16"):
+        return (f"attention_backend='flash' runs in bfloat16 or float16, not {dtype}: use dtype=bfloat16 or "
+                f"attention_backend='triton'")
+    if kv_cache_dtype != "auto":
+        return (f"attention_backend='flash' reads a cache of the model's dtype; kv_cache_dtype={kv_cache_dtype!r} "
+                f"needs attention_backend='triton'")
+    if attention != "batched":
+        return ("attention_backend='flash' computes the whole batch in one call: attention='looped' needs "
+                "attention_backend='triton' or 'torch'")
+    return None
 
 
 class FlashAttention:
