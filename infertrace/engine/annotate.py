@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 
@@ -21,17 +20,37 @@ def _nvtx_pair() -> tuple[Callable[[str], object], Callable[[], object]] | None:
 _NVTX = _nvtx_pair()
 
 
-@contextmanager
-def annotate(name: str) -> Iterator[None]:
-    """A range named `name` for torch.profiler (record_function) and NVTX, when a tool is listening."""
-    if _NVTX is not None:
-        _NVTX[0](name)
-    try:
-        with torch.profiler.record_function(name):
-            yield
-    finally:
+_profiling = torch._C._autograd._profiler_enabled  # whether torch.profiler records this thread now
+
+
+class _Range:
+    __slots__ = ("name", "record")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.record = None
+
+    def __enter__(self) -> None:
         if _NVTX is not None:
-            _NVTX[1]()
+            _NVTX[0](self.name)
+        if _profiling():
+            self.record = torch.profiler.record_function(self.name)
+            self.record.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.record is not None:
+                self.record.__exit__(*exc)
+        finally:
+            if _NVTX is not None:
+                _NVTX[1]()
+
+
+def annotate(name: str) -> _Range:
+    """A range named `name` for torch.profiler (record_function) and NVTX, when a tool is listening. The torch.profiler
+    record is made only while a profiler records this thread (it records no other thread's ranges): a range costs
+    about 7 us of host time otherwise, and a step opens five or more."""
+    return _Range(name)
 
 
 def step_range_name(kind: str, batch_size: int, num_tokens: int, number: int | None = None) -> str:

@@ -6,6 +6,7 @@ import gzip
 import json
 import re
 
+import pytest
 import torch
 
 from infertrace.engine import SamplingParams
@@ -69,3 +70,23 @@ def test_gzip_export_is_readable(make_engine, tmp_path):
     with gzip.open(path) as f:
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
     assert "step[PREFILL bs=1 toks=3 #0]" in names and set(PHASES) <= names
+
+
+def test_ranges_reach_torch_profiler_only_while_it_records(monkeypatch):
+    """A range costs no torch.profiler record when no profiler records this thread; under one it is in the trace,
+    and an exception inside it passes through with the NVTX range closed."""
+    made = []
+    record_function = torch.profiler.record_function
+    monkeypatch.setattr(torch.profiler, "record_function", lambda name: made.append(name) or record_function(name))
+    pops = []
+    if annotate_module._NVTX is not None:
+        push, pop = annotate_module._NVTX
+        monkeypatch.setattr(annotate_module, "_NVTX", (push, lambda: pops.append(1) or pop()))
+    with annotate_module.annotate("idle"):
+        pass
+    assert made == []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with pytest.raises(KeyError), annotate_module.annotate("recorded"):
+            raise KeyError("inside")
+    assert made == ["recorded"] and "recorded" in {e.name for e in prof.events()}
+    assert len(pops) == (2 if annotate_module._NVTX is not None else 0)
