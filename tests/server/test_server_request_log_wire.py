@@ -1,5 +1,6 @@
-"""What the request log puts on the front end's link to the engine process: the front end's times of a request
-ride in front of a message sent anyway (never a write of their own), and nothing crosses for a log switched off."""
+"""What the request log and the server counters put on the front end's link to the engine process: the front end's
+times of a request and its counter updates ride in front of a message sent anyway, or go in one write at the end of
+a turn of the event loop; nothing of the log crosses for a log switched off."""
 
 from __future__ import annotations
 
@@ -50,3 +51,20 @@ async def test_no_stamps_cross_when_the_engine_keeps_no_log(serve_tiny):
         await asyncio.sleep(0.05)  # a turn of the event loop for anything still to go out
     kinds = [kind for w in writes for kind in w]
     assert "add" in kinds and "stamp" not in kinds, kinds
+
+
+async def test_a_request_takes_two_writes_its_counts_riding_them(serve_tiny):
+    """One request alone: its admission's count goes in front of its "add", and its end's counts (finished, no
+    longer in flight) and times go in one write: two writes where there were four. /metrics sees every count."""
+    async with serve_tiny(engine_process=True) as client:
+        writes = spy_on_writes(client.state.engine)
+        resp = await client.post("/v1/completions", json=BODY)
+        assert resp.status == 200
+        await resp.read()
+        await asyncio.sleep(0.05)  # the end's write goes at the end of the handler's turn of the event loop
+        assert writes == [["count", "add"], ["count", "stamp"]], writes
+        metrics = await (await client.get("/metrics")).text()
+    lines = metrics.splitlines()
+    success = [line for line in lines if line.startswith("infertrace:request_success_total{")]
+    assert any('finished_reason="length"' in line and line.endswith(" 1") for line in success), success
+    assert 'infertrace:num_requests_in_flight{model_name="tiny"} 0' in lines

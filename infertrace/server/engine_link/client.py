@@ -72,6 +72,7 @@ class ProcessEngine:
         self._heartbeat: asyncio.TimerHandle | None = None
         self._request_log = True  # whether the engine keeps a request log (from its info): else no stamps go
         self._stamps: list[list] = []  # [request id, times] of requests ended this turn of the event loop
+        self._counts: dict[str, int] = {}  # counter updates of this turn of the event loop, not yet sent
 
     async def connect(self) -> None:
         """Wait for the engine's handshake; EngineStartError if it ended instead."""
@@ -104,7 +105,7 @@ class ProcessEngine:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         if self._transport is not None:
-            self._send_stamps()
+            self._send_held()
             self._transport.close()
 
     # ----- requests -----
@@ -141,28 +142,43 @@ class ProcessEngine:
         return await self._call(ToEngine("call", name=name, args=args or {}))
 
     def count(self, deltas: dict[str, int]) -> None:
-        """Add to the server counters behind /metrics (kept in the engine process, shared by all front ends)."""
-        if self.error is None:
-            self._send(ToEngine("count", args=deltas))
+        """Add to the server counters behind /metrics (kept in the engine process, shared by all front ends). Like
+        the request log's times, updates never take a write of their own (see `_hold`)."""
+        if self.error is not None:
+            return
+        self._hold()
+        counts = self._counts
+        for name, delta in deltas.items():
+            counts[name] = counts.get(name, 0) + delta
 
     def stamp(self, request_id: str, times: dict[str, float]) -> None:
-        """The front end's times of a request, for the engine's request log (dropped when the engine keeps none).
-        They never take a write of their own: they go in front of the next message this front end sends (the
-        request's end sends its counter update right after), or at the end of this turn of the event loop, with
-        those of every other request that ended in it."""
+        """The front end's times of a request, for the engine's request log (dropped when the engine keeps none)."""
         if self.error is not None or not self._request_log:
             return
-        if not self._stamps:
-            asyncio.get_running_loop().call_soon(self._send_stamps)
+        self._hold()
         self._stamps.append([request_id, times])
 
-    def _send_stamps(self) -> None:
-        if self._stamps and self.error is None and self._transport is not None and not self._transport.is_closing():
-            self._transport.write(self._take_stamps())
+    def _hold(self) -> None:
+        """Counter updates and request times wait: they go in front of the next message this front end sends (a
+        request's counted admission rides its "add"), or in one write at the end of this turn of the event loop,
+        with everything else held in it (a request's end: its counts and its times)."""
+        if not self._stamps and not self._counts:
+            asyncio.get_running_loop().call_soon(self._send_held)
 
-    def _take_stamps(self) -> bytes:
-        stamps, self._stamps = self._stamps, []
-        return frame(ToEngine("stamp", args={"requests": stamps}))
+    def _send_held(self) -> None:
+        if (self._stamps or self._counts) and self.error is None and self._transport is not None \
+                and not self._transport.is_closing():
+            self._transport.write(self._take_held())
+
+    def _take_held(self) -> bytes:
+        data = b""
+        if self._counts:
+            counts, self._counts = self._counts, {}
+            data += frame(ToEngine("count", args=counts))
+        if self._stamps:
+            stamps, self._stamps = self._stamps, []
+            data += frame(ToEngine("stamp", args={"requests": stamps}))
+        return data
 
     # ----- plumbing -----
     async def _call(self, message: ToEngine) -> Any:
@@ -179,8 +195,8 @@ class ProcessEngine:
         if self.error is not None:
             raise self._dead()
         data = frame(message)
-        if self._stamps:  # in the same write, and before it: a request-log read sent now sees them
-            data = self._take_stamps() + data
+        if self._stamps or self._counts:  # in the same write, and before it: a read sent now sees them
+            data = self._take_held() + data
         self._transport.write(data)
 
     def _dead(self) -> EngineDeadError:
