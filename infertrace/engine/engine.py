@@ -634,7 +634,7 @@ def _token_ids(prompt: list[int], vocab_size: int) -> list[int]:
     which refuses anything that is not an integer, at a tenth of the cost of checking them one by one."""
     message = f"prompt token ids must be integers in [0, {vocab_size})"
     try:
-        ids = array("q", prompt)
+        ids = array("q", prompt if isinstance(prompt, list) else list(prompt))  # bytes would be read as raw data
     except (TypeError, OverflowError):
         raise ValueError(message) from None
     if ids:

@@ -128,8 +128,9 @@ def test_prompt_ids_are_kept_as_python_ints(make_engine):
     engine = make_engine(kv_cache_tokens=1024)
     engine.add_request("a", np.arange(40, dtype=np.int32), SamplingParams())
     engine.add_request("b", list(range(40)), SamplingParams())
-    a, b = (engine._requests[r] for r in ("a", "b"))
-    assert a.token_ids == b.token_ids == list(range(40)) and all(type(t) is int for t in a.token_ids)
+    engine.add_request("c", bytes(range(40)), SamplingParams())  # any iterable of ints, as list() reads it
+    a, b, c = (engine._requests[r] for r in ("a", "b", "c"))
+    assert a.token_ids == b.token_ids == c.token_ids == list(range(40)) and all(type(t) is int for t in a.token_ids)
     assert a.block_hash(1, 16) == b.block_hash(1, 16)
 
 
