@@ -1,6 +1,9 @@
 """The front end's tokenizer: the model directory's `tokenizer.json` through the Rust `tokenizers` library and its
 chat template through jinja2, without transformers (whose import loads torch into the front end).
 
+A long text is encoded in pieces at once, on the `tokenizers` thread pool, when the tokenizer provably reads the
+pieces as it reads the whole (`PieceCuts`): a 512-token prompt on a 2-core machine, 496 us whole, 287 us in two.
+
 Chat templates render in the environment transformers gives them (`render_jinja_template`, transformers 5.x): a
 sandbox with trim_blocks and lstrip_blocks, the loopcontrols extension, `raise_exception`, `strftime_now` and a
 `tojson` that does not escape HTML, with the special tokens of `tokenizer_config.json` as variables.
@@ -11,6 +14,8 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +35,20 @@ class FrontendTokenizer:
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.special_tokens = {key: _token_text(config.get(key)) for key in SPECIAL_TOKEN_KEYS}
         self.chat_template = _chat_template(model_dir, config)
+        self.cuts = PieceCuts.of(self.backend)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # the batch entry point releases the GIL while it works (the server tokenizes on a thread pool)
-        [encoding] = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)
-        return encoding.ids
+        pieces = self.cuts.pieces(text) if self.cuts is not None else [text]
+        if len(pieces) == 1:
+            [encoding] = self.backend.encode_batch_fast(pieces, add_special_tokens=add_special_tokens)
+            return encoding.ids
+        encodings = self.backend.encode_batch_fast(pieces, add_special_tokens=False)
+        if add_special_tokens and self.backend.num_special_tokens_to_add(False):
+            from tokenizers import Encoding
+
+            return self.backend.post_process(Encoding.merge(encodings), None, True).ids
+        return [i for encoding in encodings for i in encoding.ids]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -52,6 +66,66 @@ class FrontendTokenizer:
                                                    documents=kwargs.pop("documents", None),
                                                    add_generation_prompt=add_generation_prompt, **special, **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class PieceCuts:
+    """Where a long text may be cut so that its pieces, encoded apart, give the ids of the whole: before a space
+    that sits between two ASCII letters or digits.
+
+    That holds for byte-level BPE behind the GPT-2 split (ByteLevel with use_regex) or the Qwen2 and Llama-3
+    splits, under no normalizer or NFC. No alternative of those patterns matches a letter or digit followed by a
+    space, so a match always ends before that space, and the patterns look at no text before a match: the whole
+    and the pieces are split into the same matches. BPE merges only within a match, and NFC composes nothing
+    across a space. Added tokens that hold whitespace or strip it around them, and truncation or padding, would
+    see the pieces apart: with those there are no cuts (`of` gives None).
+    """
+
+    MIN_CHARS = 512  # each piece is about 120 tokens or more: the pool's handoff is a few us a piece
+    SPLITS = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+              "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",  # Qwen2 and Qwen3
+              "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+"
+              "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")  # Llama 3
+    _CUT = re.compile(r"[A-Za-z0-9] [A-Za-z0-9]")
+
+    def __init__(self, max_pieces: int) -> None:
+        self.max_pieces = max_pieces
+
+    @classmethod
+    def of(cls, backend: Any) -> PieceCuts | None:
+        def state(component: Any) -> Any:
+            return None if component is None else json.loads(component.__getstate__())
+
+        normalizer, pre = state(backend.normalizer), state(backend.pre_tokenizer)
+        if normalizer not in (None, {"type": "NFC"}) or backend.truncation or backend.padding:
+            return None
+        if any(any(c.isspace() for c in t.content) or t.lstrip or t.rstrip
+               for t in backend.get_added_tokens_decoder().values()):
+            return None
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False}
+        if not (_has(pre, byte_level, use_regex=True)
+                or (pre or {}).get("type") == "Sequence" and len(pre["pretokenizers"]) == 2
+                and _has(pre["pretokenizers"][1], byte_level, use_regex=False)
+                and _has(pre["pretokenizers"][0], {"type": "Split", "behavior": "Isolated", "invert": False})
+                and pre["pretokenizers"][0].get("pattern") in [{"Regex": p} for p in cls.SPLITS]):
+            return None
+        pieces = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return cls(pieces) if pieces > 1 else None
+
+    def pieces(self, text: str) -> list[str]:
+        n = min(self.max_pieces, len(text) // self.MIN_CHARS)
+        starts = [0]
+        for k in range(1, n):
+            m = self._CUT.search(text, max(len(text) * k // n, starts[-1] + 1))
+            if m is None:
+                break
+            starts.append(m.start() + 1)
+        if len(starts) == 1:
+            return [text]
+        return [text[a:b] for a, b in zip(starts, starts[1:] + [len(text)], strict=True)]
+
+
+def _has(component: Any, fields: dict, **more: Any) -> bool:
+    return isinstance(component, dict) and all(component.get(k) == v for k, v in {**fields, **more}.items())
 
 
 def _token_text(value: Any) -> str | None:
