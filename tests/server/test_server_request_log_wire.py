@@ -69,3 +69,38 @@ async def test_a_request_takes_two_writes_its_counts_riding_them(serve_tiny):
     success = [line for line in lines if line.startswith("infertrace:request_success_total{")]
     assert any('finished_reason="length"' in line and line.endswith(" 1") for line in success), success
     assert 'infertrace:num_requests_in_flight{model_name="tiny"} 0' in lines
+
+
+def test_a_first_token_is_handed_over_before_the_steps_direct_writes():
+    """A step's message wakes the handlers waiting for a first token before its direct (sink) writes go out, and a
+    stream with a sink keeps its outputs in order, its last one included, across messages of one turn."""
+    from infertrace.engine.outputs import OutputStream
+    from infertrace.server.engine_link.client import ProcessEngine, _Link
+    from infertrace.server.engine_link.messages import Delta, FromEngine, frame
+
+    def delta(request_id, text, finished=False):
+        return Delta(request_id, [1], text, finished, "length" if finished else None, 4, 1, 0)
+
+    async def main():
+        engine, seen = ProcessEngine(sock=None), []
+        streaming, starting = OutputStream(), OutputStream()
+        engine._streams.update({"streaming": streaming, "starting": starting})
+        streaming.sink = lambda out: not out.finished and (seen.append(("sink", out.new_text)) or True)
+
+        async def handler():
+            async for out in starting.drain():
+                seen.append(("handler", out.new_text))
+
+        async def reader():
+            async for out in streaming.drain():
+                seen.append(("reader", out.new_text))
+
+        tasks = [asyncio.create_task(handler()), asyncio.create_task(reader())]
+        await asyncio.sleep(0)
+        link = _Link(engine)  # one read that holds two steps' messages
+        link.data_received(frame(FromEngine("step", outputs=[delta("streaming", "a"), delta("starting", "first", True)]))
+                           + frame(FromEngine("step", outputs=[delta("streaming", "b"), delta("streaming", "end", True)])))
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        return seen
+
+    assert asyncio.run(main()) == [("handler", "first"), ("sink", "a"), ("sink", "b"), ("reader", "end")]

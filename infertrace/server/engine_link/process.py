@@ -452,10 +452,10 @@ class EngineLoop:
         engine = self.engine
         steps = engine.counters["steps"]
         outputs = engine.step()
+        if outputs:  # the tokens first: the step's metrics can wait for the front ends to have them
+            self._deliver(outputs)
         if engine.counters["steps"] != steps:
             self.services.on_step(engine.last_step)
-        if outputs:
-            self._deliver(outputs)
 
     def _deliver(self, outputs: list) -> None:
         """One message per front end with its requests' outputs, and the batch's size for admission control."""
