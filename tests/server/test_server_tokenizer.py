@@ -106,3 +106,21 @@ def _one_core():
     import os
 
     return len(os.sched_getaffinity(0)) == 1
+
+
+def test_the_server_cuts_only_texts_longer_than_its_bound():
+    from infertrace.server.frontend import state as state_module
+
+    asked = []
+
+    class Recording:
+        def encode(self, text, add_special_tokens=True, pieces=True):
+            asked.append((len(text), pieces))
+            return []
+
+    server = state_module.ServerState.__new__(state_module.ServerState)
+    server.tokenizer = Recording()
+    bound = state_module.PIECES_FROM_CHARS
+    for n in (bound, bound + 1):
+        server._encode("x" * n, add_special_tokens=True)
+    assert asked == [(bound, False), (bound + 1, True)]
