@@ -81,7 +81,9 @@ out, warmup = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 
 def cpu_per_request(path):
     """ms of CPU per finished request of the front end and of the engine, from the first sample after the warm-up
-    to the last one before the run's last request ended; None when the run left too few samples."""
+    to the last one before the run's last request ended; None when the run left too few samples, or when that
+    window finished fewer than half the run's requests: in a run as short as one burst of its streams (256 prompts
+    at 256 streams) the CPU of every request in flight would be divided among the few that ended in it."""
     try:
         lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except (OSError, ValueError):
@@ -94,6 +96,8 @@ def cpu_per_request(path):
     if first is None or last <= first or lines[last]["finished"] <= lines[first]["finished"]:
         return None
     n = lines[last]["finished"] - lines[first]["finished"]
+    if n < (final - base) / 2:
+        return None
     return {p: (lines[last][p] - lines[first][p]) / n * 1e3 for p in ("frontend", "engine")}
 
 
