@@ -232,5 +232,18 @@ class AsyncEngine:
 
 
 def _put_all(handoff: list[tuple[OutputStream, RequestOutput]]) -> None:
+    """A step's outputs, on the event loop. Those a stream's sink writes straight to its socket wait for the next
+    turn of the loop, so the handlers woken here (a first token) write first, as with the engine process."""
+    later = []
+    for stream, out in handoff:
+        if stream.sink is None:
+            stream.put(out)
+        else:
+            later.append((stream, out))
+    if later:
+        asyncio.get_running_loop().call_soon(_put_each, later)
+
+
+def _put_each(handoff: list[tuple[OutputStream, RequestOutput]]) -> None:
     for stream, out in handoff:
         stream.put(out)
