@@ -124,3 +124,14 @@ def test_the_server_cuts_only_texts_longer_than_its_bound():
     for n in (bound, bound + 1):
         server._encode("x" * n, add_special_tokens=True)
     assert asked == [(bound, False), (bound + 1, True)]
+
+
+def test_a_model_other_than_bpe_is_never_cut():
+    from tokenizers import models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert PieceCuts.of(backend) is None
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert PieceCuts.of(backend) is not None or _one_core()

@@ -74,7 +74,7 @@ class PieceCuts:
     """Where a long text may be cut so that its pieces, encoded apart, give the ids of the whole: before a space
     that sits between two ASCII letters or digits.
 
-    That holds for byte-level BPE behind the GPT-2 split (ByteLevel with use_regex) or the Qwen2 and Llama-3
+    That holds for a BPE model behind the GPT-2 byte-level split (ByteLevel with use_regex) or the Qwen2 and Llama-3
     splits, under no normalizer or NFC. No alternative of those patterns matches a letter or digit followed by a
     space, so a match always ends before that space, and the patterns look at no text before a match: the whole
     and the pieces are split into the same matches. BPE merges only within a match, and NFC composes nothing
@@ -99,6 +99,8 @@ class PieceCuts:
 
         normalizer, pre = state(backend.normalizer), state(backend.pre_tokenizer)
         if normalizer not in (None, {"type": "NFC"}) or backend.truncation or backend.padding:
+            return None
+        if type(backend.model).__name__ != "BPE":
             return None
         if any(any(c.isspace() for c in t.content) or t.lstrip or t.rstrip
                for t in backend.get_added_tokens_decoder().values()):
