@@ -17,7 +17,7 @@ from typing import Any
 
 from infertrace.engine.config import EngineConfig
 from infertrace.engine.engine import Engine
-from infertrace.engine.outputs import EngineDeadError, OutputStream, RequestOutput, StepStats
+from infertrace.engine.outputs import EngineDeadError, OutputStream, RequestOutput, StepStats, put_all
 from infertrace.engine.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
@@ -191,7 +191,7 @@ class AsyncEngine:
             if stream is not None:
                 handoff.append((stream, out))
         if handoff:
-            self._post(_put_all, handoff)
+            self._post(put_all, handoff)
 
     def _resolve(self, future: asyncio.Future | None, value: Any, failed: bool = False) -> None:
         if future is None:
@@ -230,20 +230,3 @@ class AsyncEngine:
         with self._stats_lock:
             self._stats = snap
 
-
-def _put_all(handoff: list[tuple[OutputStream, RequestOutput]]) -> None:
-    """A step's outputs, on the event loop. Those a stream's sink writes straight to its socket wait for the next
-    turn of the loop, so the handlers woken here (a first token) write first, as with the engine process."""
-    later = []
-    for stream, out in handoff:
-        if stream.sink is None:
-            stream.put(out)
-        else:
-            later.append((stream, out))
-    if later:
-        asyncio.get_running_loop().call_soon(_put_each, later)
-
-
-def _put_each(handoff: list[tuple[OutputStream, RequestOutput]]) -> None:
-    for stream, out in handoff:
-        stream.put(out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,3 +97,23 @@ class OutputStream:
             yield item
             if self.finished:
                 return
+
+
+def put_all(handoff: Iterable[tuple[OutputStream, Any]]) -> None:
+    """A step's outputs into their streams, on the event loop. Those a stream's sink writes straight to its socket
+    wait for the next turn of the loop, so the handlers woken here (a first token) write before them: each sink write
+    is a send of its own, and at a hundred streams a first token would otherwise wait for all of them. A stream's
+    outputs keep their order: while it has a sink, every one of them waits."""
+    later = []
+    for stream, item in handoff:
+        if stream.sink is None:
+            stream.put(item)
+        else:
+            later.append((stream, item))
+    if later:
+        asyncio.get_running_loop().call_soon(_put_each, later)
+
+
+def _put_each(handoff: list[tuple[OutputStream, Any]]) -> None:
+    for stream, item in handoff:
+        stream.put(item)

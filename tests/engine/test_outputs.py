@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from infertrace.engine.outputs import OutputStream, RequestOutput
+from infertrace.engine.outputs import OutputStream, RequestOutput, put_all
 
 
 def out(n: int, finished: bool = False) -> RequestOutput:
@@ -53,3 +53,29 @@ async def test_a_sink_takes_outputs_only_while_nothing_is_queued():
     stream.put(out(3, finished=True))  # something is queued: the sink is skipped to keep the order
     assert [o.new_token_ids[0] for o in taken] == [1, 2]
     assert [o.new_token_ids[0] async for o in stream.drain()] == [2, 3]
+
+
+async def test_a_handoff_wakes_first_token_handlers_before_its_sink_writes():
+    """A step's outputs that a sink writes straight to a socket wait for the next turn of the event loop, after the
+    handlers the step woke (the in-process engine and the engine process's client both hand over through put_all);
+    a stream keeps its order, its last output included."""
+
+    def delta(request_id, text, finished=False):
+        return RequestOutput(request_id=request_id, new_token_ids=[1], new_text=text, finished=finished,
+                             finish_reason="length" if finished else None, num_prompt_tokens=4,
+                             num_output_tokens=1, num_cached_tokens=0)
+
+    seen = []
+    streaming, starting = OutputStream(), OutputStream()
+    streaming.sink = lambda o: not o.finished and (seen.append(("sink", o.new_text)) or True)
+
+    async def read(stream, name):
+        async for o in stream.drain():
+            seen.append((name, o.new_text))
+
+    tasks = [asyncio.create_task(read(starting, "handler")), asyncio.create_task(read(streaming, "reader"))]
+    await asyncio.sleep(0)
+    put_all([(streaming, delta("s", "a")), (starting, delta("f", "first", True))])
+    put_all([(streaming, delta("s", "b")), (streaming, delta("s", "end", True))])
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert seen == [("handler", "first"), ("sink", "a"), ("sink", "b"), ("reader", "end")]

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from infertrace.engine.outputs import EngineDeadError, OutputStream
+from infertrace.engine.outputs import EngineDeadError, OutputStream, put_all
 from infertrace.server.engine_link.messages import (
     FrameError,
     FrameReader,
@@ -73,11 +73,6 @@ class ProcessEngine:
         self._request_log = True  # whether the engine keeps a request log (from its info): else no stamps go
         self._stamps: list[list] = []  # [request id, times] of requests ended this turn of the event loop
         self._counts: dict[str, int] = {}  # counter updates of this turn of the event loop, not yet sent
-        # Outputs that a stream's sink writes straight to its socket wait for the next turn of the event loop: the
-        # handlers woken by a read's messages (a first token, a handler's own output) write before them.
-        # Each sink write is a send of its own, so at a few hundred streams a first token would otherwise wait
-        # for all of them. A stream's outputs keep their order: while it has a sink, every one of them waits here.
-        self._later: list[tuple[OutputStream, Any]] = []
 
     async def connect(self) -> None:
         """Wait for the engine's handshake; EngineStartError if it ended instead."""
@@ -213,15 +208,8 @@ class ProcessEngine:
         kind = msg.kind
         if kind == "step":
             self._stats = msg.stats or self._stats
-            streams, later = self._streams, self._later
-            for delta in msg.outputs:
-                stream = streams.get(delta.request_id)
-                if stream is None:
-                    continue
-                if stream.sink is None:
-                    stream.put(delta)
-                else:
-                    later.append((stream, delta))
+            streams = self._streams
+            put_all((stream, delta) for delta in msg.outputs if (stream := streams.get(delta.request_id)) is not None)
         elif kind == "reply":
             future = self._calls.get(msg.call_id)
             if future is not None and not future.done():
@@ -249,11 +237,6 @@ class ProcessEngine:
             self._die(why if self._starting() else f"the engine loop failed: {why}")
         elif kind == "dropped":  # this front end fell too far behind: the engine goes on without it
             self._die(f"the engine dropped this front end: {(msg.error or {}).get('message', 'no reason given')}")
-
-    def _put_later(self) -> None:
-        later, self._later = self._later, []
-        for stream, delta in later:
-            stream.put(delta)
 
     def _starting(self) -> bool:
         return self._ready is not None and not self._ready.done()
@@ -293,11 +276,8 @@ class _Link(asyncio.Protocol):
         except (FrameError, ValueError) as e:
             self.engine._die(f"the engine sent a malformed message: {e}")
             return
-        engine = self.engine
         for msg in messages:
-            engine._receive(msg)
-        if engine._later:  # after the wake-ups of the handlers these messages woke
-            asyncio.get_running_loop().call_soon(engine._put_later)
+            self.engine._receive(msg)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.engine._closing:
