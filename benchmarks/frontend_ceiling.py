@@ -55,6 +55,9 @@ class StandInEngine:
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def plan_delay(self) -> float:
+        return 0.0  # no step in flight: the next is planned at once
+
     def step(self):
         started = time.perf_counter()
         while self.waiting and len(self.running) < self.max_num_seqs:

@@ -121,22 +121,26 @@ class AsyncEngine:
         stop: tuple | None = None
         while True:
             try:
+                self._wake.clear()  # set again by any command put from here on, which the drain may not see
                 stop = self._drain(stop)
                 if stop is not None and not engine.has_unfinished():
                     self._resolve(stop[2], None)
                     return
-                if engine.has_unfinished():
-                    steps = engine.counters["steps"]
-                    outputs = engine.step()
-                    # stats and callbacks first: whoever sees an output also sees the step that produced it
-                    self._snapshot()
-                    if engine.counters["steps"] != steps:
-                        for callback in self._callbacks:
-                            callback(engine.last_step)
-                    self._deliver(*outputs)
-                else:
+                if not engine.has_unfinished():
                     self._wake.wait()
-                    self._wake.clear()
+                    continue
+                # with a step in flight, new requests are taken until the next must be planned (pace.py)
+                delay = engine.plan_delay()
+                if delay > 0 and self._wake.wait(delay):
+                    continue
+                steps = engine.counters["steps"]
+                outputs = engine.step()
+                # stats and callbacks first: whoever sees an output also sees the step that produced it
+                self._snapshot()
+                if engine.counters["steps"] != steps:
+                    for callback in self._callbacks:
+                        callback(engine.last_step)
+                self._deliver(*outputs)
             except BaseException as exc:  # the loop must never die silently: every waiter hears of it
                 log.exception("the engine loop failed")  # once, here: its waiters each get a one-line error
                 self._error = exc

@@ -38,6 +38,7 @@ from infertrace.engine.offload.kv_offload import COUNTER_NAMES as OFFLOAD_COUNTE
 from infertrace.engine.offload.kv_offload import KVOffload
 from infertrace.engine.offload.long_context import ring_budget_tokens
 from infertrace.engine.outputs import RequestOutput, StepStats
+from infertrace.engine.pace import StepPace
 from infertrace.engine.parallel import SINGLE, TensorParallel, check_divisible
 from infertrace.engine.request_log import RequestLog
 from infertrace.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -148,6 +149,7 @@ class Engine:
         # with more ranks, rank 0 broadcasts each step's tokens on the device: the next step may be fed from them
         self.runner.share_tokens = self._async and config.tensor_parallel_size > 1
         self._inflight: _Step | None = None
+        self._pace = StepPace() if self._async else None  # when to plan the step after the one in flight
         self._grammars = None  # built by the first request with a grammar
         self._profiler = None
         # each request's life by id (arrival, the steps it rode, its end): always on, bounded, read by the server
@@ -269,7 +271,10 @@ class Engine:
         """
         prev, self._inflight = self._inflight, None
         if prev is not None:
+            entered = time.perf_counter()
             self._inflight = self._launch_overlapped(prev)
+            if self._inflight is not None:
+                self._pace.lead(self._inflight.launched_at - entered)
             return self._complete(prev)
         if not self.scheduler.has_unfinished():
             return []
@@ -296,6 +301,20 @@ class Engine:
                 self._inflight = step
                 return []
             return self._complete(step)  # inside the step's range: its offload stores belong to it
+
+    def plan_delay(self) -> float:
+        """Seconds the caller may go on taking new requests before its next step() call.
+
+        With async scheduling, that call plans the step after the one in flight; planned as late as the host's lead
+        allows before the device finishes the step in flight, it takes the requests that arrived meanwhile (pace.py).
+        0 when the call should come now: no step in flight, a request already waiting, or no estimate yet.
+        """
+        step = self._inflight
+        if step is None or step.launched is None or self.scheduler.waiting:
+            return 0.0
+        plan = step.plan
+        at = self._pace.plan_at(StepPace.key(plan.kind, plan.num_tokens), step.launched_at)
+        return 0.0 if at is None else max(0.0, at - time.perf_counter())
 
     def _launch(self, step: _Step, ahead: _Step | None = None, rows: dict[Sequence, int] | None = None) -> None:
         """Apply the step's plan and queue its forward (a long-context step runs to the end), inside the caller's
@@ -325,6 +344,7 @@ class Engine:
             feed = (ahead.launched.tokens, inputs, sources) if inputs else None
         try:
             step.launched = self.runner.launch(plan, feed)
+            step.launched_at = time.perf_counter()
         except RuntimeError as exc:
             if self.other_ranks is not None:
                 self.other_ranks.explain(exc)  # a rank that died mid-step: name it
@@ -389,6 +409,8 @@ class Engine:
         """Wait for a step's tokens, hand them to their requests, and record the step."""
         plan = step.plan
         tokens = step.launched.results() if step.launched is not None else step.tokens
+        if self._pace is not None and step.launched is not None:
+            self._pace.completed(StepPace.key(plan.kind, plan.num_tokens), step.launched_at, time.perf_counter())
         if not step.computed:
             step.published = self.scheduler.update_computed(plan)
         if step.published and self.offload is not None and self.offload.prefix is not None:
@@ -564,6 +586,7 @@ class _Step:
     offload_before: dict | None
     queried: int  # prompt tokens of admitted requests looked up in the prefix cache
     launched: LaunchedStep | None = None
+    launched_at: float = 0.0  # when its launch returned (perf_counter)
     tokens: list[int | None] | None = None  # a long-context step's tokens (it runs synchronously)
     computed: bool = False  # update_computed already applied (the next step was planned before this one ended)
     published: list = dataclasses.field(default_factory=list)

@@ -529,6 +529,9 @@ class _ScriptedEngine:
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
+    def plan_delay(self) -> float:
+        return 0.0  # no step in flight: the next is planned at once
+
     def add_request(self, request_id, prompt, params, label=None) -> None:
         with self.lock:
             if request_id in self.running:

@@ -67,6 +67,9 @@ MAX_SILENCE_ENV = "INFERTRACE_MAX_SILENCE_S"  # overrides MAX_SILENCE_S, read wh
 PROFILE_CALLS = ("start_profile", "stop_profile")
 # How long front ends dropped before the last live one left still get to take why, before the engine process exits.
 FAREWELL_S = 5.0
+# The last part of a wait for new requests that polls the sockets instead of sleeping in epoll (whole milliseconds):
+# a step is planned within microseconds of its deadline, at the cost of a core's busy wait as long as this at most.
+SPIN_S = 1e-3
 # What a model load raises for what it was given (a setting, a file, a value too large for a tensor's size), not
 # for a failure of its own (out of memory, a device error).
 BAD_INPUT_ERRORS = (ValueError, TypeError, OverflowError, OSError)
@@ -230,13 +233,14 @@ class EngineLoop:
         engine = self.engine
         try:
             while self.peers:
-                timeout = 0 if engine.has_unfinished() else None
+                # with a step in flight, new requests are taken until the next must be planned (pace.py)
+                timeout = engine.plan_delay() if engine.has_unfinished() else None
                 dues = [peer.leave_by for peer in self.leaving.values()]
                 dues += [peer.heard + self.max_silence_s for peer in self.peers.values() if self._watched(peer)]
                 if dues:  # idle, the loop still wakes to judge silence and farewells
                     due = min(dues) - time.monotonic()
                     timeout = max(0.0, min(due, timeout if timeout is not None else due))
-                for key, events in self.selector.select(timeout=timeout):
+                for key, events in self._select(timeout):
                     peer = key.data
                     if events & selectors.EVENT_WRITE:
                         self._flush(peer)
@@ -253,6 +257,18 @@ class EngineLoop:
             log.exception("the engine loop failed")
             self._tell_all(FromEngine("dead", error={"message": f"{type(e).__name__}: {e}"}))
             return 1
+
+    def _select(self, timeout: float | None) -> list:
+        """The selector's events within `timeout` seconds (None: until one comes). epoll waits whole milliseconds,
+        rounded up, and a step's planning deadline is finer than that: the last SPIN_S of a wait polls."""
+        if timeout is None or timeout <= 0:
+            return self.selector.select(timeout)
+        end = time.perf_counter() + timeout
+        if timeout > SPIN_S and (events := self.selector.select(timeout - SPIN_S)):
+            return events
+        while not (events := self.selector.select(0)) and time.perf_counter() < end:
+            pass
+        return events
 
     def _farewell(self) -> None:
         """Every live front end is gone: the ones dropped before get the rest of their farewell time to take why,
