@@ -201,6 +201,28 @@ def test_the_in_process_engine_plans_a_new_request_into_the_step_after_the_runni
     assert _first_step(engine, "b") == device.running_at(sent) + 1
 
 
+def test_only_a_wait_for_a_step_s_plan_polls_its_last_stretch(monkeypatch):
+    """The loop's wait for a planning deadline polls its last SPIN_S (epoll rounds to whole milliseconds); a wait
+    for a silence or farewell deadline sleeps all the way, spending no CPU."""
+    from infertrace.server.engine_link import process
+
+    monkeypatch.setattr(process, "SPIN_S", 0.05)  # long enough to tell polling from sleeping in CPU time
+    ours, theirs = socket.socketpair()
+    loop = process.EngineLoop(None, _Services(), [theirs])
+    try:
+        spent = {}
+        for exact in (False, True):
+            cpu, wall = time.thread_time(), time.perf_counter()
+            assert loop._select(0.06, exact=exact) == []  # nothing sent: the whole wait runs
+            spent[exact] = time.thread_time() - cpu
+            assert time.perf_counter() - wall >= 0.06
+    finally:
+        ours.close()
+        theirs.close()
+    assert spent[False] < 0.005, spent
+    assert spent[True] > 0.01, spent  # most of the 50 ms polled (less only if the thread was held off its core)
+
+
 class _Services:
     def on_step(self, step) -> None:
         pass

@@ -234,13 +234,13 @@ class EngineLoop:
         try:
             while self.peers:
                 # with a step in flight, new requests are taken until the next must be planned (pace.py)
-                timeout = engine.plan_delay() if engine.has_unfinished() else None
+                plan = timeout = engine.plan_delay() if engine.has_unfinished() else None
                 dues = [peer.leave_by for peer in self.leaving.values()]
                 dues += [peer.heard + self.max_silence_s for peer in self.peers.values() if self._watched(peer)]
                 if dues:  # idle, the loop still wakes to judge silence and farewells
                     due = min(dues) - time.monotonic()
                     timeout = max(0.0, min(due, timeout if timeout is not None else due))
-                for key, events in self._select(timeout):
+                for key, events in self._select(timeout, exact=timeout == plan):
                     peer = key.data
                     if events & selectors.EVENT_WRITE:
                         self._flush(peer)
@@ -258,10 +258,11 @@ class EngineLoop:
             self._tell_all(FromEngine("dead", error={"message": f"{type(e).__name__}: {e}"}))
             return 1
 
-    def _select(self, timeout: float | None) -> list:
+    def _select(self, timeout: float | None, exact: bool) -> list:
         """The selector's events within `timeout` seconds (None: until one comes). epoll waits whole milliseconds,
-        rounded up, and a step's planning deadline is finer than that: the last SPIN_S of a wait polls."""
-        if timeout is None or timeout <= 0:
+        rounded up, and a step's planning deadline is finer than that: the last SPIN_S of an `exact` wait polls.
+        A wait for a silence or farewell deadline is not exact: a millisecond late there costs no step."""
+        if timeout is None or timeout <= 0 or not exact:
             return self.selector.select(timeout)
         end = time.perf_counter() + timeout
         if timeout > SPIN_S and (events := self.selector.select(timeout - SPIN_S)):
