@@ -12,8 +12,10 @@ fails the waiting test with the server's log tail when the server dies.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -40,8 +42,9 @@ def vllm_venv() -> Path:
     return Path(os.environ.get("INFERTRACE_VLLM_VENV") or Path.home() / "vllm-cpu").expanduser()
 
 
+@functools.cache
 def vllm_python() -> Path | None:
-    """The venv's interpreter when vLLM imports there, else None."""
+    """The venv's interpreter when vLLM imports there, else None; probed once (the import takes about 7 s)."""
     python = vllm_venv() / "bin" / "python"
     if not python.is_file():
         return None
@@ -238,6 +241,9 @@ class VllmServers:
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                    "--served-model-name", preset, "--max-model-len", "2048", "--host", "127.0.0.1",
                    "--port", str(port),
+                   # no torch.compile: it takes about 25 of a start's 70 s on 2 cores (44 s with -O0), and nothing
+                   # the tier checks (the API, counters, spans, profiler ranges) depends on it
+                   "-O0",
                    # Python stacks off: with them one request's capture is 20 MB of gzip (1.3 M python_function
                    # events)
                    "--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(trace_dir),
@@ -283,22 +289,87 @@ def vllm_server(vllm_servers) -> VllmServer:
     return vllm_servers.get(DEFAULT_ARGS)
 
 
+# `vllm bench serve` as the console script runs it: the subcommand's arguments parsed, its main called. The driver
+# runs one such call per line of JSON it reads ({"args": [...], "log": path}), each run's own output going to its
+# log, and answers each with a line {"status": exit status}.
+_BENCH_DRIVER = """
+import contextlib, json, os, sys, traceback
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)  # whatever else writes to standard output (vLLM's log handler among them) goes to the driver's log
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.benchmarks.serve import add_cli_args, main
+for line in sys.stdin:
+    run, status = json.loads(line), 0
+    with open(run["log"], "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        try:
+            parser = FlexibleArgumentParser()
+            add_cli_args(parser)
+            main(parser.parse_args(run["args"]))
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+    answers.write(json.dumps({"status": status}) + "\\n")
+    answers.flush()
+"""
+
+
+class VllmBench:
+    """`vllm bench serve` runs from one long-lived process of the server's install. Importing the subcommand takes
+    15-20 s on 2 cores; a process per run paid that a dozen times in the side-by-side tests. Each run still parses
+    its own arguments and calls the subcommand's main, which seeds its generators from --seed every time."""
+
+    def __init__(self, python: Path, log_dir: Path) -> None:
+        self.python, self.log_dir = python, log_dir
+        self.process: subprocess.Popen | None = None
+
+    def run(self, args: list[str], log: Path, timeout: float) -> int:
+        """The run's exit status; a run that outlives `timeout` ends the driver and fails the test."""
+        if self.process is None or self.process.poll() is not None:
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+            with open(self.log_dir / "vllm-bench-driver.log", "ab") as errors:
+                self.process = subprocess.Popen([str(self.python), "-c", _BENCH_DRIVER], stdin=subprocess.PIPE,
+                                                stdout=subprocess.PIPE, stderr=errors, env=env, text=True,
+                                                preexec_fn=_die_with_parent)
+            atexit.register(self.stop)
+        self.process.stdin.write(json.dumps({"args": args, "log": str(log)}) + "\n")
+        self.process.stdin.flush()
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        answer = self.process.stdout.readline() if ready else ""
+        if not answer:
+            self.stop()
+            pytest.fail(f"vllm bench serve gave no answer within {timeout:.0f} s; its log ends:\n"
+                        f"{_tail(log)}\n{_tail(self.log_dir / 'vllm-bench-driver.log')}", pytrace=False)
+        return json.loads(answer)["status"]
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-LOG_TAIL_CHARS:] if path.is_file() else ""
+
+
+_vllm_bench: VllmBench | None = None
+
+
 def run_vllm_bench(server: VllmServer, out_dir: Path, name: str, *args: str, timeout: float = 600) -> dict:
     """`vllm bench serve ARGS` from the server's own install, its result JSON read back. The `vllm` console script
     of vllm-cpu fails before it parses anything (it asks for the version of a distribution named `vllm`), so the
-    subcommand's own functions are called, exactly as `vllm bench serve` calls them."""
-    code = ("from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-            "from vllm.benchmarks.serve import add_cli_args, main\n"
-            "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args())\n")
-    command = [str(server.python), "-c", code, "--backend", "vllm", "--base-url", server.base_url,
-               "--model", server.served_name, "--tokenizer", str(server.model_dir), "--save-result", "--save-detailed",
-               "--result-dir", str(out_dir), "--result-filename", f"{name}.json",
-               "--percentile-metrics", "ttft,tpot,itl,e2el", "--ready-check-timeout-sec", "0",
-               "--disable-tqdm", *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
-    assert done.returncode == 0, f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}\n" \
-                                 f"{done.stderr[-3000:]}"
+    subcommand's own functions are called, exactly as `vllm bench serve` calls them, in VllmBench's process."""
+    global _vllm_bench
+    if _vllm_bench is None or _vllm_bench.python != server.python:
+        _vllm_bench = VllmBench(server.python, server.log_path.parent)
+    log = out_dir / f"{name}.vllm-bench.log"
+    args = ["--backend", "vllm", "--base-url", server.base_url, "--model", server.served_name, "--tokenizer",
+            str(server.model_dir), "--save-result", "--save-detailed", "--result-dir", str(out_dir),
+            "--result-filename", f"{name}.json", "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--ready-check-timeout-sec", "0", "--disable-tqdm", *args]
+    status = _vllm_bench.run(args, log, timeout)
+    assert status == 0, f"vllm bench serve failed ({status}):\n{_tail(log)}"
     return json.loads((out_dir / f"{name}.json").read_text())
 
 
