@@ -55,6 +55,13 @@ def vllm_python() -> Path | None:
     return python if probe.returncode == 0 else None
 
 
+def log_tail(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+    except OSError:
+        return "(no log)"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,10 +87,7 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path)
 
     def check_alive(self) -> None:
         """Fails the calling test, with the server's last words, when the server has died."""
@@ -340,17 +344,13 @@ class VllmBench:
         if not answer:
             self.stop()
             pytest.fail(f"vllm bench serve gave no answer within {timeout:.0f} s; its log ends:\n"
-                        f"{_tail(log)}\n{_tail(self.log_dir / 'vllm-bench-driver.log')}", pytrace=False)
+                        f"{log_tail(log)}\n{log_tail(self.log_dir / 'vllm-bench-driver.log')}", pytrace=False)
         return json.loads(answer)["status"]
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-
-
-def _tail(path: Path) -> str:
-    return path.read_text(errors="replace")[-LOG_TAIL_CHARS:] if path.is_file() else ""
 
 
 _vllm_bench: VllmBench | None = None
@@ -362,6 +362,8 @@ def run_vllm_bench(server: VllmServer, out_dir: Path, name: str, *args: str, tim
     subcommand's own functions are called, exactly as `vllm bench serve` calls them, in VllmBench's process."""
     global _vllm_bench
     if _vllm_bench is None or _vllm_bench.python != server.python:
+        if _vllm_bench is not None:
+            _vllm_bench.stop()
         _vllm_bench = VllmBench(server.python, server.log_path.parent)
     log = out_dir / f"{name}.vllm-bench.log"
     args = ["--backend", "vllm", "--base-url", server.base_url, "--model", server.served_name, "--tokenizer",
@@ -369,7 +371,7 @@ def run_vllm_bench(server: VllmServer, out_dir: Path, name: str, *args: str, tim
             "--result-filename", f"{name}.json", "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--ready-check-timeout-sec", "0", "--disable-tqdm", *args]
     status = _vllm_bench.run(args, log, timeout)
-    assert status == 0, f"vllm bench serve failed ({status}):\n{_tail(log)}"
+    assert status == 0, f"vllm bench serve failed ({status}):\n{log_tail(log)}"
     return json.loads((out_dir / f"{name}.json").read_text())
 
 
