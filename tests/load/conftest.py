@@ -67,6 +67,7 @@ class StandInServer(ThreadedServer):
         self.slots: asyncio.Semaphore | None = None  # set_slots(n): at most n requests generate at once, the rest
         # queue inside the server (a server whose capacity is n streams)
         self.no_usage = False  # stream without any usage, as servers that ignore stream_options do
+        self.burst = False  # write a whole stream in one call, so the client reads its events in one go
         self.count = 0
         self.streams: list[tuple[float, float]] = []  # (arrival, end) of each generation request
         self.arrivals: list[float] = []  # perf_counter time each generation request reached the handler
@@ -112,6 +113,14 @@ class StandInServer(ThreadedServer):
 
     async def _stream(self, request, resp, body, chat, mode, arrived):
         n = body["max_tokens"]
+        held: list[bytes] = []
+
+        async def send(data: bytes) -> None:
+            if self.burst:
+                held.append(data)
+            else:
+                await resp.write(data)
+
         if self.first_token_delay:
             await asyncio.sleep(self.first_token_delay)
         for k in range(n):
@@ -124,10 +133,12 @@ class StandInServer(ThreadedServer):
             choice = {"index": 0, "delta": {"content": f" t{k}"}} if chat else {"index": 0, "text": f" t{k}"}
             count = float("nan") if mode == "nan-usage" else k + 1
             usage = None if self.no_usage else {"prompt_tokens": 5, "completion_tokens": count}
-            await resp.write(_sse({"choices": [{**choice, "finish_reason": finish}], "usage": usage}))
+            await send(_sse({"choices": [{**choice, "finish_reason": finish}], "usage": usage}))
         if not self.no_usage:
-            await resp.write(_sse({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}}))
-        await resp.write(b"data: [DONE]\n\n")
+            await send(_sse({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}}))
+        await send(b"data: [DONE]\n\n")
+        if held:
+            await resp.write(b"".join(held))
         self.usage_completion_tokens += n
         self.streams.append((arrived, time.perf_counter()))
         return resp

@@ -370,8 +370,9 @@ def test_reset_prefix_cache_on_a_server_without_the_route_stops_before_any_reque
 
 
 def test_events_written_in_one_burst_are_reported_as_coalesced(standin, prompts_jsonl, tmp_path):
-    """The stand-in writes a whole response at once (no token delay): the client reads its events together, and
+    """The stand-in writes a whole response in one call: the client reads its events together, and
     the ITL it shows is the client's read spacing; that is said, not left as ITL p50 0.0 ms."""
+    standin.burst = True
     out = tmp_path / "r.json"
     res = invoke("--base-url", standin.url, "--dataset", "jsonl", "--dataset-path", prompts_jsonl,
                  "--num-prompts", 6, "--warmup", 0, "--output-len", 16, "--result-json", out)
