@@ -277,13 +277,29 @@ class VllmServers:
             self.current = None
 
 
+_servers: VllmServers | None = None
+
+
 @pytest.fixture(scope="session")
 def vllm_servers(tmp_path_factory) -> Iterator[VllmServers]:
-    servers = VllmServers(tmp_path_factory)
+    global _servers
+    servers = _servers = VllmServers(tmp_path_factory)
     try:
         yield servers
     finally:
         servers.stop()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the tier's last test its server and its `vllm bench serve` process are stopped: the rest of the suite
+    runs without the memory they hold (a test of the tier run later would start them again)."""
+    if nextitem is not None and Path(__file__).parent in Path(str(nextitem.path)).parents:
+        return
+    if _servers is not None:
+        _servers.stop()
+    if _vllm_bench is not None:
+        _vllm_bench.stop()
 
 
 @pytest.fixture(scope="module")
