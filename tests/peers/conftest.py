@@ -343,6 +343,7 @@ class VllmBench:
     def __init__(self, python: Path, log_dir: Path) -> None:
         self.python, self.log_dir = python, log_dir
         self.process: subprocess.Popen | None = None
+        atexit.register(self.stop)
 
     def run(self, args: list[str], log: Path, timeout: float) -> int:
         """The run's exit status; a run that outlives `timeout` ends the driver and fails the test."""
@@ -352,7 +353,6 @@ class VllmBench:
                 self.process = subprocess.Popen([str(self.python), "-c", _BENCH_DRIVER], stdin=subprocess.PIPE,
                                                 stdout=subprocess.PIPE, stderr=errors, env=env, text=True,
                                                 preexec_fn=_die_with_parent)
-            atexit.register(self.stop)
         self.process.stdin.write(json.dumps({"args": args, "log": str(log)}) + "\n")
         self.process.stdin.flush()
         ready, _, _ = select.select([self.process.stdout], [], [], timeout)
